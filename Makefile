@@ -1,0 +1,36 @@
+# Two entry points (README): `make demo` runs the benchmark, `make test` runs the test suite.
+# Both create .venv if it is missing and install the package into it.
+PYTHON ?= python3
+VENV ?= .venv
+# CI pins the CPU build that lies on disk: make test TORCH=torch==2.13.0
+TORCH ?= torch
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.rfattn-installed
+# Kernels run under the Triton interpreter when no CUDA device is present.
+HAS_CUDA = $(shell $(PY) -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null)
+INTERPRET = $(if $(filter 1,$(HAS_CUDA)),,TRITON_INTERPRET=1)
+
+.PHONY: test demo install lint clean
+
+install: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test,bench,plots]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(INTERPRET) $(PY) -m pytest $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(PY) -m bench $(BENCH_ARGS)
+	$(PY) -m plots plots/out/bench.json --out plots/out
+
+lint: $(STAMP)
+	$(PY) -m pip install -q ruff
+	$(PY) -m ruff check rfattn kernels tests bench plots
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache plots/out

@@ -1,0 +1,26 @@
+"""rfattn: random-feature linear attention with fused Triton kernels.
+
+Public API (DESIGN §2)::
+
+    rf = rfattn.RandomFeatures(head_dim=64, num_features=256, feature="posrf", weights="orf")
+    out = rfattn.rf_attention(q, k, v, rf)          # q, k: [B, H, T, D]; v: [B, H, T, E]
+
+``import rfattn`` never imports Triton or touches a GPU driver: kernels load on first use.
+"""
+
+from rfattn import reference, testing
+from rfattn.attention import RFState, rf_attention
+from rfattn.features import ALL_FEATURES
+from rfattn.modules import RandomFeatures
+from rfattn.weights import ALL_WEIGHTS
+
+__all__ = [
+    "RandomFeatures",
+    "rf_attention",
+    "RFState",
+    "reference",
+    "testing",
+    "ALL_FEATURES",
+    "ALL_WEIGHTS",
+]
+__version__ = "0.1.0"

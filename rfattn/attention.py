@@ -1,0 +1,236 @@
+"""``rf_attention``: validation and backend dispatch (fused Triton kernels | torch path).
+
+The torch path is the CPU implementation and the reference for streaming: non-causal it builds
+the feature maps and applies :func:`rfattn.reference.linear_attention`; causal it runs a chunked
+prefix sum (never a ``[T, F, E]`` tensor) carrying the state ``(S, z, offset)`` with the running
+key max of DESIGN §3, so a sequence can be split and resumed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from rfattn.features import compute_dtype, prescale, query_features
+from rfattn.reference import linear_attention, safe_denominator
+
+__all__ = ["rf_attention", "RFState", "BACKENDS"]
+
+BACKENDS = ("auto", "torch", "triton")
+#: tokens per chunk of the causal torch path: the intra-chunk block is [C, C] per (b, h).
+_CHUNK = 128
+
+
+class RFState(NamedTuple):
+    """Causal running state, in fp32 (fp64 for fp64 inputs).
+
+    Attributes:
+        s: ``[B, H, F, E]`` sum over past keys of ``exp(u_k - offset) v^T``.
+        z: ``[B, H, F]`` sum over past keys of ``exp(u_k - offset)``.
+        offset: ``[B, H]`` the key stabiliser (running max of the key logits; -inf before any
+            valid key).
+    """
+
+    s: torch.Tensor
+    z: torch.Tensor
+    offset: torch.Tensor
+
+
+def _check_tensor(name: str, x, rank: int, dims: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != rank:
+        raise ValueError(f"{name} must have shape [{dims}], got {tuple(x.shape)}")
+
+
+def _validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_state, return_state):
+    for name, x, dims in (
+        ("q", q, "B, H, Tq, D"),
+        ("k", k, "B, H, Tk, D"),
+        ("v", v, "B, H, Tk, E"),
+    ):
+        _check_tensor(name, x, 4, dims)
+        if not x.dtype.is_floating_point:
+            raise TypeError(f"{name} must be floating point, got dtype {x.dtype}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype}, expected q's dtype {q.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on device {x.device}, expected q's device {q.device}")
+        if x.shape[:2] != q.shape[:2]:
+            raise ValueError(
+                f"{name} has batch/heads {tuple(x.shape[:2])}, expected q's {tuple(q.shape[:2])}"
+            )
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"k has head_dim {k.shape[3]}, expected q's head_dim {q.shape[3]}")
+    if v.shape[2] != k.shape[2]:
+        raise ValueError(f"v has {v.shape[2]} tokens, expected k's Tk={k.shape[2]}")
+    if not (hasattr(rf, "feature_map") and hasattr(rf, "weight") and hasattr(rf, "head_dim")):
+        raise TypeError(f"rf must be an rfattn.RandomFeatures, got {type(rf).__name__}")
+    if rf.head_dim != q.shape[3]:
+        raise ValueError(
+            f"rf was built for head_dim={rf.head_dim}, but q has head_dim {q.shape[3]}"
+        )
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if causal and q.shape[2] != k.shape[2]:
+        raise ValueError(f"causal=True needs Tq == Tk, got Tq={q.shape[2]}, Tk={k.shape[2]}")
+    if key_padding_mask is not None:
+        _check_tensor("key_padding_mask", key_padding_mask, 2, "B, Tk")
+        if key_padding_mask.dtype != torch.bool:
+            raise TypeError(f"key_padding_mask must be bool, got dtype {key_padding_mask.dtype}")
+        if tuple(key_padding_mask.shape) != (k.shape[0], k.shape[2]):
+            raise ValueError(
+                f"key_padding_mask must have shape [B, Tk] = {(k.shape[0], k.shape[2])}, "
+                f"got {tuple(key_padding_mask.shape)}"
+            )
+        if key_padding_mask.device != q.device:
+            raise ValueError(
+                f"key_padding_mask is on device {key_padding_mask.device}, expected {q.device}"
+            )
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale must be a finite number > 0, got {scale}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if (initial_state is not None or return_state) and not causal:
+        raise ValueError("initial_state and return_state need causal=True")
+    if initial_state is not None:
+        _check_state(initial_state, q, v, rf)
+
+
+def _check_state(state, q, v, rf) -> None:
+    if not (isinstance(state, tuple) and len(state) == 3):
+        raise TypeError("initial_state must be an RFState (s, z, offset)")
+    B, H, E = q.shape[0], q.shape[1], v.shape[3]
+    F = rf.feature_map.width(rf.num_features)
+    expected = {"s": (B, H, F, E), "z": (B, H, F), "offset": (B, H)}
+    for name, x in zip(("s", "z", "offset"), state, strict=True):
+        _check_tensor(f"initial_state.{name}", x, len(expected[name]), str(expected[name]))
+        if tuple(x.shape) != expected[name]:
+            raise ValueError(
+                f"initial_state.{name} must have shape {expected[name]}, got {tuple(x.shape)}"
+            )
+        if x.device != q.device:
+            raise ValueError(f"initial_state.{name} is on {x.device}, expected {q.device}")
+
+
+def _causal_torch(
+    u_q: torch.Tensor,
+    u_k: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    state: RFState | None,
+) -> tuple[torch.Tensor, RFState]:
+    """Chunked causal linear attention on logits ``[B, H, T, F]``; returns (out, final state)."""
+    B, H, T, F = u_q.shape
+    E = v.shape[-1]
+    dt = u_q.dtype
+    if key_padding_mask is not None:
+        u_k = u_k.masked_fill(key_padding_mask[:, None, :, None], float("-inf"))
+        v = v.masked_fill(key_padding_mask[:, None, :, None], 0.0)
+    if state is None:
+        s = u_q.new_zeros(B, H, F, E)
+        z = u_q.new_zeros(B, H, F)
+        off = u_q.new_full((B, H), float("-inf"))
+    else:
+        s, z, off = (x.to(dt) for x in state)
+    phi_q = query_features(u_q)
+    outs = []
+    for c0 in range(0, T, _CHUNK):
+        c1 = min(T, c0 + _CHUNK)
+        uk, vc, pq = u_k[:, :, c0:c1], v[:, :, c0:c1], phi_q[:, :, c0:c1]
+        new_off = torch.maximum(off, uk.detach().amax(dim=(-2, -1)))  # running key max
+        safe_off = torch.where(new_off == float("-inf"), torch.zeros_like(new_off), new_off)
+        alpha = torch.exp(off - safe_off)  # 0 while nothing was seen: S, z are 0 then
+        s = s * alpha[..., None, None]
+        z = z * alpha[..., None]
+        pk = torch.exp(uk - safe_off[..., None, None])  # [B, H, C, F]
+        intra = (pq @ pk.transpose(-1, -2)).tril()  # [B, H, C, C]
+        num = pq @ s + intra @ vc
+        den = (pq @ z[..., None]).squeeze(-1) + intra.sum(-1)
+        outs.append(num / safe_denominator(den)[..., None])
+        s = s + pk.transpose(-1, -2) @ vc
+        z = z + pk.sum(dim=-2)
+        off = new_off
+    out = torch.cat(outs, dim=2) if outs else v.new_zeros(B, H, 0, E)
+    return out, RFState(s, z, off)
+
+
+def _use_triton(q, k, v, rf, causal) -> bool:
+    if not q.is_cuda or causal or rf.feature_map.kernel_id is None:
+        return False
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return False
+    # the fused backward is not implemented yet: training goes through the torch path
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    return not needs_grad
+
+
+def rf_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rf,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
+    initial_state: RFState | None = None,
+    return_state: bool = False,
+):
+    """Random-feature linear attention, a drop-in for softmax attention in SDPA's layout.
+
+    Approximates ``softmax(scale * Q K^T) V`` by ``phi(Q) (phi(K)^T V) / phi(Q) (phi(K)^T 1)``
+    with the feature map and weights of ``rf``.
+
+    Args:
+        q: ``[B, H, Tq, D]`` queries (any strides, e.g. a transposed ``[B, T, H, D]`` view).
+        k: ``[B, H, Tk, D]`` keys; v: ``[B, H, Tk, E]`` values. One floating dtype and device.
+        rf: an :class:`rfattn.RandomFeatures` built for ``head_dim=D``.
+        causal: query i attends to keys j <= i (needs Tq == Tk).
+        key_padding_mask: ``[B, Tk]`` bool, True = padding: removed from numerator and
+            denominator. A query with no valid key gets output 0.
+        scale: softmax temperature, default ``D ** -0.5``.
+        backend: "auto" (Triton on CUDA where a fused kernel exists and no gradient is needed,
+            else torch), "torch", or "triton" (CPU tensors need ``TRITON_INTERPRET=1``).
+        initial_state: causal only: the :class:`RFState` returned by a previous call, to continue
+            that sequence (split/resume equals one shot).
+        return_state: causal only: also return the final :class:`RFState`.
+
+    Returns:
+        ``out`` ``[B, H, Tq, E]`` in the input dtype, or ``(out, state)`` with ``return_state``.
+    """
+    _validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_state, return_state)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    use_triton = backend == "triton" or (backend == "auto" and _use_triton(q, k, v, rf, causal))
+    if use_triton:
+        if causal:
+            raise NotImplementedError(
+                "causal fused Triton kernels are not implemented yet; use backend='torch'"
+            )
+        if rf.feature_map.kernel_id is None:
+            raise NotImplementedError(
+                f"feature={rf.feature!r} has no fused Triton kernel yet; use backend='torch'"
+            )
+        from rfattn.autograd import rf_parallel
+
+        return rf_parallel(q, k, v, rf.weight, scale, key_padding_mask, rf.feature)
+
+    cdt = compute_dtype(q.dtype)
+    w = rf.weight.to(device=q.device, dtype=cdt)
+    vc = v.to(cdt)
+    if not causal:
+        phi_q, phi_k = rf.feature_map.features(
+            prescale(q, scale), prescale(k, scale), w, key_padding_mask
+        )
+        return linear_attention(phi_q, phi_k, vc, key_padding_mask=key_padding_mask).to(q.dtype)
+    u_q = rf.feature_map.logits(prescale(q, scale), w, "query")
+    u_k = rf.feature_map.logits(prescale(k, scale), w, "key")
+    out, state = _causal_torch(u_q, u_k, vc, key_padding_mask, initial_state)
+    out = out.to(q.dtype)
+    return (out, state) if return_state else out

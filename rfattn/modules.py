@@ -1,0 +1,161 @@
+"""nn.Modules: :class:`RandomFeatures` (a weight matrix plus a component function)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rfattn.features import (
+    ALL_FEATURES,
+    compute_dtype,
+    make_feature_map,
+    prescale,
+)
+from rfattn.weights import check_weights_name, draw_weights
+
+__all__ = ["RandomFeatures"]
+
+
+class RandomFeatures(nn.Module):
+    """A random-feature map: weight matrix ``W [M, D]`` (rows omega_i) and a component function.
+
+    Args:
+        head_dim: D, the query/key head dimension.
+        num_features: M, the number of rows of W.
+        feature: component function name (``rfattn.features.ALL_FEATURES``).
+        weights: weight-matrix name (``rfattn.weights.ALL_WEIGHTS``).
+        seed: seed of the module's generator; the same seed gives the same W on any device and
+            dtype. ``None`` draws a nondeterministic seed.
+        **feature_options: options of the component function (validated by it).
+
+    ``weight`` is a buffer (saved in ``state_dict``, moved by ``.to``), fp32 by default.
+    Methods take ``scale`` (default ``D ** -0.5``) and work on ``sqrt(scale) * q`` and
+    ``sqrt(scale) * k``, so ``exp(scale * q . k)`` is the softmax kernel approximated.
+    """
+
+    weight: torch.Tensor
+
+    def __init__(
+        self,
+        head_dim: int,
+        num_features: int,
+        feature: str = "posrf",
+        weights: str = "orf",
+        seed: int | None = 0,
+        **feature_options,
+    ) -> None:
+        super().__init__()
+        for name, val in (("head_dim", head_dim), ("num_features", num_features)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {val!r}")
+        if not isinstance(feature, str):
+            raise TypeError(f"feature must be a str among {list(ALL_FEATURES)}, got {feature!r}")
+        if not isinstance(weights, str):
+            raise TypeError(f"weights must be a str, got {weights!r}")
+        check_weights_name(weights)
+        self.head_dim = head_dim
+        self.num_features = num_features
+        self.feature = feature
+        self.weights = weights
+        self.feature_map = make_feature_map(feature, weights, **feature_options)
+        self._generator = torch.Generator(device="cpu")
+        self.register_buffer("weight", torch.empty(num_features, head_dim))
+        self.redraw(seed if seed is not None else self._generator.seed())
+
+    def extra_repr(self) -> str:
+        return (
+            f"head_dim={self.head_dim}, num_features={self.num_features}, "
+            f"feature={self.feature!r}, weights={self.weights!r}"
+        )
+
+    @torch.no_grad()
+    def redraw(self, seed: int | None = None) -> None:
+        """Draw a new W in place (device and dtype kept).
+
+        Args:
+            seed: reseed the generator first (same seed, same W); ``None`` continues the
+                module's generator stream (deterministic given the construction seed).
+        """
+        if seed is not None:
+            if not isinstance(seed, int) or isinstance(seed, bool):
+                raise TypeError(f"seed must be an int or None, got {seed!r}")
+            self._generator.manual_seed(seed)
+        w = draw_weights(
+            self.weights,
+            self.num_features,
+            self.head_dim,
+            generator=self._generator,
+            device=self.weight.device,
+            dtype=self.weight.dtype,
+        )
+        self.weight.copy_(w)
+
+    @property
+    def num_outputs(self) -> int:
+        """F, the feature width."""
+        return self.feature_map.width(self.num_features)
+
+    def _check(self, q: torch.Tensor, k: torch.Tensor, key_padding_mask=None) -> None:
+        for name, x in (("q", q), ("k", k)):
+            if not isinstance(x, torch.Tensor) or x.dim() != 4:
+                raise ValueError(f"{name} must be a tensor [B, H, T, D]")
+            if not x.dtype.is_floating_point:
+                raise TypeError(f"{name} must be floating point, got dtype {x.dtype}")
+            if x.shape[-1] != self.head_dim:
+                raise ValueError(
+                    f"{name} has head_dim {x.shape[-1]}, but this RandomFeatures was built "
+                    f"for head_dim={self.head_dim}"
+                )
+        if k.shape[:2] != q.shape[:2]:
+            raise ValueError(f"k has batch/heads {tuple(k.shape[:2])}, q {tuple(q.shape[:2])}")
+        if k.dtype != q.dtype or k.device != q.device:
+            raise TypeError(f"k ({k.dtype}, {k.device}) must match q ({q.dtype}, {q.device})")
+        if key_padding_mask is not None and (
+            not isinstance(key_padding_mask, torch.Tensor)
+            or key_padding_mask.dtype != torch.bool
+            or tuple(key_padding_mask.shape) != (k.shape[0], k.shape[2])
+        ):
+            raise ValueError(
+                f"key_padding_mask must be a bool tensor [B, Tk] = {(k.shape[0], k.shape[2])}"
+            )
+
+    def _inputs(self, q, k, scale):
+        scale = self.head_dim**-0.5 if scale is None else float(scale)
+        if not scale > 0:
+            raise ValueError(f"scale must be > 0, got {scale}")
+        w = self.weight.to(device=q.device, dtype=compute_dtype(q.dtype))
+        return prescale(q, scale), prescale(k, scale), w
+
+    def features(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        *,
+        scale: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reference feature maps with the stabilisers of DESIGN §3.
+
+        Args:
+            q: ``[B, H, Tq, D]``; k: ``[B, H, Tk, D]``.
+            key_padding_mask: ``[B, Tk]`` bool, True = padding (those keys get phi = 0).
+            scale: softmax temperature (default ``D ** -0.5``).
+
+        Returns:
+            ``(phi_q [B, H, Tq, F], phi_k [B, H, Tk, F])`` in fp32 (fp64 for fp64 inputs).
+        """
+        self._check(q, k, key_padding_mask)
+        xq, xk, w = self._inputs(q, k, scale)
+        return self.feature_map.features(xq, xk, w, key_padding_mask)
+
+    def estimate_kernel(self, q: torch.Tensor, k: torch.Tensor, *, scale=None) -> torch.Tensor:
+        """The unbiased random-feature estimate of :meth:`target_kernel`, ``[B, H, Tq, Tk]``."""
+        self._check(q, k)
+        xq, xk, w = self._inputs(q, k, scale)
+        return self.feature_map.estimate_kernel(xq, xk, w)
+
+    def target_kernel(self, q: torch.Tensor, k: torch.Tensor, *, scale=None) -> torch.Tensor:
+        """The exact kernel estimated, e.g. ``exp(scale * q . k)`` for posrf, ``[B, H, Tq, Tk]``."""
+        self._check(q, k)
+        xq, xk, _ = self._inputs(q, k, scale)
+        return self.feature_map.target_kernel(xq, xk)

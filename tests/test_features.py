@@ -1,0 +1,85 @@
+"""posrf: unbiased for the softmax kernel; stabilisers exactly as DESIGN §3."""
+
+import math
+
+import pytest
+import torch
+
+import rfattn
+from rfattn.features import key_features, key_offset, query_features
+
+f64 = torch.float64
+
+
+def rand(*shape, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=f64) * scale
+
+
+@pytest.mark.parametrize("weights", ["gaussian", "orf"])
+def test_posrf_is_unbiased_for_softmax_kernel(weights):
+    """Mean of estimate_kernel over 2000 redraws = exp(scale q.k) within 4 standard errors."""
+    D, M, R = 4, 8, 2000
+    q, k = rand(1, 1, 3, D, seed=1, scale=0.6), rand(1, 1, 3, D, seed=2, scale=0.6)
+    rf = rfattn.RandomFeatures(D, M, feature="posrf", weights=weights, seed=0).double()
+    ests = []
+    for r in range(R):
+        rf.redraw(seed=r)
+        ests.append(rf.estimate_kernel(q, k, scale=0.5))
+    ests = torch.stack(ests)
+    target = rf.target_kernel(q, k, scale=0.5)
+    assert torch.allclose(target, torch.exp(0.5 * q @ k.transpose(-1, -2)), rtol=1e-14, atol=0)
+    se = ests.std(0) / math.sqrt(R)
+    z = (ests.mean(0) - target) / se
+    assert z.abs().max() <= 4, z
+    # and the test has power: a 10% biased kernel is rejected
+    assert ((ests.mean(0) - 1.1 * target) / se).abs().max() > 4
+
+
+def test_estimate_kernel_matches_feature_inner_products():
+    """estimate = phi_q . phi_k / M undone of its offsets (per query row and per (b, h))."""
+    D, M = 6, 32
+    q, k = rand(2, 2, 5, D, seed=3), rand(2, 2, 7, D, seed=4)
+    rf = rfattn.RandomFeatures(D, M, seed=1).double()
+    est = rf.estimate_kernel(q, k)
+    x_q, x_k = q * D**-0.25, k * D**-0.25
+    w = rf.weight.double()
+    u_q = x_q @ w.T - (x_q**2).sum(-1, keepdim=True) / 2
+    u_k = x_k @ w.T - (x_k**2).sum(-1, keepdim=True) / 2
+    direct = torch.exp(u_q[..., :, None, :] + u_k[..., None, :, :]).mean(-1)
+    assert torch.allclose(est, direct, rtol=1e-12, atol=0)
+    phi_q, phi_k = rf.features(q, k)
+    off_q = u_q.amax(-1, keepdim=True)
+    off_k = u_k.amax(dim=(-2, -1), keepdim=True)
+    assert torch.allclose(phi_q, torch.exp(u_q - off_q), rtol=1e-12, atol=0)
+    assert torch.allclose(phi_k, torch.exp(u_k - off_k), rtol=1e-12, atol=0)
+    # query max is per row: each row has a feature equal to 1
+    assert torch.allclose(phi_q.amax(-1), torch.ones(2, 2, 5, dtype=f64))
+    # key max is one per (b, h): exactly one 1 per (b, h), not one per key
+    assert torch.allclose(phi_k.amax(dim=(-2, -1)), torch.ones(2, 2, dtype=f64))
+    assert (phi_k.amax(-1) < 1 - 1e-9).any()
+
+
+def test_key_offset_ignores_padding_and_empty_heads():
+    u = rand(2, 3, 4, 5, seed=5)
+    u[0, :, 2] += 100.0  # a huge padded key must not set the offset
+    mask = torch.zeros(2, 4, dtype=torch.bool)
+    mask[0, 2] = True
+    mask[1, :] = True  # no valid key at all
+    off = key_offset(u, mask)
+    assert torch.equal(off[0], u[0, :, [0, 1, 3]].amax(dim=(-2, -1)))
+    assert torch.equal(off[1], torch.zeros(3, dtype=f64))
+    phi = key_features(u, mask)
+    assert torch.equal(phi[0, :, 2], torch.zeros(3, 5, dtype=f64))
+    assert torch.equal(phi[1], torch.zeros(3, 4, 5, dtype=f64))
+    assert query_features(u).isfinite().all()
+
+
+def test_large_norm_inputs_give_finite_features():
+    D = 64
+    q = rand(1, 2, 9, D, seed=6)
+    q = 30 * q / q.norm(dim=-1, keepdim=True)
+    rf = rfattn.RandomFeatures(D, 128, seed=0)
+    phi_q, phi_k = rf.features(q.float(), q.float())
+    assert phi_q.isfinite().all() and phi_k.isfinite().all()
+    assert (phi_q.amax(-1) == 1).all()

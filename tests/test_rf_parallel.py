@@ -1,0 +1,179 @@
+"""Fused non-causal kernel (kernels/rf_parallel.py) against the float64 reference on the same W.
+
+On CPU these run under the Triton interpreter (conftest sets TRITON_INTERPRET=1): shapes are small.
+"""
+
+import pytest
+import torch
+
+import rfattn
+from rfattn.reference import linear_attention
+from rfattn.testing import rel_rms, tolerance
+
+f32 = torch.float32
+
+
+def rand(*shape, seed=0, scale=1.0, dtype=f32, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(device, dtype)
+
+
+def reference(q, k, v, rf, mask=None, scale=None):
+    rf64 = rfattn.RandomFeatures(rf.head_dim, rf.num_features).double()
+    rf64.weight.copy_(rf.weight.double())  # the SAME W, in float64
+    m = None if mask is None else mask.cpu()
+    phi_q, phi_k = rf64.features(q.cpu().double(), k.cpu().double(), m, scale=scale)
+    return linear_attention(phi_q, phi_k, v.cpu().double(), key_padding_mask=m)
+
+
+def run(q, k, v, rf, **kw):
+    return rfattn.rf_attention(q, k, v, rf, backend="triton", **kw)
+
+
+SHAPES = [  # B, H, Tq, Tk, D, M, E
+    (1, 2, 1, 1, 16, 24, 8),
+    (2, 3, 63, 63, 16, 40, 24),
+    (1, 2, 257, 257, 32, 72, 20),
+    (2, 1, 63, 257, 24, 17, 33),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-H{}-Tq{}-Tk{}-D{}-M{}-E{}".format(*s))
+def test_parity_fp32(shape, kernel_device):
+    B, H, Tq, Tk, D, M, E = shape
+    q = rand(B, H, Tq, D, seed=1, scale=0.7, device=kernel_device)
+    k = rand(B, H, Tk, D, seed=2, scale=0.7, device=kernel_device)
+    v = rand(B, H, Tk, E, seed=3, device=kernel_device)
+    rf = rfattn.RandomFeatures(D, M, seed=4).to(kernel_device)
+    out = run(q, k, v, rf)
+    assert out.dtype == f32 and out.shape == (B, H, Tq, E)
+    assert rel_rms(out, reference(q, k, v, rf)) <= tolerance(f32)
+
+
+def test_parity_key_padding_mask_and_scale(kernel_device):
+    B, H, T, D, M, E = 2, 2, 130, 16, 48, 16
+    q = rand(B, H, T, D, seed=1, device=kernel_device)
+    k = rand(B, H, T, D, seed=2, device=kernel_device)
+    v = rand(B, H, T, E, seed=3, device=kernel_device)
+    mask = torch.rand(B, T, generator=torch.Generator().manual_seed(0)) < 0.4
+    mask[1, :70] = True  # a whole key tile padded, a split with no valid key
+    mask = mask.to(kernel_device)
+    k[mask[:, None, :, None].expand_as(k)] = float("nan")  # padding content is never read
+    v[mask[:, None, :, None].expand_as(v)] = float("nan")
+    rf = rfattn.RandomFeatures(D, M, seed=5).to(kernel_device)
+    out = run(q, k, v, rf, key_padding_mask=mask, scale=0.1)
+    assert rel_rms(out, reference(q, k, v, rf, mask, scale=0.1)) <= tolerance(f32)
+
+
+def test_parity_strided_inputs(kernel_device):
+    """[B, T, H, D] tensors passed as transposed views, and a non-unit last stride."""
+    B, H, T, D, M, E = 2, 3, 70, 16, 32, 16
+    q = rand(B, T, H, D, seed=1, device=kernel_device).transpose(1, 2)
+    k = rand(B, T, H, D, seed=2, device=kernel_device).transpose(1, 2)
+    v = rand(B, H, T, 2 * E, seed=3, device=kernel_device)[..., ::2]
+    assert not q.is_contiguous() and v.stride(-1) == 2
+    rf = rfattn.RandomFeatures(D, M, seed=6).to(kernel_device)
+    out = run(q, k, v, rf)
+    assert rel_rms(out, reference(q, k, v, rf)) <= tolerance(f32)
+    assert torch.equal(out, run(q.contiguous(), k.contiguous(), v.contiguous(), rf))
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 5])
+def test_split_merge_is_exact(splits, kernel_device):
+    from rfattn.kernels.rf_parallel import rf_parallel_fwd
+
+    B, H, T, D, M, E = 1, 2, 300, 16, 80, 16
+    q = rand(B, H, 20, D, seed=1, device=kernel_device)
+    k = rand(B, H, T, D, seed=2, device=kernel_device)
+    v = rand(B, H, T, E, seed=3, device=kernel_device)
+    rf = rfattn.RandomFeatures(D, M, seed=7).to(kernel_device)
+    out = rf_parallel_fwd(q, k, v, rf.weight, D**-0.5, num_splits=splits)
+    assert rel_rms(out, reference(q, k, v, rf)) <= tolerance(f32)
+
+
+def test_large_norm_inputs_finite(kernel_device):
+    B, H, T, D, M, E = 1, 2, 40, 64, 64, 16
+    q = rand(B, H, T, D, seed=1, device=kernel_device)
+    k = rand(B, H, T, D, seed=2, device=kernel_device)
+    q, k = 30 * q / q.norm(dim=-1, keepdim=True), 30 * k / k.norm(dim=-1, keepdim=True)
+    v = rand(B, H, T, E, seed=3, device=kernel_device)
+    out = run(q, k, v, rfattn.RandomFeatures(D, M, seed=0).to(kernel_device))
+    assert out.isfinite().all()
+
+
+def test_nan_propagates_and_empty_keys_give_zero(kernel_device):
+    B, H, T, D, M, E = 2, 1, 20, 16, 16, 16
+    q = rand(B, H, T, D, seed=1, device=kernel_device)
+    k = rand(B, H, T, D, seed=2, device=kernel_device)
+    v = rand(B, H, T, E, seed=3, device=kernel_device)
+    rf = rfattn.RandomFeatures(D, M, seed=0).to(kernel_device)
+    q_nan = q.clone()
+    q_nan[0, 0, 5, 3] = float("nan")
+    out = run(q_nan, k, v, rf)
+    assert out[0, 0, 5].isnan().all() and out[1].isfinite().all()
+    k_nan = k.clone()
+    k_nan[1, 0, 7, 0] = float("nan")  # a valid key: poisons its (b, h)
+    out = run(q, k_nan, v, rf)
+    assert out[1].isnan().all() and out[0].isfinite().all()
+    mask = torch.zeros(B, T, dtype=torch.bool, device=kernel_device)
+    mask[0] = True
+    out = run(q, k, v, rf, key_padding_mask=mask)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and out[1].abs().sum() > 0
+    out = run(q, k[:, :, :0], v[:, :, :0], rf)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert run(q[:, :, :0], k, v, rf).shape == (B, H, 0, E)
+
+
+def test_deterministic(kernel_device):
+    q = rand(2, 2, 150, 16, seed=1, device=kernel_device)
+    k = rand(2, 2, 150, 16, seed=2, device=kernel_device)
+    v = rand(2, 2, 150, 16, seed=3, device=kernel_device)
+    rf = rfattn.RandomFeatures(16, 48, seed=0).to(kernel_device)
+    assert torch.equal(run(q, k, v, rf), run(q, k, v, rf))
+
+
+def test_backward_not_fused_yet_and_auto_routes_grad_to_torch(kernel_device):
+    q = rand(1, 1, 8, 16, seed=1, device=kernel_device).requires_grad_()
+    k = rand(1, 1, 8, 16, seed=2, device=kernel_device)
+    v = rand(1, 1, 8, 16, seed=3, device=kernel_device)
+    rf = rfattn.RandomFeatures(16, 16, seed=0).to(kernel_device)
+    with pytest.raises(NotImplementedError, match="backward"):
+        run(q, k, v, rf).sum().backward()
+    rfattn.rf_attention(q, k, v, rf).sum().backward()  # auto: torch path
+    assert q.grad is not None and q.grad.isfinite().all()
+
+
+def test_triton_backend_rejects_what_it_cannot_run(kernel_device):
+    q = rand(1, 1, 8, 16, seed=1, device=kernel_device)
+    rf = rfattn.RandomFeatures(16, 16, seed=0).to(kernel_device)
+    with pytest.raises(NotImplementedError, match="causal"):
+        run(q, q, q, rf, causal=True)
+    with pytest.raises(TypeError, match="fp32/fp16/bf16"):
+        run(q.double(), q.double(), q.double(), rf)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_parity_low_precision_gpu(dtype):
+    """flash-attention rule: at most 2x the torch path's own error in that dtype."""
+    B, H, T, D, M, E = 2, 4, 1000, 64, 256, 64
+    q = rand(B, H, T, D, seed=1, scale=0.7, dtype=dtype, device="cuda")
+    k = rand(B, H, T, D, seed=2, scale=0.7, dtype=dtype, device="cuda")
+    v = rand(B, H, T, E, seed=3, dtype=dtype, device="cuda")
+    rf = rfattn.RandomFeatures(D, M, seed=0).cuda()
+    ref = reference(q, k, v, rf)
+    # the torch path in the same dtype, rounding its inputs and output like the kernel
+    torch_err = rel_rms(rfattn.rf_attention(q, k, v, rf, backend="torch"), ref)
+    err = rel_rms(run(q, k, v, rf).cpu(), ref)
+    assert err <= max(2 * torch_err, tolerance(dtype) / 10), (err, torch_err)
+    assert err <= tolerance(dtype)
+
+
+@pytest.mark.gpu
+def test_parity_fp32_gpu_large():
+    B, H, T, D, M, E = 2, 4, 3000, 128, 256, 128
+    q = rand(B, H, T, D, seed=1, scale=0.5, device="cuda")
+    k = rand(B, H, T, D, seed=2, scale=0.5, device="cuda")
+    v = rand(B, H, T, E, seed=3, device="cuda")
+    rf = rfattn.RandomFeatures(D, M, seed=0).cuda()
+    assert rel_rms(run(q, k, v, rf).cpu(), reference(q, k, v, rf)) <= tolerance(f32)
