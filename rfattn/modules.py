@@ -11,7 +11,7 @@ from rfattn.features import (
     make_feature_map,
     prescale,
 )
-from rfattn.weights import check_weights_name, draw_weights
+from rfattn.weights import LEARNABLE_WEIGHTS, check_weights_name, draw_weighted
 
 __all__ = ["RandomFeatures"]
 
@@ -28,12 +28,18 @@ class RandomFeatures(nn.Module):
             dtype. ``None`` draws a nondeterministic seed.
         **feature_options: options of the component function (validated by it).
 
-    ``weight`` is a buffer (saved in ``state_dict``, moved by ``.to``), fp32 by default.
+    ``weight`` is a buffer (saved in ``state_dict``, moved by ``.to``), fp32 by default. For
+    ``weights="fastfoodl"`` it is instead rebuilt on every access from the learnable S, G, B of
+    the submodule ``learner`` (:class:`rfattn.weights.FastFoodL`), so gradients reach them.
+    ``component_weight`` ``[M]`` is a buffer of per-row weights c with mean 1: a kernel estimate
+    is ``(1/M) sum_r c_r phi_r(q) phi_r(k)``. It is all ones except for ``sgq``, where it is M
+    times the signed quadrature weights (negative centre weight for D >= 4), so a feature map
+    must apply it signed, e.g. multiply the key features by c (not sqrt(c) on both sides).
     Methods take ``scale`` (default ``D ** -0.5``) and work on ``sqrt(scale) * q`` and
     ``sqrt(scale) * k``, so ``exp(scale * q . k)`` is the softmax kernel approximated.
     """
 
-    weight: torch.Tensor
+    component_weight: torch.Tensor
 
     def __init__(
         self,
@@ -59,7 +65,14 @@ class RandomFeatures(nn.Module):
         self.weights = weights
         self.feature_map = make_feature_map(feature, weights, **feature_options)
         self._generator = torch.Generator(device="cpu")
-        self.register_buffer("weight", torch.empty(num_features, head_dim))
+        if weights in LEARNABLE_WEIGHTS:
+            self.learner = LEARNABLE_WEIGHTS[weights](
+                num_features, head_dim, generator=self._generator
+            )
+        else:
+            self.learner = None
+            self.register_buffer("weight", torch.empty(num_features, head_dim))
+        self.register_buffer("component_weight", torch.ones(num_features))
         self.redraw(seed if seed is not None else self._generator.seed())
 
     def extra_repr(self) -> str:
@@ -80,7 +93,10 @@ class RandomFeatures(nn.Module):
             if not isinstance(seed, int) or isinstance(seed, bool):
                 raise TypeError(f"seed must be an int or None, got {seed!r}")
             self._generator.manual_seed(seed)
-        w = draw_weights(
+        if self.learner is not None:
+            self.learner.reset_parameters(self._generator)
+            return
+        w, c = draw_weighted(
             self.weights,
             self.num_features,
             self.head_dim,
@@ -89,6 +105,17 @@ class RandomFeatures(nn.Module):
             dtype=self.weight.dtype,
         )
         self.weight.copy_(w)
+        self.component_weight.copy_(c)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """W ``[M, D]``: the buffer, or for ``fastfoodl`` the matrix rebuilt from S, G, B."""
+        if self.learner is not None:
+            return self.learner()
+        if "weight" not in self._buffers:
+            # AttributeError, not KeyError: register_buffer's hasattr check must see "absent".
+            raise AttributeError("weight")
+        return self._buffers["weight"]
 
     @property
     def num_outputs(self) -> int:
