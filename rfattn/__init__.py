@@ -11,11 +11,13 @@ Public API (DESIGN §2)::
 from rfattn import reference, testing
 from rfattn.attention import RFState, rf_attention
 from rfattn.features import ALL_FEATURES
-from rfattn.modules import RandomFeatures
+from rfattn.modules import PPSBN, RandomFeatures, ppSBN
 from rfattn.weights import ALL_WEIGHTS
 
 __all__ = [
     "RandomFeatures",
+    "PPSBN",
+    "ppSBN",
     "rf_attention",
     "RFState",
     "reference",

@@ -27,10 +27,11 @@ class RFState(NamedTuple):
     """Causal running state, in fp32 (fp64 for fp64 inputs).
 
     Attributes:
-        s: ``[B, H, F, E]`` sum over past keys of ``exp(u_k - offset) v^T``.
-        z: ``[B, H, F]`` sum over past keys of ``exp(u_k - offset)``.
+        s: ``[B, H, F, E]`` sum over past keys of ``phi_k v^T``, ``phi_k = g_k exp(u_k - offset)``
+            (exponential features) or the plain features (rmf).
+        z: ``[B, H, F]`` sum over past keys of ``phi_k``.
         offset: ``[B, H]`` the key stabiliser (running max of the key logits; -inf before any
-            valid key).
+            valid key; always 0 for plain features).
     """
 
     s: torch.Tensor
@@ -120,43 +121,63 @@ def _check_state(state, q, v, rf) -> None:
 
 
 def _causal_torch(
-    u_q: torch.Tensor,
-    u_k: torch.Tensor,
+    phi_q: torch.Tensor,
+    u_k: torch.Tensor | None,
+    g_k: torch.Tensor | None,
     v: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
     state: RFState | None,
 ) -> tuple[torch.Tensor, RFState]:
-    """Chunked causal linear attention on logits ``[B, H, T, F]``; returns (out, final state)."""
-    B, H, T, F = u_q.shape
+    """Chunked causal linear attention; returns (out, final state).
+
+    Args:
+        phi_q: stabilised query features ``[B, H, T, F]``.
+        u_k: key logits ``[B, H, T, F]`` of an exponential feature (phi_k = g_k * exp(u_k -
+            offset) with the running key max), or None for a plain feature (phi_k = g_k, no
+            offset: the state's offset stays 0).
+        g_k: key amplitude ``[B, H, T, F]`` (None = 1) or, when ``u_k`` is None, the features.
+        v: ``[B, H, T, E]``; key_padding_mask: ``[B, T]``; state: carried :class:`RFState`.
+    """
+    B, H, T, F = phi_q.shape
     E = v.shape[-1]
-    dt = u_q.dtype
+    dt = phi_q.dtype
     if key_padding_mask is not None:
-        u_k = u_k.masked_fill(key_padding_mask[:, None, :, None], float("-inf"))
-        v = v.masked_fill(key_padding_mask[:, None, :, None], 0.0)
+        pad = key_padding_mask[:, None, :, None]
+        if u_k is not None:
+            u_k = u_k.masked_fill(pad, float("-inf"))
+        if g_k is not None:
+            g_k = g_k.masked_fill(pad, 0.0)
+        v = v.masked_fill(pad, 0.0)
     if state is None:
-        s = u_q.new_zeros(B, H, F, E)
-        z = u_q.new_zeros(B, H, F)
-        off = u_q.new_full((B, H), float("-inf"))
+        s = phi_q.new_zeros(B, H, F, E)
+        z = phi_q.new_zeros(B, H, F)
+        off = phi_q.new_full((B, H), float("-inf") if u_k is not None else 0.0)
     else:
         s, z, off = (x.to(dt) for x in state)
-    phi_q = query_features(u_q)
     outs = []
     for c0 in range(0, T, _CHUNK):
         c1 = min(T, c0 + _CHUNK)
-        uk, vc, pq = u_k[:, :, c0:c1], v[:, :, c0:c1], phi_q[:, :, c0:c1]
-        new_off = torch.maximum(off, uk.detach().amax(dim=(-2, -1)))  # running key max
-        safe_off = torch.where(new_off == float("-inf"), torch.zeros_like(new_off), new_off)
-        alpha = torch.exp(off - safe_off)  # 0 while nothing was seen: S, z are 0 then
-        s = s * alpha[..., None, None]
-        z = z * alpha[..., None]
-        pk = torch.exp(uk - safe_off[..., None, None])  # [B, H, C, F]
+        vc, pq = v[:, :, c0:c1], phi_q[:, :, c0:c1]
+        gk = None if g_k is None else g_k[:, :, c0:c1]
+        if u_k is None:
+            pk = gk  # plain features: no offset
+        else:
+            uk = u_k[:, :, c0:c1]
+            new_off = torch.maximum(off, uk.detach().amax(dim=(-2, -1)))  # running key max
+            safe_off = torch.where(new_off == float("-inf"), torch.zeros_like(new_off), new_off)
+            alpha = torch.exp(off - safe_off)  # 0 while nothing was seen: S, z are 0 then
+            s = s * alpha[..., None, None]
+            z = z * alpha[..., None]
+            pk = torch.exp(uk - safe_off[..., None, None])  # [B, H, C, F]
+            if gk is not None:
+                pk = gk * pk
+            off = new_off
         intra = (pq @ pk.transpose(-1, -2)).tril()  # [B, H, C, C]
         num = pq @ s + intra @ vc
         den = (pq @ z[..., None]).squeeze(-1) + intra.sum(-1)
         outs.append(num / safe_denominator(den)[..., None])
         s = s + pk.transpose(-1, -2) @ vc
         z = z + pk.sum(dim=-2)
-        off = new_off
     out = torch.cat(outs, dim=2) if outs else v.new_zeros(B, H, 0, E)
     return out, RFState(s, z, off)
 
@@ -224,13 +245,21 @@ def rf_attention(
     cdt = compute_dtype(q.dtype)
     w = rf.weight.to(device=q.device, dtype=cdt)
     vc = v.to(cdt)
+    fm = rf.feature_map
+    xq, xk = prescale(q, scale), prescale(k, scale)
+    # statistics (global ones raise when causal) and the feature's own draws, once per call
+    params = fm.params(xq, xk, key_padding_mask, causal=causal)
     if not causal:
-        phi_q, phi_k = rf.feature_map.features(
-            prescale(q, scale), prescale(k, scale), w, key_padding_mask
-        )
+        phi_q, phi_k = fm.features(xq, xk, w, key_padding_mask, params)
         return linear_attention(phi_q, phi_k, vc, key_padding_mask=key_padding_mask).to(q.dtype)
-    u_q = rf.feature_map.logits(prescale(q, scale), w, "query")
-    u_k = rf.feature_map.logits(prescale(k, scale), w, "key")
-    out, state = _causal_torch(u_q, u_k, vc, key_padding_mask, initial_state)
+    if fm.exponential:
+        u_q = fm.logits(xq, w, "query", params)
+        phi_q = query_features(u_q, fm.amplitude(xq, w, "query", params))
+        u_k = fm.logits(xk, w, "key", params)
+        g_k = fm.amplitude(xk, w, "key", params)
+    else:
+        phi_q, u_k = fm.values(xq, w, "query", params), None
+        g_k = fm.values(xk, w, "key", params)
+    out, state = _causal_torch(phi_q, u_k, g_k, vc, key_padding_mask, initial_state)
     out = out.to(q.dtype)
     return (out, state) if return_state else out

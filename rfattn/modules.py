@@ -13,7 +13,7 @@ from rfattn.features import (
 )
 from rfattn.weights import LEARNABLE_WEIGHTS, check_weights_name, draw_weighted
 
-__all__ = ["RandomFeatures"]
+__all__ = ["RandomFeatures", "PPSBN", "ppSBN"]
 
 
 class RandomFeatures(nn.Module):
@@ -63,7 +63,9 @@ class RandomFeatures(nn.Module):
         self.num_features = num_features
         self.feature = feature
         self.weights = weights
-        self.feature_map = make_feature_map(feature, weights, **feature_options)
+        self.feature_map = make_feature_map(
+            feature, weights, num_rows=num_features, head_dim=head_dim, **feature_options
+        )
         self._generator = torch.Generator(device="cpu")
         if weights in LEARNABLE_WEIGHTS:
             self.learner = LEARNABLE_WEIGHTS[weights](
@@ -93,6 +95,8 @@ class RandomFeatures(nn.Module):
             if not isinstance(seed, int) or isinstance(seed, bool):
                 raise TypeError(f"seed must be an int or None, got {seed!r}")
             self._generator.manual_seed(seed)
+        # the component function's own draws (hrf's lambda projections, rmf's degrees), if any
+        self.feature_map.redraw(self._generator)
         if self.learner is not None:
             self.learner.reset_parameters(self._generator)
             return
@@ -186,3 +190,63 @@ class RandomFeatures(nn.Module):
         self._check(q, k)
         xq, xk, _ = self._inputs(q, k, scale)
         return self.feature_map.target_kernel(xq, xk)
+
+
+class PPSBN(nn.Module):
+    """Macformer's pre-post scaling normalisation around random-feature attention
+    (Algorithm 1; ``macformer-hrf.md`` A.4, resolutions C.9-C.13), usable with any feature map.
+
+    * pre (queries and keys, per token over the head dim, as the authors' code does):
+      ``x <- (x - mean(x)) / max(|x - mean(x)|, tiny)``. Algorithm 1's division by
+      ``sqrt(var + eps)`` is a positive per-row factor that the unit normalisation removes, so it
+      is folded away; the ``tiny`` guard turns a constant row into 0 (the code gives NaN). Rows land
+      on the unit sphere, so with the default ``scale = D ** -0.5`` the dot product fed to the
+      kernel satisfies ``|t| <= D ** -0.5 < 1``: inside the domains of rmf's inverse/log/sqrt.
+    * attention: :func:`rfattn.rf_attention` on the normalised q, k and the raw v.
+    * post: ``gamma * att`` with a learnable per-channel ``gamma`` ``[E]`` (init 1), or with
+      ``power="signed"`` ``sign(y) |y|^beta`` of ``y = gamma * att`` with learnable ``beta``
+      ``[E]`` (init 1; the paper's ``(gamma att)^beta`` is NaN for negative att).
+
+    Args:
+        value_dim: E, the value head dimension.
+        power: "none" (default, the authors' code) or "signed".
+
+    ``forward(q, k, v, rf, **kwargs)`` takes ``rf_attention``'s arguments; with
+    ``return_state=True`` it returns ``(post(out), state)``.
+    """
+
+    def __init__(self, value_dim: int, power: str = "none") -> None:
+        super().__init__()
+        if not isinstance(value_dim, int) or isinstance(value_dim, bool) or value_dim < 1:
+            raise ValueError(f"value_dim must be an int >= 1, got {value_dim!r}")
+        if power not in ("none", "signed"):
+            raise ValueError(f"power must be 'none' or 'signed', got {power!r}")
+        self.power = power
+        self.gamma = nn.Parameter(torch.ones(value_dim))
+        self.beta = nn.Parameter(torch.ones(value_dim)) if power == "signed" else None
+
+    @staticmethod
+    def pre(x: torch.Tensor) -> torch.Tensor:
+        """Centre each row over the last dim and scale it to unit L2 norm (0 for a constant row)."""
+        c = x - x.mean(dim=-1, keepdim=True)
+        norm = c.norm(dim=-1, keepdim=True)
+        return c / norm.clamp_min(torch.finfo(c.dtype).tiny)
+
+    def post(self, att: torch.Tensor) -> torch.Tensor:
+        """``gamma * att`` or its signed power, over the last dim ``[..., E]``."""
+        y = self.gamma.to(att.dtype) * att
+        if self.beta is None:
+            return y
+        return torch.sign(y) * y.abs().pow(self.beta.to(att.dtype))
+
+    def forward(self, q, k, v, rf, **kwargs):
+        from rfattn.attention import rf_attention
+
+        out = rf_attention(self.pre(q), self.pre(k), v, rf, **kwargs)
+        if isinstance(out, tuple):
+            return self.post(out[0]), out[1]
+        return self.post(out)
+
+
+#: the paper's spelling
+ppSBN = PPSBN

@@ -1,0 +1,429 @@
+"""The :class:`FeatureMap` interface and the stabilisers shared by every component function.
+
+A feature map turns pre-scaled queries/keys ``x = sqrt(scale) * q`` ``[B, H, T, D]`` and the
+weight matrix ``W [M, D]`` into features ``[B, H, T, F]`` whose inner products estimate a kernel.
+Spec: ``spectraformer.md`` §1.8 and §2, ``crt-flt.md`` part A, ``macformer-hrf.md``.
+
+Every feature is one of three forms (the attributes ``exponential`` and ``positive`` say which):
+
+* positive exponential (posrf, hyprf, oprf, saderf, real gerf): ``phi = exp(u)``;
+* signed exponential (trigrf, complex gerf, poisrf, geomrf, hrf): ``phi = g * exp(u)`` with a
+  bounded signed *amplitude* ``g`` (cos/sin values, sign parities, ±1 block signs);
+* plain (rmf): ``phi`` directly (products of projections; ``exponential = False``).
+
+Exponential features are stabilised through their logits ``u`` with the offsets of DESIGN §3,
+applied identically by the torch path, the references and the kernels:
+
+* queries: per row, the max of ``u`` over features (it cancels exactly in the attention ratio);
+* keys: one offset per (b, h), the max of ``u`` over all valid keys and all features (a per-key
+  max would re-weight keys and bias the kernel; a max across the batch would couple batch
+  elements). Padded keys get ``phi = 0``; a (b, h) with no valid key gets offset 0.
+
+The amplitude never enters the offsets, so the stabilised ``phi`` is ``g * exp(u - offset)``.
+
+Parameters beyond ``W``: :meth:`FeatureMap.params` returns a dict of everything else a feature
+needs for one call: data statistics turned into per-(b, h) parameters (oprf's A, saderf's psi,
+...; see :mod:`rfattn.stats`) and the module's extra random draws (hrf's lambda projections,
+rmf's degrees and later-stage projections). Every maths method takes that dict, so a caller (the
+torch path, a kernel launcher, a test vectorising redraws over the batch axis) can compute it
+once and pass it on. ``W`` may carry leading batch dimensions ``[..., M, D]`` that broadcast
+against ``x``; tests use that to vectorise redraws.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from rfattn.stats import (
+    STATS_MODES,
+    Moments,
+    register_running,
+    running_moments,
+    sequence_moments,
+    update_running,
+)
+
+__all__ = [
+    "FeatureMap",
+    "StatsFeature",
+    "check_choice",
+    "check_number",
+    "query_features",
+    "key_offset",
+    "key_features",
+    "compute_dtype",
+    "prescale",
+    "project",
+    "row_sq_norms",
+    "sq_norm",
+]
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Features, S and z accumulate in fp32, or fp64 for fp64 inputs (DESIGN §3)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def prescale(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``sqrt(scale) * x`` in the compute dtype: ``exp(x_q . x_k) = exp(scale * q . k)``."""
+    return x.to(compute_dtype(x.dtype)) * math.sqrt(scale)
+
+
+def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x W^T``: ``[..., T, D] x [..., M, D] -> [..., T, M]`` (leading dims of W broadcast)."""
+    return x @ w.transpose(-1, -2).to(x.dtype)
+
+
+def row_sq_norms(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``|omega_f|^2`` shaped ``[..., 1, M]`` to broadcast against ``[..., T, M]`` logits."""
+    w = w.to(dtype)
+    return (w * w).sum(dim=-1).unsqueeze(-2)
+
+
+def sq_norm(x: torch.Tensor) -> torch.Tensor:
+    """``|x|^2`` per row, ``[..., T, 1]``."""
+    return (x * x).sum(dim=-1, keepdim=True)
+
+
+def query_features(u_q: torch.Tensor, g_q: torch.Tensor | None = None) -> torch.Tensor:
+    """Stabilised query features ``g * exp(u - max_f u)`` (per-row max, exact in the ratio)."""
+    phi = torch.exp(u_q - u_q.amax(dim=-1, keepdim=True).detach())
+    return phi if g_q is None else g_q * phi
+
+
+def key_offset(u_k: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The key stabiliser: max of ``u_k`` over valid keys and all features, per (b, h).
+
+    Args:
+        u_k: key logits ``[B, H, T, F]``.
+        key_padding_mask: ``[B, T]`` bool, True = padding.
+
+    Returns:
+        ``[B, H]`` offsets (detached: they cancel exactly); 0 where a (b, h) has no valid key.
+    """
+    if key_padding_mask is not None:
+        u_k = u_k.masked_fill(key_padding_mask[:, None, :, None], float("-inf"))
+    if u_k.shape[-2] == 0 or u_k.shape[-1] == 0:
+        return u_k.new_zeros(u_k.shape[:2])
+    off = u_k.detach().amax(dim=(-2, -1))
+    return torch.where(off == float("-inf"), torch.zeros_like(off), off)
+
+
+def key_features(
+    u_k: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+    g_k: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Stabilised key features ``g * exp(u - offset(b, h))``, zero for padded keys."""
+    off = key_offset(u_k, key_padding_mask)
+    phi = torch.exp(u_k - off[:, :, None, None])
+    if g_k is not None:
+        phi = g_k * phi
+    if key_padding_mask is not None:
+        phi = phi.masked_fill(key_padding_mask[:, None, :, None], 0.0)
+    return phi
+
+
+class FeatureMap(nn.Module):
+    """One component function. Subclasses define the maths; this class the plumbing.
+
+    A feature map is an ``nn.Module`` held by :class:`rfattn.RandomFeatures` as ``feature_map``:
+    its buffers (extra random draws, running statistics) are saved in the owner's
+    ``state_dict`` and moved by ``.to``. Inputs ``x`` are already pre-scaled by
+    ``sqrt(scale)`` and in the compute dtype (fp32, or fp64 for fp64 inputs).
+
+    Subclass contract:
+
+    * exponential features implement :meth:`logits` (and :meth:`amplitude` when signed);
+      plain ones (``exponential = False``) implement :meth:`values`;
+    * features with data statistics or extra draws override :meth:`params` / :meth:`draw`;
+    * :meth:`num_samples` is the divisor that makes ``sum_f phi_q phi_k`` (offsets undone) an
+      unbiased estimate of :meth:`target_kernel`.
+
+    Args:
+        num_rows: M, the rows of W (None where the feature does not need it at construction).
+        head_dim: D (likewise).
+        **options: feature options; a feature without options rejects any.
+    """
+
+    #: registry name
+    name: str = ""
+    #: F / M: how many features each row of W yields (see :meth:`width` where it is not fixed)
+    width_factor: int = 1
+    #: True when every feature is > 0 (the denominator cannot vanish)
+    positive: bool = True
+    #: True when phi = g * exp(logits) (stabilised by offsets); False: phi = values(...)
+    exponential: bool = True
+    #: the id the fused kernels know this feature by, or None when no kernel exists yet
+    kernel_id: int | None = None
+    #: names of the extra-draw buffers (set by :meth:`_register_draws`)
+    _draw_names: tuple[str, ...] = ()
+
+    def __init__(self, num_rows: int | None = None, head_dim: int | None = None, **options):
+        super().__init__()
+        if options:
+            raise ValueError(f"feature={self.name!r} takes no options, got {sorted(options)}")
+        self.num_rows = num_rows
+        self.head_dim = head_dim
+
+    def extra_repr(self) -> str:
+        return f"name={self.name!r}"
+
+    # ---- random draws beyond W -------------------------------------------------------------
+
+    def draw(
+        self, generator: torch.Generator, batch_shape: tuple[int, ...] = ()
+    ) -> dict[str, torch.Tensor]:
+        """Extra random tensors this feature needs besides W, drawn on the CPU in float64.
+
+        Args:
+            generator: the owner's CPU generator (drawn after W, so a seed fixes both).
+            batch_shape: leading dims (tests draw many independent copies at once).
+
+        Returns:
+            name -> tensor; :meth:`redraw` copies them into buffers of the same names.
+        """
+        return {}
+
+    def _register_draws(self) -> None:
+        """Register zero buffers shaped like :meth:`draw`'s output (filled by :meth:`redraw`)."""
+        draws = self.draw(torch.Generator().manual_seed(0))
+        self._draw_names = tuple(draws)
+        for key, val in draws.items():
+            dtype = torch.get_default_dtype() if val.is_floating_point() else val.dtype
+            self.register_buffer(key, torch.zeros_like(val, dtype=dtype))
+
+    @torch.no_grad()
+    def redraw(self, generator: torch.Generator) -> None:
+        """Refill the extra-draw buffers in place (device and dtype kept)."""
+        for key, val in self.draw(generator).items():
+            getattr(self, key).copy_(val)
+
+    def drawn(self) -> dict[str, torch.Tensor]:
+        """The current extra-draw buffers, by name."""
+        return {key: getattr(self, key) for key in self._draw_names}
+
+    # ---- per-call parameters ----------------------------------------------------------------
+
+    def params(
+        self,
+        xq: torch.Tensor,
+        xk: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        causal: bool = False,
+        update: bool = True,
+    ) -> dict[str, torch.Tensor]:
+        """Everything beyond (x, W) one call needs: statistics-derived parameters and draws.
+
+        Args:
+            xq: pre-scaled queries ``[B, H, Tq, D]``; xk: keys ``[B, H, Tk, D]``.
+            key_padding_mask: ``[B, Tk]`` bool, True = padding (excluded from statistics).
+            causal: the call is causal (global statistics would leak the future: they raise).
+            update: allow a running-statistics update (training mode only).
+
+        Returns:
+            name -> tensor; per-(b, h) values are shaped ``[B, H, ...]``.
+        """
+        return self.drawn()
+
+    # ---- the maths ----------------------------------------------------------------------------
+
+    def width(self, num_rows: int) -> int:
+        """F, the feature width for M = ``num_rows``."""
+        return self.width_factor * num_rows
+
+    def logits(
+        self, x: torch.Tensor, w: torch.Tensor, side: str, params: dict | None = None
+    ) -> torch.Tensor:
+        """``u`` ``[B, H, T, F]`` with ``phi = g * exp(u)``; ``side`` is "query" or "key"."""
+        raise NotImplementedError(f"feature={self.name!r} is not exponential")
+
+    def amplitude(
+        self, x: torch.Tensor, w: torch.Tensor, side: str, params: dict | None = None
+    ) -> torch.Tensor | None:
+        """The bounded signed factor ``g`` ``[B, H, T, F]`` of a signed feature, None when 1."""
+        return None
+
+    def values(
+        self, x: torch.Tensor, w: torch.Tensor, side: str, params: dict | None = None
+    ) -> torch.Tensor:
+        """``phi`` ``[B, H, T, F]`` of a plain (non-exponential) feature."""
+        raise NotImplementedError(f"feature={self.name!r} is exponential: use logits")
+
+    def num_samples(self, w: torch.Tensor) -> int:
+        """The Monte Carlo sample count the estimate averages over (M by default)."""
+        return w.shape[-2]
+
+    def features(
+        self,
+        xq: torch.Tensor,
+        xk: torch.Tensor,
+        w: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        params: dict | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stabilised ``(phi_q, phi_k)``, each ``[B, H, T, F]``; padded keys give 0.
+
+        ``params`` default to :meth:`params` on these inputs (non-causal).
+        """
+        if params is None:
+            params = self.params(xq, xk, key_padding_mask)
+        if not self.exponential:
+            phi_q = self.values(xq, w, "query", params)
+            phi_k = self.values(xk, w, "key", params)
+            if key_padding_mask is not None:
+                phi_k = phi_k.masked_fill(key_padding_mask[:, None, :, None], 0.0)
+            return phi_q, phi_k
+        u_q = self.logits(xq, w, "query", params)
+        u_k = self.logits(xk, w, "key", params)
+        g_q = self.amplitude(xq, w, "query", params)
+        g_k = self.amplitude(xk, w, "key", params)
+        return query_features(u_q, g_q), key_features(u_k, key_padding_mask, g_k)
+
+    def estimate_kernel(
+        self, xq: torch.Tensor, xk: torch.Tensor, w: torch.Tensor, params: dict | None = None
+    ) -> torch.Tensor:
+        """The unbiased estimate ``[B, H, Tq, Tk]`` of :meth:`target_kernel` (no offsets)."""
+        if params is None:
+            params = self.params(xq, xk, update=False)
+        if not self.exponential:
+            phi_q = self.values(xq, w, "query", params)
+            phi_k = self.values(xk, w, "key", params)
+            return phi_q @ phi_k.transpose(-1, -2) / self.num_samples(w)
+        u_q = self.logits(xq, w, "query", params)
+        u_k = self.logits(xk, w, "key", params)
+        g_q = self.amplitude(xq, w, "query", params)
+        g_k = self.amplitude(xk, w, "key", params)
+        # sum_f g_q g_k exp(u_q + u_k) without overflow: factor out each side's row max.
+        m_q = u_q.amax(dim=-1, keepdim=True)
+        m_k = u_k.amax(dim=-1, keepdim=True)
+        a_q, a_k = torch.exp(u_q - m_q), torch.exp(u_k - m_k)
+        if g_q is not None:
+            a_q, a_k = g_q * a_q, g_k * a_k
+        inner = a_q @ a_k.transpose(-1, -2)
+        return inner * torch.exp(m_q + m_k.transpose(-1, -2)) / self.num_samples(w)
+
+    def target_kernel(self, xq: torch.Tensor, xk: torch.Tensor) -> torch.Tensor:
+        """The exact kernel ``[B, H, Tq, Tk]`` this feature map estimates: ``exp(x_q . x_k)``."""
+        return torch.exp(xq @ xk.transpose(-1, -2))
+
+
+def check_choice(feature: str, option: str, value, choices) -> None:
+    """Raise ValueError naming ``option`` when ``value`` is not one of ``choices``."""
+    if value not in choices:
+        raise ValueError(
+            f"feature={feature!r}: option {option}={value!r} is invalid; valid: {list(choices)}"
+        )
+
+
+def check_number(
+    feature: str,
+    option: str,
+    value,
+    *,
+    integer: bool = False,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> float:
+    """Validate a numeric option (bounds inclusive unless ``*_open``); returns it as float/int."""
+    kind = "an int" if integer else "a real number"
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if integer:
+        ok = ok and float(value).is_integer()
+    if ok and not math.isfinite(value):
+        ok = False
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if not ok:
+        lo = "" if low is None else f"{'>' if low_open else '>='} {low}"
+        hi = "" if high is None else f"{'<' if high_open else '<='} {high}"
+        rng = " and ".join(s for s in (lo, hi) if s)
+        raise ValueError(
+            f"feature={feature!r}: option {option} must be {kind}"
+            + (f" {rng}" if rng else "")
+            + f", got {value!r}"
+        )
+    return int(value) if integer else float(value)
+
+
+class StatsFeature(FeatureMap):
+    """Base of the data-dependent features: the ``stats`` options and the moments step.
+
+    Options (validated, each error names the option):
+        stats: "global" | "running" | "fixed" | None (None: global non-causal, running causal).
+        stats_grad: let gradients flow through the statistics (default False: detached).
+        momentum: EMA factor of the running buffers, in (0, 1] (default 0.1).
+        the feature's fixed-mode parameters (``fixed_options``): required with
+        ``stats="fixed"``, rejected otherwise.
+
+    See :mod:`rfattn.stats` for the modes. Running buffers ``running_{mean,sq,abs,min}``
+    ``[2, D]`` and ``num_batches_tracked`` live on this module (so on the owning RandomFeatures).
+    """
+
+    #: option names of the parameters given by the user in ``stats="fixed"`` mode
+    fixed_options: tuple[str, ...] = ()
+    #: fixed options that may be left out (they default to a neutral value)
+    optional_fixed: tuple[str, ...] = ()
+
+    def _init_stats(self, head_dim, stats, stats_grad, momentum, fixed: dict) -> None:
+        check_choice(self.name, "stats", stats, (None, *STATS_MODES))
+        if not isinstance(stats_grad, bool):
+            raise ValueError(f"feature={self.name!r}: option stats_grad must be a bool")
+        self.momentum = check_number(
+            self.name, "momentum", momentum, low=0.0, high=1.0, low_open=True
+        )
+        self.stats = stats
+        self.stats_grad = stats_grad
+        given = sorted(k for k, v in fixed.items() if v is not None)
+        if stats == "fixed":
+            missing = [
+                k for k in self.fixed_options if k not in given and k not in self.optional_fixed
+            ]
+            if missing:
+                raise ValueError(f"feature={self.name!r}: stats='fixed' needs option(s) {missing}")
+        elif given:
+            raise ValueError(
+                f"feature={self.name!r}: option(s) {given} are only used with stats='fixed', "
+                f"got stats={stats!r}"
+            )
+        if not isinstance(head_dim, int) or head_dim < 1:
+            raise ValueError(f"feature={self.name!r} needs head_dim (an int >= 1) for its stats")
+        register_running(self, head_dim)
+
+    def extra_repr(self) -> str:
+        return f"name={self.name!r}, stats={self.stats!r}"
+
+    def mode(self, causal: bool) -> str:
+        """The statistics mode in effect for a (non-)causal call."""
+        if self.stats is None:
+            return "running" if causal else "global"
+        if causal and self.stats == "global":
+            raise ValueError(
+                f"feature={self.name!r}: stats='global' uses the whole sequence and would leak "
+                "future tokens into causal attention; use stats='running' or 'fixed'"
+            )
+        return self.stats
+
+    def moments(self, xq, xk, key_padding_mask, causal: bool, update: bool) -> Moments | None:
+        """The moments this call uses: ``[B, H, 2, D]`` (global), ``[1, 1, 2, D]`` (running),
+        or None (fixed). A running-mode call in training updates the buffers afterwards."""
+        mode = self.mode(causal)
+        if mode == "fixed":
+            return None
+        if mode == "global":
+            if not self.stats_grad:
+                xq, xk = xq.detach(), xk.detach()
+            return sequence_moments(xq, xk, key_padding_mask)
+        cur = Moments(*(t.detach().clone().to(xq.dtype)[None, None] for t in running_moments(self)))
+        if update and self.training:
+            update_running(
+                self, sequence_moments(xq.detach(), xk.detach(), key_padding_mask), self.momentum
+            )
+        return cur
