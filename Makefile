@@ -10,7 +10,7 @@ STAMP := $(VENV)/.rfattn-installed
 HAS_CUDA = $(shell $(PY) -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null)
 INTERPRET = $(if $(filter 1,$(HAS_CUDA)),,TRITON_INTERPRET=1)
 
-.PHONY: test demo install lint clean
+.PHONY: test demo bench-results bench-suite install lint clean
 
 install: $(STAMP)
 
@@ -24,9 +24,22 @@ $(STAMP): setup.cfg pyproject.toml
 test: $(STAMP)
 	$(INTERPRET) $(PY) -m pytest $(PYTEST_ARGS)
 
+# The plots are drawn even when a correctness check failed; the exit status still says so.
 demo: $(STAMP)
-	$(PY) -m bench $(BENCH_ARGS)
-	$(PY) -m plots plots/out/bench.json --out plots/out
+	$(PY) -m bench --out plots/out $(BENCH_ARGS); status=$$?; \
+	$(PY) -m plots plots/out/bench.json --out plots/out && exit $$status
+
+# Regenerate the committed results of this machine type (bench/results/<device>/), on a quiet
+# machine: make bench-results BENCH_ARGS='--notes "..."'
+bench-results: $(STAMP)
+	dir=$$($(PY) -c "from bench.env import pick_device, results_slug; \
+	print('bench/results/' + results_slug(pick_device()))"); \
+	$(PY) -m bench --out $$dir $(BENCH_ARGS); status=$$?; \
+	$(PY) -m plots $$dir/bench.json --out $$dir && exit $$status
+
+# The same providers as pytest-benchmark cases (not part of `make test`).
+bench-suite: $(STAMP)
+	$(PY) -m pytest bench/ $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m pip install -q ruff

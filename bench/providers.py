@@ -1,70 +1,201 @@
-"""Attention providers benchmarked against each other, each a factory of a zero-argument call."""
+"""Attention providers benchmarked against each other.
+
+Each provider is built into a zero-argument call on inputs made beforehand (outside the timed
+region). Random-feature providers (``rfattn``, ``rfattn-torch``, ``performer``) take the
+:class:`rfattn.RandomFeatures` of the feature kind benchmarked; softmax providers ignore it.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 import rfattn
 
+#: SDPA backends, by the name used in provider ids (``sdpa-<name>``) -> ``SDPBackend`` member.
 SDPA_BACKENDS = {
     "flash": "FLASH_ATTENTION",
-    "efficient": "EFFICIENT_ATTENTION",
     "cudnn": "CUDNN_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
     "math": "MATH",
 }
+RF_PROVIDERS = ("rfattn", "rfattn-torch", "performer")
+ALL_PROVIDERS = RF_PROVIDERS + tuple(f"sdpa-{b}" for b in SDPA_BACKENDS) + ("flash-attn",)
 
 
-def available_providers(device: torch.device) -> tuple[list[str], dict[str, str]]:
-    """Providers to run on ``device`` and, for the ones left out, why."""
-    names = ["rfattn", "rfattn-torch"]
-    skipped = {}
-    if device.type == "cpu":
-        names.append("sdpa-math")
-        for b in ("flash", "efficient", "cudnn"):
-            skipped[f"sdpa-{b}"] = "CUDA-only backend"
-    else:
-        names += [f"sdpa-{b}" for b in SDPA_BACKENDS]
+def is_softmax(provider: str) -> bool:
+    """Exact softmax attention (the baselines), as opposed to a random-feature approximation."""
+    return provider not in RF_PROVIDERS
+
+
+@dataclass
+class Inputs:
+    q: torch.Tensor  # [B, H, T, D]
+    k: torch.Tensor  # [B, H, T, D]
+    v: torch.Tensor  # [B, H, T, E]
+    grad: torch.Tensor | None  # [B, H, T, E] cotangent of the output (fwd+bwd only)
+
+
+def make_inputs(B, H, T, D, E, dtype, device, backward: bool, seed: int = 0) -> Inputs:
+    """q, k, v ~ N(0, 1) and a fixed random cotangent, built once per shape."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rand(*shape):
+        x = torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+        return x.requires_grad_(backward)
+
+    q, k, v = rand(B, H, T, D), rand(B, H, T, D), rand(B, H, T, E)
+    grad = torch.randn(B, H, T, E, generator=g).to(device=device, dtype=dtype) if backward else None
+    return Inputs(q, k, v, grad)
+
+
+def _probe_sdpa(backend: str, device, dtype, D: int, E: int) -> str | None:
+    """None if ``sdpa_kernel(backend)`` runs these head dims and dtype here, else why not."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(1, 1, 16, D, device=device, dtype=dtype)
+    v = torch.randn(1, 1, 16, E, device=device, dtype=dtype)
+    try:
+        with sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[backend])):
+            F.scaled_dot_product_attention(q, q, v)
+    except RuntimeError as exc:
+        return f"not available for D={D}, E={E}, {dtype} here: {str(exc).splitlines()[0][:160]}"
+    return None
+
+
+def available_providers(
+    device: torch.device, dtype: torch.dtype, D: int, E: int, requested=None
+) -> tuple[list[str], dict[str, str]]:
+    """Providers to run on ``device`` and, for each one left out, why."""
+    requested = list(requested) if requested else None
+    names: list[str] = []
+    skipped: dict[str, str] = {}
+
+    def consider(name: str, why_not: str | None) -> None:
+        if requested is not None and name not in requested:
+            return
+        if why_not is not None:
+            skipped[name] = why_not
+        else:
+            names.append(name)
+
+    cuda = device.type == "cuda"
+    consider("rfattn", None)
+    if cuda or (requested is not None and "rfattn-torch" in requested):
+        consider("rfattn-torch", None)
+    elif requested is None:  # backend='auto' is the torch path on CPU: same code, same time
+        skipped["rfattn-torch"] = "on CPU rfattn (backend='auto') already is the torch path"
+    for backend in SDPA_BACKENDS:  # probed, not assumed: torch has a CPU flash kernel too
+        if requested is None or f"sdpa-{backend}" in requested:
+            consider(f"sdpa-{backend}", _probe_sdpa(backend, device, dtype, D, E))
+    try:
+        import flash_attn  # noqa: F401
+
+        why = None
+        if not cuda:
+            why = "flash_attn needs a CUDA device"
+        elif dtype not in (torch.float16, torch.bfloat16):
+            why = f"flash_attn needs fp16/bf16, benchmark dtype is {dtype}"
+        elif D != E:
+            why = f"flash_attn needs E == D, got D={D}, E={E}"
+    except ImportError:
+        why = "flash_attn is not installed (pip install flash-attn)"
+    consider("flash-attn", why)
+    try:
+        import performer_pytorch  # noqa: F401
+
+        why = None
+    except ImportError:
+        why = "performer-pytorch is not installed (optional: pip install performer-pytorch)"
+    consider("performer", why)
+    if requested is not None:
+        for name in requested:
+            if name not in ALL_PROVIDERS:
+                raise ValueError(f"unknown provider {name!r}; choices: {list(ALL_PROVIDERS)}")
     return names, skipped
 
 
-def make_call(
-    provider: str,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    rf: rfattn.RandomFeatures,
-    causal: bool,
-    backward: bool,
-) -> Callable[[], object]:
-    """A call running ``provider`` forward (and backward with a fixed random cotangent)."""
+def _forward(provider: str, x: Inputs, rf, causal: bool) -> tuple[Callable, list]:
+    """(forward call, leaf tensors whose .grad the backward fills)."""
+    q, k, v = x.q, x.k, x.v
     if provider == "rfattn":
-
-        def fwd():
-            return rfattn.rf_attention(q, k, v, rf, causal=causal)
-    elif provider == "rfattn-torch":
-
-        def fwd():
-            return rfattn.rf_attention(q, k, v, rf, causal=causal, backend="torch")
-    elif provider.startswith("sdpa-"):
+        return (lambda: rfattn.rf_attention(q, k, v, rf, causal=causal)), [q, k, v]
+    if provider == "rfattn-torch":
+        return (lambda: rfattn.rf_attention(q, k, v, rf, causal=causal, backend="torch")), [
+            q,
+            k,
+            v,
+        ]
+    if provider.startswith("sdpa-"):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         backend = getattr(SDPBackend, SDPA_BACKENDS[provider[5:]])
 
-        def fwd():
+        def sdpa():
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    else:
-        raise ValueError(f"unknown provider {provider!r}")
+
+        return sdpa, [q, k, v]
+    if provider == "flash-attn":
+        from flash_attn import flash_attn_func
+
+        # flash_attn's layout is [B, T, H, D]: transposed copies made here, outside the timing
+        qt, kt, vt = (
+            t.detach().transpose(1, 2).contiguous().requires_grad_(t.requires_grad)
+            for t in (q, k, v)
+        )
+
+        def fa():
+            return flash_attn_func(qt, kt, vt, causal=causal).transpose(1, 2)
+
+        return fa, [qt, kt, vt]
+    if provider == "performer":
+        from performer_pytorch import FastAttention
+
+        fast = FastAttention(dim_heads=q.shape[-1], nb_features=rf.num_features, causal=causal)
+        fast = fast.to(q.device)
+        with torch.no_grad():  # the same projection matrix as rfattn's
+            fast.projection_matrix.copy_(rf.weight.to(fast.projection_matrix.dtype))
+        return (lambda: fast(q, k, v)), [q, k, v]
+    raise ValueError(f"unknown provider {provider!r}")
+
+
+def make_call(
+    provider: str, x: Inputs, rf, causal: bool, backward: bool
+) -> tuple[Callable[[], object], list[torch.Tensor]]:
+    """A call running ``provider`` forward, or forward and backward with the fixed cotangent;
+    and the tensors whose gradients a timer should reset between calls."""
+    fwd, leaves = _forward(provider, x, rf, causal)
     if not backward:
-        return fwd
-    grad = torch.randn(*q.shape[:3], v.shape[-1], device=q.device, dtype=q.dtype)
+        return fwd, []
+    grad = x.grad
 
     def fwd_bwd():
-        for x in (q, k, v):
-            x.grad = None
+        for t in leaves:
+            t.grad = None
         fwd().backward(grad)
 
-    return fwd_bwd
+    return fwd_bwd, leaves
+
+
+def forward_output(provider: str, x: Inputs, rf, causal: bool) -> torch.Tensor:
+    """The forward output ``[B, H, T, E]`` of ``provider`` (no autograd), for checks."""
+    fwd, _ = _forward(provider, x, rf, causal)
+    with torch.no_grad():
+        return fwd()
+
+
+def reference_output(provider: str, x: Inputs, rf, causal: bool) -> torch.Tensor | None:
+    """What ``provider`` must compute, in float64: exact softmax attention for the softmax
+    providers, the linear attention of rfattn's own features for rfattn's; None for performer
+    (its own feature normalisation and eps: only finiteness is checked)."""
+    q, k, v = (t.detach().double() for t in (x.q, x.k, x.v))
+    if is_softmax(provider):
+        return rfattn.reference.softmax_attention(q, k, v, causal=causal)
+    if provider == "performer":
+        return None
+    phi_q, phi_k = rf.features(q, k)
+    return rfattn.reference.linear_attention(phi_q, phi_k, v, causal=causal)

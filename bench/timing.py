@@ -1,11 +1,11 @@
 """Timers: ``triton.testing.do_bench`` on GPU, a synchronising wall-clock loop on CPU.
 
-Both report the median and the 20% / 80% quantiles in milliseconds, warm-up excluded.
+Both return ``(p50, p20, p80, n)``: the median and the 20% / 80% quantiles in milliseconds over
+``n`` timed calls, warm-up (compilation, autotuning, first-touch allocation) excluded.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 
@@ -14,7 +14,8 @@ import torch
 QUANTILES = (0.5, 0.2, 0.8)
 
 
-def _quantile(xs: list[float], q: float) -> float:
+def quantile(xs: list[float], q: float) -> float:
+    """Linear-interpolated quantile (numpy's default method)."""
     xs = sorted(xs)
     pos = q * (len(xs) - 1)
     lo = int(pos)
@@ -22,27 +23,44 @@ def _quantile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def time_cpu(fn: Callable[[], object], warmup: int = 1, reps: int = 5, budget_s: float = 5.0):
-    """(p50, p20, p80) ms of ``fn`` by wall clock; stops early once ``budget_s`` is spent."""
+def time_cpu(
+    fn: Callable[[], object],
+    warmup: int = 1,
+    min_reps: int = 3,
+    max_reps: int = 50,
+    budget_s: float = 1.0,
+) -> tuple[float, float, float, int]:
+    """Wall-clock ``fn`` after ``warmup`` calls: at least ``min_reps`` calls, then more until
+    ``budget_s`` seconds of timed calls or ``max_reps`` calls."""
     for _ in range(warmup):
         fn()
     times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < reps and (len(times) < 2 or time.perf_counter() - start < budget_s):
+    spent = 0.0
+    while len(times) < min_reps or (len(times) < max_reps and spent < budget_s):
         t0 = time.perf_counter()
         fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), _quantile(times, 0.2), _quantile(times, 0.8)
+        dt = time.perf_counter() - t0
+        spent += dt
+        times.append(dt * 1e3)
+    return tuple(quantile(times, q) for q in QUANTILES) + (len(times),)
 
 
-def time_gpu(fn: Callable[[], object]):
-    """(p50, p20, p80) ms of ``fn`` by ``triton.testing.do_bench`` (warm-up and flush inside)."""
+def time_gpu(
+    fn: Callable[[], object], grad_to_none=None, rep_ms: int = 100
+) -> tuple[float, float, float, int]:
+    """``triton.testing.do_bench`` (its own warm-up and L2 flush) after one untimed call that
+    compiles and autotunes; ``n`` is not reported by do_bench and returned as -1."""
     import triton.testing
 
-    fn()  # compile / autotune outside the timed region
+    fn()
     torch.cuda.synchronize()
-    return tuple(triton.testing.do_bench(fn, quantiles=list(QUANTILES)))
+    p50, p20, p80 = triton.testing.do_bench(
+        fn, warmup=25, rep=rep_ms, grad_to_none=grad_to_none, quantiles=list(QUANTILES)
+    )
+    return p50, p20, p80, -1
 
 
-def time_fn(fn: Callable[[], object], device: torch.device, **cpu_kwargs):
-    return time_gpu(fn) if device.type == "cuda" else time_cpu(fn, **cpu_kwargs)
+def time_fn(fn, device: torch.device, grad_to_none=None, **cpu_kwargs):
+    if device.type == "cuda":
+        return time_gpu(fn, grad_to_none=grad_to_none)
+    return time_cpu(fn, **cpu_kwargs)

@@ -1,0 +1,191 @@
+"""The benchmark and plotting code itself (not timings): CLI end to end on tiny sizes, JSON
+schema, finite numbers, crossover arithmetic, figures from a synthetic JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/, plots/ live at the root
+
+from bench import summary  # noqa: E402
+from bench.__main__ import _build_rfs  # noqa: E402
+from bench.__main__ import main as bench_main  # noqa: E402
+from plots.__main__ import loglog_slope  # noqa: E402
+from plots.__main__ import main as plots_main  # noqa: E402
+
+PNGS = ("time_vs_T.png", "memory_vs_T.png", "speedup_vs_T.png", "error_vs_M.png")
+ROW_KEYS = {
+    "provider", "feature", "causal", "mode", "B", "H", "T", "D", "E", "M", "dtype", "ms_p50",
+    "ms_p20", "ms_p80", "tokens_per_s", "peak_bytes", "flops", "flop_per_s", "bytes",
+    "roofline_fraction",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One end-to-end CPU run on tiny sizes: (exit code, JSON document, output folder)."""
+    import rfattn
+
+    out = tmp_path_factory.mktemp("bench")
+    planned = [f for f in rfattn.ALL_FEATURES if f not in rfattn.features.FEATURES]
+    argv = [
+        "--device", "cpu", "--T", "32", "64", "--B", "1", "--H", "2", "--D", "8", "--E", "8",
+        "--M", "8", "--features", "posrf", *planned[:1], "--providers", "rfattn", "sdpa-math",
+        "--min-reps", "2", "--max-reps", "2", "--ceiling-n", "64", "--ceiling-mib", "1",
+        "--acc-T", "32", "--error-M", "4", "8", "--seeds", "2", "--out", str(out),
+    ]  # fmt: skip
+    code = bench_main(argv)
+    doc = json.loads((out / "bench.json").read_text())
+    return code, doc, out, planned[:1]
+
+
+def test_cli_writes_valid_json(tiny_run):
+    code, doc, _, _ = tiny_run
+    assert code == 0
+    assert doc["schema"] == "rfattn-bench/1"
+    for key in ("device", "torch", "triton", "git_commit", "date"):
+        assert key in doc["env"]
+    assert doc["ceilings"]["matmul_flop_per_s"] > 0 and doc["ceilings"]["copy_bytes_per_s"] > 0
+    assert doc["methods"]["memory"] and doc["methods"]["timing"]
+    ran = {(r["provider"], r["feature"], r["causal"], r["mode"], r["T"]) for r in doc["results"]}
+    for causal in (False, True):
+        for mode in ("fwd", "fwd+bwd"):
+            for t in (32, 64):
+                assert ("rfattn", "posrf", causal, mode, t) in ran
+                assert ("sdpa-math", None, causal, mode, t) in ran
+
+
+def test_every_result_is_finite(tiny_run):
+    _, doc, _, _ = tiny_run
+    assert doc["results"]
+    for r in doc["results"]:
+        assert ROW_KEYS <= r.keys()
+        for key in ("ms_p50", "ms_p20", "ms_p80", "tokens_per_s", "flop_per_s"):
+            assert math.isfinite(r[key]) and r[key] > 0, (key, r)
+        assert r["ms_p20"] <= r["ms_p50"] <= r["ms_p80"]
+        assert 0 < r["roofline_fraction"]
+        assert r["peak_bytes"] is None or r["peak_bytes"] >= 0
+        assert r["check_ok"] is True, r
+
+
+def test_accuracy_and_error_vs_m(tiny_run):
+    _, doc, _, _ = tiny_run
+    acc = {(a["provider"], a["feature"], a["causal"]): a["rel_err"] for a in doc["accuracy"]}
+    assert acc[("sdpa-math", None, False)] < 1e-5  # exact up to rounding
+    assert 0 < acc[("rfattn", "posrf", False)] < 10
+    ms = sorted({r["M"] for r in doc["error_vs_M"] if r["feature"] == "posrf"})
+    assert ms == [4, 8]
+    for r in doc["error_vs_M"]:
+        assert r["rel_err_min"] <= r["rel_err_mean"] <= r["rel_err_max"]
+
+
+def test_unimplemented_feature_is_skipped_with_reason(tiny_run):
+    _, doc, _, planned = tiny_run
+    if not planned:
+        pytest.skip("every feature kind is implemented")
+    reasons = {s.get("feature"): s["reason"] for s in doc["skipped"]}
+    assert "NotImplementedError" in reasons[planned[0]]
+    assert all(r["feature"] != planned[0] for r in doc["results"])
+
+
+def test_plots_from_cli_json(tiny_run, tmp_path):
+    _, _, out, _ = tiny_run
+    assert plots_main([str(out / "bench.json"), "--out", str(tmp_path)]) == 0
+    for name in PNGS:
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_build_rfs_skips_unimplemented(monkeypatch):
+    import rfattn
+
+    real = rfattn.RandomFeatures
+
+    def fake(head_dim, num_features, feature="posrf", **kw):
+        if feature == "notyet":
+            raise NotImplementedError("feature='notyet' is planned but not implemented yet")
+        return real(head_dim, num_features, feature=feature, **kw)
+
+    monkeypatch.setattr(rfattn, "RandomFeatures", fake)
+    rfs, used, skipped = _build_rfs(["posrf", "notyet"], "orf", 8, 4, "cpu")
+    assert list(rfs) == ["posrf"] and used == {"posrf": "orf"}
+    assert skipped["notyet"].startswith("NotImplementedError: feature='notyet'")
+
+
+def _row(provider, feature, t, ms, causal=False, mode="fwd", peak=None):
+    return dict(provider=provider, feature=feature, causal=causal, mode=mode, T=t, ms_p50=ms,
+                ms_p20=ms * 0.9, ms_p80=ms * 1.1, peak_bytes=peak)  # fmt: skip
+
+
+def synthetic_doc() -> dict:
+    """rfattn linear in T, softmax quadratic: they cross between T=512 and T=1024."""
+    results = []
+    for t in (256, 512, 1024, 2048):
+        results.append(_row("rfattn", "posrf", t, t / 400, peak=1000 * t))
+        results.append(_row("sdpa-math", None, t, (t / 600) ** 2, peak=t * t))
+        results.append(_row("sdpa-flash", None, t, (t / 700) ** 2 * 1.5, peak=500 * t))
+    return dict(
+        env=dict(device="test device", torch="x", git_commit="0123456789"),
+        config=dict(dtype="float32", B=1, H=8, D=64, E=64, M=256),
+        results=results,
+        summary=summary.summarize(results),
+        error_vs_M=[
+            dict(
+                feature="posrf",
+                weights="orf",
+                causal=c,
+                T=256,
+                M=m,
+                std=0.5,
+                seeds=3,
+                rel_err_mean=m**-0.5,
+                rel_err_min=0.8 * m**-0.5,
+                rel_err_max=1.2 * m**-0.5,
+            )
+            for c in (False, True)
+            for m in (16, 64, 256)
+        ],  # fmt: skip
+    )
+
+
+def test_crossover_and_ratio():
+    doc = synthetic_doc()
+    (entry,) = doc["summary"]
+    assert entry["crossover_T"] == 1024
+    assert entry["max_T"] == 2048
+    best = min((2048 / 600) ** 2, (2048 / 700) ** 2 * 1.5)
+    assert entry["ratio_at_max_T"] == pytest.approx(best / 5.12)
+    assert entry["baseline"]["256"] == "sdpa-math"
+    assert "crossover T=1024" in summary.describe(entry)
+
+
+@pytest.mark.parametrize(
+    "points, expected",
+    [
+        ([], None),
+        ([(1, 0.5), (2, 0.9)], None),
+        ([(1, 2.0), (2, 3.0)], 1),
+        ([(1, 0.5), (2, 1.5), (4, 0.8), (8, 1.2), (16, 2.0)], 8),  # must stay ahead
+        ([(4, 1.5), (1, 0.5), (2, 1.0)], 4),  # equal is not faster; order-independent
+    ],
+)
+def test_crossover_cases(points, expected):
+    assert summary.crossover(points) == expected
+
+
+def test_loglog_slope():
+    assert loglog_slope([(t, 3.0 * t * t) for t in (256, 512, 1024, 2048)]) == pytest.approx(2.0)
+    assert loglog_slope([(t, 5.0 * t) for t in (256, 512, 1024)]) == pytest.approx(1.0)
+    assert loglog_slope([(256, 1.0)]) is None
+
+
+def test_plots_from_synthetic_json(tmp_path):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(synthetic_doc()))
+    assert plots_main([str(path)]) == 0
+    for name in PNGS:
+        assert (tmp_path / name).stat().st_size > 1000
