@@ -182,14 +182,21 @@ def _causal_torch(
     return out, RFState(s, z, off)
 
 
-def _use_triton(q, k, v, rf, causal) -> bool:
-    if not q.is_cuda or causal or rf.feature_map.kernel_id is None:
+def _no_kernel_reason(rf, causal: bool) -> str | None:
+    """Why no fused kernel can run this call, or None when one can."""
+    if causal:
+        return "causal fused Triton kernels are not implemented yet"
+    if rf.feature_map.kernel_id is None:
+        return f"feature={rf.feature!r} has no fused Triton kernel yet"
+    if rf.weights == "sgq":
+        return "the fused kernels do not apply sgq's quadrature weights (component_weight) yet"
+    return None
+
+
+def _use_triton(q, rf, causal) -> bool:
+    if not q.is_cuda or _no_kernel_reason(rf, causal) is not None:
         return False
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        return False
-    # the fused backward is not implemented yet: training goes through the torch path
-    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-    return not needs_grad
+    return q.dtype in (torch.float32, torch.float16, torch.bfloat16)
 
 
 def rf_attention(
@@ -217,8 +224,8 @@ def rf_attention(
         key_padding_mask: ``[B, Tk]`` bool, True = padding: removed from numerator and
             denominator. A query with no valid key gets output 0.
         scale: softmax temperature, default ``D ** -0.5``.
-        backend: "auto" (Triton on CUDA where a fused kernel exists and no gradient is needed,
-            else torch), "torch", or "triton" (CPU tensors need ``TRITON_INTERPRET=1``).
+        backend: "auto" (Triton on CUDA where a fused kernel exists, else torch), "torch",
+            or "triton" (CPU tensors need ``TRITON_INTERPRET=1``; float64 runs there too).
         initial_state: causal only: the :class:`RFState` returned by a previous call, to continue
             that sequence (split/resume equals one shot).
         return_state: causal only: also return the final :class:`RFState`.
@@ -228,16 +235,11 @@ def rf_attention(
     """
     _validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_state, return_state)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    use_triton = backend == "triton" or (backend == "auto" and _use_triton(q, k, v, rf, causal))
+    use_triton = backend == "triton" or (backend == "auto" and _use_triton(q, rf, causal))
     if use_triton:
-        if causal:
-            raise NotImplementedError(
-                "causal fused Triton kernels are not implemented yet; use backend='torch'"
-            )
-        if rf.feature_map.kernel_id is None:
-            raise NotImplementedError(
-                f"feature={rf.feature!r} has no fused Triton kernel yet; use backend='torch'"
-            )
+        reason = _no_kernel_reason(rf, causal)
+        if reason is not None:
+            raise NotImplementedError(f"{reason}; use backend='torch'")
         from rfattn.autograd import rf_parallel
 
         return rf_parallel(q, k, v, rf.weight, scale, key_padding_mask, rf.feature)

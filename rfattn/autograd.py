@@ -8,36 +8,38 @@ __all__ = ["RFParallelFunction", "rf_parallel"]
 
 
 class RFParallelFunction(torch.autograd.Function):
-    """Non-causal fused random-feature attention. Forward only for now.
+    """Non-causal fused random-feature attention (``rfattn.kernels.rf_parallel``).
 
-    The fused backward (dq, dk, dv recomputing features) lands with the non-causal kernels
-    issue; until then calling ``backward`` raises NotImplementedError, and
-    ``rf_attention(backend="auto")`` routes inputs that require grad to the torch path.
+    Forward saves q, k, v, W, the output, S, z and the stabiliser offsets (``O(B H (M E + T))``
+    extra memory, no feature maps); backward recomputes the features in Triton and returns
+    dq, dk, dv and, when W requires grad (learnable weights), dW.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, w, scale, key_padding_mask, feature, precision):
         from rfattn.kernels.rf_parallel import rf_parallel_fwd
 
-        return rf_parallel_fwd(
-            q,
-            k,
-            v,
-            w,
-            scale,
-            key_padding_mask=key_padding_mask,
-            feature=feature,
-            precision=precision,
-        )
+        out, aux = rf_parallel_fwd(
+            q, k, v, w, scale, key_padding_mask=key_padding_mask, feature=feature,
+            precision=precision, return_aux=True,
+        )  # fmt: skip
+        ctx.save_for_backward(q, k, v, w, out, key_padding_mask, *aux)
+        ctx.scale, ctx.feature, ctx.precision = scale, feature, precision
+        ctx.mark_non_differentiable(*[x for x in aux if x is not None])
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        raise NotImplementedError(
-            "the fused Triton backward of rf_attention is not implemented yet; "
-            "use backend='torch' (or backend='auto') for training"
-        )
+        from rfattn.kernels.rf_parallel import rf_parallel_bwd
+
+        q, k, v, w, out, key_padding_mask, *aux = ctx.saved_tensors
+        dq, dk, dv, dw = rf_parallel_bwd(
+            grad_out, q, k, v, w, ctx.scale, out, tuple(aux), key_padding_mask=key_padding_mask,
+            feature=ctx.feature, precision=ctx.precision, need_dw=ctx.needs_input_grad[3],
+        )  # fmt: skip
+        return dq, dk, dv, dw, None, None, None, None
 
 
-def rf_parallel(q, k, v, w, scale, key_padding_mask=None, feature="posrf", precision="ieee"):
+def rf_parallel(q, k, v, w, scale, key_padding_mask=None, feature="posrf", precision=None):
     """Apply :class:`RFParallelFunction` (see ``rfattn.kernels.rf_parallel.rf_parallel_fwd``)."""
     return RFParallelFunction.apply(q, k, v, w, scale, key_padding_mask, feature, precision)

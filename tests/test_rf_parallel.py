@@ -132,15 +132,87 @@ def test_deterministic(kernel_device):
     assert torch.equal(run(q, k, v, rf), run(q, k, v, rf))
 
 
-def test_backward_not_fused_yet_and_auto_routes_grad_to_torch(kernel_device):
-    q = rand(1, 1, 8, 16, seed=1, device=kernel_device).requires_grad_()
-    k = rand(1, 1, 8, 16, seed=2, device=kernel_device)
-    v = rand(1, 1, 8, 16, seed=3, device=kernel_device)
-    rf = rfattn.RandomFeatures(16, 16, seed=0).to(kernel_device)
-    with pytest.raises(NotImplementedError, match="backward"):
-        run(q, k, v, rf).sum().backward()
-    rfattn.rf_attention(q, k, v, rf).sum().backward()  # auto: torch path
-    assert q.grad is not None and q.grad.isfinite().all()
+def grad_parity(q, k, v, rf, mask=None, scale=None, learn_w=False, seed=0, zero=()):
+    """Relative RMS errors of the kernel's output and gradients vs the float64 reference (same W,
+    same cotangent). Gradients named in ``zero`` vanish mathematically: their absolute RMS is
+    reported instead."""
+    w = rf.weight.detach().clone().requires_grad_(learn_w)
+    args = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = rfattn.autograd.rf_parallel(*args, w, scale or q.shape[-1] ** -0.5, mask)
+    g = torch.Generator().manual_seed(seed)
+    do = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    out.backward(do.to(out.device, out.dtype))
+    ref_args = [x.detach().cpu().double().requires_grad_() for x in (*args, w)]
+    m = None if mask is None else mask.cpu()
+    xs = (scale or q.shape[-1] ** -0.5) ** 0.5
+    phi_q, phi_k = rf.feature_map.features(ref_args[0] * xs, ref_args[1] * xs, ref_args[3], m)
+    ref = linear_attention(phi_q, phi_k, ref_args[2], key_padding_mask=m)
+    ref.backward(do)
+    errs = {"out": rel_rms(out, ref)}
+    for name, a, b in zip("qkvw", (*args, w), ref_args, strict=True):
+        if "d" + name in zero:
+            errs["d" + name] = a.grad.double().pow(2).mean().sqrt().item()
+        elif name != "w" or learn_w:
+            errs["d" + name] = rel_rms(a.grad, b.grad)
+    return errs
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-H{}-Tq{}-Tk{}-D{}-M{}-E{}".format(*s))
+def test_gradient_parity_fp32(shape, kernel_device):
+    B, H, Tq, Tk, D, M, E = shape
+    q = rand(B, H, Tq, D, seed=1, scale=0.7, device=kernel_device)
+    k = rand(B, H, Tk, D, seed=2, scale=0.7, device=kernel_device)
+    v = rand(B, H, Tk, E, seed=3, device=kernel_device)
+    rf = rfattn.RandomFeatures(D, M, seed=4).to(kernel_device)
+    # one key: out = v whatever q, k and W are, so their gradients vanish
+    zero = ("dq", "dk", "dw") if Tk == 1 else ()
+    errs = grad_parity(q, k, v, rf, learn_w=True, zero=zero)
+    assert max(errs.values()) <= tolerance(f32, "grad"), errs
+
+
+def test_gradient_parity_mask_strided_fp64(kernel_device):
+    """float64 through the kernel: parity to rounding; padded keys get exactly zero gradient."""
+    B, H, T, D, M, E = 2, 2, 140, 16, 24, 16
+    f64 = torch.float64
+    q = rand(B, T, H, D, seed=1, dtype=f64, device=kernel_device).transpose(1, 2)
+    k = rand(B, H, T, D, seed=2, dtype=f64, device=kernel_device)
+    v = rand(B, H, T, E, seed=3, dtype=f64, device=kernel_device)
+    mask = (torch.rand(B, T, generator=torch.Generator().manual_seed(1)) < 0.3).to(kernel_device)
+    k[mask[:, None, :, None].expand_as(k)] = float("nan")
+    rf = rfattn.RandomFeatures(D, M, seed=4).to(kernel_device).double()
+    errs = grad_parity(q, k, v, rf, mask=mask, scale=0.2, learn_w=True)
+    assert max(errs.values()) <= tolerance(f64, "grad"), errs
+    kk = k.detach().clone().requires_grad_()
+    vv = v.detach().clone().requires_grad_()
+    run(q, kk, vv, rf, key_padding_mask=mask).sum().backward()
+    pad = mask[:, None, :].expand(B, H, T)
+    assert torch.equal(kk.grad[pad], torch.zeros_like(kk.grad[pad]))
+    assert torch.equal(vv.grad[pad], torch.zeros_like(vv.grad[pad]))
+
+
+def test_gradcheck_float64_tiny(kernel_device):
+    f64 = torch.float64
+    q = rand(1, 1, 3, 5, seed=1, dtype=f64, device=kernel_device).requires_grad_()
+    k = rand(1, 1, 4, 5, seed=2, dtype=f64, device=kernel_device).requires_grad_()
+    v = rand(1, 1, 4, 2, seed=3, dtype=f64, device=kernel_device).requires_grad_()
+    w = rfattn.RandomFeatures(5, 3, seed=0).weight.to(kernel_device, f64).requires_grad_()
+    mask = torch.tensor([[False, True, False, False]], device=kernel_device)
+    fn = rfattn.autograd.rf_parallel
+    assert torch.autograd.gradcheck(lambda a, b, c, d: fn(a, b, c, d, 0.3, mask), (q, k, v, w))
+
+
+def test_gradients_deterministic(kernel_device):
+    q = rand(1, 2, 300, 16, seed=1, device=kernel_device).requires_grad_()
+    k = rand(1, 2, 300, 16, seed=2, device=kernel_device).requires_grad_()
+    v = rand(1, 2, 300, 16, seed=3, device=kernel_device).requires_grad_()
+    rf = rfattn.RandomFeatures(16, 48, seed=0).to(kernel_device)
+    grads = []
+    for _ in range(2):
+        for x in (q, k, v):
+            x.grad = None
+        run(q, k, v, rf).pow(2).sum().backward()
+        grads.append([x.grad.clone() for x in (q, k, v)])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
 
 
 def test_triton_backend_rejects_what_it_cannot_run(kernel_device):
@@ -148,8 +220,12 @@ def test_triton_backend_rejects_what_it_cannot_run(kernel_device):
     rf = rfattn.RandomFeatures(16, 16, seed=0).to(kernel_device)
     with pytest.raises(NotImplementedError, match="causal"):
         run(q, q, q, rf, causal=True)
-    with pytest.raises(TypeError, match="fp32/fp16/bf16"):
-        run(q.double(), q.double(), q.double(), rf)
+    from rfattn.kernels.rf_parallel import rf_parallel_fwd
+
+    with pytest.raises(ValueError, match="precision"):
+        rf_parallel_fwd(q, q, q, rf.weight, 0.25, precision="fp8")
+    with pytest.raises(ValueError, match="no fused kernel"):
+        rf_parallel_fwd(q, q, q, rf.weight, 0.25, feature="oprf")
 
 
 @pytest.mark.gpu
@@ -170,6 +246,31 @@ def test_parity_low_precision_gpu(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gradient_parity_low_precision_gpu(dtype):
+    """flash-attention rule for gradients: at most 3x the torch path's own error in that dtype."""
+    B, H, T, D, M, E = 2, 4, 1000, 64, 256, 64
+    q = rand(B, H, T, D, seed=1, scale=0.7, dtype=dtype, device="cuda")
+    k = rand(B, H, T, D, seed=2, scale=0.7, dtype=dtype, device="cuda")
+    v = rand(B, H, T, E, seed=3, dtype=dtype, device="cuda")
+    rf = rfattn.RandomFeatures(D, M, seed=0).cuda()
+    kernel = grad_parity(q, k, v, rf)
+    # the torch path in the same dtype, same inputs and cotangent
+    grads = {}
+    args = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = rfattn.rf_attention(*args, rf, backend="torch")
+    do = torch.randn(out.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    out.backward(do.to(out.device, out.dtype))
+    ref_args = [x.detach().cpu().double().requires_grad_() for x in args]
+    ref = reference(*ref_args, rf)
+    ref.backward(do)
+    for name, a, b in zip("qkv", args, ref_args, strict=True):
+        grads["d" + name] = rel_rms(a.grad.cpu(), b.grad)
+    for name, err in grads.items():
+        assert kernel[name] <= max(3 * err, tolerance(dtype, "grad") / 10), (name, kernel, grads)
+
+
+@pytest.mark.gpu
 def test_parity_fp32_gpu_large():
     B, H, T, D, M, E = 2, 4, 3000, 128, 256, 128
     q = rand(B, H, T, D, seed=1, scale=0.5, device="cuda")
@@ -177,3 +278,27 @@ def test_parity_fp32_gpu_large():
     v = rand(B, H, T, E, seed=3, device="cuda")
     rf = rfattn.RandomFeatures(D, M, seed=0).cuda()
     assert rel_rms(run(q, k, v, rf).cpu(), reference(q, k, v, rf)) <= tolerance(f32)
+
+
+def test_learnable_weights_get_kernel_gradients(kernel_device):
+    """fastfoodl: dW from the kernel reaches S, G, B exactly as through the torch path."""
+    q = rand(1, 2, 70, 16, seed=1, device=kernel_device)
+    k = rand(1, 2, 70, 16, seed=2, device=kernel_device)
+    v = rand(1, 2, 70, 16, seed=3, device=kernel_device)
+    rf = rfattn.RandomFeatures(16, 32, weights="fastfoodl", seed=0).to(kernel_device)
+    grads = {}
+    for backend in ("triton", "torch"):
+        rf.zero_grad()
+        rfattn.rf_attention(q, k, v, rf, backend=backend).pow(2).sum().backward()
+        grads[backend] = [p.grad.clone() for p in rf.parameters()]
+    assert len(grads["torch"]) >= 3
+    for a, b in zip(grads["triton"], grads["torch"], strict=True):
+        assert b.abs().sum() > 0
+        assert rel_rms(a, b) <= tolerance(f32, "grad")
+
+
+def test_sgq_weights_not_fused_yet(kernel_device):
+    rf = rfattn.RandomFeatures(4, 9, weights="sgq").to(kernel_device)
+    q = rand(1, 1, 8, 4, seed=1, device=kernel_device)
+    with pytest.raises(NotImplementedError, match="sgq"):
+        run(q, q, q, rf)
