@@ -232,8 +232,9 @@ P_RANGE = (1e-4, 1.0 - 1e-4)
 def geometric_p(m: Moments, iters: int = 80) -> torch.Tensor:
     """GeomRF's p*: golden-section minimisation of :func:`geometric_objective` on ``P_RANGE``.
 
-    The objective is convex in the log-moment sense used by CRT; 80 golden steps shrink the
-    interval by 0.618^80 ~ 2e-17. ``a_l = abs_q,l * abs_k,l``. Shape ``[...]``.
+    The objective is taken to be unimodal on the interval (the tests check the CRT anchor);
+    80 golden steps shrink the interval by 0.618^80 ~ 2e-17. ``a_l = abs_q,l * abs_k,l``.
+    Shape ``[...]``.
     """
     a = m.abs[..., 0, :] * m.abs[..., 1, :]
     lo = torch.full(a.shape[:-1], P_RANGE[0], dtype=a.dtype, device=a.device)
