@@ -56,17 +56,17 @@ def test_constructor_errors():
         rfattn.RandomFeatures(8, 8, feature="softmax")
     with pytest.raises(ValueError, match="unknown weights"):
         rfattn.RandomFeatures(8, 8, weights="uniform")
-    with pytest.raises(NotImplementedError, match="planned"):
-        rfattn.RandomFeatures(8, 8, feature="oprf")
-    with pytest.raises(NotImplementedError, match="planned"):
-        rfattn.RandomFeatures(8, 8, weights="sorf")
+    with pytest.raises(ValueError, match="cannot use weights='rademacher'"):
+        rfattn.RandomFeatures(8, 8, feature="posrf", weights="rademacher")
+    with pytest.raises(ValueError, match="valid weights for it: \\['rademacher'\\]"):
+        rfattn.RandomFeatures(8, 8, feature="rmf", weights="orf")
     with pytest.raises(ValueError, match="head_dim"):
         rfattn.RandomFeatures(0, 8)
     with pytest.raises(ValueError, match="num_features"):
         rfattn.RandomFeatures(8, 0)
     with pytest.raises(ValueError, match="num_features"):
         rfattn.RandomFeatures(8, 2.5)
-    with pytest.raises(ValueError, match="takes no options"):
+    with pytest.raises(ValueError, match="stats"):
         rfattn.RandomFeatures(8, 8, feature="posrf", stats="global")
     with pytest.raises(TypeError, match="seed"):
         rfattn.RandomFeatures(8, 8).redraw(seed="x")
