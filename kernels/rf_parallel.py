@@ -1,7 +1,8 @@
 """Fused non-causal random-feature attention, forward and backward, per (b, h):
 
     x = sqrt(scale) * q (or k)                                   [T, D]
-    u = x W^T - |x|^2 / 2                                        [T, M]   (posrf logits)
+    u = x W^T - |x|^2 / 2                                        [T, M]   (posrf logits; the
+                                                                 general form is below)
     a_i = exp(u_q(i) - m_i)      (m_i: per-row max over features)
     b_j = exp(u_k(j) - m_K)      (m_K: one offset per (b, h), over valid keys and features)
     S = sum_j b_j v_j^T   z = sum_j b_j                          [M, E], [M]   (accumulator dtype)
@@ -40,7 +41,12 @@ Layout: q, k ``[B, H, T, D]``, v ``[B, H, T, E]`` with arbitrary strides; W ``[M
 Limits: inputs fp32/fp16/bf16/fp64, one dtype; W is cast to it for the projection. Accumulation is
 fp32 (fp64 for fp64 inputs). Any D, E, M (tiles padded to powers of two >= 16; register pressure
 grows with D and E, meant for <= 256), any T >= 0, Tq != Tk.
-Feature kinds (constexpr ``FEATURE``): 0 = posrf.
+Feature kinds (constexpr ``FEATURE``): 0 = the real positive GERF family
+``u = A |w|^2 + B w . x~ - |x~|^2 / 2`` with per-(b, h) A, B (``gerf``) and input scales psi
+(``x~ = sqrt(scale) psi x`` for queries, ``sqrt(scale) x / psi`` for keys): posrf (A = 0, B = 1,
+psi = 1), hyprf (posrf on the rows [W; -W]), real gerf, oprf (A, B from statistics) and saderf
+(A, B and psi from statistics). The per-(b, h) constant log D cancels with the offsets and is
+dropped. A, B, psi are inputs held constant: no gradient flows to them.
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ __all__ = ["rf_parallel_fwd", "rf_parallel_bwd", "FEATURE_IDS", "INTERPRET"]
 #: Whether kernels were decorated under the Triton interpreter (read once, at import).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 #: feature name -> constexpr id understood by the kernels
-FEATURE_IDS = {"posrf": 0}
+FEATURE_IDS = {"gerf": 0}
 #: running-max sentinel: finite so that exp(sentinel - sentinel) = 1, not NaN
 _NEG = tl.constexpr(-1.0e30)
 _PRECISIONS = ("ieee", "tf32", "tf32x3")
@@ -77,23 +83,64 @@ _KEY = ["D", "M", "E", "FEATURE", "ACC"]
 
 
 @triton.jit
-def _logits_tile(b_xs, b_w, FEATURE: tl.constexpr, PRECISION: tl.constexpr):
-    """Logits u [BT, BM] of pre-scaled inputs b_xs [BT, BD] (acc dtype), rows b_w [BM, BD]."""
+def _gerf_coeffs(ab_ptr, i_bh, HAS_AB: tl.constexpr, ACC: tl.constexpr):
+    """(A, B) of the (b, h) in ``u = A |w|^2 + B w . x~ - |x~|^2 / 2`` (posrf: A = 0, B = 1)."""
+    if HAS_AB:
+        b_ca = tl.load(ab_ptr + i_bh * 2).to(ACC)
+        b_cb = tl.load(ab_ptr + i_bh * 2 + 1).to(ACC)
+    else:
+        b_ca = tl.zeros([], dtype=ACC)
+        b_cb = tl.full([], 1.0, dtype=ACC)
+    return b_ca, b_cb
+
+
+@triton.jit
+def _input_scale(
+    scale_ptr, psi_ptr, i_bh, o_d, m_d,
+    D: tl.constexpr, BD: tl.constexpr, HAS_PSI: tl.constexpr, IS_KEY: tl.constexpr,
+    ACC: tl.constexpr,
+):  # fmt: skip
+    """[BD] multiplier of raw rows giving x~: sqrt(scale) psi (queries), / psi (keys)."""
+    b_sc = tl.load(scale_ptr).to(ACC) * tl.full([BD], 1.0, dtype=ACC)
+    if HAS_PSI:
+        b_psi = tl.load(psi_ptr + i_bh * D + o_d, mask=m_d, other=1.0).to(ACC)
+        if IS_KEY:
+            b_sc = b_sc / b_psi
+        else:
+            b_sc = b_sc * b_psi
+    return b_sc
+
+
+@triton.jit
+def _logits_tile(b_xs, b_w, b_ca, b_cb, FEATURE: tl.constexpr, PRECISION: tl.constexpr):
+    """Logits u [BT, BM] of inputs x~ b_xs [BT, BD] (acc dtype) against rows b_w [BM, BD]."""
     # [BT, BD] @ [BD, BM] -> [BT, BM]
     b_u = tl.dot(b_xs.to(b_w.dtype), tl.trans(b_w), input_precision=PRECISION, out_dtype=b_xs.dtype)
-    if FEATURE == 0:  # posrf: omega . x - |x|^2 / 2
-        b_u = b_u - 0.5 * tl.sum(b_xs * b_xs, axis=1)[:, None]
+    if FEATURE == 0:  # real positive GERF: A |w|^2 + B w . x~ - |x~|^2 / 2
+        b_wf = b_w.to(b_xs.dtype)
+        b_nw = tl.sum(b_wf * b_wf, axis=1)  # [BM]
+        b_u = b_ca * b_nw[None, :] + b_cb * b_u - 0.5 * tl.sum(b_xs * b_xs, axis=1)[:, None]
     return b_u
 
 
 @triton.jit
-def _dlogits_dx_tile(b_du, b_xs, b_w, FEATURE: tl.constexpr, PRECISION: tl.constexpr):
-    """d(sum du * u)/dx [BT, BD] for one M tile: du [BT, BM], xs [BT, BD], w [BM, BD]."""
+def _dlogits_dx_tile(b_du, b_xs, b_w, b_cb, FEATURE: tl.constexpr, PRECISION: tl.constexpr):
+    """d(sum du * u)/dx~ [BT, BD] for one M tile: du [BT, BM], x~ [BT, BD], w [BM, BD]."""
     # [BT, BM] @ [BM, BD] -> [BT, BD]
     b_dx = tl.dot(b_du, b_w.to(b_du.dtype), input_precision=PRECISION, out_dtype=b_du.dtype)
-    if FEATURE == 0:  # posrf: du/dx = w_f - x
-        b_dx = b_dx - tl.sum(b_du, axis=1)[:, None] * b_xs
+    if FEATURE == 0:  # du/dx~ = B w_f - x~
+        b_dx = b_cb * b_dx - tl.sum(b_du, axis=1)[:, None] * b_xs
     return b_dx
+
+
+@triton.jit
+def _dlogits_dw_tile(b_du, b_xs, b_w, b_ca, b_cb, FEATURE: tl.constexpr, PRECISION: tl.constexpr):
+    """d(sum du * u)/dW [BM, BD] for one token tile: du [BT, BM], x~ [BT, BD], w [BM, BD]."""
+    # [BM, BT] @ [BT, BD] -> [BM, BD]
+    b_dw = tl.dot(tl.trans(b_du), b_xs, input_precision=PRECISION, out_dtype=b_du.dtype)
+    if FEATURE == 0:  # du/dw_f = B x~ + 2 A w_f
+        b_dw = b_cb * b_dw + 2.0 * b_ca * tl.sum(b_du, axis=0)[:, None] * b_w.to(b_du.dtype)
+    return b_dw
 
 
 @triton.jit
@@ -116,7 +163,7 @@ def _valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD: tl.constexp
 @triton.autotune(configs=_configs(), key=_KEY)
 @triton.jit
 def _fwd_kv_kernel(
-    k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, sp_ptr, zp_ptr, mp_ptr,
+    k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ab_ptr, psi_ptr, sp_ptr, zp_ptr, mp_ptr,
     T, H, NUM_SPLITS, t_per_split,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
@@ -124,6 +171,7 @@ def _fwd_kv_kernel(
     D: tl.constexpr, M: tl.constexpr, E: tl.constexpr,
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
     HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr,
 ):  # fmt: skip
     """Partial (m, S, z) of one M tile over one T split of one (b, h)."""
     i_m, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
@@ -131,7 +179,8 @@ def _fwd_kv_kernel(
     NMT: tl.constexpr = (M + BM - 1) // BM
     o_d, o_e, o_f = tl.arange(0, BD), tl.arange(0, BE), i_m * BM + tl.arange(0, BM)
     m_d, m_e, m_f = o_d < D, o_e < E, o_f < M
-    sqrt_scale = tl.load(scale_ptr).to(ACC)
+    b_ca, b_cb = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_sc = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
     p_w = w_ptr + o_f[:, None] * stride_wm + o_d[None, :] * stride_wd
     b_w = tl.load(p_w, mask=m_f[:, None] & m_d[None, :], other=0.0)  # [BM, BD]
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
@@ -144,8 +193,8 @@ def _fwd_kv_kernel(
     for t in range(0, t_per_split, BT):
         o_t = t0 + t + tl.arange(0, BT)
         m_t = _valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
-        b_xs = _load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, ACC) * sqrt_scale
-        b_u = _logits_tile(b_xs, b_w, FEATURE, PRECISION)  # [BT, BM]
+        b_xs = _load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, ACC) * b_sc[None, :]
+        b_u = _logits_tile(b_xs, b_w, b_ca, b_cb, FEATURE, PRECISION)  # [BT, BM]
         b_u = tl.where(m_t[:, None] & m_f[None, :], b_u, float("-inf"))
         b_mx_new = tl.maximum(b_mx, tl.max(tl.max(b_u, axis=1), axis=0))
         b_alpha = tl.exp(b_mx - b_mx_new)
@@ -202,14 +251,15 @@ def _fwd_merge_kernel(
 @triton.autotune(configs=_configs(), key=_KEY)
 @triton.jit
 def _fwd_q_kernel(
-    q_ptr, w_ptr, scale_ptr, s_ptr, z_ptr, o_ptr, mq_ptr, den_ptr,
+    q_ptr, w_ptr, scale_ptr, ab_ptr, psi_ptr, s_ptr, z_ptr, o_ptr, mq_ptr, den_ptr,
     T, H,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_wm, stride_wd,
     stride_ob, stride_oh, stride_ot, stride_oe,
     D: tl.constexpr, M: tl.constexpr, E: tl.constexpr,
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
-    FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr, TINY: tl.constexpr,
+    FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, TINY: tl.constexpr,
 ):  # fmt: skip
     """out [BT, E] of one query tile of one (b, h): online per-row max over M tiles."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
@@ -218,9 +268,10 @@ def _fwd_q_kernel(
     o_t = i_t.to(tl.int64) * BT + tl.arange(0, BT)
     o_d, o_e = tl.arange(0, BD), tl.arange(0, BE)
     m_t, m_d, m_e = o_t < T, o_d < D, o_e < E
-    sqrt_scale = tl.load(scale_ptr).to(ACC)
+    b_ca, b_cb = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_sc = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)  # [BD]
     q_base = q_ptr + i_b * stride_qb + i_h * stride_qh
-    b_xs = _load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_t, m_d, ACC) * sqrt_scale
+    b_xs = _load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_t, m_d, ACC) * b_sc[None, :]
     b_mx = tl.full([BT], _NEG, dtype=ACC)
     b_num = tl.zeros([BT, BE], dtype=ACC)
     b_den = tl.zeros([BT], dtype=ACC)
@@ -229,7 +280,7 @@ def _fwd_q_kernel(
         m_f = o_f < M
         p_w = w_ptr + o_f[:, None] * stride_wm + o_d[None, :] * stride_wd
         b_w = tl.load(p_w, mask=m_f[:, None] & m_d[None, :], other=0.0)  # [BM, BD]
-        b_u = _logits_tile(b_xs, b_w, FEATURE, PRECISION)  # [BT, BM]
+        b_u = _logits_tile(b_xs, b_w, b_ca, b_cb, FEATURE, PRECISION)  # [BT, BM]
         b_u = tl.where(m_f[None, :], b_u, float("-inf"))
         b_mx_new = tl.maximum(b_mx, tl.max(b_u, axis=1))  # [BT]
         b_alpha = tl.exp(b_mx - b_mx_new)
@@ -274,7 +325,7 @@ def _query_cotangents(
 @triton.autotune(configs=_configs(), key=_KEY + ["W_GRAD"])
 @triton.jit
 def _bwd_ds_kernel(
-    q_ptr, w_ptr, scale_ptr, s_ptr, z_ptr, o_ptr, do_ptr, mq_ptr, den_ptr,
+    q_ptr, w_ptr, scale_ptr, ab_ptr, psi_ptr, s_ptr, z_ptr, o_ptr, do_ptr, mq_ptr, den_ptr,
     dsp_ptr, dzp_ptr, dwp_ptr,
     T, H, NUM_SPLITS, t_per_split,
     stride_qb, stride_qh, stride_qt, stride_qd,
@@ -283,14 +334,16 @@ def _bwd_ds_kernel(
     stride_dob, stride_doh, stride_dot, stride_doe,
     D: tl.constexpr, M: tl.constexpr, E: tl.constexpr,
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
-    FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr, W_GRAD: tl.constexpr,
+    FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, W_GRAD: tl.constexpr,
 ):  # fmt: skip
     """Partial dS [BM, E], dz [BM] (and dW from queries [BM, D]) over one Tq split."""
     i_m, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     o_d, o_e, o_f = tl.arange(0, BD), tl.arange(0, BE), i_m * BM + tl.arange(0, BM)
     m_d, m_e, m_f = o_d < D, o_e < E, o_f < M
-    sqrt_scale = tl.load(scale_ptr).to(ACC)
+    b_ca, b_cb = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_sc = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)  # [BD]
     p_w = w_ptr + o_f[:, None] * stride_wm + o_d[None, :] * stride_wd
     b_w = tl.load(p_w, mask=m_f[:, None] & m_d[None, :], other=0.0)  # [BM, BD]
     b_s = tl.load(s_ptr + i_bh * M * E + o_f[:, None] * E + o_e[None, :],
@@ -307,9 +360,9 @@ def _bwd_ds_kernel(
     for t in range(0, t_per_split, BT):
         o_t = t0 + t + tl.arange(0, BT)
         m_t = o_t < T
-        b_xs = _load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_t, m_d, ACC) * sqrt_scale
+        b_xs = _load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_t, m_d, ACC) * b_sc[None, :]
         b_mq = tl.load(mq_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
-        b_u = _logits_tile(b_xs, b_w, FEATURE, PRECISION)  # [BT, BM]
+        b_u = _logits_tile(b_xs, b_w, b_ca, b_cb, FEATURE, PRECISION)  # [BT, BM]
         b_a = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_u - b_mq[:, None]), 0.0)
         b_g, b_c = _query_cotangents(do_base, o_base, den_ptr, i_bh, o_t, o_e, T, m_t, m_e,
                                      stride_dot, stride_doe, stride_ot, stride_oe, ACC)  # fmt: skip
@@ -323,7 +376,7 @@ def _bwd_ds_kernel(
                 + b_c[:, None] * b_z[None, :]
             )
             # dW_f += sum_t du(t, f) x_t: [BM, BT] @ [BT, BD] -> [BM, BD]
-            b_dw += tl.dot(tl.trans(b_a * b_da), b_xs, input_precision=PRECISION, out_dtype=ACC)
+            b_dw += _dlogits_dw_tile(b_a * b_da, b_xs, b_w, b_ca, b_cb, FEATURE, PRECISION)
 
     i_part = i_bh * NUM_SPLITS + i_s
     tl.store(dsp_ptr + i_part * M * E + o_f[:, None] * E + o_e[None, :], b_ds,
@@ -337,7 +390,7 @@ def _bwd_ds_kernel(
 @triton.autotune(configs=_configs(), key=_KEY)
 @triton.jit
 def _bwd_dq_kernel(
-    q_ptr, w_ptr, scale_ptr, s_ptr, z_ptr, o_ptr, do_ptr, mq_ptr, den_ptr, dq_ptr,
+    q_ptr, w_ptr, scale_ptr, ab_ptr, psi_ptr, s_ptr, z_ptr, o_ptr, do_ptr, mq_ptr, den_ptr, dq_ptr,
     T, H,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_wm, stride_wd,
@@ -347,6 +400,7 @@ def _bwd_dq_kernel(
     D: tl.constexpr, M: tl.constexpr, E: tl.constexpr,
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
     FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr,
 ):  # fmt: skip
     """dq [BT, D] of one query tile: du_q = a * (g S^T + c z), dq = sqrt(scale) dx."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
@@ -355,9 +409,10 @@ def _bwd_dq_kernel(
     o_t = i_t.to(tl.int64) * BT + tl.arange(0, BT)
     o_d, o_e = tl.arange(0, BD), tl.arange(0, BE)
     m_t, m_d, m_e = o_t < T, o_d < D, o_e < E
-    sqrt_scale = tl.load(scale_ptr).to(ACC)
+    b_ca, b_cb = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_sc = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)  # [BD]
     q_base = q_ptr + i_b * stride_qb + i_h * stride_qh
-    b_xs = _load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_t, m_d, ACC) * sqrt_scale
+    b_xs = _load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_t, m_d, ACC) * b_sc[None, :]
     b_mq = tl.load(mq_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
     b_g, b_c = _query_cotangents(do_ptr + i_b * stride_dob + i_h * stride_doh,
                                  o_ptr + i_b * stride_ob + i_h * stride_oh, den_ptr, i_bh, o_t,
@@ -372,14 +427,14 @@ def _bwd_dq_kernel(
         b_s = tl.load(s_ptr + i_bh * M * E + o_f[:, None] * E + o_e[None, :],
                       mask=m_f[:, None] & m_e[None, :], other=0.0)  # [BM, BE]  # fmt: skip
         b_z = tl.load(z_ptr + i_bh * M + o_f, mask=m_f, other=0.0)  # [BM]
-        b_u = _logits_tile(b_xs, b_w, FEATURE, PRECISION)  # [BT, BM]
+        b_u = _logits_tile(b_xs, b_w, b_ca, b_cb, FEATURE, PRECISION)  # [BT, BM]
         b_a = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_u - b_mq[:, None]), 0.0)
         # da = g S^T + c z: [BT, BE] @ [BE, BM] -> [BT, BM]
         b_da = (
             tl.dot(b_g, tl.trans(b_s), input_precision=PRECISION, out_dtype=ACC)
             + b_c[:, None] * b_z[None, :]
         )
-        b_dx += _dlogits_dx_tile(b_a * b_da, b_xs, b_w, FEATURE, PRECISION)
+        b_dx += _dlogits_dx_tile(b_a * b_da, b_xs, b_w, b_cb, FEATURE, PRECISION)
     p_dq = (
         dq_ptr
         + i_b * stride_dqb
@@ -388,14 +443,15 @@ def _bwd_dq_kernel(
         + o_d[None, :] * stride_dqd
     )
     tl.store(
-        p_dq, (b_dx * sqrt_scale).to(dq_ptr.dtype.element_ty), mask=m_t[:, None] & m_d[None, :]
+        p_dq, (b_dx * b_sc[None, :]).to(dq_ptr.dtype.element_ty), mask=m_t[:, None] & m_d[None, :]
     )
 
 
 @triton.autotune(configs=_configs(), key=_KEY)
 @triton.jit
 def _bwd_dkv_kernel(
-    k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ds_ptr, dz_ptr, mk_ptr, dk_ptr, dv_ptr,
+    k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ab_ptr, psi_ptr,
+    ds_ptr, dz_ptr, mk_ptr, dk_ptr, dv_ptr,
     T, H,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
@@ -405,6 +461,7 @@ def _bwd_dkv_kernel(
     D: tl.constexpr, M: tl.constexpr, E: tl.constexpr,
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
     HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr,
 ):  # fmt: skip
     """dk [BT, D], dv [BT, E] of one key tile: db = v dS^T + dz, du_k = b * db, dv = b dS."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
@@ -414,10 +471,11 @@ def _bwd_dkv_kernel(
     o_d, o_e = tl.arange(0, BD), tl.arange(0, BE)
     m_in, m_d, m_e = o_t < T, o_d < D, o_e < E
     m_t = _valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
-    sqrt_scale = tl.load(scale_ptr).to(ACC)
+    b_ca, b_cb = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_sc = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
     b_mk = tl.load(mk_ptr + i_bh)
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
-    b_xs = _load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, ACC) * sqrt_scale
+    b_xs = _load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, ACC) * b_sc[None, :]
     b_v = _load_rows(v_ptr + i_b * stride_vb + i_h * stride_vh, o_t, o_e, stride_vt, stride_ve,
                      m_t, m_e, ACC)  # [BT, BE]  # fmt: skip
     b_dx = tl.zeros([BT, BD], dtype=ACC)
@@ -430,11 +488,11 @@ def _bwd_dkv_kernel(
         b_ds = tl.load(ds_ptr + i_bh * M * E + o_f[:, None] * E + o_e[None, :],
                        mask=m_f[:, None] & m_e[None, :], other=0.0)  # [BM, BE]  # fmt: skip
         b_dz = tl.load(dz_ptr + i_bh * M + o_f, mask=m_f, other=0.0)  # [BM]
-        b_u = _logits_tile(b_xs, b_w, FEATURE, PRECISION)  # [BT, BM]
+        b_u = _logits_tile(b_xs, b_w, b_ca, b_cb, FEATURE, PRECISION)  # [BT, BM]
         b_b = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_u - b_mk), 0.0)
         # db = v dS^T + dz: [BT, BE] @ [BE, BM] -> [BT, BM]
         b_db = tl.dot(b_v, tl.trans(b_ds), input_precision=PRECISION, out_dtype=ACC) + b_dz[None, :]
-        b_dx += _dlogits_dx_tile(b_b * b_db, b_xs, b_w, FEATURE, PRECISION)
+        b_dx += _dlogits_dx_tile(b_b * b_db, b_xs, b_w, b_cb, FEATURE, PRECISION)
         # [BT, BM] @ [BM, BE] -> [BT, BE]
         b_dv += tl.dot(b_b, b_ds, input_precision=PRECISION, out_dtype=ACC)
     p_dk = (
@@ -445,7 +503,7 @@ def _bwd_dkv_kernel(
         + o_d[None, :] * stride_dkd
     )
     tl.store(
-        p_dk, (b_dx * sqrt_scale).to(dk_ptr.dtype.element_ty), mask=m_in[:, None] & m_d[None, :]
+        p_dk, (b_dx * b_sc[None, :]).to(dk_ptr.dtype.element_ty), mask=m_in[:, None] & m_d[None, :]
     )
     p_dv = (
         dv_ptr
@@ -460,7 +518,7 @@ def _bwd_dkv_kernel(
 @triton.autotune(configs=_configs(), key=_KEY)
 @triton.jit
 def _bwd_dwk_kernel(
-    k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ds_ptr, dz_ptr, mk_ptr, dwp_ptr,
+    k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ab_ptr, psi_ptr, ds_ptr, dz_ptr, mk_ptr, dwp_ptr,
     T, H, NUM_SPLITS, t_per_split,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
@@ -468,13 +526,15 @@ def _bwd_dwk_kernel(
     D: tl.constexpr, M: tl.constexpr, E: tl.constexpr,
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
     HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr,
 ):  # fmt: skip
     """Partial dW [BM, D] from the keys of one Tk split: sum_j du_k(j, f) y_j."""
     i_m, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     o_d, o_e, o_f = tl.arange(0, BD), tl.arange(0, BE), i_m * BM + tl.arange(0, BM)
     m_d, m_e, m_f = o_d < D, o_e < E, o_f < M
-    sqrt_scale = tl.load(scale_ptr).to(ACC)
+    b_ca, b_cb = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_sc = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
     b_mk = tl.load(mk_ptr + i_bh)
     p_w = w_ptr + o_f[:, None] * stride_wm + o_d[None, :] * stride_wd
     b_w = tl.load(p_w, mask=m_f[:, None] & m_d[None, :], other=0.0)  # [BM, BD]
@@ -488,13 +548,13 @@ def _bwd_dwk_kernel(
     for t in range(0, t_per_split, BT):
         o_t = t0 + t + tl.arange(0, BT)
         m_t = _valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
-        b_xs = _load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, ACC) * sqrt_scale
+        b_xs = _load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, ACC) * b_sc[None, :]
         b_v = _load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_t, m_e, ACC)
-        b_u = _logits_tile(b_xs, b_w, FEATURE, PRECISION)  # [BT, BM]
+        b_u = _logits_tile(b_xs, b_w, b_ca, b_cb, FEATURE, PRECISION)  # [BT, BM]
         b_b = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_u - b_mk), 0.0)
         b_db = tl.dot(b_v, tl.trans(b_ds), input_precision=PRECISION, out_dtype=ACC) + b_dz[None, :]
         # [BM, BT] @ [BT, BD] -> [BM, BD]
-        b_dw += tl.dot(tl.trans(b_b * b_db), b_xs, input_precision=PRECISION, out_dtype=ACC)
+        b_dw += _dlogits_dw_tile(b_b * b_db, b_xs, b_w, b_ca, b_cb, FEATURE, PRECISION)
     i_part = i_bh * NUM_SPLITS + i_s
     tl.store(dwp_ptr + i_part * M * D + o_f[:, None] * D + o_d[None, :], b_dw,
              mask=m_f[:, None] & m_d[None, :])  # fmt: skip
@@ -553,7 +613,7 @@ def _splits(T: int, programs_per_split: int, device: torch.device, num_splits: i
 class _Setup:
     """Sizes, tiles and dtypes shared by the forward and backward launchers."""
 
-    def __init__(self, q, k, v, w, scale, key_padding_mask, feature, precision):
+    def __init__(self, q, k, v, w, scale, key_padding_mask, feature, precision, gerf, psi):
         if feature not in FEATURE_IDS:
             raise ValueError(f"feature={feature!r} has no fused kernel; have {sorted(FEATURE_IDS)}")
         self.B, self.H, self.Tq, self.D = q.shape
@@ -580,8 +640,23 @@ class _Setup:
         else:
             self.pad = (self.scale, 0, 0)  # never read
         self.has_pad = key_padding_mask is not None
+        # per-(b, h) parameters, broadcast from [B, H, ...] or [1, 1, ...]; fp32/fp64 contiguous
+        self.ab = self.scale if gerf is None else self._per_head(gerf, (2,), "gerf", q.device)
+        self.psi = self.scale if psi is None else self._per_head(psi, (self.D,), "psi", q.device)
         self.meta = dict(D=self.D, M=self.M, E=self.E, BD=self.BD, BM=self.BM, BE=self.BE,
-                         FEATURE=self.fid, PRECISION=precision, ACC=self.ACC)  # fmt: skip
+                         FEATURE=self.fid, PRECISION=precision, ACC=self.ACC,
+                         HAS_AB=gerf is not None, HAS_PSI=psi is not None)  # fmt: skip
+
+    def _per_head(self, x: torch.Tensor, tail: tuple, name: str, device) -> torch.Tensor:
+        """``x`` broadcast to ``[B*H, *tail]`` in the accumulation dtype (the kernels index it)."""
+        try:
+            x = x.detach().to(device=device, dtype=self.acc).expand(self.B, self.H, *tail)
+        except RuntimeError:
+            raise ValueError(
+                f"{name} must broadcast to [B, H, {', '.join(map(str, tail))}], "
+                f"got {tuple(x.shape)}"
+            ) from None
+        return x.reshape(self.B * self.H, *tail).contiguous()
 
     def acc_empty(self, *shape, device):
         return torch.empty(*shape, device=device, dtype=self.acc)
@@ -594,10 +669,12 @@ def rf_parallel_fwd(
     w: torch.Tensor,
     scale: float,
     key_padding_mask: torch.Tensor | None = None,
-    feature: str = "posrf",
+    feature: str = "gerf",
     precision: str | None = None,
     num_splits: int | None = None,
     return_aux: bool = False,
+    gerf: torch.Tensor | None = None,
+    psi: torch.Tensor | None = None,
 ):
     """Non-causal fused random-feature attention forward.
 
@@ -611,13 +688,18 @@ def rf_parallel_fwd(
             default "ieee" for fp32/fp64 inputs, "tf32" for fp16/bf16 inputs.
         num_splits: programs sharing one (b, h)'s keys (default: fill the device).
         return_aux: also return what the backward needs.
+        gerf: optional ``(A, B)`` per (b, h), broadcastable to ``[B, H, 2]``: logits
+            ``A |w|^2 + B w . x~ - |x~|^2 / 2`` (default posrf: A = 0, B = 1). Held constant
+            (no gradient).
+        psi: optional per-(b, h) input scales, broadcastable to ``[B, H, D]``:
+            ``x~ = psi * x`` for queries, ``x~ = x / psi`` for keys (saderf). No gradient.
 
     Returns:
         ``out [B, H, Tq, E]`` in the input dtype; with ``return_aux`` also
         ``(S [B*H, M, E], z [B*H, M], m_K [B*H], m_q [B*H, Tq], den [B*H, Tq])``.
     """
     _check_inputs(q, k, v, w, key_padding_mask)
-    c = _Setup(q, k, v, w, scale, key_padding_mask, feature, precision)
+    c = _Setup(q, k, v, w, scale, key_padding_mask, feature, precision, gerf, psi)
     B, H, Tq, Tk, M, E, NMT, dev = c.B, c.H, c.Tq, c.Tk, c.M, c.E, c.NMT, q.device
     out = torch.empty(B, H, Tq, E, device=dev, dtype=q.dtype)
     s, z, mk = c.acc_empty(B * H, M, E, device=dev), c.acc_empty(B * H, M, device=dev), None
@@ -629,7 +711,7 @@ def rf_parallel_fwd(
     z_part = c.acc_empty(B * H * splits, M, device=dev)
     m_part = c.acc_empty(B * H * splits, NMT, device=dev)
     _fwd_kv_kernel[(NMT, splits, B * H)](
-        k, v, c.w, c.pad[0], c.scale, s_part, z_part, m_part,
+        k, v, c.w, c.pad[0], c.scale, c.ab, c.psi, s_part, z_part, m_part,
         Tk, H, splits, per if Tk else 0,
         *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
         HAS_PAD=c.has_pad, **c.meta,
@@ -641,7 +723,7 @@ def rf_parallel_fwd(
     )  # fmt: skip
     if Tq:
         _fwd_q_kernel[lambda meta: (triton.cdiv(Tq, meta["BT"]), B * H)](
-            q, c.w, c.scale, s, z, out, mq, den,
+            q, c.w, c.scale, c.ab, c.psi, s, z, out, mq, den,
             Tq, H, *q.stride(), *c.w.stride(), *out.stride(),
             TINY=c.tiny, **c.meta,
         )  # fmt: skip
@@ -658,23 +740,26 @@ def rf_parallel_bwd(
     out: torch.Tensor,
     aux: tuple,
     key_padding_mask: torch.Tensor | None = None,
-    feature: str = "posrf",
+    feature: str = "gerf",
     precision: str | None = None,
     need_dw: bool = False,
     num_splits: int | None = None,
+    gerf: torch.Tensor | None = None,
+    psi: torch.Tensor | None = None,
 ):
     """Backward of :func:`rf_parallel_fwd`: features recomputed, offsets from the forward.
 
     Args:
         do: ``[B, H, Tq, E]`` cotangent of the output (any strides).
-        q, k, v, w, scale, key_padding_mask, feature, precision: as given to the forward.
+        q, k, v, w, scale, key_padding_mask, feature, precision, gerf, psi: as given to the
+            forward.
         out, aux: the forward's output and auxiliaries (``return_aux=True``).
         need_dw: also compute the gradient of W.
 
     Returns:
         ``(dq, dk, dv, dw)``; ``dw`` is None unless ``need_dw`` (then ``[M, D]`` in w's dtype).
     """
-    c = _Setup(q, k, v, w, scale, key_padding_mask, feature, precision)
+    c = _Setup(q, k, v, w, scale, key_padding_mask, feature, precision, gerf, psi)
     B, H, Tq, Tk, M, D, E, NMT, dev = c.B, c.H, c.Tq, c.Tk, c.M, c.D, c.E, c.NMT, q.device
     s, z, mk, mq, den = aux
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -687,7 +772,7 @@ def rf_parallel_bwd(
     dz_part = c.acc_empty(B * H * splits, M, device=dev)
     dw_part = c.acc_empty(B * H * splits, M, D, device=dev) if need_dw else ds_part
     _bwd_ds_kernel[(NMT, splits, B * H)](
-        q, c.w, c.scale, s, z, out, do, mq, den, ds_part, dz_part, dw_part,
+        q, c.w, c.scale, c.ab, c.psi, s, z, out, do, mq, den, ds_part, dz_part, dw_part,
         Tq, H, splits, per if Tq else 0,
         *q.stride(), *c.w.stride(), *out.stride(), *do.stride(),
         W_GRAD=need_dw, **c.meta,
@@ -699,13 +784,13 @@ def rf_parallel_bwd(
         dw += dw_part.view(B * H * splits, M, D).sum(0)
     if Tq:
         _bwd_dq_kernel[lambda meta: (triton.cdiv(Tq, meta["BT"]), B * H)](
-            q, c.w, c.scale, s, z, out, do, mq, den, dq,
+            q, c.w, c.scale, c.ab, c.psi, s, z, out, do, mq, den, dq,
             Tq, H, *q.stride(), *c.w.stride(), *out.stride(), *do.stride(), *dq.stride(),
             **c.meta,
         )  # fmt: skip
     if Tk:
         _bwd_dkv_kernel[lambda meta: (triton.cdiv(Tk, meta["BT"]), B * H)](
-            k, v, c.w, c.pad[0], c.scale, ds, dz, mk, dk, dv,
+            k, v, c.w, c.pad[0], c.scale, c.ab, c.psi, ds, dz, mk, dk, dv,
             Tk, H, *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
             *dk.stride(), *dv.stride(),
             HAS_PAD=c.has_pad, **c.meta,
@@ -714,7 +799,7 @@ def rf_parallel_bwd(
             ksplits, kper = _splits(Tk, B * H * NMT, dev, num_splits)
             dwk_part = c.acc_empty(B * H * ksplits, M, D, device=dev)
             _bwd_dwk_kernel[(NMT, ksplits, B * H)](
-                k, v, c.w, c.pad[0], c.scale, ds, dz, mk, dwk_part,
+                k, v, c.w, c.pad[0], c.scale, c.ab, c.psi, ds, dz, mk, dwk_part,
                 Tk, H, ksplits, kper,
                 *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
                 HAS_PAD=c.has_pad, **c.meta,

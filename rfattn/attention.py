@@ -182,15 +182,42 @@ def _causal_torch(
     return out, RFState(s, z, off)
 
 
+#: features the fused non-causal kernel computes: all are the real positive GERF family
+#: ``u = A |w|^2 + B w . x~ - |x~|^2 / 2`` (kernel FEATURE 0) with per-(b, h) A, B, psi.
+_GERF_FAMILY = ("posrf", "hyprf", "gerf", "oprf", "saderf")
+
+
 def _no_kernel_reason(rf, causal: bool) -> str | None:
     """Why no fused kernel can run this call, or None when one can."""
+    fm = rf.feature_map
     if causal:
         return "causal fused Triton kernels are not implemented yet"
-    if rf.feature_map.kernel_id is None:
-        return f"feature={rf.feature!r} has no fused Triton kernel yet"
+    if rf.feature not in _GERF_FAMILY or not fm.positive:
+        return f"feature={rf.feature!r} (as configured) has no fused Triton kernel yet"
+    if getattr(fm, "stats_grad", False):
+        return "stats_grad=True (gradients through the statistics) needs the torch path"
     if rf.weights == "sgq":
         return "the fused kernels do not apply sgq's quadrature weights (component_weight) yet"
     return None
+
+
+def _gerf_form(rf, q, k, key_padding_mask, scale):
+    """The fused kernel's inputs for ``rf``: (W to project by, per-(b, h) (A, B) or None,
+    per-(b, h) psi or None). Statistics come from the feature map itself (one place)."""
+    fm, w = rf.feature_map, rf.weight
+    if rf.feature == "posrf":
+        return w, None, None
+    if rf.feature == "hyprf":  # [exp(w.x), exp(-w.x)] = posrf on the rows [W; -W]
+        return torch.cat((w, -w), dim=0), None, None
+    if rf.feature == "gerf":
+        a = fm.A.real
+        return w, torch.tensor([a, math.sqrt(1.0 - 4.0 * a)], dtype=torch.float64), None
+    # oprf, saderf: statistics of the pre-scaled inputs (held constant: stats_grad=False)
+    with torch.no_grad():
+        p = fm.params(prescale(q, scale), prescale(k, scale), key_padding_mask, causal=False)
+    ab = torch.cat((p["A"], p["B"]), dim=-1).flatten(-2)  # [B|1, H|1, 2]
+    psi = p["psi"].squeeze(-2) if "psi" in p else None  # [B|1, H|1, D]
+    return w, ab, psi
 
 
 def _use_triton(q, rf, causal) -> bool:
@@ -242,7 +269,8 @@ def rf_attention(
             raise NotImplementedError(f"{reason}; use backend='torch'")
         from rfattn.autograd import rf_parallel
 
-        return rf_parallel(q, k, v, rf.weight, scale, key_padding_mask, rf.feature)
+        w, gerf, psi = _gerf_form(rf, q, k, key_padding_mask, scale)
+        return rf_parallel(q, k, v, w, scale, key_padding_mask, gerf=gerf, psi=psi)
 
     cdt = compute_dtype(q.dtype)
     w = rf.weight.to(device=q.device, dtype=cdt)

@@ -16,15 +16,15 @@ class RFParallelFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, w, scale, key_padding_mask, feature, precision):
+    def forward(ctx, q, k, v, w, scale, key_padding_mask, gerf, psi, precision):
         from rfattn.kernels.rf_parallel import rf_parallel_fwd
 
         out, aux = rf_parallel_fwd(
-            q, k, v, w, scale, key_padding_mask=key_padding_mask, feature=feature,
-            precision=precision, return_aux=True,
+            q, k, v, w, scale, key_padding_mask=key_padding_mask, precision=precision,
+            return_aux=True, gerf=gerf, psi=psi,
         )  # fmt: skip
-        ctx.save_for_backward(q, k, v, w, out, key_padding_mask, *aux)
-        ctx.scale, ctx.feature, ctx.precision = scale, feature, precision
+        ctx.save_for_backward(q, k, v, w, out, key_padding_mask, gerf, psi, *aux)
+        ctx.scale, ctx.precision = scale, precision
         ctx.mark_non_differentiable(*[x for x in aux if x is not None])
         return out
 
@@ -32,14 +32,16 @@ class RFParallelFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         from rfattn.kernels.rf_parallel import rf_parallel_bwd
 
-        q, k, v, w, out, key_padding_mask, *aux = ctx.saved_tensors
+        q, k, v, w, out, key_padding_mask, gerf, psi, *aux = ctx.saved_tensors
         dq, dk, dv, dw = rf_parallel_bwd(
             grad_out, q, k, v, w, ctx.scale, out, tuple(aux), key_padding_mask=key_padding_mask,
-            feature=ctx.feature, precision=ctx.precision, need_dw=ctx.needs_input_grad[3],
+            precision=ctx.precision, need_dw=ctx.needs_input_grad[3], gerf=gerf, psi=psi,
         )  # fmt: skip
-        return dq, dk, dv, dw, None, None, None, None
+        return dq, dk, dv, dw, None, None, None, None, None
 
 
-def rf_parallel(q, k, v, w, scale, key_padding_mask=None, feature="posrf", precision=None):
-    """Apply :class:`RFParallelFunction` (see ``rfattn.kernels.rf_parallel.rf_parallel_fwd``)."""
-    return RFParallelFunction.apply(q, k, v, w, scale, key_padding_mask, feature, precision)
+def rf_parallel(q, k, v, w, scale, key_padding_mask=None, gerf=None, psi=None, precision=None):
+    """Fused non-causal attention with real positive GERF features (posrf when ``gerf`` and
+    ``psi`` are None); see ``rfattn.kernels.rf_parallel.rf_parallel_fwd`` for the arguments.
+    Gradients reach q, k, v and W (not the per-(b, h) parameters ``gerf``, ``psi``)."""
+    return RFParallelFunction.apply(q, k, v, w, scale, key_padding_mask, gerf, psi, precision)

@@ -3,10 +3,13 @@
 On CPU these run under the Triton interpreter (conftest sets TRITON_INTERPRET=1): shapes are small.
 """
 
+import copy
+
 import pytest
 import torch
 
 import rfattn
+from rfattn.autograd import rf_parallel
 from rfattn.reference import linear_attention
 from rfattn.testing import rel_rms, tolerance
 
@@ -138,7 +141,7 @@ def grad_parity(q, k, v, rf, mask=None, scale=None, learn_w=False, seed=0, zero=
     reported instead."""
     w = rf.weight.detach().clone().requires_grad_(learn_w)
     args = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    out = rfattn.autograd.rf_parallel(*args, w, scale or q.shape[-1] ** -0.5, mask)
+    out = rf_parallel(*args, w, scale or q.shape[-1] ** -0.5, mask)
     g = torch.Generator().manual_seed(seed)
     do = torch.randn(out.shape, generator=g, dtype=torch.float64)
     out.backward(do.to(out.device, out.dtype))
@@ -197,7 +200,7 @@ def test_gradcheck_float64_tiny(kernel_device):
     v = rand(1, 1, 4, 2, seed=3, dtype=f64, device=kernel_device).requires_grad_()
     w = rfattn.RandomFeatures(5, 3, seed=0).weight.to(kernel_device, f64).requires_grad_()
     mask = torch.tensor([[False, True, False, False]], device=kernel_device)
-    fn = rfattn.autograd.rf_parallel
+    fn = rf_parallel
     assert torch.autograd.gradcheck(lambda a, b, c, d: fn(a, b, c, d, 0.3, mask), (q, k, v, w))
 
 
@@ -302,3 +305,48 @@ def test_sgq_weights_not_fused_yet(kernel_device):
     q = rand(1, 1, 8, 4, seed=1, device=kernel_device)
     with pytest.raises(NotImplementedError, match="sgq"):
         run(q, q, q, rf)
+
+
+GERF_FAMILY = [
+    ("hyprf", {}),
+    ("gerf", {"A": -0.1}),
+    ("oprf", {}),
+    ("oprf", {"stats": "fixed", "A": -0.05}),
+    ("saderf", {}),
+]
+
+
+@pytest.mark.parametrize("feature,opts", GERF_FAMILY, ids=lambda x: str(x))
+def test_gerf_family_parity_outputs_and_gradients(feature, opts, kernel_device):
+    """Every real positive GERF feature through the kernel vs the float64 torch path (same W,
+    same statistics rule), with a padding mask, different query / key scales and dW."""
+    B, H, T, D, M, E = 2, 2, 90, 16, 24, 16
+    q = rand(B, H, T, D, seed=1, scale=0.8, device=kernel_device)
+    k = rand(B, H, T, D, seed=2, scale=0.4, device=kernel_device)
+    k[..., :4] *= 3.0  # per-dimension scales differ: saderf's psi is not 1
+    v = rand(B, H, T, E, seed=3, device=kernel_device)
+    mask = (torch.rand(B, T, generator=torch.Generator().manual_seed(2)) < 0.25).to(kernel_device)
+    rf = rfattn.RandomFeatures(D, M, feature=feature, seed=4, **opts).to(kernel_device)
+    rf64 = copy.deepcopy(rf).double()
+    args = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = rfattn.rf_attention(*args, rf, key_padding_mask=mask, backend="triton")
+    ref_args = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = rfattn.rf_attention(*ref_args, rf64, key_padding_mask=mask, backend="torch")
+    do = torch.randn(ref.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    out.backward(do.to(kernel_device, f32))
+    ref.backward(do.to(kernel_device))
+    assert rel_rms(out, ref) <= tolerance(f32)
+    for a, b in zip(args, ref_args, strict=True):
+        assert rel_rms(a.grad, b.grad) <= tolerance(f32, "grad")
+    # the fused result is not the posrf one: the feature's parameters reach the kernel
+    plain = rfattn.RandomFeatures(D, M, seed=4).to(kernel_device)
+    assert rel_rms(rfattn.rf_attention(q, k, v, plain, key_padding_mask=mask), ref) > 1e-3
+
+
+def test_features_without_kernel_are_refused(kernel_device):
+    q = rand(1, 1, 8, 16, seed=1, device=kernel_device)
+    for feature, opts, match in (("trigrf", {}, "trigrf"), ("gerf", {"s": -1}, "gerf"),
+                                 ("oprf", {"stats_grad": True}, "stats_grad")):  # fmt: skip
+        rf = rfattn.RandomFeatures(16, 16, feature=feature, **opts).to(kernel_device)
+        with pytest.raises(NotImplementedError, match=match):
+            run(q, q, q, rf)
