@@ -1,6 +1,7 @@
-"""Device ceilings (measured once per run) and the work model of each provider.
+"""Device ceilings (measured in every run) and the work model of each provider.
 
-The roofline floor of a call is ``max(flops / matmul FLOP/s, bytes / copy bandwidth)``; a result's
+Ceilings are measured before and after the sweep (the better of the two kept). The roofline
+floor of a call is ``max(flops / matmul FLOP/s, bytes / copy bandwidth)``; a result's
 ``roofline_fraction`` is that floor over its measured median time (1 = at the ceiling).
 
 Work model (documented, deliberately simple):
