@@ -15,6 +15,7 @@ import torch
 
 from rfattn.features import compute_dtype, prescale, query_features
 from rfattn.reference import linear_attention, safe_denominator
+from rfattn.weights import WEIGHTED_WEIGHTS
 
 __all__ = ["rf_attention", "RFState", "BACKENDS"]
 
@@ -196,8 +197,8 @@ def _no_kernel_reason(rf, causal: bool) -> str | None:
         return f"feature={rf.feature!r} (as configured) has no fused Triton kernel yet"
     if getattr(fm, "stats_grad", False):
         return "stats_grad=True (gradients through the statistics) needs the torch path"
-    if rf.weights == "sgq":
-        return "the fused kernels do not apply sgq's quadrature weights (component_weight) yet"
+    if rf.weights in WEIGHTED_WEIGHTS:
+        return f"the fused kernels do not apply {rf.weights}'s row weights (component_weight) yet"
     return None
 
 
@@ -278,7 +279,7 @@ def rf_attention(
     fm = rf.feature_map
     xq, xk = prescale(q, scale), prescale(k, scale)
     # statistics (global ones raise when causal) and the feature's own draws, once per call
-    params = fm.params(xq, xk, key_padding_mask, causal=causal)
+    params = rf.feature_params(xq, xk, key_padding_mask, causal=causal)
     if not causal:
         phi_q, phi_k = fm.features(xq, xk, w, key_padding_mask, params)
         return linear_attention(phi_q, phi_k, vc, key_padding_mask=key_padding_mask).to(q.dtype)
@@ -286,10 +287,12 @@ def rf_attention(
         u_q = fm.logits(xq, w, "query", params)
         phi_q = query_features(u_q, fm.amplitude(xq, w, "query", params))
         u_k = fm.logits(xk, w, "key", params)
-        g_k = fm.amplitude(xk, w, "key", params)
+        g_k = fm.key_amplitude(xk, w, params)
     else:
         phi_q, u_k = fm.values(xq, w, "query", params), None
         g_k = fm.values(xk, w, "key", params)
+        c_k = fm.key_amplitude(xk, w, params)  # component weights, if any
+        g_k = g_k if c_k is None else g_k * c_k
     out, state = _causal_torch(phi_q, u_k, g_k, vc, key_padding_mask, initial_state)
     out = out.to(q.dtype)
     return (out, state) if return_state else out

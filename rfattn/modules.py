@@ -11,7 +11,12 @@ from rfattn.features import (
     make_feature_map,
     prescale,
 )
-from rfattn.weights import LEARNABLE_WEIGHTS, check_weights_name, draw_weighted
+from rfattn.weights import (
+    LEARNABLE_WEIGHTS,
+    WEIGHTED_WEIGHTS,
+    check_weights_name,
+    draw_weighted,
+)
 
 __all__ = ["RandomFeatures", "PPSBN", "ppSBN"]
 
@@ -157,6 +162,22 @@ class RandomFeatures(nn.Module):
         w = self.weight.to(device=q.device, dtype=compute_dtype(q.dtype))
         return prescale(q, scale), prescale(k, scale), w
 
+    def feature_params(
+        self,
+        xq: torch.Tensor,
+        xk: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        causal: bool = False,
+        update: bool = True,
+    ) -> dict:
+        """The feature map's per-call parameters (:meth:`FeatureMap.params` on pre-scaled
+        inputs) plus this module's ``component_weight`` where the weights carry one (sgq)."""
+        params = dict(self.feature_map.params(xq, xk, key_padding_mask, causal=causal,
+                                              update=update))  # fmt: skip
+        if self.weights in WEIGHTED_WEIGHTS:
+            params["component_weight"] = self.component_weight.to(xq.device, xq.dtype)
+        return params
+
     def features(
         self,
         q: torch.Tensor,
@@ -177,13 +198,15 @@ class RandomFeatures(nn.Module):
         """
         self._check(q, k, key_padding_mask)
         xq, xk, w = self._inputs(q, k, scale)
-        return self.feature_map.features(xq, xk, w, key_padding_mask)
+        params = self.feature_params(xq, xk, key_padding_mask)
+        return self.feature_map.features(xq, xk, w, key_padding_mask, params)
 
     def estimate_kernel(self, q: torch.Tensor, k: torch.Tensor, *, scale=None) -> torch.Tensor:
         """The unbiased random-feature estimate of :meth:`target_kernel`, ``[B, H, Tq, Tk]``."""
         self._check(q, k)
         xq, xk, w = self._inputs(q, k, scale)
-        return self.feature_map.estimate_kernel(xq, xk, w)
+        params = self.feature_params(xq, xk, update=False)
+        return self.feature_map.estimate_kernel(xq, xk, w, params)
 
     def target_kernel(self, q: torch.Tensor, k: torch.Tensor, *, scale=None) -> torch.Tensor:
         """The exact kernel estimated, e.g. ``exp(scale * q . k)`` for posrf, ``[B, H, Tq, Tk]``."""

@@ -83,3 +83,38 @@ def test_large_norm_inputs_give_finite_features():
     phi_q, phi_k = rf.features(q.float(), q.float())
     assert phi_q.isfinite().all() and phi_k.isfinite().all()
     assert (phi_q.amax(-1) == 1).all()
+
+
+@pytest.mark.parametrize("feature", ["posrf", "hyprf", "trigrf", "oprf"])
+def test_sgq_component_weights_make_the_quadrature(feature):
+    """sgq rows are quadrature nodes: with their (signed) weights the estimate is the Smolyak
+    quadrature of E_w[...] -- it converges with the level, unlike the unweighted sum."""
+    D = 4
+    q, k = rand(1, 1, 5, D, seed=7, scale=0.1), rand(1, 1, 6, D, seed=8, scale=0.1)
+    errs = {}
+    for level, M in ((1, 2 * D + 1), (2, 2 * D * D + 4 * D + 1)):
+        rf = rfattn.RandomFeatures(D, M, feature=feature, weights="sgq").double()
+        target = rf.target_kernel(q, k, scale=1.0)
+        errs[level] = ((rf.estimate_kernel(q, k, scale=1.0) - target) / target).abs().max()
+    assert (rf.component_weight < 0).any()  # the negative centre weight is applied, signed
+    w = rf.weight.double()
+    unweighted = rf.feature_map.estimate_kernel(q, k, w, rf.feature_map.params(q, k))
+    err_unweighted = ((unweighted - target) / target).abs().max()
+    assert errs[2] < 2e-4 and errs[2] < errs[1] / 10, errs
+    assert err_unweighted > 100 * errs[2], (err_unweighted, errs)
+    # attention with those features equals kernel attention with the weighted estimate
+    v = rand(1, 1, 6, 3, seed=9)
+    out = rfattn.rf_attention(q, k, v, rf, scale=1.0)
+    ref = rfattn.reference.kernel_attention(
+        q, k, v, lambda a, b: rf.estimate_kernel(a, b, scale=1.0)
+    )
+    assert torch.allclose(out, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_sgq_weights_in_the_causal_path():
+    q, k, v = rand(2, 1, 40, 4, seed=1, scale=0.3), rand(2, 1, 40, 4, seed=2), rand(2, 1, 40, 3)
+    rf = rfattn.RandomFeatures(4, 9, feature="posrf", weights="sgq").double()
+    phi_q, phi_k = rf.features(q, k)
+    ref = rfattn.reference.linear_attention(phi_q, phi_k, v, causal=True)
+    out = rfattn.rf_attention(q, k, v, rf, causal=True)
+    assert torch.allclose(out, ref, rtol=1e-10, atol=1e-12)

@@ -94,7 +94,9 @@ VALID_WEIGHTS: dict[str, tuple[str, ...]] = {
     "saderf": _GAUSSIAN_ROWS,
     "poisrf": _GAUSSIAN_ENTRIES,
     "geomrf": _GAUSSIAN_ENTRIES,
-    "hrf": _GAUSSIAN_ROWS,
+    # hrf splits W between its two bases: sgq's per-row quadrature weights have no row-aligned
+    # place in its features
+    "hrf": tuple(w for w in _GAUSSIAN_ROWS if w != "sgq"),
     # Rademacher projections (Kar & Karnick; Macformer uses Rademacher only)
     "rmf": ("rademacher",),
 }

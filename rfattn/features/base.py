@@ -52,6 +52,7 @@ __all__ = [
     "check_choice",
     "check_number",
     "query_features",
+    "component_weights",
     "key_offset",
     "key_features",
     "compute_dtype",
@@ -92,6 +93,20 @@ def query_features(u_q: torch.Tensor, g_q: torch.Tensor | None = None) -> torch.
     """Stabilised query features ``g * exp(u - max_f u)`` (per-row max, exact in the ratio)."""
     phi = torch.exp(u_q - u_q.amax(dim=-1, keepdim=True).detach())
     return phi if g_q is None else g_q * phi
+
+
+def component_weights(params: dict | None, width: int) -> torch.Tensor | None:
+    """The owner's per-row weights c ``[M]`` (``params["component_weight"]``, e.g. sgq's scaled
+    quadrature weights) tiled over the ``width // M`` component blocks of the F features
+    (component-major order, DESIGN §1.3), or None when the owner gave none (all ones).
+
+    They multiply the key features only, sign included (sgq's centre weight is negative), so an
+    estimate is ``(1/M) sum_f c_f phi_q,f phi_k,f``.
+    """
+    c = None if not params else params.get("component_weight")
+    if c is None:
+        return None
+    return c.repeat(width // c.shape[-1])
 
 
 def key_offset(u_k: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -253,6 +268,17 @@ class FeatureMap(nn.Module):
         """``phi`` ``[B, H, T, F]`` of a plain (non-exponential) feature."""
         raise NotImplementedError(f"feature={self.name!r} is exponential: use logits")
 
+    def key_amplitude(
+        self, x: torch.Tensor, w: torch.Tensor, params: dict | None = None
+    ) -> torch.Tensor | None:
+        """The key side's amplitude with the owner's component weights folded in (None = 1)."""
+        g = self.amplitude(x, w, "key", params) if self.exponential else None
+        c = component_weights(params, self.width(w.shape[-2]))
+        if c is None:
+            return g
+        c = c.to(device=x.device, dtype=x.dtype).expand(*x.shape[:-1], c.shape[-1])
+        return c if g is None else g * c
+
     def num_samples(self, w: torch.Tensor) -> int:
         """The Monte Carlo sample count the estimate averages over (M by default)."""
         return w.shape[-2]
@@ -271,16 +297,17 @@ class FeatureMap(nn.Module):
         """
         if params is None:
             params = self.params(xq, xk, key_padding_mask)
+        g_k = self.key_amplitude(xk, w, params)
         if not self.exponential:
             phi_q = self.values(xq, w, "query", params)
             phi_k = self.values(xk, w, "key", params)
+            phi_k = phi_k if g_k is None else phi_k * g_k
             if key_padding_mask is not None:
                 phi_k = phi_k.masked_fill(key_padding_mask[:, None, :, None], 0.0)
             return phi_q, phi_k
         u_q = self.logits(xq, w, "query", params)
         u_k = self.logits(xk, w, "key", params)
         g_q = self.amplitude(xq, w, "query", params)
-        g_k = self.amplitude(xk, w, "key", params)
         return query_features(u_q, g_q), key_features(u_k, key_padding_mask, g_k)
 
     def estimate_kernel(
@@ -289,20 +316,21 @@ class FeatureMap(nn.Module):
         """The unbiased estimate ``[B, H, Tq, Tk]`` of :meth:`target_kernel` (no offsets)."""
         if params is None:
             params = self.params(xq, xk, update=False)
+        g_k = self.key_amplitude(xk, w, params)
         if not self.exponential:
             phi_q = self.values(xq, w, "query", params)
             phi_k = self.values(xk, w, "key", params)
+            phi_k = phi_k if g_k is None else phi_k * g_k
             return phi_q @ phi_k.transpose(-1, -2) / self.num_samples(w)
         u_q = self.logits(xq, w, "query", params)
         u_k = self.logits(xk, w, "key", params)
         g_q = self.amplitude(xq, w, "query", params)
-        g_k = self.amplitude(xk, w, "key", params)
         # sum_f g_q g_k exp(u_q + u_k) without overflow: factor out each side's row max.
         m_q = u_q.amax(dim=-1, keepdim=True)
         m_k = u_k.amax(dim=-1, keepdim=True)
         a_q, a_k = torch.exp(u_q - m_q), torch.exp(u_k - m_k)
-        if g_q is not None:
-            a_q, a_k = g_q * a_q, g_k * a_k
+        a_q = a_q if g_q is None else g_q * a_q
+        a_k = a_k if g_k is None else g_k * a_k
         inner = a_q @ a_k.transpose(-1, -2)
         return inner * torch.exp(m_q + m_k.transpose(-1, -2)) / self.num_samples(w)
 

@@ -62,6 +62,7 @@ __all__ = [
     "ALL_WEIGHTS",
     "LEARNABLE_WEIGHTS",
     "DETERMINISTIC_WEIGHTS",
+    "WEIGHTED_WEIGHTS",
 ]
 
 #: name -> generator ``f(M, D, *, generator, device, dtype) -> [M, D]``, every matrix.
@@ -83,6 +84,8 @@ ALL_WEIGHTS = tuple(WEIGHTS) + PLANNED_WEIGHTS
 LEARNABLE_WEIGHTS = {"fastfoodl": FastFoodL}
 #: matrices that do not depend on the generator (the same W for every seed).
 DETERMINISTIC_WEIGHTS = ("sgq",)
+#: matrices whose rows carry weights (``draw_weighted``'s c is not all ones): quadrature rules.
+WEIGHTED_WEIGHTS = ("sgq",)
 
 
 def check_weights_name(name: str) -> None:
