@@ -1,4 +1,4 @@
-"""nn.Modules: :class:`RandomFeatures` (a weight matrix plus a component function)."""
+"""RandomFeatures (a weight matrix plus a component function) and PPSBN."""
 
 from __future__ import annotations
 
