@@ -9,6 +9,7 @@ writes one JSON file (``--out``/bench.json) that ``python -m plots`` turns into 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import sys
@@ -472,11 +473,19 @@ def _measure_one(ctx: _Context, provider, feature, rf, x, causal: bool, mode: st
         row["memory_error"] = mem_error
     # correctness, asserted once after timing, on the same inputs
     if T <= args.check_max_T:
+        rf_before = copy.deepcopy(rf)  # the state the checked call sees (running statistics)
         out = forward_output(provider, x, rf, causal)
-        ref = reference_output(provider, x, rf, causal)
+        ref = reference_output(provider, x, rf_before, causal)
         finite = bool(torch.isfinite(out).all())
         err = rel_rms(out, ref) if ref is not None else None
         tol = tolerance(dtype, "out")
+        if err is not None and rf is not None and feature and not rf.feature_map.positive:
+            # signed features: the denominator can cancel, so rounding is amplified by the
+            # problem itself; hold the provider to the flash-attention rule instead (at most
+            # 2x the torch path's own error in this dtype)
+            own = rfattn.rf_attention(*(t.detach() for t in (x.q, x.k, x.v)), rf_before,
+                                      causal=causal, backend="torch")  # fmt: skip
+            tol = max(tol, 2.0 * rel_rms(own, ref))
         row.update(
             check_rel_rms=err,
             check_tol=tol,

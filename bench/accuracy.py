@@ -29,6 +29,15 @@ def _exact(q, k, v, causal):
     return rfattn.reference.softmax_attention(q.double(), k.double(), v.double(), causal=causal)
 
 
+def _calibrate(rf, q, k, v) -> None:
+    """Fill causal running statistics (oprf, saderf, ...) from these inputs, as training would:
+    one training-mode causal call (the first EMA update copies the batch moments). Without it a
+    fresh module's zero buffers give the neutral parameters (oprf = posrf)."""
+    rf.train()
+    with torch.no_grad():
+        rfattn.rf_attention(q, k, v, rf, causal=True)
+
+
 def accuracy_at_m(rfs: dict, providers, B, H, T, D, E, std, causals, dtype, device) -> list[dict]:
     """Error of each provider (each feature kind for rfattn's) at the benchmarked M."""
     from bench.providers import Inputs
@@ -44,6 +53,8 @@ def accuracy_at_m(rfs: dict, providers, B, H, T, D, E, std, causals, dtype, devi
                 kinds = [f for f in kinds if f == "posrf"]
             for feature in kinds:
                 rf = rfs.get(feature) if feature else next(iter(rfs.values()), None)
+                if causal and feature:
+                    _calibrate(rf, q, k, v)
                 try:
                     out = forward_output(provider, x, rf, causal)
                 except (RuntimeError, NotImplementedError) as exc:
@@ -77,8 +88,11 @@ def error_vs_m(features: dict, Ms, seeds, B, H, T, D, E, std, causals, dtype, de
                 errs = []
                 for seed in range(seeds):
                     rf = rfattn.RandomFeatures(D, M, feature=feature, weights=weights, seed=seed)
+                    rf = rf.to(device)
+                    if causal:
+                        _calibrate(rf, q, k, v)
                     with torch.no_grad():
-                        out = rfattn.rf_attention(q, k, v, rf.to(device), causal=causal)
+                        out = rfattn.rf_attention(q, k, v, rf, causal=causal)
                     errs.append(rel_rms(out, exact))
                 rows.append(
                     dict(

@@ -7,6 +7,7 @@ region). Random-feature providers (``rfattn``, ``rfattn-torch``, ``performer``) 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -190,12 +191,18 @@ def forward_output(provider: str, x: Inputs, rf, causal: bool) -> torch.Tensor:
 
 def reference_output(provider: str, x: Inputs, rf, causal: bool) -> torch.Tensor | None:
     """What ``provider`` must compute, in float64: exact softmax attention for the softmax
-    providers, the linear attention of rfattn's own features for rfattn's; None for performer
-    (its own feature normalisation and eps: only finiteness is checked)."""
+    providers; for rfattn's, the float64 torch path on a copy of ``rf`` (the same W and the
+    same statistics rule: running statistics when causal, global otherwise -- the torch path is
+    itself tested against ``rfattn.reference``); None for performer (its own feature
+    normalisation and eps: only finiteness is checked).
+
+    ``rf`` must be in the state the checked call saw (copy it before that call: a call in
+    training mode updates running statistics afterwards)."""
     q, k, v = (t.detach().double() for t in (x.q, x.k, x.v))
     if is_softmax(provider):
         return rfattn.reference.softmax_attention(q, k, v, causal=causal)
     if provider == "performer":
         return None
-    phi_q, phi_k = rf.features(q, k)
-    return rfattn.reference.linear_attention(phi_q, phi_k, v, causal=causal)
+    rf64 = copy.deepcopy(rf).double()
+    with torch.no_grad():
+        return rfattn.rf_attention(q, k, v, rf64, causal=causal, backend="torch")
