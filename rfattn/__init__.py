@@ -11,13 +11,25 @@ Public API (DESIGN §2)::
 from rfattn import reference, testing
 from rfattn.attention import RFState, rf_attention
 from rfattn.features import ALL_FEATURES
-from rfattn.modules import PPSBN, RandomFeatures, ppSBN
+from rfattn.modules import (
+    PPSBN,
+    FourierRPE,
+    RandomFeatures,
+    RFAttention,
+    RFMultiheadAttention,
+    layer_seed,
+    ppSBN,
+)
 from rfattn.weights import ALL_WEIGHTS
 
 __all__ = [
     "RandomFeatures",
     "PPSBN",
     "ppSBN",
+    "FourierRPE",
+    "RFAttention",
+    "RFMultiheadAttention",
+    "layer_seed",
     "rf_attention",
     "RFState",
     "reference",

@@ -1,5 +1,16 @@
-"""nn.Modules, one file per family (DESIGN §1): :mod:`.features` (RandomFeatures, PPSBN)."""
+"""nn.Modules, one file per family (DESIGN §1): :mod:`.features` (RandomFeatures, PPSBN),
+:mod:`.flt` (FourierRPE) and :mod:`.attention` (RFAttention, RFMultiheadAttention)."""
 
+from rfattn.modules.attention import RFAttention, RFMultiheadAttention, layer_seed
 from rfattn.modules.features import PPSBN, RandomFeatures, ppSBN
+from rfattn.modules.flt import FourierRPE
 
-__all__ = ["RandomFeatures", "PPSBN", "ppSBN"]
+__all__ = [
+    "RandomFeatures",
+    "PPSBN",
+    "ppSBN",
+    "FourierRPE",
+    "RFAttention",
+    "RFMultiheadAttention",
+    "layer_seed",
+]
