@@ -18,7 +18,7 @@ $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test,bench,plots]"
+	$(PY) -m pip install -q -e ".[test,bench,plots,hf]"
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -1,0 +1,247 @@
+"""Hugging Face ``transformers`` integration: ``attn_implementation="rfattn"``.
+
+Importing this module registers :func:`rfattn_attention_forward` in transformers'
+``AttentionInterface`` and a matching mask builder in ``AttentionMaskInterface`` under the name
+``"rfattn"`` (:func:`register` does it again, idempotently). Every model whose attention layers
+dispatch through that interface (Llama-style decoders, BERT-style encoders, ...) then runs
+random-feature attention::
+
+    import rfattn.hf
+    model = transformers.LlamaForCausalLM(config)          # or from_pretrained(...)
+    rfattn.hf.attach_random_features(model, num_features=128, feature="posrf")
+    model.set_attn_implementation("rfattn")                # or attn_implementation= at load
+
+:func:`attach_random_features` gives every attention layer its own :class:`RandomFeatures`
+(submodule ``rfattn_features``, seeded with :func:`rfattn.layer_seed` of ``seed`` and the layer
+index, saved in ``state_dict``) and records the options in ``config.rfattn``; a layer reached
+without one builds it lazily from ``config.rfattn`` (defaults: 256 posrf/orf features, seed 0).
+
+Masks: the causal structure comes from the layer's ``is_causal`` and padding from the 2-D
+attention mask; the mask builder hands the attention function the key-padding mask as a
+stride-0 ``[B, 1, Tq, Tk]`` view (no quadratic tensor). Other patterns (sliding windows, packed
+sequences, custom 4-D masks) are checked against "causal/bidirectional + key padding" and raise
+NotImplementedError when they differ. Attention dropout acts on the attention output (no weight
+matrix exists) and ``output_attentions`` returns None weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rfattn.attention import rf_attention
+from rfattn.modules import RandomFeatures, layer_seed
+
+try:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import (
+        AttentionMaskInterface,
+        bidirectional_mask_function,
+        causal_mask_function,
+        prepare_padding_mask,
+        sdpa_mask,
+    )
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "rfattn.hf needs transformers>=5 (pip install 'rfattn[hf]'): " + str(exc)
+    ) from exc
+
+__all__ = [
+    "NAME",
+    "register",
+    "rfattn_attention_forward",
+    "rfattn_mask",
+    "attach_random_features",
+    "random_features_from_config",
+]
+
+#: the ``attn_implementation`` name
+NAME = "rfattn"
+#: defaults of ``config.rfattn``
+DEFAULT_OPTIONS = {"num_features": 256, "feature": "posrf", "weights": "orf", "seed": 0}
+
+
+def _options(config) -> dict:
+    opts = dict(DEFAULT_OPTIONS)
+    opts.update(getattr(config, "rfattn", None) or {})
+    return opts
+
+
+def random_features_from_config(config, layer_idx: int, head_dim: int) -> RandomFeatures:
+    """The :class:`RandomFeatures` of layer ``layer_idx`` from ``config.rfattn`` options.
+
+    Args:
+        config: a transformers ``PretrainedConfig``; ``config.rfattn`` (a dict, optional) holds
+            ``num_features``, ``feature``, ``weights``, ``seed`` and feature options.
+        layer_idx: the layer index (its seed is ``layer_seed(seed, layer_idx)``).
+        head_dim: the attention head dimension.
+    """
+    opts = _options(config)
+    seed = opts.pop("seed")
+    return RandomFeatures(head_dim, seed=layer_seed(int(seed), int(layer_idx)), **opts)
+
+
+def _attention_layers(model: torch.nn.Module):
+    """(module, head_dim) for every attention layer that dispatches through the interface."""
+    for mod in model.modules():
+        if not hasattr(mod, "is_causal") or not hasattr(mod, "config"):
+            continue
+        head_dim = getattr(mod, "head_dim", None) or getattr(mod, "attention_head_size", None)
+        if isinstance(head_dim, int):
+            yield mod, head_dim
+
+
+def attach_random_features(model: torch.nn.Module, **options) -> int:
+    """Give every attention layer of ``model`` its own :class:`RandomFeatures`.
+
+    Args:
+        model: a transformers model.
+        **options: ``num_features``, ``feature``, ``weights``, ``seed`` and feature options
+            (stored in ``model.config.rfattn``; unspecified ones keep their current values).
+
+    Returns:
+        The number of layers equipped. Layers without a ``layer_idx`` are numbered in module
+        order. The features follow the model's device (``.to`` moves them later too).
+    """
+    config = model.config
+    config.rfattn = {**_options(config), **options}
+    count = 0
+    for mod, head_dim in _attention_layers(model):
+        idx = getattr(mod, "layer_idx", None)
+        rf = random_features_from_config(config, count if idx is None else idx, head_dim)
+        ref = next(model.parameters(), None)
+        mod.rfattn_features = rf.to(ref.device) if ref is not None else rf
+        count += 1
+    return count
+
+
+def _layer_features(module: torch.nn.Module, head_dim: int, device) -> RandomFeatures:
+    rf = getattr(module, "rfattn_features", None)
+    if rf is None:
+        idx = getattr(module, "layer_idx", None) or 0
+        rf = random_features_from_config(module.config, idx, head_dim).to(device)
+        module.rfattn_features = rf
+    return rf
+
+
+def rfattn_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    local_size: int | None = None,
+    device="cpu",
+    **kwargs,
+) -> torch.Tensor | None:
+    """Mask builder of ``"rfattn"`` (``AttentionMaskInterface``).
+
+    Plain causal or bidirectional masks become the key-padding mask as a stride-0
+    ``[B, 1, Tq, Tk]`` bool view (True = attend), or None without padding; anything else is
+    materialised by ``sdpa_mask`` and checked by the attention function.
+    """
+    if mask_function in (causal_mask_function, bidirectional_mask_function) and local_size is None:
+        pad = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+        if pad is None:
+            return None
+        keep = pad[:, kv_offset : kv_offset + kv_length].to(device=device, dtype=torch.bool)
+        if bool(keep.all()):
+            return None
+        return keep[:, None, None, :].expand(batch_size, 1, q_length, kv_length)
+    kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                     attention_mask, local_size, device=device, **kwargs)  # fmt: skip
+
+
+def _keep(mask: torch.Tensor) -> torch.Tensor:
+    """True = attend, from a bool mask or an additive float one (0 keep, very negative block)."""
+    if mask.dtype == torch.bool:
+        return mask
+    blocked = mask <= torch.finfo(mask.dtype).min / 2
+    if bool(((mask != 0) & ~blocked).any()):
+        raise NotImplementedError("rfattn: additive attention biases have no random-feature form")
+    return ~blocked
+
+
+def _split_mask(mask: torch.Tensor, causal: bool, tq: int, tk: int):
+    """(key_padding_mask [B, Tk] True = padding, causal) from a 4-D mask, or raise."""
+    if mask.dim() != 4 or tuple(mask.shape[-2:]) != (tq, tk):
+        raise NotImplementedError(
+            f"rfattn: attention masks must be [B, 1, Tq, Tk], got {mask.shape}"
+        )
+    keep = _keep(mask)
+    if keep.shape[1] > 1 and not bool((keep == keep[:, :1]).all()):
+        raise NotImplementedError("rfattn: per-head attention masks are not supported")
+    keep = keep[:, 0]
+    pad = ~keep[:, -1, :]  # the last query sees every non-padded key in both forms
+    if keep.stride(-2) == 0:  # rfattn_mask's key-padding view: rows identical by construction
+        return pad, causal
+    i = torch.arange(tq, device=keep.device)[:, None] + (tk - tq)
+    tri = torch.arange(tk, device=keep.device)[None, :] <= i
+    for c in (causal, not causal):
+        expected = ~pad[:, None, :] & (tri if c else torch.ones_like(tri))
+        if bool((expected == keep).all()):
+            return pad, c
+    raise NotImplementedError(
+        "rfattn: this attention-mask pattern (sliding window, packed sequences or a custom mask) "
+        "is not causal/bidirectional plus key padding, so it has no linear-attention form"
+    )
+
+
+def rfattn_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function (``AttentionInterface``) running :func:`rf_attention`.
+
+    Args:
+        module: the calling attention layer (gives ``is_causal``, ``config``, ``layer_idx``
+            and holds its ``rfattn_features``).
+        query: ``[B, H, Tq, D]``; key, value: ``[B, Hkv, Tk, D]`` (grouped heads repeated).
+        attention_mask: None or a 4-D mask (see the module docstring).
+        dropout: dropout probability, applied to the attention output in training.
+        scaling: softmax temperature (default ``D ** -0.5``).
+        is_causal: overrides ``module.is_causal``.
+
+    Returns:
+        ``(out [B, Tq, H, D], None)``.
+    """
+    H, tq, tk = query.shape[1], query.shape[2], key.shape[2]
+    if key.shape[1] != H:  # grouped-query attention: one feature map, heads repeated
+        rep = H // key.shape[1]
+        key = key.repeat_interleave(rep, dim=1)
+        value = value.repeat_interleave(rep, dim=1)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    pad = None
+    if attention_mask is not None:
+        pad, causal = _split_mask(attention_mask, bool(causal), tq, tk)
+    causal = bool(causal) and tq > 1  # a single query (decoding) sees every cached key
+    rf = _layer_features(module, query.shape[-1], query.device)
+    if causal and tq != tk:
+        # queries are the last Tq of Tk positions (a cache): run causal over Tk, keep the tail
+        front = query.new_zeros(*query.shape[:2], tk - tq, query.shape[-1])
+        out = rf_attention(torch.cat((front, query), dim=2), key, value, rf, causal=True,
+                           key_padding_mask=pad, scale=scaling)[:, :, tk - tq :]  # fmt: skip
+    else:
+        out = rf_attention(query, key, value, rf, causal=causal, key_padding_mask=pad,
+                           scale=scaling)  # fmt: skip
+    if dropout > 0 and module.training:
+        out = torch.nn.functional.dropout(out, dropout, training=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Register ``"rfattn"`` in transformers' attention and mask interfaces (idempotent)."""
+    AttentionInterface.register(NAME, rfattn_attention_forward)
+    AttentionMaskInterface.register(NAME, rfattn_mask)
+
+
+register()
