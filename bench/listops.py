@@ -5,7 +5,7 @@ ListOps (Nangia & Bowman 2018; the LRA long-sequence task): nested prefix expres
 generates them, trains the same encoder with two feature kinds (``posrf`` and ``oprf`` by
 default) and an FLT local RPE, and prints the test accuracy of each (chance is about 0.1-0.2).
 
-    python examples/listops.py --features posrf oprf --steps 300 --length 128
+    python -m bench.listops --features posrf oprf --steps 300 --length 128
 """
 
 from __future__ import annotations
