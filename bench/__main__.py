@@ -174,7 +174,7 @@ def _estimated_bytes(provider: str, B, H, T, elem_bytes: int, backward: bool) ->
 def _rf_path(provider, rf, device, causal, backward) -> str | None:
     """Which rfattn implementation ran (the documented rule of backend='auto')."""
     if provider == "rfattn":
-        fused = getattr(rf.feature_map, "kernel_id", None) is not None
+        fused = rfattn.attention.fused_kernel_available(rf, causal)
         triton = device.type == "cuda" and not causal and not backward and fused
         return "triton" if triton else "torch"
     if provider == "rfattn-torch":

@@ -15,9 +15,10 @@ import torch
 
 from rfattn.features import compute_dtype, prescale, query_features
 from rfattn.reference import linear_attention, safe_denominator
+from rfattn.stats import Moments
 from rfattn.weights import WEIGHTED_WEIGHTS
 
-__all__ = ["rf_attention", "RFState", "BACKENDS"]
+__all__ = ["rf_attention", "RFState", "BACKENDS", "fused_kernel_available"]
 
 BACKENDS = ("auto", "torch", "triton")
 #: tokens per chunk of the causal torch path: the intra-chunk block is [C, C] per (b, h).
@@ -183,9 +184,12 @@ def _causal_torch(
     return out, RFState(s, z, off)
 
 
-#: features the fused non-causal kernel computes: all are the real positive GERF family
-#: ``u = A |w|^2 + B w . x~ - |x~|^2 / 2`` (kernel FEATURE 0) with per-(b, h) A, B, psi.
+#: the real positive GERF family ``u = A |w|^2 + B w . x~ - |x~|^2 / 2`` (kernel form "gerf")
+#: with per-(b, h) A, B, psi.
 _GERF_FAMILY = ("posrf", "hyprf", "gerf", "oprf", "saderf")
+#: the signed features the non-causal kernel also computes: trigrf, hrf and complex gerf in its
+#: "table" form, rmf in its "rmf" form (see :func:`_fused_form`).
+_SIGNED_FUSED = ("trigrf", "hrf", "rmf")
 
 
 def _no_kernel_reason(rf, causal: bool) -> str | None:
@@ -193,13 +197,26 @@ def _no_kernel_reason(rf, causal: bool) -> str | None:
     fm = rf.feature_map
     if causal:
         return "causal fused Triton kernels are not implemented yet"
-    if rf.feature not in _GERF_FAMILY or not fm.positive:
+    if rf.feature not in _GERF_FAMILY + _SIGNED_FUSED or (causal and not fm.positive):
         return f"feature={rf.feature!r} (as configured) has no fused Triton kernel yet"
     if getattr(fm, "stats_grad", False):
         return "stats_grad=True (gradients through the statistics) needs the torch path"
-    if rf.weights in WEIGHTED_WEIGHTS:
+    if rf.weights in WEIGHTED_WEIGHTS and (causal or rf.feature in ("oprf", "saderf")):
         return f"the fused kernels do not apply {rf.weights}'s row weights (component_weight) yet"
     return None
+
+
+def fused_kernel_available(rf, causal: bool = False) -> bool:
+    """Whether ``rf_attention(..., backend="triton")`` has a fused kernel for ``rf`` (on CUDA,
+    ``backend="auto"`` then uses it for fp32/fp16/bf16 inputs)."""
+    return _no_kernel_reason(rf, causal) is None
+
+
+def _kernel_moments(q, k, key_padding_mask, scale) -> Moments:
+    """This call's per-(b, h) moments from the fused stats pass (``rfattn.kernels.stats``)."""
+    from rfattn.kernels.stats import sequence_moments_fused
+
+    return Moments(*sequence_moments_fused(q, k, scale, key_padding_mask))
 
 
 def _gerf_form(rf, q, k, key_padding_mask, scale):
@@ -213,12 +230,93 @@ def _gerf_form(rf, q, k, key_padding_mask, scale):
     if rf.feature == "gerf":
         a = fm.A.real
         return w, torch.tensor([a, math.sqrt(1.0 - 4.0 * a)], dtype=torch.float64), None
-    # oprf, saderf: statistics of the pre-scaled inputs (held constant: stats_grad=False)
+    # oprf, saderf: the feature map's parameters (one place) from the fused stats pass (held
+    # constant: stats_grad=False); empty stand-ins give it dtype, device and D, never a copy
+    stand_in = q.new_empty((1, 1, 0, q.shape[-1]), dtype=compute_dtype(q.dtype))
     with torch.no_grad():
-        p = fm.params(prescale(q, scale), prescale(k, scale), key_padding_mask, causal=False)
+        p = fm.params(stand_in, stand_in, key_padding_mask, causal=False,
+                      batch=lambda: _kernel_moments(q, k, key_padding_mask, scale))  # fmt: skip
     ab = torch.cat((p["A"], p["B"]), dim=-1).flatten(-2)  # [B|1, H|1, 2]
     psi = p["psi"].squeeze(-2) if "psi" in p else None  # [B|1, H|1, D]
     return w, ab, psi
+
+
+def _table(width: int, device, **rows) -> torch.Tensor:
+    """Coefficients ``[2, 9, width]`` of the kernel's table form (float64; rows named as in
+    ``rfattn.kernels.rf_parallel.TABLE_ROWS``): each a number, an ``[width]`` tensor or a
+    (query, key) pair of those; rows not given are 0."""
+    from rfattn.kernels.rf_parallel import TABLE_ROWS
+
+    t = torch.zeros(2, len(TABLE_ROWS), width, dtype=torch.float64, device=device)
+    for name, val in rows.items():
+        for side, x in enumerate(val if isinstance(val, tuple) else (val, val)):
+            t[side, TABLE_ROWS.index(name)] = x.detach() if torch.is_tensor(x) else x
+    return t
+
+
+def _fused_form(rf, q, k, key_padding_mask, scale) -> dict:
+    """Non-causal: the keyword arguments of :func:`rfattn.autograd.rf_parallel` for ``rf``: the
+    kernel's feature form, one projection row per feature ``w`` (built from ``rf.weight`` with
+    differentiable ops, so dW flows back) and the form's parameters. The coefficients restate
+    the feature maps' formulas (``rfattn.features``; tests hold them to the torch path)."""
+    fm, w, name, dev = rf.feature_map, rf.weight, rf.feature, q.device
+    m = w.shape[0]
+    c = rf.component_weight if rf.weights in WEIGHTED_WEIGHTS else None  # key-side row weights
+    if name in _GERF_FAMILY and fm.positive and c is None:
+        w, gerf, psi = _gerf_form(rf, q, k, key_padding_mask, scale)[:3]
+        return dict(w=w, feature="gerf", gerf=gerf, psi=psi)
+    if name == "rmf":
+        d = fm.drawn()
+        deg = d["rmf_degree"].to(dev)
+        proj = d["rmf_proj"].to(device=dev, dtype=w.dtype)
+        stages = torch.cat((w.detach()[None].to(dev), proj), dim=0)  # [max_degree, M, D]
+        starts = torch.cat((deg.new_zeros(1), deg.cumsum(0)))  # feature f: rows starts[f]..
+        owner = torch.repeat_interleave(torch.arange(m, device=dev), deg)
+        rows = stages[torch.arange(owner.shape[0], device=dev) - starts[owner], owner]
+        cq = d["rmf_scale"].to(dev, torch.float64)
+        ck = cq if c is None else cq * c.to(dev, torch.float64)
+        return dict(w=w.detach(), feature="rmf", table=torch.stack((cq, ck))[:, None],
+                    extra_rows=rows, index=torch.cat((starts, owner)))  # fmt: skip
+    ones = torch.ones(m, dtype=torch.float64, device=dev)
+    ck = 1.0 if c is None else c.to(dev, torch.float64).repeat(fm.width(m) // m)
+    shift = torch.cat((0.0 * ones, -0.5 * math.pi * ones))  # [cos, sin] = cos(th - [0, pi/2])
+    if name in ("posrf", "gerf") and fm.positive:  # sgq's weights: u = A |w|^2 + B z - |x|^2/2
+        a = fm.A.real if name == "gerf" else 0.0
+        table = _table(m, dev, cu=math.sqrt(1.0 - 4.0 * a), ch=-0.5, cw=a, ga=(1.0, ck))
+        return dict(w=w, feature="table", table=table)
+    if name == "hyprf":
+        table = _table(2 * m, dev, cu=1.0, ch=-0.5, ga=(1.0, ck))
+        return dict(w=torch.cat((w, -w), dim=0), feature="table", table=table)
+    if name == "trigrf":  # u = |x|^2 / 2, g = [cos z, sin z]
+        table = _table(2 * m, dev, ch=0.5, ct=1.0, tb=shift, gb=(1.0, ck))
+        return dict(w=torch.cat((w, w), dim=0), feature="table", table=table)
+    if name == "gerf":  # complex: u = [Re z, Re z]; g = [cos Im z, +-sin Im z] (keys: -sin)
+        (bq, log_d), (bk, _) = (
+            fm.coefficients(q.shape[-1], "query"),
+            fm.coefficients(q.shape[-1], "key"),
+        )
+        table = _table(2 * m, dev, cu=(bq.real, bk.real), ch=-0.5 * fm.s, cw=fm.A.real,
+                       bias=log_d.real, ct=(bq.imag, bk.imag), tw=fm.A.imag,
+                       tb=log_d.imag + shift, gb=(1.0, torch.cat((ones, -ones)) * ck))  # fmt: skip
+        return dict(w=torch.cat((w, w), dim=0), feature="table", table=table)
+    # hrf: blocks [P, T, P (x) s_r (r < n), T (x) s_r (r < n)]; P = exp(+-z_p - |x|^2/2) (queries
+    # carry -s_r), T = exp(|x|^2/2) [sin z_t, cos z_t]; lam_f = r on the s_r blocks, else -1
+    wp, wt = fm._split(w)
+    mp, mt, n = wp.shape[0], wt.shape[0], fm.n
+    lp, lt, lr = fm.log_constants(mp, mt)
+    pm = torch.cat((torch.ones(mp), -torch.ones(mp))).to(dev, torch.float64)
+    sc = torch.cat((torch.full((mt,), -0.5 * math.pi), torch.zeros(mt))).to(dev, torch.float64)
+    p_blk = dict(cu=pm, ch=-0.5)
+    t_blk = dict(ch=0.5, ct=1.0, tb=sc, gb=1.0)
+    tables = [_table(2 * mp, dev, bias=lp, ga=1.0, **p_blk), _table(2 * mt, dev, bias=lt, **t_blk)]
+    tables += [_table(2 * mp, dev, bias=lp + lr, ga=(-1.0, 1.0), **p_blk)] * n
+    tables += [_table(2 * mt, dev, bias=lt + lr, **t_blk)] * n
+    lam = [torch.full((2 * mp + 2 * mt,), -1)]
+    lam += [torch.full((2 * mp,), r) for r in range(n)]
+    lam += [torch.full((2 * mt,), r) for r in range(n)]
+    rows = [wp, wp, wt, wt] + [wp, wp] * n + [wt, wt] * n
+    return dict(w=torch.cat(rows, dim=0), feature="table", table=torch.cat(tables, dim=-1),
+                extra_rows=fm.drawn()["hrf_tau"], index=torch.cat(lam).to(dev))  # fmt: skip
 
 
 def _use_triton(q, rf, causal) -> bool:
@@ -270,8 +368,8 @@ def rf_attention(
             raise NotImplementedError(f"{reason}; use backend='torch'")
         from rfattn.autograd import rf_parallel
 
-        w, gerf, psi = _gerf_form(rf, q, k, key_padding_mask, scale)
-        return rf_parallel(q, k, v, w, scale, key_padding_mask, gerf=gerf, psi=psi)
+        form = _fused_form(rf, q, k, key_padding_mask, scale)
+        return rf_parallel(q, k, v, scale=scale, key_padding_mask=key_padding_mask, **form)
 
     cdt = compute_dtype(q.dtype)
     w = rf.weight.to(device=q.device, dtype=cdt)

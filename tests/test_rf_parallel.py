@@ -221,8 +221,9 @@ def test_gradients_deterministic(kernel_device):
 def test_triton_backend_rejects_what_it_cannot_run(kernel_device):
     q = rand(1, 1, 8, 16, seed=1, device=kernel_device)
     rf = rfattn.RandomFeatures(16, 16, seed=0).to(kernel_device)
+    trig = rfattn.RandomFeatures(16, 16, feature="trigrf", seed=0).to(kernel_device)
     with pytest.raises(NotImplementedError, match="causal"):
-        run(q, q, q, rf, causal=True)
+        run(q, q, q, trig, causal=True)
     from rfattn.kernels.rf_parallel import rf_parallel_fwd
 
     with pytest.raises(ValueError, match="precision"):
@@ -300,8 +301,8 @@ def test_learnable_weights_get_kernel_gradients(kernel_device):
         assert rel_rms(a, b) <= tolerance(f32, "grad")
 
 
-def test_sgq_weights_not_fused_yet(kernel_device):
-    rf = rfattn.RandomFeatures(4, 9, weights="sgq").to(kernel_device)
+def test_sgq_weights_with_statistics_not_fused_yet(kernel_device):
+    rf = rfattn.RandomFeatures(4, 9, feature="oprf", weights="sgq").to(kernel_device)
     q = rand(1, 1, 8, 4, seed=1, device=kernel_device)
     with pytest.raises(NotImplementedError, match="sgq"):
         run(q, q, q, rf)
@@ -345,8 +346,214 @@ def test_gerf_family_parity_outputs_and_gradients(feature, opts, kernel_device):
 
 def test_features_without_kernel_are_refused(kernel_device):
     q = rand(1, 1, 8, 16, seed=1, device=kernel_device)
-    for feature, opts, match in (("trigrf", {}, "trigrf"), ("gerf", {"s": -1}, "gerf"),
+    for feature, opts, match in (("poisrf", {}, "poisrf"), ("geomrf", {}, "geomrf"),
                                  ("oprf", {"stats_grad": True}, "stats_grad")):  # fmt: skip
         rf = rfattn.RandomFeatures(16, 16, feature=feature, **opts).to(kernel_device)
         with pytest.raises(NotImplementedError, match=match):
             run(q, q, q, rf)
+
+
+# ------------------------------------------------------------------------------------------------
+# signed features: trigrf, complex gerf, hrf (the kernel's table form) and rmf (its rmf form)
+
+SIGNED = [  # feature, options, weights
+    ("trigrf", {}, "gaussian"),
+    ("gerf", {"A": 0.1j}, "orf"),
+    ("gerf", {"A": -0.05 + 0.05j, "s": -1}, "gaussian"),
+    ("hrf", {"lambda_features": 2}, "gaussian"),
+    ("hrf", {"lambda_features": 1, "share_base_projection": True}, "orf"),
+    ("rmf", {}, "rademacher"),
+    ("rmf", {"mode": "paper", "dot_kernel": "inverse", "max_degree": 6}, "rademacher"),
+    ("rmf", {"dot_kernel": "poly", "poly_degree": 3}, "rademacher"),
+    ("posrf", {}, "sgq"),  # sgq's signed row weights: the table form
+    ("trigrf", {}, "sgq"),
+]
+
+
+def _signed_ids(case):
+    feature, opts, weights = case
+    return "-".join([feature, weights, *(f"{k}{v}" for k, v in opts.items())])
+
+
+def backend_parity(rf, q, k, v, mask=None, seed=5):
+    """Relative RMS errors of the fused output and dq, dk, dv (and dW for learnable weights)
+    against the float64 torch path, i.e. ``linear_attention`` on the feature map of record, on a
+    float64 copy of ``rf`` (the same W and draws) with the same cotangent."""
+    rf64 = copy.deepcopy(rf).double()
+    args = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = rfattn.rf_attention(*args, rf, key_padding_mask=mask, backend="triton")
+    ref_args = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = rfattn.rf_attention(*ref_args, rf64, key_padding_mask=mask, backend="torch")
+    do = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    out.backward(do.to(out.device, out.dtype))
+    ref.backward(do.to(ref.device))
+    errs = {"out": rel_rms(out, ref)}
+    errs.update(
+        {"d" + n: rel_rms(a.grad, b.grad) for n, a, b in zip("qkv", args, ref_args, strict=True)}
+    )
+    for (name, p), p64 in zip(rf.named_parameters(), rf64.parameters(), strict=True):
+        errs["d" + name] = rel_rms(p.grad, p64.grad)
+    return errs, out
+
+
+@pytest.mark.parametrize("case", SIGNED, ids=_signed_ids)
+def test_signed_parity_outputs_and_gradients(case, kernel_device):
+    """Every signed feature through the fused kernel vs the float64 torch path: cross-attention
+    (Tq != Tk), D != M != E, a key padding mask with NaN in the padded rows, a transposed q."""
+    feature, opts, weights = case
+    B, H, Tq, Tk, D, M, E = 2, 2, 37, 70, 16, 24, 12
+    if weights == "sgq":
+        D, M = 4, 9  # sgq: M = (2 D + 1)-point rules
+    q = rand(B, Tq, H, D, seed=1, scale=0.6, device=kernel_device).transpose(1, 2)
+    k = rand(B, H, Tk, D, seed=2, scale=0.6, device=kernel_device)
+    v = rand(B, H, Tk, E, seed=3, device=kernel_device)
+    mask = (torch.rand(B, Tk, generator=torch.Generator().manual_seed(2)) < 0.25).to(kernel_device)
+    k[mask[:, None, :, None].expand_as(k)] = float("nan")  # padded content is never read
+    rf = rfattn.RandomFeatures(D, M, feature=feature, weights=weights, seed=4, **opts)
+    errs, out = backend_parity(rf.to(kernel_device), q, k, v, mask)
+    assert errs.pop("out") <= tolerance(f32), errs
+    assert max(errs.values()) <= tolerance(f32, "grad"), errs
+    if feature == "posrf":
+        return
+    # not the posrf result: the feature's form reaches the kernel
+    plain_w = "gaussian" if weights == "rademacher" else weights
+    plain = rfattn.RandomFeatures(D, M, weights=plain_w, seed=4).to(kernel_device)
+    k0 = k.masked_fill(mask[:, None, :, None], 0.0)
+    assert rel_rms(run(q, k0, v, plain, key_padding_mask=mask), out) > 1e-3
+
+
+@pytest.mark.parametrize("feature,opts", [("trigrf", {}), ("hrf", {"lambda_features": 2})])
+def test_signed_learnable_weights_dw(feature, opts, kernel_device):
+    """fastfoodl: dW of the per-feature rows (W repeated per block) reaches S, G, B exactly."""
+    q = rand(1, 2, 40, 16, seed=1, scale=0.6, device=kernel_device)
+    k = rand(1, 2, 50, 16, seed=2, scale=0.6, device=kernel_device)
+    v = rand(1, 2, 50, 8, seed=3, device=kernel_device)
+    rf = rfattn.RandomFeatures(16, 16, feature=feature, weights="fastfoodl", seed=0, **opts)
+    errs, _ = backend_parity(rf.to(kernel_device), q, k, v)
+    assert len(errs) >= 7 and max(errs.values()) <= tolerance(f32, "grad"), errs
+
+
+SIGNED_SHAPES = [  # B, H, Tq, Tk, D, M, E
+    (1, 1, 1, 1, 16, 12, 8),
+    (2, 1, 63, 63, 24, 20, 40),
+    (1, 2, 257, 257, 16, 12, 20),
+]
+
+
+@pytest.mark.parametrize("feature", ["trigrf", "hrf", "rmf"])
+@pytest.mark.parametrize(
+    "shape", SIGNED_SHAPES, ids=lambda s: "B{}-H{}-Tq{}-Tk{}-D{}-M{}-E{}".format(*s)
+)
+def test_signed_awkward_shapes(feature, shape, kernel_device):
+    B, H, Tq, Tk, D, M, E = shape
+    opts = {"lambda_features": 2} if feature == "hrf" else {}
+    # orf rows: trigrf's denominators stay away from 0 on these draws (with gaussian rows the
+    # float32 torch path itself errs 5e-6 on one of them: conditioning, not the kernel)
+    weights = "rademacher" if feature == "rmf" else "orf"
+    q = rand(B, H, Tq, D, seed=1, scale=0.5, device=kernel_device)
+    k = rand(B, H, Tk, D, seed=2, scale=0.5, device=kernel_device)
+    v = rand(B, H, Tk, 2 * E, seed=3, device=kernel_device)[..., ::2]  # non-unit last stride
+    rf = rfattn.RandomFeatures(D, M, feature=feature, weights=weights, seed=4, **opts)
+    errs, _ = backend_parity(rf.to(kernel_device), q, k, v)
+    if Tk == 1:  # one key: out = v whatever q and k are, their gradients vanish
+        errs = {n: e for n, e in errs.items() if n not in ("dq", "dk")}
+    assert errs.pop("out") <= tolerance(f32), errs
+    assert max(errs.values()) <= tolerance(f32, "grad"), errs
+
+
+@pytest.mark.parametrize("feature,opts", [("rmf", {}), ("hrf", {"lambda_features": 1})])
+def test_gradcheck_float64_tiny_signed(feature, opts, kernel_device):
+    from rfattn.attention import _fused_form
+
+    f64 = torch.float64
+    weights = "rademacher" if feature == "rmf" else "gaussian"
+    rf = rfattn.RandomFeatures(3, 4, feature=feature, weights=weights, seed=1, **opts)
+    rf = rf.to(kernel_device).double()
+    q = rand(1, 1, 2, 3, seed=1, dtype=f64, device=kernel_device).requires_grad_()
+    k = rand(1, 1, 3, 3, seed=2, dtype=f64, device=kernel_device).requires_grad_()
+    v = rand(1, 1, 3, 2, seed=3, dtype=f64, device=kernel_device).requires_grad_()
+    mask = torch.tensor([[False, True, False]], device=kernel_device)
+    form = _fused_form(rf, q, k, mask, 0.5)
+    form["w"] = form["w"].detach()
+
+    def fn(a, b, c):
+        return rf_parallel(a, b, c, scale=0.5, key_padding_mask=mask, **form)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+def test_signed_deterministic_and_padding(kernel_device):
+    """Bitwise-equal outputs and gradients over two calls (two key splits and the merge), and a
+    (b, h) whose keys are all padded gives 0 (the denominator policy) without NaN."""
+    q = rand(2, 1, 20, 16, seed=1, scale=0.5, device=kernel_device)
+    k = rand(2, 1, 130, 16, seed=2, scale=0.5, device=kernel_device)
+    v = rand(2, 1, 130, 16, seed=3, device=kernel_device)
+    mask = torch.zeros(2, 130, dtype=torch.bool, device=kernel_device)
+    mask[1] = True
+    for feature, weights in (("rmf", "rademacher"), ("hrf", "gaussian")):
+        opts = {"lambda_features": 1} if feature == "hrf" else {}
+        rf = rfattn.RandomFeatures(16, 6, feature=feature, weights=weights, seed=0, **opts)
+        rf = rf.to(kernel_device)
+        results = []
+        for _ in range(2):
+            args = [x.clone().requires_grad_() for x in (q, k, v)]
+            out = run(*args, rf, key_padding_mask=mask)
+            out.pow(2).sum().backward()
+            results.append([out.detach(), *(x.grad for x in args)])
+        assert all(torch.equal(a, b) for a, b in zip(*results, strict=True)), feature
+        assert torch.equal(results[0][0][1], torch.zeros_like(results[0][0][1]))
+        assert all(x.isfinite().all() for x in results[0])
+
+
+def test_rmf_nan_propagates(kernel_device):
+    q = rand(1, 1, 10, 8, seed=1, scale=0.5, device=kernel_device)
+    k = rand(1, 1, 10, 8, seed=2, scale=0.5, device=kernel_device)
+    rf = rfattn.RandomFeatures(8, 8, feature="rmf", weights="rademacher", seed=0)
+    q[0, 0, 3, 1] = float("nan")
+    out = run(q, k, k, rf.to(kernel_device))
+    assert out[0, 0, 3].isnan().all() and out[0, 0, :3].isfinite().all()
+
+
+def test_fused_kernel_available():
+    from rfattn.attention import fused_kernel_available
+
+    def rf(feature, weights="gaussian", **opts):
+        return rfattn.RandomFeatures(4, 9, feature=feature, weights=weights, **opts)
+
+    for feature in ("posrf", "hyprf", "gerf", "oprf", "saderf", "trigrf", "hrf"):
+        assert fused_kernel_available(rf(feature))
+    assert fused_kernel_available(rf("rmf", "rademacher"))
+    assert fused_kernel_available(rf("trigrf", "sgq")) and fused_kernel_available(rf("gerf", s=-1))
+    assert not fused_kernel_available(rf("poisrf"))
+    assert not fused_kernel_available(rf("oprf", "sgq"))
+    assert not fused_kernel_available(rf("trigrf"), causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", SIGNED[:1] + SIGNED[3:4] + SIGNED[5:6], ids=_signed_ids)
+def test_signed_low_precision_gpu(case, dtype):
+    """flash-attention rule: output error <= 2x, gradient errors <= 3x the torch path's own error
+    in that dtype (both against the float64 torch path on the same features)."""
+    feature, opts, weights = case
+    B, H, T, D, M, E = 2, 4, 1000, 64, 64, 64
+    q = rand(B, H, T, D, seed=1, scale=0.5, dtype=dtype, device="cuda")
+    k = rand(B, H, T, D, seed=2, scale=0.5, dtype=dtype, device="cuda")
+    v = rand(B, H, T, E, seed=3, dtype=dtype, device="cuda")
+    rf = rfattn.RandomFeatures(D, M, feature=feature, weights=weights, seed=0, **opts).cuda()
+    kernel, _ = backend_parity(rf, q, k, v)
+    rf64 = copy.deepcopy(rf).double()
+    args = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = rfattn.rf_attention(*args, rf, backend="torch")
+    ref_args = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = rfattn.rf_attention(*ref_args, rf64, backend="torch")
+    do = torch.randn(ref.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    out.backward(do.to(out.device, out.dtype))
+    ref.backward(do.to(ref.device))
+    torch_errs = {"out": rel_rms(out, ref)}
+    torch_errs.update(
+        {"d" + n: rel_rms(a.grad, b.grad) for n, a, b in zip("qkv", args, ref_args, strict=True)}
+    )
+    for name, err in torch_errs.items():
+        factor, kind = (2, "out") if name == "out" else (3, "grad")
+        assert kernel[name] <= max(factor * err, tolerance(dtype, kind) / 10), (name, kernel, err)

@@ -172,8 +172,6 @@ class FeatureMap(nn.Module):
     positive: bool = True
     #: True when phi = g * exp(logits) (stabilised by offsets); False: phi = values(...)
     exponential: bool = True
-    #: the id the fused kernels know this feature by, or None when no kernel exists yet
-    kernel_id: int | None = None
     #: names of the extra-draw buffers (set by :meth:`_register_draws`)
     _draw_names: tuple[str, ...] = ()
 
@@ -439,19 +437,28 @@ class StatsFeature(FeatureMap):
             )
         return self.stats
 
-    def moments(self, xq, xk, key_padding_mask, causal: bool, update: bool) -> Moments | None:
+    def moments(
+        self, xq, xk, key_padding_mask, causal: bool, update: bool, batch=None
+    ) -> Moments | None:
         """The moments this call uses: ``[B, H, 2, D]`` (global), ``[1, 1, 2, D]`` (running),
-        or None (fixed). A running-mode call in training updates the buffers afterwards."""
+        or None (fixed). A running-mode call in training updates the buffers afterwards.
+
+        ``batch``: optional callable returning this call's detached per-(b, h) moments (the
+        fused stats kernel); by default they are reduced here from ``xq``, ``xk`` (which may then
+        be empty stand-ins giving only dtype, device and D)."""
         mode = self.mode(causal)
         if mode == "fixed":
             return None
+        if batch is None or (mode == "global" and self.stats_grad):
+            grad = mode == "global" and self.stats_grad
+            xq_, xk_ = (xq, xk) if grad else (xq.detach(), xk.detach())
+
+            def batch():
+                return sequence_moments(xq_, xk_, key_padding_mask)
+
         if mode == "global":
-            if not self.stats_grad:
-                xq, xk = xq.detach(), xk.detach()
-            return sequence_moments(xq, xk, key_padding_mask)
+            return batch()
         cur = Moments(*(t.detach().clone().to(xq.dtype)[None, None] for t in running_moments(self)))
         if update and self.training:
-            update_running(
-                self, sequence_moments(xq.detach(), xk.detach(), key_padding_mask), self.momentum
-            )
+            update_running(self, batch(), self.momentum)
         return cur

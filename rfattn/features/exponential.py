@@ -51,7 +51,6 @@ class PosRF(FeatureMap):
     """
 
     name = "posrf"
-    kernel_id = 0
 
     def logits(self, x, w, side, params=None):
         return project(x, w) - 0.5 * sq_norm(x)
@@ -116,14 +115,16 @@ class GERF(FeatureMap):
     def extra_repr(self) -> str:
         return f"name='gerf', A={self.A}, s={self.s}"
 
-    def _z(self, x, w, side):
-        """(Re z, Im z) of ``log f`` on ``side``, each ``[..., T, M]``."""
-        d = x.shape[-1]
+    def coefficients(self, d: int, side: str) -> tuple[complex, complex]:
+        """``(B, log D)`` of ``side`` for head dim d: ``B = sqrt(s(1 - 4A))`` (times s for
+        keys), ``log D = (d/4) log(1 - 4A)`` (principal branches; the fused kernels use them)."""
         one_m = 1.0 - 4.0 * self.A
         b = cmath.sqrt(self.s * one_m)
-        if side == "key":
-            b = self.s * b
-        log_d = 0.25 * d * cmath.log(one_m)
+        return (self.s * b if side == "key" else b), 0.25 * d * cmath.log(one_m)
+
+    def _z(self, x, w, side):
+        """(Re z, Im z) of ``log f`` on ``side``, each ``[..., T, M]``."""
+        b, log_d = self.coefficients(x.shape[-1], side)
         proj, nw = project(x, w), row_sq_norms(w, x.dtype)
         re = log_d.real + self.A.real * nw + b.real * proj - 0.5 * self.s * sq_norm(x)
         im = log_d.imag + self.A.imag * nw + b.imag * proj
@@ -172,9 +173,9 @@ class OPRF(StatsFeature):
             None if A is None else check_number(self.name, "A", A, high=0.125, high_open=True)
         )
 
-    def params(self, xq, xk, key_padding_mask=None, causal=False, update=True):
+    def params(self, xq, xk, key_padding_mask=None, causal=False, update=True, batch=None):
         d = xq.shape[-1]
-        m = self.moments(xq, xk, key_padding_mask, causal, update)
+        m = self.moments(xq, xk, key_padding_mask, causal, update, batch)
         if m is None:
             a = xq.new_full((1, 1), self.fixed_A)
         else:
@@ -227,9 +228,9 @@ class SADERF(StatsFeature):
                 )
             self.fixed_psi = t
 
-    def params(self, xq, xk, key_padding_mask=None, causal=False, update=True):
+    def params(self, xq, xk, key_padding_mask=None, causal=False, update=True, batch=None):
         d = xq.shape[-1]
-        m = self.moments(xq, xk, key_padding_mask, causal, update)
+        m = self.moments(xq, xk, key_padding_mask, causal, update, batch)
         if m is None:
             psi = self.fixed_psi.to(device=xq.device, dtype=xq.dtype)[None, None]
             a = xq.new_full((1, 1), self.fixed_A)

@@ -83,6 +83,14 @@ class HRF(FeatureMap):
     def num_samples(self, w):
         return 1
 
+    def log_constants(self, mp: int, mt: int) -> tuple[float, float, float]:
+        """Logit constants ``(lp, lt, lr)``: log of the P and T blocks' factors and of the
+        lambda blocks' extra factor (the fused kernels use them)."""
+        lp = math.log(math.sqrt(0.5) / math.sqrt(2 * mp))
+        lt = math.log(math.sqrt(0.5) / math.sqrt(mt))
+        lr = math.log(1.0 / math.sqrt(2 * self.n)) - math.log(math.sqrt(0.5))
+        return lp, lt, lr
+
     def _blocks(self, x, w, side, params):
         """(u, g) of the four blocks, concatenated: each ``[B, H, T, F]``."""
         wp, wt = self._split(w)
@@ -93,9 +101,7 @@ class HRF(FeatureMap):
         u_t = half.expand(*half.shape[:-1], 2 * mt)
         g_t = torch.cat((torch.sin(zt), torch.cos(zt)), dim=-1)
         s = torch.where(project(x, params["hrf_tau"]) >= 0, 1.0, -1.0).to(x.dtype)  # [..., T, n]
-        lp = math.log(math.sqrt(0.5) / math.sqrt(2 * mp))
-        lt = math.log(math.sqrt(0.5) / math.sqrt(mt))
-        lr = math.log(1.0 / math.sqrt(2 * n)) - math.log(math.sqrt(0.5))
+        lp, lt, lr = self.log_constants(mp, mt)
         sign_p = -1.0 if side == "query" else 1.0
         lead = u_p.shape[:-1]
         u = torch.cat(
