@@ -195,13 +195,13 @@ _SIGNED_FUSED = ("trigrf", "hrf", "rmf")
 def _no_kernel_reason(rf, causal: bool) -> str | None:
     """Why no fused kernel can run this call, or None when one can."""
     fm = rf.feature_map
-    if causal:
-        return "causal fused Triton kernels are not implemented yet"
-    if rf.feature not in _GERF_FAMILY + _SIGNED_FUSED or (causal and not fm.positive):
-        return f"feature={rf.feature!r} (as configured) has no fused Triton kernel yet"
+    if causal and rf.weight.requires_grad:
+        return "learnable weights (dW) in causal attention need the torch path"
+    if rf.feature not in _GERF_FAMILY + _SIGNED_FUSED:
+        return f"feature={rf.feature!r} has no fused Triton kernel yet"
     if getattr(fm, "stats_grad", False):
         return "stats_grad=True (gradients through the statistics) needs the torch path"
-    if rf.weights in WEIGHTED_WEIGHTS and (causal or rf.feature in ("oprf", "saderf")):
+    if rf.weights in WEIGHTED_WEIGHTS and rf.feature in ("oprf", "saderf"):
         return f"the fused kernels do not apply {rf.weights}'s row weights (component_weight) yet"
     return None
 
@@ -219,26 +219,31 @@ def _kernel_moments(q, k, key_padding_mask, scale) -> Moments:
     return Moments(*sequence_moments_fused(q, k, scale, key_padding_mask))
 
 
-def _gerf_form(rf, q, k, key_padding_mask, scale):
+def _gerf_form(rf, q, k, key_padding_mask, scale, causal=False):
     """The fused kernel's inputs for ``rf``: (W to project by, per-(b, h) (A, B) or None,
-    per-(b, h) psi or None). Statistics come from the feature map itself (one place)."""
+    per-(b, h) psi or None, log D). Statistics come from the feature map itself (one place).
+
+    ``log D`` (a per-(b, h) constant of the feature maps' logits) cancels in attention and the
+    kernels drop it; it only shifts the causal state's offset (see :func:`_state_offset`).
+    """
     fm, w = rf.feature_map, rf.weight
     if rf.feature == "posrf":
-        return w, None, None
+        return w, None, None, 0.0
     if rf.feature == "hyprf":  # [exp(w.x), exp(-w.x)] = posrf on the rows [W; -W]
-        return torch.cat((w, -w), dim=0), None, None
+        return torch.cat((w, -w), dim=0), None, None, 0.0
     if rf.feature == "gerf":
         a = fm.A.real
-        return w, torch.tensor([a, math.sqrt(1.0 - 4.0 * a)], dtype=torch.float64), None
+        log_d = 0.25 * q.shape[-1] * math.log(1.0 - 4.0 * a)
+        return w, torch.tensor([a, math.sqrt(1.0 - 4.0 * a)], dtype=torch.float64), None, log_d
     # oprf, saderf: the feature map's parameters (one place) from the fused stats pass (held
     # constant: stats_grad=False); empty stand-ins give it dtype, device and D, never a copy
     stand_in = q.new_empty((1, 1, 0, q.shape[-1]), dtype=compute_dtype(q.dtype))
     with torch.no_grad():
-        p = fm.params(stand_in, stand_in, key_padding_mask, causal=False,
+        p = fm.params(stand_in, stand_in, key_padding_mask, causal=causal,
                       batch=lambda: _kernel_moments(q, k, key_padding_mask, scale))  # fmt: skip
     ab = torch.cat((p["A"], p["B"]), dim=-1).flatten(-2)  # [B|1, H|1, 2]
     psi = p["psi"].squeeze(-2) if "psi" in p else None  # [B|1, H|1, D]
-    return w, ab, psi
+    return w, ab, psi, p["log_D"][..., 0, 0]  # log D: [B|1, H|1]
 
 
 def _table(width: int, device, **rows) -> torch.Tensor:
@@ -254,17 +259,19 @@ def _table(width: int, device, **rows) -> torch.Tensor:
     return t
 
 
-def _fused_form(rf, q, k, key_padding_mask, scale) -> dict:
-    """Non-causal: the keyword arguments of :func:`rfattn.autograd.rf_parallel` for ``rf``: the
-    kernel's feature form, one projection row per feature ``w`` (built from ``rf.weight`` with
-    differentiable ops, so dW flows back) and the form's parameters. The coefficients restate
-    the feature maps' formulas (``rfattn.features``; tests hold them to the torch path)."""
+def _fused_form(rf, q, k, key_padding_mask, scale, causal=False) -> tuple[dict, object]:
+    """The keyword arguments of :func:`rfattn.autograd.rf_parallel` / ``rf_chunk`` for ``rf``:
+    the kernel's feature form, one projection row per feature ``w`` (built from ``rf.weight``
+    with differentiable ops, so dW flows back) and the form's parameters; and the shift
+    between the kernel's key offsets and the torch path's (log D, dropped by the "gerf" form;
+    0 otherwise). The coefficients restate the feature maps' formulas (``rfattn.features``;
+    tests hold them to the torch path)."""
     fm, w, name, dev = rf.feature_map, rf.weight, rf.feature, q.device
     m = w.shape[0]
     c = rf.component_weight if rf.weights in WEIGHTED_WEIGHTS else None  # key-side row weights
     if name in _GERF_FAMILY and fm.positive and c is None:
-        w, gerf, psi = _gerf_form(rf, q, k, key_padding_mask, scale)[:3]
-        return dict(w=w, feature="gerf", gerf=gerf, psi=psi)
+        w, gerf, psi, log_d = _gerf_form(rf, q, k, key_padding_mask, scale, causal)
+        return dict(w=w, feature="gerf", gerf=gerf, psi=psi), log_d
     if name == "rmf":
         d = fm.drawn()
         deg = d["rmf_degree"].to(dev)
@@ -276,20 +283,20 @@ def _fused_form(rf, q, k, key_padding_mask, scale) -> dict:
         cq = d["rmf_scale"].to(dev, torch.float64)
         ck = cq if c is None else cq * c.to(dev, torch.float64)
         return dict(w=w.detach(), feature="rmf", table=torch.stack((cq, ck))[:, None],
-                    extra_rows=rows, index=torch.cat((starts, owner)))  # fmt: skip
+                    extra_rows=rows, index=torch.cat((starts, owner))), 0.0  # fmt: skip
     ones = torch.ones(m, dtype=torch.float64, device=dev)
     ck = 1.0 if c is None else c.to(dev, torch.float64).repeat(fm.width(m) // m)
     shift = torch.cat((0.0 * ones, -0.5 * math.pi * ones))  # [cos, sin] = cos(th - [0, pi/2])
     if name in ("posrf", "gerf") and fm.positive:  # sgq's weights: u = A |w|^2 + B z - |x|^2/2
         a = fm.A.real if name == "gerf" else 0.0
         table = _table(m, dev, cu=math.sqrt(1.0 - 4.0 * a), ch=-0.5, cw=a, ga=(1.0, ck))
-        return dict(w=w, feature="table", table=table)
+        return dict(w=w, feature="table", table=table), 0.0
     if name == "hyprf":
         table = _table(2 * m, dev, cu=1.0, ch=-0.5, ga=(1.0, ck))
-        return dict(w=torch.cat((w, -w), dim=0), feature="table", table=table)
+        return dict(w=torch.cat((w, -w), dim=0), feature="table", table=table), 0.0
     if name == "trigrf":  # u = |x|^2 / 2, g = [cos z, sin z]
         table = _table(2 * m, dev, ch=0.5, ct=1.0, tb=shift, gb=(1.0, ck))
-        return dict(w=torch.cat((w, w), dim=0), feature="table", table=table)
+        return dict(w=torch.cat((w, w), dim=0), feature="table", table=table), 0.0
     if name == "gerf":  # complex: u = [Re z, Re z]; g = [cos Im z, +-sin Im z] (keys: -sin)
         (bq, log_d), (bk, _) = (
             fm.coefficients(q.shape[-1], "query"),
@@ -298,7 +305,7 @@ def _fused_form(rf, q, k, key_padding_mask, scale) -> dict:
         table = _table(2 * m, dev, cu=(bq.real, bk.real), ch=-0.5 * fm.s, cw=fm.A.real,
                        bias=log_d.real, ct=(bq.imag, bk.imag), tw=fm.A.imag,
                        tb=log_d.imag + shift, gb=(1.0, torch.cat((ones, -ones)) * ck))  # fmt: skip
-        return dict(w=torch.cat((w, w), dim=0), feature="table", table=table)
+        return dict(w=torch.cat((w, w), dim=0), feature="table", table=table), 0.0
     # hrf: blocks [P, T, P (x) s_r (r < n), T (x) s_r (r < n)]; P = exp(+-z_p - |x|^2/2) (queries
     # carry -s_r), T = exp(|x|^2/2) [sin z_t, cos z_t]; lam_f = r on the s_r blocks, else -1
     wp, wt = fm._split(w)
@@ -316,7 +323,23 @@ def _fused_form(rf, q, k, key_padding_mask, scale) -> dict:
     lam += [torch.full((2 * mt,), r) for r in range(n)]
     rows = [wp, wp, wt, wt] + [wp, wp] * n + [wt, wt] * n
     return dict(w=torch.cat(rows, dim=0), feature="table", table=torch.cat(tables, dim=-1),
-                extra_rows=fm.drawn()["hrf_tau"], index=torch.cat(lam).to(dev))  # fmt: skip
+                extra_rows=fm.drawn()["hrf_tau"], index=torch.cat(lam).to(dev)), 0.0  # fmt: skip
+
+
+def _causal_triton(q, k, v, scale, key_padding_mask, form, shift, state, return_state):
+    """The chunked causal kernel. States keep the torch path's conventions: offsets include
+    log D (``shift``), and plain features (rmf) carry offset 0."""
+    from rfattn.autograd import rf_chunk
+
+    if state is not None:
+        s0, z0, off0 = state
+        state = RFState(s0, z0, off0 - shift)
+    out, s, z, off = rf_chunk(q, k, v, scale=scale, key_padding_mask=key_padding_mask,
+                              initial_state=state, **form)  # fmt: skip
+    if not return_state:
+        return out
+    off = torch.zeros_like(off) if form["feature"] == "rmf" else off + shift
+    return out, RFState(s, z, off)
 
 
 def _use_triton(q, rf, causal) -> bool:
@@ -368,7 +391,10 @@ def rf_attention(
             raise NotImplementedError(f"{reason}; use backend='torch'")
         from rfattn.autograd import rf_parallel
 
-        form = _fused_form(rf, q, k, key_padding_mask, scale)
+        form, shift = _fused_form(rf, q, k, key_padding_mask, scale, causal)
+        if causal:
+            return _causal_triton(q, k, v, scale, key_padding_mask, form, shift, initial_state,
+                                  return_state)  # fmt: skip
         return rf_parallel(q, k, v, scale=scale, key_padding_mask=key_padding_mask, **form)
 
     cdt = compute_dtype(q.dtype)

@@ -221,9 +221,9 @@ def test_gradients_deterministic(kernel_device):
 def test_triton_backend_rejects_what_it_cannot_run(kernel_device):
     q = rand(1, 1, 8, 16, seed=1, device=kernel_device)
     rf = rfattn.RandomFeatures(16, 16, seed=0).to(kernel_device)
-    trig = rfattn.RandomFeatures(16, 16, feature="trigrf", seed=0).to(kernel_device)
-    with pytest.raises(NotImplementedError, match="causal"):
-        run(q, q, q, trig, causal=True)
+    pois = rfattn.RandomFeatures(16, 16, feature="poisrf", seed=0).to(kernel_device)
+    with pytest.raises(NotImplementedError, match="poisrf"):
+        run(q, q, q, pois, causal=True)
     from rfattn.kernels.rf_parallel import rf_parallel_fwd
 
     with pytest.raises(ValueError, match="precision"):
@@ -473,7 +473,7 @@ def test_gradcheck_float64_tiny_signed(feature, opts, kernel_device):
     k = rand(1, 1, 3, 3, seed=2, dtype=f64, device=kernel_device).requires_grad_()
     v = rand(1, 1, 3, 2, seed=3, dtype=f64, device=kernel_device).requires_grad_()
     mask = torch.tensor([[False, True, False]], device=kernel_device)
-    form = _fused_form(rf, q, k, mask, 0.5)
+    form, _ = _fused_form(rf, q, k, mask, 0.5)
     form["w"] = form["w"].detach()
 
     def fn(a, b, c):
@@ -526,7 +526,10 @@ def test_fused_kernel_available():
     assert fused_kernel_available(rf("trigrf", "sgq")) and fused_kernel_available(rf("gerf", s=-1))
     assert not fused_kernel_available(rf("poisrf"))
     assert not fused_kernel_available(rf("oprf", "sgq"))
-    assert not fused_kernel_available(rf("trigrf"), causal=True)
+    assert fused_kernel_available(rf("trigrf"), causal=True)
+    assert fused_kernel_available(rf("rmf", "rademacher"), causal=True)
+    assert not fused_kernel_available(rf("poisrf"), causal=True)
+    assert not fused_kernel_available(rf("posrf", "fastfoodl"), causal=True)  # dW: torch path
 
 
 @pytest.mark.gpu

@@ -1,0 +1,639 @@
+"""Fused causal random-feature attention, chunkwise, forward and backward, per (b, h).
+
+Tokens are cut into chunks of C = BT. Features are ``phi = g exp(u - offset)`` in every form
+of ``rf_parallel`` (its ``_feature_tile`` epilogue: the real positive GERF family, the signed
+table form -- trigrf, hrf, complex gerf, sgq row weights -- and rmf's plain products, u = 0).
+With the running key offset R_c = max of the key logits u over all valid keys of chunks <= c
+and all features:
+
+    a_i = g_q(i) exp(u_q(i) - m_i)          (m_i: per-row max of u over features, exact)
+    b_j = g_k(j) exp(u_k(j) - R_c)          (j in chunk c; R_c never looks past chunk c)
+    S_c = sum_{j in chunks < c} b_j v_j^T   z_c = sum_{j in chunks < c} b_j     (at offset R_c)
+    out_i = (a_i S_c + sum_{j in c, j <= i} (a_i . b_j) v_j)
+            / (a_i z_c + sum_{j in c, j <= i} a_i . b_j)
+
+The offsets cancel exactly; because R_c includes the whole chunk c, a later token of the same
+chunk can move the offset used by an earlier one: causal outputs are unchanged by future tokens
+to fp32 rounding within a chunk, and bitwise across chunks (DESIGN §3: no global key max).
+
+Forward, three launches (features never touch HBM; chunk states do, transiently):
+
+1. ``_chunk_local_kernel``, grid (M tiles, chunks, B*H): each chunk's own sum h_c = sum_j
+   exp(u_k(j) - l_c) v_j^T with its local max l_c (fully parallel over chunks);
+2. ``_chunk_scan_kernel``, grid (M tiles, B*H): the running offset R_c and the prefix states
+   S_c, z_c, rescaled flash-style (sequential over chunks), plus the final state;
+3. ``_chunk_out_kernel``, grid (chunks, B*H): inter-chunk ``a S_c`` plus the masked intra-chunk
+   ``(a b^T ⊙ tril) V`` on ``tl.dot``, online per-row max over M tiles, ``out = num / den`` with
+   ``rfattn.reference.safe_denominator``'s policy; saves m_i and den_i.
+
+Backward (states recomputed by 1-2, never kept from the forward; no reverse-subtraction of
+prefix sums). With g_i = do_i / den_i, c_i = -(do_i . out_i) / den_i, dK_ij = v_j . g_i + c_i:
+
+4. ``_chunk_local_grad_kernel``, grid (M tiles, chunks, B*H): L_c = sum_{i in c} a_i g_i^T,
+   l_c = sum_{i in c} c_i a_i;
+5. ``_chunk_rscan_kernel``, grid (M tiles, B*H): dS_c = sum_{c' > c} exp(R_c - R_c') L_c'
+   (+ the final state's cotangent), the reverse scan, and the initial state's gradient;
+6. ``_chunk_bwd_kernel``, grid (chunks, B*H):
+   du_q = a ⊙ (g S_c^T + c z_c + (dK ⊙ tril) b),  du_k = b ⊙ ((dK ⊙ tril)^T a + v dS_c^T + dz_c),
+   dv = (a b^T ⊙ tril)^T g + b dS_c; dq, dk through ``rf_parallel``'s ``_feature_dx``
+   (``phi = g e``: du = phi * dphi, dg = e * dphi).
+
+State (``rfattn.RFState``): S [B, H, M, E], z [B, H, M] in the accumulation dtype and the offset
+[B, H] (-inf before any valid key). ``initial_state`` continues a sequence; gradients flow to
+the initial S, z and from cotangents of the returned S, z (the offset is not differentiable).
+Key padding mask: padded keys get b = 0 everywhere (left padding for batched generation works).
+Limits as ``rf_parallel`` (fp32/fp16/bf16/fp64, any D, E, M, T); Tq == Tk; learnable W (dW) is
+not supported here (``rf_attention`` routes it to the torch path). Chunk states take
+``B H ceil(T / C) M E`` accumulator floats while a call runs.
+Reference: ``rfattn.reference.linear_attention(causal=True)`` on ``RandomFeatures.features``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .rf_parallel import (
+    _NEG,
+    INTERPRET,
+    _check_inputs,
+    _feature_dx,
+    _feature_tile,
+    _gerf_coeffs,
+    _input_scale,
+    _load_rows,
+    _load_w,
+    _next_pow2,
+    _query_cotangents,
+    _Setup,
+    _valid_keys,
+)
+
+__all__ = ["rf_chunk_fwd", "rf_chunk_bwd"]
+
+
+@triton.jit
+def _chunk_local_kernel(
+    k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
+    h_ptr, hz_ptr, hm_ptr,
+    T, H, NC,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_ve,
+    stride_wm, stride_wd, stride_pb, stride_pt,
+    D: tl.constexpr, M: tl.constexpr, E: tl.constexpr,
+    BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
+    HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
+):  # fmt: skip
+    """Chunk c's own (h_c [BM, E], hz_c [BM], l_c) for one M tile, at its local max l_c."""
+    i_m, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    NMT: tl.constexpr = (M + BM - 1) // BM
+    o_d, o_e, o_f = tl.arange(0, BD), tl.arange(0, BE), i_m * BM + tl.arange(0, BM)
+    m_d, m_e, m_f = o_d < D, o_e < E, o_f < M
+    o_t = i_c.to(tl.int64) * BT + tl.arange(0, BT)
+    m_t = _valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
+    b_ca, b_cb = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_sc = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
+    b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
+    k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
+    b_xs = _load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, ACC) * b_sc[None, :]
+    b_u, b_g, b_g1, b_g2 = _feature_tile(
+        b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m,
+        M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
+    b_u = tl.where(m_t[:, None] & m_f[None, :], b_u, float("-inf"))
+    b_l = tl.maximum(tl.max(tl.max(b_u, axis=1), axis=0), _NEG)
+    b_p = b_g * tl.exp(b_u - b_l)  # [BT, BM], 0 on invalid rows / features
+    p_v = (
+        v_ptr
+        + i_b * stride_vb
+        + i_h * stride_vh
+        + o_t[:, None] * stride_vt
+        + o_e[None, :] * stride_ve
+    )
+    b_v = tl.load(p_v, mask=m_t[:, None] & m_e[None, :], other=0.0)  # padded values unread
+    # [BM, BT] @ [BT, BE] -> [BM, BE]
+    b_h = tl.dot(tl.trans(b_p).to(b_v.dtype), b_v, input_precision=PRECISION, out_dtype=ACC)
+    i_blk = i_bh * NC + i_c
+    tl.store(h_ptr + i_blk * M * E + o_f[:, None] * E + o_e[None, :], b_h,
+             mask=m_f[:, None] & m_e[None, :])  # fmt: skip
+    tl.store(hz_ptr + i_blk * M + o_f, tl.sum(b_p, axis=0), mask=m_f)
+    tl.store(hm_ptr + i_blk * NMT + i_m, b_l)
+
+
+@triton.jit
+def _chunk_scan_kernel(
+    h_ptr, hz_ptr, hm_ptr, s0_ptr, z0_ptr, r0_ptr, s_ptr, z_ptr, r_ptr, sT_ptr, zT_ptr, rT_ptr,
+    NC,
+    M: tl.constexpr, E: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr,
+    HAS_INIT: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """Prefix states S_c, z_c at the running offset R_c for one M tile, and the final state."""
+    i_m, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    NMT: tl.constexpr = (M + BM - 1) // BM
+    o_f, o_e, o_p = i_m * BM + tl.arange(0, BM), tl.arange(0, BE), tl.arange(0, BP)
+    m_f, m_fe = o_f < M, (o_f < M)[:, None] & (o_e < E)[None, :]
+    o_fe = o_f[:, None] * E + o_e[None, :]
+    if HAS_INIT:
+        b_s = tl.load(s0_ptr + i_bh * M * E + o_fe, mask=m_fe, other=0.0).to(ACC)
+        b_z = tl.load(z0_ptr + i_bh * M + o_f, mask=m_f, other=0.0).to(ACC)
+        b_r = tl.load(r0_ptr + i_bh).to(ACC)
+    else:
+        b_s = tl.zeros([BM, BE], dtype=ACC)
+        b_z = tl.zeros([BM], dtype=ACC)
+        b_r = tl.full([], _NEG, dtype=ACC)
+    for i_c in range(0, NC):
+        i_blk = i_bh * NC + i_c
+        b_lall = tl.load(hm_ptr + i_blk * NMT + o_p, mask=o_p < NMT, other=_NEG)  # [BP]
+        b_rn = tl.maximum(b_r, tl.max(b_lall, axis=0))
+        b_alpha = tl.exp(b_r - b_rn)
+        b_s, b_z = b_s * b_alpha, b_z * b_alpha
+        tl.store(s_ptr + i_blk * M * E + o_fe, b_s, mask=m_fe)
+        tl.store(z_ptr + i_blk * M + o_f, b_z, mask=m_f)
+        if i_m == 0:
+            tl.store(r_ptr + i_blk, b_rn)
+        b_beta = tl.exp(tl.load(hm_ptr + i_blk * NMT + i_m) - b_rn)
+        b_s += b_beta * tl.load(h_ptr + i_blk * M * E + o_fe, mask=m_fe, other=0.0)
+        b_z += b_beta * tl.load(hz_ptr + i_blk * M + o_f, mask=m_f, other=0.0)
+        b_r = b_rn
+    tl.store(sT_ptr + i_bh * M * E + o_fe, b_s, mask=m_fe)
+    tl.store(zT_ptr + i_bh * M + o_f, b_z, mask=m_f)
+    if i_m == 0:
+        tl.store(rT_ptr + i_bh, b_r)
+
+
+@triton.jit
+def _chunk_out_kernel(
+    q_ptr, k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
+    s_ptr, z_ptr, r_ptr, o_ptr, mq_ptr, den_ptr,
+    T, H, NC,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_ve,
+    stride_wm, stride_wd, stride_pb, stride_pt,
+    stride_ob, stride_oh, stride_ot, stride_oe,
+    D: tl.constexpr, M: tl.constexpr, E: tl.constexpr,
+    BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
+    HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
+):  # fmt: skip
+    """out [BT, E] of chunk c: a S_c plus the masked intra-chunk term, normalised."""
+    i_c, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    NMT: tl.constexpr = (M + BM - 1) // BM
+    i_blk = i_bh * NC + i_c
+    o_t = i_c.to(tl.int64) * BT + tl.arange(0, BT)
+    o_d, o_e = tl.arange(0, BD), tl.arange(0, BE)
+    m_q, m_d, m_e = o_t < T, o_d < D, o_e < E
+    m_k = _valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
+    b_ca, b_cb = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_scq = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
+    b_sck = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)
+    q_base = q_ptr + i_b * stride_qb + i_h * stride_qh
+    k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
+    b_xq = _load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, ACC) * b_scq[None, :]
+    b_xk = _load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, ACC) * b_sck[None, :]
+    b_r = tl.load(r_ptr + i_blk)
+
+    b_mx = tl.full([BT], _NEG, dtype=ACC)
+    b_num = tl.zeros([BT, BE], dtype=ACC)
+    b_den = tl.zeros([BT], dtype=ACC)
+    b_A = tl.zeros([BT, BT], dtype=ACC)
+    for i_m in range(0, NMT):
+        o_f = i_m * BM + tl.arange(0, BM)
+        m_f = o_f < M
+        b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
+        b_uq, b_gq, b_g1, b_g2 = _feature_tile(
+            b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m,
+            M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
+        b_uq = tl.where(m_f[None, :], b_uq, float("-inf"))
+        b_mx_new = tl.maximum(b_mx, tl.max(b_uq, axis=1))
+        b_alpha = tl.exp(b_mx - b_mx_new)
+        b_a = b_gq * tl.exp(b_uq - b_mx_new[:, None])  # [BT, BM]
+        b_uk, b_gk, b_g1, b_g2 = _feature_tile(
+            b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m,
+            M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # fmt: skip
+        b_b = b_gk * tl.where(m_k[:, None] & m_f[None, :], tl.exp(b_uk - b_r), 0.0)  # [BT, BM]
+        b_s = tl.load(s_ptr + i_blk * M * E + o_f[:, None] * E + o_e[None, :],
+                      mask=m_f[:, None] & m_e[None, :], other=0.0)  # [BM, BE]  # fmt: skip
+        b_z = tl.load(z_ptr + i_blk * M + o_f, mask=m_f, other=0.0)  # [BM]
+        # [BT, BM] @ [BM, BE] -> [BT, BE]; [BT, BM] @ [BM, BT] -> [BT, BT]
+        b_num = b_num * b_alpha[:, None] + tl.dot(
+            b_a, b_s, input_precision=PRECISION, out_dtype=ACC
+        )
+        b_den = b_den * b_alpha + tl.sum(b_a * b_z[None, :], axis=1)
+        b_A = b_A * b_alpha[:, None] + tl.dot(
+            b_a, tl.trans(b_b), input_precision=PRECISION, out_dtype=ACC
+        )
+        b_mx = b_mx_new
+    b_A = tl.where(o_t[:, None] >= o_t[None, :], b_A, 0.0)  # causal inside the chunk
+    p_v = (
+        v_ptr
+        + i_b * stride_vb
+        + i_h * stride_vh
+        + o_t[:, None] * stride_vt
+        + o_e[None, :] * stride_ve
+    )
+    b_v = tl.load(p_v, mask=m_k[:, None] & m_e[None, :], other=0.0).to(ACC)  # [BT, BE]
+    b_num += tl.dot(b_A, b_v, input_precision=PRECISION, out_dtype=ACC)
+    b_den += tl.sum(b_A, axis=1)
+    eps = tl.full([], TINY, ACC)
+    b_den = tl.where(tl.abs(b_den) < eps, tl.where(b_den < 0, -eps, eps), b_den)
+    b_o = b_num / b_den[:, None]
+    p_o = (
+        o_ptr
+        + i_b * stride_ob
+        + i_h * stride_oh
+        + o_t[:, None] * stride_ot
+        + o_e[None, :] * stride_oe
+    )
+    tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_q[:, None] & m_e[None, :])
+    tl.store(mq_ptr + i_bh * T + o_t, b_mx, mask=m_q)
+    tl.store(den_ptr + i_bh * T + o_t, b_den, mask=m_q)
+
+
+@triton.jit
+def _chunk_local_grad_kernel(
+    q_ptr, w_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
+    o_ptr, do_ptr, mq_ptr, den_ptr, L_ptr, l_ptr,
+    T, H, NC,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_wm, stride_wd,
+    stride_ob, stride_oh, stride_ot, stride_oe,
+    stride_dob, stride_doh, stride_dot, stride_doe,
+    D: tl.constexpr, M: tl.constexpr, E: tl.constexpr,
+    BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
+    FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
+):  # fmt: skip
+    """Chunk c's L_c = sum_i a_i g_i^T [BM, E] and l_c = sum_i c_i a_i [BM] for one M tile."""
+    i_m, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_d, o_e, o_f = tl.arange(0, BD), tl.arange(0, BE), i_m * BM + tl.arange(0, BM)
+    m_d, m_e, m_f = o_d < D, o_e < E, o_f < M
+    o_t = i_c.to(tl.int64) * BT + tl.arange(0, BT)
+    m_q = o_t < T
+    b_ca, b_cb = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_sc = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
+    b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
+    q_base = q_ptr + i_b * stride_qb + i_h * stride_qh
+    b_xq = _load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, ACC) * b_sc[None, :]
+    b_mq = tl.load(mq_ptr + i_bh * T + o_t, mask=m_q, other=0.0)
+    b_u, b_g, b_g1, b_g2 = _feature_tile(
+        b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m,
+        M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # fmt: skip
+    b_a = b_g * tl.where(m_q[:, None] & m_f[None, :], tl.exp(b_u - b_mq[:, None]), 0.0)
+    b_g, b_c = _query_cotangents(do_ptr + i_b * stride_dob + i_h * stride_doh,
+                                 o_ptr + i_b * stride_ob + i_h * stride_oh, den_ptr, i_bh, o_t,
+                                 o_e, T, m_q, m_e, stride_dot, stride_doe, stride_ot, stride_oe,
+                                 ACC)  # fmt: skip
+    i_blk = i_bh * NC + i_c
+    # [BM, BT] @ [BT, BE] -> [BM, BE]
+    b_L = tl.dot(tl.trans(b_a), b_g, input_precision=PRECISION, out_dtype=ACC)
+    tl.store(L_ptr + i_blk * M * E + o_f[:, None] * E + o_e[None, :], b_L,
+             mask=m_f[:, None] & m_e[None, :])  # fmt: skip
+    tl.store(l_ptr + i_blk * M + o_f, tl.sum(b_a * b_c[:, None], axis=0), mask=m_f)
+
+
+@triton.jit
+def _chunk_rscan_kernel(
+    L_ptr, l_ptr, r_ptr, dsT_ptr, dzT_ptr, r0_ptr, ds_ptr, dz_ptr, ds0_ptr, dz0_ptr,
+    NC,
+    M: tl.constexpr, E: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr,
+    HAS_DFINAL: tl.constexpr, HAS_INIT: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """dS_c = sum_{c' > c} exp(R_c - R_c') L_c' (+ final cotangent), and the initial state's."""
+    i_m, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    o_f, o_e = i_m * BM + tl.arange(0, BM), tl.arange(0, BE)
+    m_f, m_fe = o_f < M, (o_f < M)[:, None] & (o_e < E)[None, :]
+    o_fe = o_f[:, None] * E + o_e[None, :]
+    if HAS_DFINAL:  # the returned state sits at offset R_{NC-1}
+        b_ds = tl.load(dsT_ptr + i_bh * M * E + o_fe, mask=m_fe, other=0.0).to(ACC)
+        b_dz = tl.load(dzT_ptr + i_bh * M + o_f, mask=m_f, other=0.0).to(ACC)
+    else:
+        b_ds = tl.zeros([BM, BE], dtype=ACC)
+        b_dz = tl.zeros([BM], dtype=ACC)
+    for i_r in range(0, NC):
+        i_c = NC - 1 - i_r
+        i_blk = i_bh * NC + i_c
+        tl.store(ds_ptr + i_blk * M * E + o_fe, b_ds, mask=m_fe)
+        tl.store(dz_ptr + i_blk * M + o_f, b_dz, mask=m_f)
+        b_ds += tl.load(L_ptr + i_blk * M * E + o_fe, mask=m_fe, other=0.0)
+        b_dz += tl.load(l_ptr + i_blk * M + o_f, mask=m_f, other=0.0)
+        if i_c > 0:
+            b_f = tl.exp(tl.load(r_ptr + i_blk - 1) - tl.load(r_ptr + i_blk))
+            b_ds, b_dz = b_ds * b_f, b_dz * b_f
+    if HAS_INIT:  # the initial state entered chunk 0 rescaled by exp(R_init - R_0)
+        b_f = tl.exp(tl.load(r0_ptr + i_bh) - tl.load(r_ptr + i_bh * NC))
+        tl.store(ds0_ptr + i_bh * M * E + o_fe, b_ds * b_f, mask=m_fe)
+        tl.store(dz0_ptr + i_bh * M + o_f, b_dz * b_f, mask=m_f)
+
+
+@triton.jit
+def _chunk_bwd_kernel(
+    q_ptr, k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
+    s_ptr, z_ptr, r_ptr, ds_ptr, dz_ptr, o_ptr, do_ptr, mq_ptr, den_ptr,
+    dq_ptr, dk_ptr, dv_ptr,
+    T, H, NC,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_ve,
+    stride_wm, stride_wd, stride_pb, stride_pt,
+    stride_ob, stride_oh, stride_ot, stride_oe,
+    stride_dob, stride_doh, stride_dot, stride_doe,
+    stride_dqb, stride_dqh, stride_dqt, stride_dqd,
+    stride_dkb, stride_dkh, stride_dkt, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvt, stride_dve,
+    D: tl.constexpr, M: tl.constexpr, E: tl.constexpr,
+    BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
+    HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
+):  # fmt: skip
+    """dq, dk [BT, D] and dv [BT, E] of chunk c (inter-chunk states + masked intra terms)."""
+    i_c, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    NMT: tl.constexpr = (M + BM - 1) // BM
+    i_blk = i_bh * NC + i_c
+    o_t = i_c.to(tl.int64) * BT + tl.arange(0, BT)
+    o_d, o_e = tl.arange(0, BD), tl.arange(0, BE)
+    m_q, m_d, m_e = o_t < T, o_d < D, o_e < E
+    m_k = _valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
+    m_tril = o_t[:, None] >= o_t[None, :]  # [BT(i), BT(j)]
+    b_ca, b_cb = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_scq = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
+    b_sck = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)
+    q_base = q_ptr + i_b * stride_qb + i_h * stride_qh
+    k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
+    v_base = v_ptr + i_b * stride_vb + i_h * stride_vh
+    b_xq = _load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, ACC) * b_scq[None, :]
+    b_xk = _load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, ACC) * b_sck[None, :]
+    b_v = _load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_k, m_e, ACC)  # [BT, BE]
+    b_mq = tl.load(mq_ptr + i_bh * T + o_t, mask=m_q, other=0.0)
+    b_r = tl.load(r_ptr + i_blk)
+    b_g, b_c = _query_cotangents(do_ptr + i_b * stride_dob + i_h * stride_doh,
+                                 o_ptr + i_b * stride_ob + i_h * stride_oh, den_ptr, i_bh, o_t,
+                                 o_e, T, m_q, m_e, stride_dot, stride_doe, stride_ot, stride_oe,
+                                 ACC)  # fmt: skip
+    # dK_ij = v_j . g_i + c_i, causal inside the chunk: [BT, BE] @ [BE, BT] -> [BT, BT]
+    b_dK = tl.dot(b_g, tl.trans(b_v), input_precision=PRECISION, out_dtype=ACC) + b_c[:, None]
+    b_dK = tl.where(m_tril, b_dK, 0.0)
+
+    b_dxq = tl.zeros([BT, BD], dtype=ACC)
+    b_dxk = tl.zeros([BT, BD], dtype=ACC)
+    b_dv = tl.zeros([BT, BE], dtype=ACC)
+    b_A = tl.zeros([BT, BT], dtype=ACC)
+    for i_m in range(0, NMT):
+        o_f = i_m * BM + tl.arange(0, BM)
+        m_f = o_f < M
+        m_fe = m_f[:, None] & m_e[None, :]
+        o_fe = o_f[:, None] * E + o_e[None, :]
+        b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
+        b_uq, b_gq, b_g1q, b_g2q = _feature_tile(
+            b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m,
+            M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # fmt: skip
+        b_eq = tl.where(m_q[:, None] & m_f[None, :], tl.exp(b_uq - b_mq[:, None]), 0.0)
+        b_a = b_gq * b_eq  # [BT, BM]
+        b_uk, b_gk, b_g1k, b_g2k = _feature_tile(
+            b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m,
+            M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # fmt: skip
+        b_ek = tl.where(m_k[:, None] & m_f[None, :], tl.exp(b_uk - b_r), 0.0)
+        b_b = b_gk * b_ek  # [BT, BM]
+        b_s = tl.load(s_ptr + i_blk * M * E + o_fe, mask=m_fe, other=0.0)  # [BM, BE]
+        b_z = tl.load(z_ptr + i_blk * M + o_f, mask=m_f, other=0.0)
+        b_ds = tl.load(ds_ptr + i_blk * M * E + o_fe, mask=m_fe, other=0.0)
+        b_dz = tl.load(dz_ptr + i_blk * M + o_f, mask=m_f, other=0.0)
+        # da = g S^T + c z + dK b:  [BT, BE] @ [BE, BM] and [BT, BT] @ [BT, BM] -> [BT, BM]
+        b_da = tl.dot(b_g, tl.trans(b_s), input_precision=PRECISION, out_dtype=ACC)
+        b_da += b_c[:, None] * b_z[None, :]
+        b_da += tl.dot(b_dK, b_b, input_precision=PRECISION, out_dtype=ACC)
+        b_dxq += _feature_dx(b_a * b_da, b_eq * b_da, b_g1q, b_g2q, b_xq, b_w, o_f, m_f, o_d,
+                             m_d, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM, FEATURE, False,
+                             PRECISION, TINY)  # fmt: skip
+        # db = dK^T a + v dS^T + dz:  [BT, BT] @ [BT, BM] and [BT, BE] @ [BE, BM] -> [BT, BM]
+        b_db = tl.dot(tl.trans(b_dK), b_a, input_precision=PRECISION, out_dtype=ACC)
+        b_db += tl.dot(b_v, tl.trans(b_ds), input_precision=PRECISION, out_dtype=ACC)
+        b_db += b_dz[None, :]
+        b_dxk += _feature_dx(b_b * b_db, b_ek * b_db, b_g1k, b_g2k, b_xk, b_w, o_f, m_f, o_d,
+                             m_d, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM, FEATURE, True,
+                             PRECISION, TINY)  # fmt: skip
+        # inter-chunk dv = b dS: [BT, BM] @ [BM, BE]; intra needs A = a b^T over all features
+        b_dv += tl.dot(b_b, b_ds, input_precision=PRECISION, out_dtype=ACC)
+        b_A += tl.dot(b_a, tl.trans(b_b), input_precision=PRECISION, out_dtype=ACC)
+    b_A = tl.where(m_tril, b_A, 0.0)
+    b_dv += tl.dot(tl.trans(b_A), b_g, input_precision=PRECISION, out_dtype=ACC)  # [BT, BE]
+    p_dq = (
+        dq_ptr
+        + i_b * stride_dqb
+        + i_h * stride_dqh
+        + o_t[:, None] * stride_dqt
+        + o_d[None, :] * stride_dqd
+    )
+    tl.store(
+        p_dq, (b_dxq * b_scq[None, :]).to(dq_ptr.dtype.element_ty), mask=m_q[:, None] & m_d[None, :]
+    )
+    p_dk = (
+        dk_ptr
+        + i_b * stride_dkb
+        + i_h * stride_dkh
+        + o_t[:, None] * stride_dkt
+        + o_d[None, :] * stride_dkd
+    )
+    tl.store(
+        p_dk, (b_dxk * b_sck[None, :]).to(dk_ptr.dtype.element_ty), mask=m_q[:, None] & m_d[None, :]
+    )
+    p_dv = (
+        dv_ptr
+        + i_b * stride_dvb
+        + i_h * stride_dvh
+        + o_t[:, None] * stride_dvt
+        + o_e[None, :] * stride_dve
+    )
+    tl.store(p_dv, b_dv.to(dv_ptr.dtype.element_ty), mask=m_q[:, None] & m_e[None, :])
+
+
+# ------------------------------------------------------------------------------------------------
+# launchers
+
+
+def _chunk_size(c: _Setup) -> int:
+    """Chunk length C (one BT for every launch of a call: the offsets R_c depend on it)."""
+    if INTERPRET:
+        return 16  # several chunks even on tiny test sequences
+    return 64 if max(c.BD, c.BE) <= 128 else 32
+
+
+def _num_warps(c: _Setup) -> int:
+    return 1 if INTERPRET else (8 if max(c.BD, c.BE) >= 128 else 4)
+
+
+def _offsets_in(r: torch.Tensor) -> torch.Tensor:
+    """State offsets (-inf = nothing seen) to the kernels' finite sentinel."""
+    return torch.where(torch.isinf(r) & (r < 0), torch.full_like(r, _NEG.value), r)
+
+
+def _offsets_out(r: torch.Tensor) -> torch.Tensor:
+    return torch.where(r <= 0.5 * _NEG.value, torch.full_like(r, float("-inf")), r)
+
+
+def _states(c: _Setup, k, v, bt, initial_state):
+    """Launch the local and scan kernels: prefix states per chunk and the final state."""
+    B, H, T, M, E, NMT, dev = c.B, c.H, c.Tk, c.M, c.E, c.NMT, k.device
+    NC = max(triton.cdiv(T, bt), 1)
+    h = c.acc_empty(B * H * NC, M, E, device=dev)
+    hz = c.acc_empty(B * H * NC, M, device=dev)
+    hm = c.acc_empty(B * H * NC, NMT, device=dev)
+    meta = dict(num_warps=_num_warps(c), **c.fmeta)
+    _chunk_local_kernel[(NMT, NC, B * H)](
+        k, v, c.w, c.pad[0], c.scale, c.ab, c.psi, c.tab, c.xr, c.xi, h, hz, hm,
+        T, H, NC, *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
+        BT=bt, HAS_PAD=c.has_pad, **meta,
+    )  # fmt: skip
+    s = c.acc_empty(B * H * NC, M, E, device=dev)
+    z = c.acc_empty(B * H * NC, M, device=dev)
+    r = c.acc_empty(B * H * NC, device=dev)
+    sT, zT, rT = c.acc_empty(B, H, M, E, device=dev), c.acc_empty(B, H, M, device=dev), None
+    rT = c.acc_empty(B, H, device=dev)
+    if initial_state is not None:
+        s0, z0, r0 = (x.to(c.acc).contiguous() for x in initial_state)
+        r0 = _offsets_in(r0)
+    else:
+        s0 = z0 = r0 = sT  # never read
+    _chunk_scan_kernel[(NMT, B * H)](
+        h, hz, hm, s0, z0, r0, s, z, r, sT, zT, rT, NC,
+        M=M, E=E, BM=c.BM, BE=c.BE, BP=_next_pow2(NMT), HAS_INIT=initial_state is not None,
+        ACC=c.ACC, num_warps=_num_warps(c),
+    )  # fmt: skip
+    return NC, (s, z, r), (sT, zT, rT)
+
+
+def rf_chunk_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    w: torch.Tensor,
+    scale: float,
+    key_padding_mask: torch.Tensor | None = None,
+    initial_state: tuple | None = None,
+    precision: str | None = None,
+    gerf: torch.Tensor | None = None,
+    psi: torch.Tensor | None = None,
+    return_aux: bool = False,
+    feature: str = "gerf",
+    table: torch.Tensor | None = None,
+    extra_rows: torch.Tensor | None = None,
+    index: torch.Tensor | None = None,
+):
+    """Causal fused random-feature attention forward (chunkwise).
+
+    Args:
+        q, k: ``[B, H, T, D]``; v: ``[B, H, T, E]`` (any strides, one dtype).
+        w, scale, key_padding_mask, precision, feature, gerf, psi, table, extra_rows, index:
+            as ``rf_parallel.rf_parallel_fwd`` (every feature form).
+        initial_state: optional ``(S [B, H, M, E], z [B, H, M], offset [B, H])`` to continue.
+        return_aux: also return what the backward needs.
+
+    Returns:
+        ``(out [B, H, T, E], (S, z, offset))`` with the final state in the accumulation dtype;
+        with ``return_aux`` also ``(m_q [B*H, T], den [B*H, T])``.
+    """
+    _check_inputs(q, k, v, w, key_padding_mask)
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"causal attention needs Tq == Tk, got {q.shape[2]} and {k.shape[2]}")
+    c = _Setup(
+        q, k, v, w, scale, key_padding_mask, feature, precision, gerf, psi, table, extra_rows, index
+    )
+    B, H, T, E, dev = c.B, c.H, c.Tq, c.E, q.device
+    out = torch.empty(B, H, T, E, device=dev, dtype=q.dtype)
+    mq, den = c.acc_empty(B * H, T, device=dev), c.acc_empty(B * H, T, device=dev)
+    if B * H == 0:
+        state = (c.acc_empty(B, H, c.M, E, device=dev), c.acc_empty(B, H, c.M, device=dev),
+                 c.acc_empty(B, H, device=dev))  # fmt: skip
+        return (out, state, (mq, den)) if return_aux else (out, state)
+    bt = _chunk_size(c)
+    NC, (s, z, r), (sT, zT, rT) = _states(c, k, v, bt, initial_state)
+    if T:
+        _chunk_out_kernel[(NC, B * H)](
+            q, k, v, c.w, c.pad[0], c.scale, c.ab, c.psi, c.tab, c.xr, c.xi, s, z, r, out, mq, den,
+            T, H, NC, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
+            *out.stride(), BT=bt, HAS_PAD=c.has_pad, num_warps=_num_warps(c), **c.fmeta,
+        )  # fmt: skip
+    state = (sT, zT, _offsets_out(rT))
+    return (out, state, (mq, den)) if return_aux else (out, state)
+
+
+def rf_chunk_bwd(
+    do: torch.Tensor,
+    dstate: tuple | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    w: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    aux: tuple,
+    key_padding_mask: torch.Tensor | None = None,
+    initial_state: tuple | None = None,
+    precision: str | None = None,
+    gerf: torch.Tensor | None = None,
+    psi: torch.Tensor | None = None,
+    feature: str = "gerf",
+    table: torch.Tensor | None = None,
+    extra_rows: torch.Tensor | None = None,
+    index: torch.Tensor | None = None,
+):
+    """Backward of :func:`rf_chunk_fwd` (chunk states recomputed).
+
+    Args:
+        do: ``[B, H, T, E]`` cotangent of the output.
+        dstate: None or ``(dS [B, H, M, E], dz [B, H, M])``, cotangents of the final state.
+        out, aux: the forward's output and ``(m_q, den)``; the rest as given to the forward.
+
+    Returns:
+        ``(dq, dk, dv, dS0, dz0)``; the last two are None without ``initial_state``.
+    """
+    c = _Setup(
+        q, k, v, w, scale, key_padding_mask, feature, precision, gerf, psi, table, extra_rows, index
+    )
+    B, H, T, M, E, NMT, dev = c.B, c.H, c.Tq, c.M, c.E, c.NMT, q.device
+    mq, den = aux
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    has_init = initial_state is not None
+    ds0 = c.acc_empty(B, H, M, E, device=dev) if has_init else None
+    dz0 = c.acc_empty(B, H, M, device=dev) if has_init else None
+    if B * H == 0:
+        return dq, dk, dv, ds0, dz0
+    bt = _chunk_size(c)
+    NC, (s, z, r), _ = _states(c, k, v, bt, initial_state)
+    meta = dict(num_warps=_num_warps(c), BT=bt, **c.fmeta)
+    L = c.acc_empty(B * H * NC, M, E, device=dev)
+    l_ = c.acc_empty(B * H * NC, M, device=dev)
+    if T:
+        _chunk_local_grad_kernel[(NMT, NC, B * H)](
+            q, c.w, c.scale, c.ab, c.psi, c.tab, c.xr, c.xi, out, do, mq, den, L, l_,
+            T, H, NC, *q.stride(), *c.w.stride(), *out.stride(), *do.stride(), **meta,
+        )  # fmt: skip
+    else:
+        L.zero_()
+        l_.zero_()
+    ds = c.acc_empty(B * H * NC, M, E, device=dev)
+    dz = c.acc_empty(B * H * NC, M, device=dev)
+    if dstate is not None:
+        dsT, dzT = (x.to(c.acc).contiguous() for x in dstate)
+    else:
+        dsT = dzT = ds  # never read
+    r0 = _offsets_in(initial_state[2].to(c.acc)).contiguous() if has_init else r
+    _chunk_rscan_kernel[(NMT, B * H)](
+        L, l_, r, dsT, dzT, r0, ds, dz, ds0 if has_init else ds, dz0 if has_init else dz, NC,
+        M=M, E=E, BM=c.BM, BE=c.BE, HAS_DFINAL=dstate is not None, HAS_INIT=has_init,
+        ACC=c.ACC, num_warps=_num_warps(c),
+    )  # fmt: skip
+    if T:
+        _chunk_bwd_kernel[(NC, B * H)](
+            q, k, v, c.w, c.pad[0], c.scale, c.ab, c.psi, c.tab, c.xr, c.xi,
+            s, z, r, ds, dz, out, do, mq, den, dq, dk, dv, T, H, NC,
+            *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
+            *out.stride(), *do.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
+            HAS_PAD=c.has_pad, **meta,
+        )  # fmt: skip
+    return dq, dk, dv, ds0, dz0

@@ -1,0 +1,252 @@
+"""Causal chunked kernel (kernels/rf_chunk.py) against the float64 torch path on the same W.
+
+The torch path is itself checked against ``rfattn.reference.linear_attention(causal=True)`` in
+test_attention.py. On CPU these run under the Triton interpreter with 16-token chunks.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import rfattn
+from rfattn.autograd import rf_chunk
+from rfattn.testing import rel_rms, tolerance
+
+f32, f64 = torch.float32, torch.float64
+
+
+def rand(*shape, seed=0, scale=1.0, dtype=f32, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g, dtype=f64) * scale).to(device, dtype)
+
+
+def at_offset(state, offset):
+    """S and z of ``state`` brought to ``offset`` (states are equal up to their offsets)."""
+    f = torch.exp(state.offset - offset)
+    return state.s * f[..., None, None], state.z * f[..., None]
+
+
+def compare(q, k, v, rf, mask=None, initial_state=None, seed=0):
+    """Relative RMS errors of the kernel (input dtype) against the float64 torch path: output,
+    final state, and gradients from random cotangents on the output and the final state."""
+    rf64 = copy.deepcopy(rf).double()
+    args = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    ref_args = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    kw = dict(causal=True, key_padding_mask=mask, return_state=True)
+    init64 = None if initial_state is None else rfattn.RFState(*(x.double() for x in initial_state))
+    out, st = rfattn.rf_attention(*args, rf, backend="triton", initial_state=initial_state, **kw)
+    ref, rst = rfattn.rf_attention(*ref_args, rf64, backend="torch", initial_state=init64, **kw)
+    g = torch.Generator().manual_seed(seed)
+    do, ds, dz = (torch.randn(x.shape, generator=g, dtype=f64).to(x.device)
+                  for x in (ref, rst.s, rst.z))  # fmt: skip
+    # the state's cotangents act on the offset-invariant S e^offset (offsets are stabilisers)
+    e, e64 = torch.exp(st.offset.detach()), torch.exp(rst.offset.detach())
+    loss = (out * do.to(out.dtype)).sum() + (st.s * e[..., None, None] * ds.to(st.s.dtype)).sum()
+    loss = loss + (st.z * e[..., None] * dz.to(st.z.dtype)).sum()
+    loss64 = (ref * do).sum() + (rst.s * e64[..., None, None] * ds).sum()
+    loss64 = loss64 + (rst.z * e64[..., None] * dz).sum()
+    loss.backward()
+    loss64.backward()
+    s, z = at_offset(st, rst.offset)
+    errs = {"out": rel_rms(out, ref), "S": rel_rms(s, rst.s), "z": rel_rms(z, rst.z)}
+    errs.update({"d" + n: rel_rms(a.grad, b.grad) for n, a, b in zip("qkv", args, ref_args,
+                                                                    strict=True)})  # fmt: skip
+    return errs
+
+
+SHAPES = [  # B, H, T, D, M, E
+    (1, 2, 1, 16, 24, 8),
+    (2, 3, 63, 16, 40, 24),
+    (1, 2, 257, 32, 72, 20),
+    (2, 1, 40, 24, 17, 33),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-H{}-T{}-D{}-M{}-E{}".format(*s))
+def test_parity_fp32(shape, kernel_device):
+    B, H, T, D, M, E = shape
+    q = rand(B, H, T, D, seed=1, scale=0.7, device=kernel_device)
+    k = rand(B, H, T, D, seed=2, scale=0.7, device=kernel_device)
+    v = rand(B, H, T, E, seed=3, device=kernel_device)
+    rf = rfattn.RandomFeatures(D, M, seed=4).to(kernel_device)
+    errs = compare(q, k, v, rf)
+    if T == 1:  # one key: out = v whatever q and k are; their gradients vanish (checked below)
+        del errs["dq"], errs["dk"]
+    assert max(errs.values()) <= tolerance(f32, "grad"), errs
+    if T == 1:
+        q1, k1 = q.clone().requires_grad_(), k.clone().requires_grad_()
+        rfattn.rf_attention(q1, k1, v, rf, causal=True, backend="triton").sum().backward()
+        assert q1.grad.abs().max() <= 1e-6 and k1.grad.abs().max() <= 1e-6
+
+
+GERF_FAMILY = [
+    ("hyprf", {}),
+    ("gerf", {"A": -0.1}),
+    ("oprf", {"stats": "fixed", "A": -0.05}),
+    ("oprf", {}),  # running statistics, the causal default
+    ("saderf", {"stats": "fixed", "psi": [1.5] * 8 + [0.7] * 8}),
+]
+
+
+@pytest.mark.parametrize("feature,opts", GERF_FAMILY, ids=str)
+def test_gerf_family_with_left_padding_and_strides(feature, opts, kernel_device):
+    B, H, T, D, M, E = 2, 2, 45, 16, 24, 16
+    q = rand(B, T, H, D, seed=1, scale=0.7, device=kernel_device).transpose(1, 2)
+    k = rand(B, H, T, D, seed=2, scale=0.7, device=kernel_device)
+    v = rand(B, H, T, 2 * E, seed=3, device=kernel_device)[..., ::2]
+    mask = torch.zeros(B, T, dtype=torch.bool, device=kernel_device)
+    mask[0, :19] = True  # left padding (batched generation), across a chunk boundary
+    k[:, :, :19][mask[:, None, :19, None].expand(B, H, 19, D)] = float("nan")
+    rf = rfattn.RandomFeatures(D, M, feature=feature, seed=4, **opts).to(kernel_device)
+    if feature == "oprf" and not opts:  # give the running statistics something to hold
+        rf.feature_map.running_sq.fill_(0.3)
+        rf.feature_map.num_batches_tracked.fill_(1)
+        rf.eval()
+    errs = compare(q, k, v, rf, mask=mask)
+    assert max(errs.values()) <= tolerance(f32, "grad"), errs
+
+
+def test_initial_state_and_split_resume(kernel_device):
+    B, H, T, D, M, E = 1, 2, 70, 16, 20, 16
+    q = rand(B, H, T, D, seed=1, scale=0.7, device=kernel_device)
+    k = rand(B, H, T, D, seed=2, scale=0.7, device=kernel_device)
+    v = rand(B, H, T, E, seed=3, device=kernel_device)
+    rf = rfattn.RandomFeatures(D, M, seed=4).to(kernel_device)
+    kw = dict(causal=True, backend="triton", return_state=True)
+    full, st_full = rfattn.rf_attention(q, k, v, rf, **kw)
+    for cuts in ([0, 30, 70], [0, 5] + list(range(6, 20)) + [70]):
+        outs, st = [], None
+        for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+            sl = slice(a, b)
+            o, st = rfattn.rf_attention(q[:, :, sl], k[:, :, sl], v[:, :, sl], rf,
+                                        initial_state=st, **kw)  # fmt: skip
+            outs.append(o)
+        assert rel_rms(torch.cat(outs, 2), full) <= 1e-6
+        s, z = at_offset(st, st_full.offset)
+        assert rel_rms(s, st_full.s) <= 1e-6 and rel_rms(z, st_full.z) <= 1e-6
+    # gradients through an initial state (and states across backends)
+    _, st_torch = rfattn.rf_attention(q[:, :, :30], k[:, :, :30], v[:, :, :30], rf,
+                                      causal=True, backend="torch", return_state=True)  # fmt: skip
+    init = rfattn.RFState(*(x.detach() for x in st_torch))
+    errs = compare(q[:, :, 30:], k[:, :, 30:], v[:, :, 30:], rf, initial_state=init)
+    assert max(errs.values()) <= tolerance(f32, "grad"), errs
+
+
+def test_gradcheck_float64_with_state(kernel_device):
+    g = torch.Generator().manual_seed(0)
+
+    def r(*s):
+        return torch.randn(*s, generator=g, dtype=f64).to(kernel_device)
+
+    w = r(4, 3)
+    q, k, v = (
+        (0.5 * r(1, 1, 5, 3)).requires_grad_(),
+        (0.5 * r(1, 1, 5, 3)).requires_grad_(),
+        r(1, 1, 5, 2).requires_grad_(),
+    )
+    s0 = r(1, 1, 4, 2).abs().requires_grad_()
+    z0 = (r(1, 1, 4).abs() + 0.5).requires_grad_()
+    off0 = torch.full((1, 1), 0.3, dtype=f64, device=kernel_device)
+    mask = torch.tensor([[True, False, False, True, False]], device=kernel_device)
+
+    def fn(a, b, c, s, z):
+        out, s1, z1, off = rf_chunk(a, b, c, w, 0.5, mask, (s, z, off0))
+        e = torch.exp(off)  # offset-invariant state
+        return out, s1 * e[..., None, None], z1 * e[..., None]
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, s0, z0))
+
+
+def test_causality(kernel_device):
+    B, H, T, D, M, E = 1, 2, 64, 16, 24, 16
+    q = rand(B, H, T, D, seed=1, scale=0.7, device=kernel_device)
+    k = rand(B, H, T, D, seed=2, scale=0.7, device=kernel_device)
+    v = rand(B, H, T, E, seed=3, device=kernel_device)
+    rf = rfattn.RandomFeatures(D, M, seed=4).to(kernel_device)
+    out = rfattn.rf_attention(q, k, v, rf, causal=True, backend="triton")
+    t = 37  # inside the third 16-token chunk (on CPU)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, t + 1 :] *= 3.0  # larger keys: moves the running max of t's chunk
+    v2[:, :, t + 1 :] = 100.0
+    out2 = rfattn.rf_attention(q, k2, v2, rf, causal=True, backend="triton")
+    # within t's chunk the shared offset may move (fp32 rounding); earlier chunks: bitwise
+    assert rel_rms(out2[:, :, : t + 1], out[:, :, : t + 1]) <= 1e-6
+    chunk_start = 32 if kernel_device.type == "cpu" else 0
+    assert torch.equal(out2[:, :, :chunk_start], out[:, :, :chunk_start])
+    assert (out2[:, :, t + 1 :] - out[:, :, t + 1 :]).abs().max() > 1.0
+
+
+def test_deterministic_and_empty(kernel_device):
+    q = rand(1, 2, 50, 16, seed=1, device=kernel_device).requires_grad_()
+    k = rand(1, 2, 50, 16, seed=2, device=kernel_device).requires_grad_()
+    v = rand(1, 2, 50, 16, seed=3, device=kernel_device).requires_grad_()
+    rf = rfattn.RandomFeatures(16, 24, seed=0).to(kernel_device)
+    res = []
+    for _ in range(2):
+        for x in (q, k, v):
+            x.grad = None
+        out = rfattn.rf_attention(q, k, v, rf, causal=True, backend="triton")
+        out.pow(2).sum().backward()
+        res.append([out.detach().clone()] + [x.grad.clone() for x in (q, k, v)])
+    assert all(torch.equal(a, b) for a, b in zip(*res, strict=True))
+    out, st = rfattn.rf_attention(q[:, :, :0], k[:, :, :0], v[:, :, :0], rf, causal=True,
+                                  backend="triton", return_state=True)  # fmt: skip
+    assert out.shape == (1, 2, 0, 16) and torch.equal(st.s, torch.zeros_like(st.s))
+    assert torch.isinf(st.offset).all()
+
+
+def test_learnable_weights_go_to_torch(kernel_device):
+    q = rand(1, 1, 20, 16, seed=1, device=kernel_device)
+    rf = rfattn.RandomFeatures(16, 16, weights="fastfoodl").to(kernel_device)
+    with pytest.raises(NotImplementedError, match="learnable"):
+        rfattn.rf_attention(q, q, q, rf, causal=True, backend="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_parity_low_precision_gpu(dtype):
+    """flash-attention rule: kernel error <= 2x (outputs) / 3x (grads) the torch path's own
+    error in the same dtype, both against float64."""
+    B, H, T, D, M, E = 2, 4, 1000, 64, 256, 64
+    q = rand(B, H, T, D, seed=1, scale=0.7, dtype=dtype, device="cuda")
+    k = rand(B, H, T, D, seed=2, scale=0.7, dtype=dtype, device="cuda")
+    v = rand(B, H, T, E, seed=3, dtype=dtype, device="cuda")
+    rf = rfattn.RandomFeatures(D, M, seed=0).cuda()
+    kernel = compare(q, k, v, rf)
+    rf64 = copy.deepcopy(rf).double()
+    ref_args = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    args = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    ref = rfattn.rf_attention(*ref_args, rf64, causal=True, backend="torch")
+    out = rfattn.rf_attention(*args, rf, causal=True, backend="torch")
+    do = torch.randn(ref.shape, generator=torch.Generator().manual_seed(0), dtype=f64).cuda()
+    (out * do.to(dtype)).sum().backward()
+    (ref * do).sum().backward()
+    assert kernel["out"] <= max(2 * rel_rms(out, ref), tolerance(dtype) / 10), kernel
+    for n, a, b in zip("qkv", args, ref_args, strict=True):
+        assert kernel["d" + n] <= max(3 * rel_rms(a.grad, b.grad), tolerance(dtype, "grad") / 10)
+
+
+SIGNED = [
+    ("trigrf", "orf", {}),
+    ("hrf", "orf", {}),
+    ("gerf", "orf", {"A": 0.1j}),
+    ("rmf", "rademacher", {}),
+    ("rmf", "rademacher", {"dot_kernel": "inverse", "mode": "paper"}),
+    ("posrf", "sgq", {}),
+]
+
+
+@pytest.mark.parametrize("feature,weights,opts", SIGNED, ids=str)
+def test_signed_and_plain_features(feature, weights, opts, kernel_device):
+    """Signed (table form) and plain (rmf) features in the causal kernel, with left padding."""
+    B, H, T, D, E = 2, 2, 40, 8, 16
+    M = 2 * D * D + 4 * D + 1 if weights == "sgq" else 20
+    q = rand(B, H, T, D, seed=1, scale=0.4, device=kernel_device)
+    k = rand(B, H, T, D, seed=2, scale=0.4, device=kernel_device)
+    v = rand(B, H, T, E, seed=3, device=kernel_device)
+    mask = torch.zeros(B, T, dtype=torch.bool, device=kernel_device)
+    mask[1, :9] = True
+    rf = rfattn.RandomFeatures(D, M, feature=feature, weights=weights, seed=4, **opts)
+    errs = compare(q, k, v, rf.to(kernel_device), mask=mask)
+    assert max(errs.values()) <= tolerance(f32, "grad"), errs
