@@ -327,15 +327,26 @@ def _fused_form(rf, q, k, key_padding_mask, scale, causal=False) -> tuple[dict, 
 
 
 def _causal_triton(q, k, v, scale, key_padding_mask, form, shift, state, return_state):
-    """The chunked causal kernel. States keep the torch path's conventions: offsets include
-    log D (``shift``), and plain features (rmf) carry offset 0."""
+    """The causal kernels: the decode step (``rf_recurrent``) for a few tokens without gradient,
+    else the chunked form (``rf_chunk``). States keep the torch path's conventions: offsets
+    include log D (``shift``), and plain features (rmf) carry offset 0."""
     from rfattn.autograd import rf_chunk
 
     if state is not None:
         s0, z0, off0 = state
         state = RFState(s0, z0, off0 - shift)
-    out, s, z, off = rf_chunk(q, k, v, scale=scale, key_padding_mask=key_padding_mask,
-                              initial_state=state, **form)  # fmt: skip
+    from rfattn.kernels.rf_recurrent import MAX_TOKENS
+
+    tensors = (q, k, v, form["w"]) + (() if state is None else tuple(state))
+    no_grad = not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    if no_grad and q.shape[2] <= MAX_TOKENS:  # decoding: one launch, O(M (D + E)) per token
+        from rfattn.kernels.rf_recurrent import rf_recurrent_fwd
+
+        out, (s, z, off) = rf_recurrent_fwd(q, k, v, scale=scale, key_padding_mask=key_padding_mask,
+                                            initial_state=state, **form)  # fmt: skip
+    else:
+        out, s, z, off = rf_chunk(q, k, v, scale=scale, key_padding_mask=key_padding_mask,
+                                  initial_state=state, **form)  # fmt: skip
     if not return_state:
         return out
     off = torch.zeros_like(off) if form["feature"] == "rmf" else off + shift

@@ -8,8 +8,11 @@ import copy
 
 import pytest
 import torch
+from rfattn.kernels.rf_chunk import rf_chunk_fwd
+from rfattn.kernels.rf_recurrent import rf_recurrent_fwd
 
 import rfattn
+from rfattn.attention import _fused_form
 from rfattn.autograd import rf_chunk
 from rfattn.testing import rel_rms, tolerance
 
@@ -250,3 +253,52 @@ def test_signed_and_plain_features(feature, weights, opts, kernel_device):
     rf = rfattn.RandomFeatures(D, M, feature=feature, weights=weights, seed=4, **opts)
     errs = compare(q, k, v, rf.to(kernel_device), mask=mask)
     assert max(errs.values()) <= tolerance(f32, "grad"), errs
+
+
+# ------------------------------------------------------------------------------------------------
+# the decode step (kernels/rf_recurrent.py)
+
+DECODE = [("posrf", "orf", {}), ("trigrf", "orf", {}), ("rmf", "rademacher", {}),
+          ("oprf", "orf", {"stats": "fixed", "A": -0.05})]  # fmt: skip
+
+
+@pytest.mark.parametrize("feature,weights,opts", DECODE, ids=str)
+def test_decode_step_equals_chunked(feature, weights, opts, kernel_device):
+    """Token by token through the decode step == one chunked call (outputs and final state);
+    a few-token step from a state == the chunked kernel from the same state."""
+    B, H, T, D, M, E = 2, 2, 24, 16, 20, 12
+    q = rand(B, H, T, D, seed=1, scale=0.6, device=kernel_device)
+    k = rand(B, H, T, D, seed=2, scale=0.6, device=kernel_device)
+    v = rand(B, H, T, E, seed=3, device=kernel_device)
+    mask = torch.zeros(B, T, dtype=torch.bool, device=kernel_device)
+    mask[1, :7] = True
+    rf = rfattn.RandomFeatures(D, M, feature=feature, weights=weights, seed=1, **opts)
+    rf = rf.to(kernel_device)
+    kw = dict(causal=True, backend="triton", return_state=True)
+    with torch.no_grad():
+        full, st = rfattn.rf_attention(q, k, v, rf, key_padding_mask=mask, **kw)
+        outs, s = [], None
+        for t in range(T):  # one token per call: the decode step
+            sl = slice(t, t + 1)
+            o, s = rfattn.rf_attention(q[:, :, sl], k[:, :, sl], v[:, :, sl], rf, initial_state=s,
+                                       key_padding_mask=mask[:, sl], **kw)  # fmt: skip
+            outs.append(o)
+    assert rel_rms(torch.cat(outs, 2), full) <= 1e-6
+    s_at, z_at = at_offset(s, st.offset)
+    assert rel_rms(s_at, st.s) <= 1e-6 and rel_rms(z_at, st.z) <= 1e-6
+    # the step itself against the chunked kernel, 5 tokens from a mid-sequence state
+    form, shift = _fused_form(rf, q, k, None, D**-0.5, causal=True)
+    _, init = rf_chunk_fwd(q[:, :, :10], k[:, :, :10], v[:, :, :10], scale=D**-0.5, **form)
+    init_copy = tuple(x.clone() for x in init)
+    sl = slice(10, 15)
+    step, st1 = rf_recurrent_fwd(q[:, :, sl], k[:, :, sl], v[:, :, sl], scale=D**-0.5,
+                                 initial_state=init, **form)  # fmt: skip
+    ref, st2 = rf_chunk_fwd(q[:, :, sl], k[:, :, sl], v[:, :, sl], scale=D**-0.5,
+                            initial_state=init, **form)  # fmt: skip
+    assert rel_rms(step, ref) <= 1e-6
+    assert all(torch.equal(a, b) for a, b in zip(init, init_copy, strict=True))  # not mutated
+    assert torch.allclose(st1[2], st2[2]) and rel_rms(st1[0], st2[0]) <= 1e-6
+    inplace = tuple(x.clone() for x in init)
+    rf_recurrent_fwd(q[:, :, sl], k[:, :, sl], v[:, :, sl], scale=D**-0.5,
+                     initial_state=inplace, inplace=True, **form)  # fmt: skip
+    assert rel_rms(inplace[0], st1[0]) == 0.0
