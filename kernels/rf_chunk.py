@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rf_parallel import (
+from .common import (
     _NEG,
     INTERPRET,
     _check_inputs,

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rf_parallel import _DTYPES, INTERPRET, _next_pow2, _splits
+from .common import _DTYPES, INTERPRET, _next_pow2, _splits
 
 __all__ = ["token_moments", "sequence_moments_fused"]
 

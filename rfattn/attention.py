@@ -250,7 +250,7 @@ def _table(width: int, device, **rows) -> torch.Tensor:
     """Coefficients ``[2, 9, width]`` of the kernel's table form (float64; rows named as in
     ``rfattn.kernels.rf_parallel.TABLE_ROWS``): each a number, an ``[width]`` tensor or a
     (query, key) pair of those; rows not given are 0."""
-    from rfattn.kernels.rf_parallel import TABLE_ROWS
+    from rfattn.kernels.common import TABLE_ROWS
 
     t = torch.zeros(2, len(TABLE_ROWS), width, dtype=torch.float64, device=device)
     for name, val in rows.items():
