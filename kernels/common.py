@@ -289,6 +289,16 @@ def _query_cotangents(
 # launch setup (shared by every launcher)
 
 
+def _offsets_in(r: torch.Tensor) -> torch.Tensor:
+    """Causal state offsets (-inf = no valid key seen) to the kernels' finite sentinel."""
+    return torch.where(torch.isinf(r) & (r < 0), torch.full_like(r, _NEG.value), r)
+
+
+def _offsets_out(r: torch.Tensor) -> torch.Tensor:
+    """The kernels' sentinel offsets back to -inf (the state convention of ``rfattn.RFState``)."""
+    return torch.where(r <= 0.5 * _NEG.value, torch.full_like(r, float("-inf")), r)
+
+
 def _next_pow2(n: int, floor: int = 16) -> int:
     return max(floor, triton.next_power_of_2(max(n, 1)))
 

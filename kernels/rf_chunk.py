@@ -65,6 +65,8 @@ from .common import (
     _load_rows,
     _load_w,
     _next_pow2,
+    _offsets_in,
+    _offsets_out,
     _query_cotangents,
     _Setup,
     _valid_keys,
@@ -465,15 +467,6 @@ def _chunk_size(c: _Setup) -> int:
 
 def _num_warps(c: _Setup) -> int:
     return 1 if INTERPRET else (8 if max(c.BD, c.BE) >= 128 else 4)
-
-
-def _offsets_in(r: torch.Tensor) -> torch.Tensor:
-    """State offsets (-inf = nothing seen) to the kernels' finite sentinel."""
-    return torch.where(torch.isinf(r) & (r < 0), torch.full_like(r, _NEG.value), r)
-
-
-def _offsets_out(r: torch.Tensor) -> torch.Tensor:
-    return torch.where(r <= 0.5 * _NEG.value, torch.full_like(r, float("-inf")), r)
 
 
 def _states(c: _Setup, k, v, bt, initial_state):

@@ -32,6 +32,8 @@ from .common import (
     _input_scale,
     _load_rows,
     _load_w,
+    _offsets_in,
+    _offsets_out,
     _Setup,
     _valid_keys,
 )
@@ -181,7 +183,7 @@ def rf_recurrent_fwd(
         if inplace and not ok:
             raise ValueError("inplace=True needs a contiguous state in the accumulation dtype")
         s, z = (s0, z0) if inplace else (s0.to(c.acc).clone(), z0.to(c.acc).clone())
-        finite = torch.where(torch.isinf(r0) & (r0 < 0), torch.full_like(r0, _NEG.value), r0)
+        finite = _offsets_in(r0)
         if inplace:
             r0.copy_(finite)
             r = r0
@@ -194,5 +196,5 @@ def rf_recurrent_fwd(
             T, H, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
             *out.stride(), HAS_PAD=c.has_pad, num_warps=1 if INTERPRET else 4, **c.fmeta,
         )  # fmt: skip
-    r.masked_fill_(r <= 0.5 * _NEG.value, float("-inf"))
+    r.copy_(_offsets_out(r))
     return out, (s, z, r)
