@@ -380,12 +380,12 @@ class _Setup:
         self.ab = self.scale if gerf is None else self._per_head(gerf, (2,), "gerf", q.device)
         self.psi = self.scale if psi is None else self._per_head(psi, (self.D,), "psi", q.device)
         self.tab, self.xr, self.xi = self._form(feature, table, extra_rows, index, q)
+        # the constexprs every feature kernel takes
         self.meta = dict(D=self.D, M=self.M, E=self.E, BD=self.BD, BM=self.BM, BE=self.BE,
                          FEATURE=self.fid, PRECISION=precision, ACC=self.ACC,
-                         HAS_AB=gerf is not None, HAS_PSI=psi is not None)  # fmt: skip
-        # the feature kernels' extra constexprs (kept apart: rf_chunk's kernels take ``meta``)
-        self.fmeta = dict(self.meta, HAS_LAM=feature == "table" and extra_rows is not None,
-                          TINY=self.tiny)  # fmt: skip
+                         HAS_AB=gerf is not None, HAS_PSI=psi is not None,
+                         HAS_LAM=feature == "table" and extra_rows is not None,
+                         TINY=self.tiny)  # fmt: skip
 
     def _form(self, feature, table, extra_rows, index, q):
         """(table, extra rows, int32 index) of the table / rmf forms, checked and contiguous."""

@@ -476,7 +476,7 @@ def _states(c: _Setup, k, v, bt, initial_state):
     h = c.acc_empty(B * H * NC, M, E, device=dev)
     hz = c.acc_empty(B * H * NC, M, device=dev)
     hm = c.acc_empty(B * H * NC, NMT, device=dev)
-    meta = dict(num_warps=_num_warps(c), **c.fmeta)
+    meta = dict(num_warps=_num_warps(c), **c.meta)
     _chunk_local_kernel[(NMT, NC, B * H)](
         k, v, c.w, c.pad[0], c.scale, c.ab, c.psi, c.tab, c.xr, c.xi, h, hz, hm,
         T, H, NC, *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
@@ -549,7 +549,7 @@ def rf_chunk_fwd(
         _chunk_out_kernel[(NC, B * H)](
             q, k, v, c.w, c.pad[0], c.scale, c.ab, c.psi, c.tab, c.xr, c.xi, s, z, r, out, mq, den,
             T, H, NC, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
-            *out.stride(), BT=bt, HAS_PAD=c.has_pad, num_warps=_num_warps(c), **c.fmeta,
+            *out.stride(), BT=bt, HAS_PAD=c.has_pad, num_warps=_num_warps(c), **c.meta,
         )  # fmt: skip
     state = (sT, zT, _offsets_out(rT))
     return (out, state, (mq, den)) if return_aux else (out, state)
@@ -598,7 +598,7 @@ def rf_chunk_bwd(
         return dq, dk, dv, ds0, dz0
     bt = _chunk_size(c)
     NC, (s, z, r), _ = _states(c, k, v, bt, initial_state)
-    meta = dict(num_warps=_num_warps(c), BT=bt, **c.fmeta)
+    meta = dict(num_warps=_num_warps(c), BT=bt, **c.meta)
     L = c.acc_empty(B * H * NC, M, E, device=dev)
     l_ = c.acc_empty(B * H * NC, M, device=dev)
     if T:

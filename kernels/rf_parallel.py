@@ -552,7 +552,7 @@ def rf_parallel_fwd(
         k, v, c.w, c.pad[0], c.scale, c.ab, c.psi, c.tab, c.xr, c.xi, s_part, z_part, m_part,
         Tk, H, splits, per if Tk else 0,
         *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
-        HAS_PAD=c.has_pad, **c.fmeta,
+        HAS_PAD=c.has_pad, **c.meta,
     )  # fmt: skip
     mk = c.acc_empty(B * H, device=dev)
     _fwd_merge_kernel[(NMT, B * H)](
@@ -563,7 +563,7 @@ def rf_parallel_fwd(
         _fwd_q_kernel[lambda meta: (triton.cdiv(Tq, meta["BT"]), B * H)](
             q, c.w, c.scale, c.ab, c.psi, c.tab, c.xr, c.xi, s, z, out, mq, den,
             Tq, H, *q.stride(), *c.w.stride(), *out.stride(),
-            **c.fmeta,
+            **c.meta,
         )  # fmt: skip
     return (out, (s, z, mk, mq, den)) if return_aux else out
 
@@ -620,7 +620,7 @@ def rf_parallel_bwd(
         ds_part, dz_part, dw_part,
         Tq, H, splits, per if Tq else 0,
         *q.stride(), *c.w.stride(), *out.stride(), *do.stride(),
-        W_GRAD=need_dw, **c.fmeta,
+        W_GRAD=need_dw, **c.meta,
     )  # fmt: skip
     # fixed-order sums over splits: deterministic
     ds = ds_part.view(B * H, splits, M, E).sum(1)
@@ -631,14 +631,14 @@ def rf_parallel_bwd(
         _bwd_dq_kernel[lambda meta: (triton.cdiv(Tq, meta["BT"]), B * H)](
             q, c.w, c.scale, c.ab, c.psi, c.tab, c.xr, c.xi, s, z, out, do, mq, den, dq,
             Tq, H, *q.stride(), *c.w.stride(), *out.stride(), *do.stride(), *dq.stride(),
-            **c.fmeta,
+            **c.meta,
         )  # fmt: skip
     if Tk:
         _bwd_dkv_kernel[lambda meta: (triton.cdiv(Tk, meta["BT"]), B * H)](
             k, v, c.w, c.pad[0], c.scale, c.ab, c.psi, c.tab, c.xr, c.xi, ds, dz, mk, dk, dv,
             Tk, H, *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
             *dk.stride(), *dv.stride(),
-            HAS_PAD=c.has_pad, **c.fmeta,
+            HAS_PAD=c.has_pad, **c.meta,
         )  # fmt: skip
         if need_dw:
             ksplits, kper = _splits(Tk, B * H * NMT, dev, num_splits)
@@ -647,7 +647,7 @@ def rf_parallel_bwd(
                 k, v, c.w, c.pad[0], c.scale, c.ab, c.psi, c.tab, c.xr, c.xi, ds, dz, mk, dwk_part,
                 Tk, H, ksplits, kper,
                 *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
-                HAS_PAD=c.has_pad, **c.fmeta,
+                HAS_PAD=c.has_pad, **c.meta,
             )  # fmt: skip
             dw += dwk_part.sum(0)
     return dq, dk, dv, (dw.to(w.dtype) if need_dw else None)

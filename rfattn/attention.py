@@ -224,7 +224,7 @@ def _gerf_form(rf, q, k, key_padding_mask, scale, causal=False):
     per-(b, h) psi or None, log D). Statistics come from the feature map itself (one place).
 
     ``log D`` (a per-(b, h) constant of the feature maps' logits) cancels in attention and the
-    kernels drop it; it only shifts the causal state's offset (see :func:`_state_offset`).
+    kernels drop it; it only shifts the causal state's offset (see :func:`_causal_triton`).
     """
     fm, w = rf.feature_map, rf.weight
     if rf.feature == "posrf":
