@@ -51,8 +51,8 @@ _PRECISIONS = ("ieee", "tf32", "tf32x3")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 #: tokens handled by one split program: a multiple of every BT in the configs
 _SPLIT_QUANTUM = 128
-#: stacked rmf projection rows per inner step
-_BR = 32
+#: stacked rmf projection rows per inner step (constexpr: kernels read it)
+_BR = tl.constexpr(32)
 
 
 def _configs(bts=(32, 64, 128), warps=(4, 8)):
@@ -130,6 +130,7 @@ def _feature_tile(
     g1 = dg/dth; rmf g1 = c (-1)^parity, g2 = log|prod|. Scalars where a term is absent."""
     ACC = b_xs.dtype
     one = tl.full([], 1.0, dtype=ACC)
+    # one return statement: compiled Triton checks every return's type, constexpr-dead or not
     if FEATURE == 2:  # rmf: plain features, u = 0
         BT: tl.constexpr = b_xs.shape[0]
         BR: tl.constexpr = _BR
@@ -148,37 +149,40 @@ def _feature_tile(
             b_n += tl.dot((b_z < 0).to(ACC), b_seg, input_precision="ieee", out_dtype=ACC)
         side: tl.constexpr = 1 if IS_KEY else 0
         b_c = tl.load(tab_ptr + side * M + o_f, mask=m_f, other=0.0).to(ACC)  # [BM]: [2, 1, F]
-        b_sg = b_c[None, :] * (1.0 - 2.0 * (b_n - 2.0 * tl.floor(0.5 * b_n)))
-        return tl.zeros([BT, BM], dtype=ACC), b_sg * tl.exp(b_l), b_sg, b_l
-    # [BT, BD] @ [BD, BM] -> [BT, BM]
-    b_z = tl.dot(b_xs.to(b_w.dtype), tl.trans(b_w), input_precision=PRECISION, out_dtype=ACC)
-    b_wf = b_w.to(ACC)
-    b_nw = tl.sum(b_wf * b_wf, axis=1)  # [BM]
-    b_nx = tl.sum(b_xs * b_xs, axis=1)  # [BT]
-    if FEATURE == 0:  # real positive GERF: A |w|^2 + B w . x~ - |x~|^2 / 2
-        b_u = b_ca * b_nw[None, :] + b_cb * b_z - 0.5 * b_nx[:, None]
-        return b_u, one, one, one
-    # FEATURE == 1: the table form
-    b_u = (_tab(tab_ptr, 0, o_f, m_f, M, IS_KEY)[None, :] * b_z
-           + _tab(tab_ptr, 1, o_f, m_f, M, IS_KEY)[None, :] * b_nx[:, None]
-           + (_tab(tab_ptr, 2, o_f, m_f, M, IS_KEY) * b_nw
-              + _tab(tab_ptr, 3, o_f, m_f, M, IS_KEY))[None, :])  # fmt: skip
-    b_th = (_tab(tab_ptr, 4, o_f, m_f, M, IS_KEY)[None, :] * b_z
-            + (_tab(tab_ptr, 5, o_f, m_f, M, IS_KEY) * b_nw
-               + _tab(tab_ptr, 6, o_f, m_f, M, IS_KEY))[None, :])  # fmt: skip
-    b_gb = _tab(tab_ptr, 8, o_f, m_f, M, IS_KEY)[None, :]
-    b_g = _tab(tab_ptr, 7, o_f, m_f, M, IS_KEY)[None, :] + b_gb * tl.cos(b_th)
-    b_g1 = -b_gb * tl.sin(b_th)
-    if HAS_LAM:
-        b_lam = tl.load(xi_ptr + o_f, mask=m_f, other=-1)  # [BM]
-        p_tau = xr_ptr + b_lam[:, None] * D + o_d[None, :]
-        b_tau = tl.load(p_tau, mask=(b_lam[:, None] >= 0) & m_d[None, :], other=0.0)  # [BM, BD]
-        b_pt = tl.dot(b_xs.to(b_tau.dtype), tl.trans(b_tau), input_precision=PRECISION,
-                      out_dtype=ACC)  # [BT, BM]  # fmt: skip
-        b_s = tl.where((b_lam[None, :] < 0) | (b_pt >= 0), 1.0, -1.0)
-        b_g = b_g * b_s
-        b_g1 = b_g1 * b_s
-    return b_u, b_g, b_g1, one
+        b_g1 = b_c[None, :] * (1.0 - 2.0 * (b_n - 2.0 * tl.floor(0.5 * b_n)))
+        b_u, b_g, b_g2 = tl.zeros([BT, BM], dtype=ACC), b_g1 * tl.exp(b_l), b_l
+    else:
+        # [BT, BD] @ [BD, BM] -> [BT, BM]
+        b_z = tl.dot(b_xs.to(b_w.dtype), tl.trans(b_w), input_precision=PRECISION, out_dtype=ACC)
+        b_wf = b_w.to(ACC)
+        b_nw = tl.sum(b_wf * b_wf, axis=1)  # [BM]
+        b_nx = tl.sum(b_xs * b_xs, axis=1)  # [BT]
+        b_g2 = one
+        if FEATURE == 0:  # real positive GERF: A |w|^2 + B w . x~ - |x~|^2 / 2
+            b_u = b_ca * b_nw[None, :] + b_cb * b_z - 0.5 * b_nx[:, None]
+            b_g, b_g1 = one, one
+        else:  # FEATURE == 1: the table form
+            b_u = (_tab(tab_ptr, 0, o_f, m_f, M, IS_KEY)[None, :] * b_z
+                   + _tab(tab_ptr, 1, o_f, m_f, M, IS_KEY)[None, :] * b_nx[:, None]
+                   + (_tab(tab_ptr, 2, o_f, m_f, M, IS_KEY) * b_nw
+                      + _tab(tab_ptr, 3, o_f, m_f, M, IS_KEY))[None, :])  # fmt: skip
+            b_th = (_tab(tab_ptr, 4, o_f, m_f, M, IS_KEY)[None, :] * b_z
+                    + (_tab(tab_ptr, 5, o_f, m_f, M, IS_KEY) * b_nw
+                       + _tab(tab_ptr, 6, o_f, m_f, M, IS_KEY))[None, :])  # fmt: skip
+            b_gb = _tab(tab_ptr, 8, o_f, m_f, M, IS_KEY)[None, :]
+            b_g = _tab(tab_ptr, 7, o_f, m_f, M, IS_KEY)[None, :] + b_gb * tl.cos(b_th)
+            b_g1 = -b_gb * tl.sin(b_th)
+            if HAS_LAM:
+                b_lam = tl.load(xi_ptr + o_f, mask=m_f, other=-1)  # [BM]
+                p_tau = xr_ptr + b_lam[:, None] * D + o_d[None, :]
+                b_tau = tl.load(p_tau, mask=(b_lam[:, None] >= 0) & m_d[None, :],
+                                other=0.0)  # [BM, BD]  # fmt: skip
+                b_pt = tl.dot(b_xs.to(b_tau.dtype), tl.trans(b_tau), input_precision=PRECISION,
+                              out_dtype=ACC)  # [BT, BM]  # fmt: skip
+                b_s = tl.where((b_lam[None, :] < 0) | (b_pt >= 0), 1.0, -1.0)
+                b_g = b_g * b_s
+                b_g1 = b_g1 * b_s
+    return b_u, b_g, b_g1, b_g2
 
 
 @triton.jit
@@ -371,7 +375,9 @@ class _Setup:
         self.scale = torch.tensor([float(scale) ** 0.5], device=q.device, dtype=self.acc)
         self.tiny = torch.finfo(self.acc).tiny
         if key_padding_mask is not None:
-            pad = key_padding_mask.view(torch.uint8)
+            # int32, not a uint8 view: Triton 3.6 fails to compile fp64 tl.dot kernels that mask
+            # with an 8-bit load (found ahead of time by bench/compile.py); B*T ints are cheap
+            pad = key_padding_mask.to(torch.int32)
             self.pad = (pad, pad.stride(0), pad.stride(1))
         else:
             self.pad = (self.scale, 0, 0)  # never read
@@ -386,6 +392,12 @@ class _Setup:
                          HAS_AB=gerf is not None, HAS_PSI=psi is not None,
                          HAS_LAM=feature == "table" and extra_rows is not None,
                          TINY=self.tiny)  # fmt: skip
+
+    def set_feature_tile(self, bm: int) -> None:
+        """Use feature tiles of ``bm`` rows (a power of two >= 16) in every launch from here on."""
+        self.BM = min(bm, _next_pow2(self.M))
+        self.NMT = triton.cdiv(self.M, self.BM)
+        self.meta["BM"] = self.BM
 
     def _form(self, feature, table, extra_rows, index, q):
         """(table, extra rows, int32 index) of the table / rmf forms, checked and contiguous."""

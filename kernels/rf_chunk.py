@@ -458,11 +458,25 @@ def _chunk_bwd_kernel(
 # launchers
 
 
-def _chunk_size(c: _Setup) -> int:
-    """Chunk length C (one BT for every launch of a call: the offsets R_c depend on it)."""
+def _chunk_tiles(c: _Setup, itemsize: int) -> int:
+    """Set the feature tile BM of the causal kernels on ``c``; return the chunk length C = BT
+    (one BT for every launch of a call: the offsets R_c depend on it).
+
+    Sized so that the backward kernel, which holds [BT, BT], [BT, BM], [BM, BE] and [BT, BD]
+    tiles at once, fits the 227 KiB of shared memory of a Hopper SM for inputs of ``itemsize``
+    bytes (checked for D, E in {64, 128, 256} by ``python -m bench.compile``).
+    """
     if INTERPRET:
         return 16  # several chunks even on tiny test sequences
-    return 64 if max(c.BD, c.BE) <= 128 else 32
+    big = max(c.BD, c.BE)
+    if itemsize <= 2:
+        bt, bm = (64 if big <= 128 else 32), (64 if big <= 64 else 32)
+    elif itemsize == 4:
+        bt, bm = (64 if big <= 64 else 32), (32 if big <= 128 else 16)
+    else:
+        bt, bm = (32 if big <= 64 else 16), (32 if big <= 64 else 16)
+    c.set_feature_tile(bm)
+    return bt
 
 
 def _num_warps(c: _Setup) -> int:
@@ -536,6 +550,7 @@ def rf_chunk_fwd(
     c = _Setup(
         q, k, v, w, scale, key_padding_mask, feature, precision, gerf, psi, table, extra_rows, index
     )
+    bt = _chunk_tiles(c, q.element_size())
     B, H, T, E, dev = c.B, c.H, c.Tq, c.E, q.device
     out = torch.empty(B, H, T, E, device=dev, dtype=q.dtype)
     mq, den = c.acc_empty(B * H, T, device=dev), c.acc_empty(B * H, T, device=dev)
@@ -543,7 +558,6 @@ def rf_chunk_fwd(
         state = (c.acc_empty(B, H, c.M, E, device=dev), c.acc_empty(B, H, c.M, device=dev),
                  c.acc_empty(B, H, device=dev))  # fmt: skip
         return (out, state, (mq, den)) if return_aux else (out, state)
-    bt = _chunk_size(c)
     NC, (s, z, r), (sT, zT, rT) = _states(c, k, v, bt, initial_state)
     if T:
         _chunk_out_kernel[(NC, B * H)](
@@ -588,6 +602,7 @@ def rf_chunk_bwd(
     c = _Setup(
         q, k, v, w, scale, key_padding_mask, feature, precision, gerf, psi, table, extra_rows, index
     )
+    bt = _chunk_tiles(c, q.element_size())
     B, H, T, M, E, NMT, dev = c.B, c.H, c.Tq, c.M, c.E, c.NMT, q.device
     mq, den = aux
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -596,7 +611,6 @@ def rf_chunk_bwd(
     dz0 = c.acc_empty(B, H, M, device=dev) if has_init else None
     if B * H == 0:
         return dq, dk, dv, ds0, dz0
-    bt = _chunk_size(c)
     NC, (s, z, r), _ = _states(c, k, v, bt, initial_state)
     meta = dict(num_warps=_num_warps(c), BT=bt, **c.meta)
     L = c.acc_empty(B * H * NC, M, E, device=dev)

@@ -25,7 +25,7 @@ from .common import _DTYPES, INTERPRET, _next_pow2, _splits
 __all__ = ["token_moments", "sequence_moments_fused"]
 
 #: fields of a partial, in order: sum x, sum x^2, sum |x|, min x
-_FIELDS = 4
+_FIELDS = tl.constexpr(4)
 
 
 def _configs():
@@ -110,7 +110,7 @@ def token_moments(
         zeros = torch.zeros(B, H, D, device=dev, dtype=acc)
         return zeros, zeros.clone(), zeros.clone(), zeros.clone()
     splits, per = _splits(T, B * H, dev, num_splits)
-    part = torch.empty(B * H, splits, _FIELDS, D, device=dev, dtype=acc)
+    part = torch.empty(B * H, splits, _FIELDS.value, D, device=dev, dtype=acc)
     cnt = torch.empty(B * H, splits, device=dev, dtype=acc)
     sc = torch.tensor([float(scale) ** 0.5], device=dev, dtype=acc)
     if key_padding_mask is not None:
