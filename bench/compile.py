@@ -1,0 +1,438 @@
+"""python -m bench.compile: compile every fused kernel for a GPU, on a machine without one.
+
+The Triton interpreter runs the kernels' Python semantics on CPU, but it is lax where real
+compilation is strict: ``tl.dot`` operand dtypes and ``input_precision``, float64 on tensor cores,
+layouts, shared memory. This tool closes that gap without a GPU, in two steps:
+
+1. **record**: small calls of every fused path (non-causal and causal, forward and backward, the
+   decode step, the stats pass; every feature form, dtype and head size listed in
+   :func:`scenarios`) run under the interpreter on CPU while every kernel launch is recorded: its
+   argument types, constexprs and launch options. The launchers are told they are on a GPU, so
+   they pick the GPU's tile sizes and warps.
+2. **compile**: a fresh process with the interpreter off compiles each recorded launch, every
+   autotune config of it, for a CUDA target (``--arch``, default 90 = Hopper) through Triton's
+   own ptxas, which needs no driver, and reads the resources from the cubin: shared memory
+   (against the target's per-block limit), registers and spilled bytes.
+
+A launch fails when no config of it compiles within the limits (the autotuner drops configs that
+run out of resources; a kernel without autotuning has one config). What this cannot show:
+numerics and speed, which need the GPU (``make test``, ``python -m bench`` there).
+
+    python -m bench.compile                       # every scenario, sm_90, table + exit status
+    python -m bench.compile --quick --arch 80     # one head size, fp32 + bf16, sm_80
+    python -m bench.compile --json out.json       # the per-config table as JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+#: per-block shared memory limit (bytes, opt-in maximum) by compute capability
+SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024}
+#: launch options that are not kernel arguments
+_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+_DTYPE_NAMES = {
+    "torch.float32": "fp32",
+    "torch.float16": "fp16",
+    "torch.bfloat16": "bf16",
+    "torch.float64": "fp64",
+    "torch.int32": "i32",
+    "torch.int64": "i64",
+    "torch.int8": "i8",
+    "torch.uint8": "u8",
+    "torch.bool": "i1",
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# step 1: record launches under the interpreter
+
+
+def _encode(value):
+    """A kernel argument as a JSON-able ``[kind, value]``."""
+    import torch
+    import triton.language as tl
+
+    if isinstance(value, torch.Tensor):
+        return ["ptr", _DTYPE_NAMES[str(value.dtype)]]
+    if isinstance(value, tl.dtype):
+        return ["tl_dtype", value.name]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        kind = {bool: "bool", int: "int", float: "float", str: "str"}.get(type(value), "none")
+        return [kind, value]
+    raise TypeError(f"cannot record a kernel argument of type {type(value).__name__}")
+
+
+def record(calls) -> list[dict]:
+    """Run ``calls`` (``(tag, fn)`` pairs) under the interpreter; return their distinct launches.
+
+    The kernels are not executed (their outputs stay uninitialised): the launchers' Python runs,
+    which is all that decides what is launched. Needs ``TRITON_INTERPRET=1`` set before
+    ``rfattn.kernels`` was imported.
+    """
+    from rfattn.kernels import common, rf_chunk, rf_recurrent, stats
+    from triton.runtime import interpreter
+
+    if not common.INTERPRET:
+        raise RuntimeError("record() needs TRITON_INTERPRET=1 before rfattn.kernels is imported")
+    seen, out, tag = set(), [], [""]
+    original = interpreter.InterpretedFunction.run
+
+    def spy(self, *args, grid, warmup, **kwargs):
+        fn = self.fn
+        values = {**dict(zip(self.arg_names, args, strict=False)), **kwargs}
+        rec = {
+            "module": fn.__module__,
+            "name": fn.__name__,
+            "args": {n: _encode(values[n]) for n in self.arg_names if n in values},
+            "options": {k: kwargs[k] for k in _OPTIONS if k in kwargs},
+        }
+        key = json.dumps(rec, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append({**rec, "tag": tag[0]})
+        # not run: outputs stay uninitialised, only their types matter here
+
+    # the launchers pick their GPU tiles and warps (the interpreter runs any)
+    modules = (rf_chunk, rf_recurrent, stats)
+    saved = [m.INTERPRET for m in modules]
+    interpreter.InterpretedFunction.run = spy
+    try:
+        for m in modules:
+            m.INTERPRET = False
+        for tag[0], fn in calls:
+            fn()
+    finally:
+        interpreter.InterpretedFunction.run = original
+        for m, s in zip(modules, saved, strict=True):
+            m.INTERPRET = s
+    return out
+
+
+def _call(feature, weights, dtype, D, E, M, causal, grad=True, T=40, mask=False, state=False,
+          learn=False, **options):  # fmt: skip
+    """A closure running one fused call (+ backward) on CPU."""
+    import torch
+
+    import rfattn
+
+    def run():
+        g = torch.Generator().manual_seed(0)
+        B, H = 1, 2
+        q, k = (0.5 * torch.randn(B, H, T, D, generator=g)).to(dtype), None
+        k = (0.5 * torch.randn(B, H, T, D, generator=g)).to(dtype)
+        v = torch.randn(B, H, T, E, generator=g).to(dtype)
+        rf = rfattn.RandomFeatures(D, M, feature=feature, weights=weights, seed=1, **options)
+        if learn:
+            rf.weight.requires_grad_(True)
+        kw = {}
+        if mask:
+            kw["key_padding_mask"] = torch.arange(T).expand(B, T) < 3  # left padding
+        if state:
+            kw["return_state"] = True
+            _, st = rfattn.rf_attention(q[:, :, :5], k[:, :, :5], v[:, :, :5], rf, causal=True,
+                                        backend="triton", return_state=True)  # fmt: skip
+            kw["initial_state"] = (
+                st
+                if not grad
+                else type(st)(
+                    st.s.clone().requires_grad_(), st.z.clone().requires_grad_(), st.offset
+                )
+            )
+        for x in (q, k, v):
+            x.requires_grad_(grad)
+        with torch.set_grad_enabled(grad):
+            out = rfattn.rf_attention(q, k, v, rf, causal=causal, backend="triton", **kw)
+            if grad:
+                loss = (out[0] if isinstance(out, tuple) else out).float().square().sum()
+                if state:
+                    loss = loss + out[1].s.float().square().sum() + out[1].z.float().sum()
+                loss.backward()
+
+    return run
+
+
+#: every fused feature form: (feature, weights, options for non-causal, options for causal)
+_FORMS = [
+    ("posrf", "orf", {}, {}),
+    ("hyprf", "orf", {}, {}),
+    ("gerf", "orf", {"A": -0.1}, {"A": -0.1}),
+    ("oprf", "orf", {}, {"stats": "running"}),
+    ("saderf", "orf", {}, {"stats": "running"}),
+    ("trigrf", "orf", {}, {}),
+    ("hrf", "orf", {}, {}),
+    ("rmf", "rademacher", {}, {}),
+    ("posrf", "sgq", {}, {}),
+]
+
+
+def scenarios(quick: bool = False) -> list[tuple[str, object]]:
+    """``(tag, call)`` pairs covering every kernel, feature form and flag combination.
+
+    Head sizes (D = E): 64 (the non-causal benchmark), 128 and 256 (flash-linear-attention's
+    causal shapes) with M = 256; dtypes fp32, fp16, bf16, fp64 (``quick``: 64, fp32 and bf16).
+    """
+    import torch
+
+    dtypes = [torch.float32, torch.bfloat16]
+    if not quick:
+        dtypes += [torch.float16, torch.float64]
+    sizes = [64] if quick else [64, 128, 256]
+    M = 256
+    out = []
+    for dtype in dtypes:
+        dt = str(dtype).removeprefix("torch.")
+        for D in sizes:
+            for feature, weights, opts, copts in _FORMS:
+                name = f"{feature}/{weights}-{dt}-D{D}"
+                m = 2 * D + 1 if weights == "sgq" else M  # the sparse grid's level-1 size
+                out.append((f"{name}-noncausal", _call(feature, weights, dtype, D, D, m, False,
+                                                       **opts)))  # fmt: skip
+                out.append((f"{name}-causal", _call(feature, weights, dtype, D, D, m, True,
+                                                    **copts)))  # fmt: skip
+            # flags: key padding, initial/final state with gradients, decode, learnable W (dW)
+            base = ("posrf", "orf", dtype, D, D, M)
+            out += [
+                (f"posrf-{dt}-D{D}-mask", _call(*base, False, mask=True)),
+                (f"posrf-{dt}-D{D}-causal-mask-state",
+                 _call(*base, True, mask=True, state=True)),
+                (f"posrf-{dt}-D{D}-decode", _call(*base, True, grad=False, T=1, state=True)),
+                (f"hrf-{dt}-D{D}-decode",
+                 _call("hrf", "orf", dtype, D, D, M, True, grad=False, T=4)),
+                (f"rmf-{dt}-D{D}-decode",
+                 _call("rmf", "rademacher", dtype, D, D, M, True, grad=False, T=4)),
+                (f"posrf/fastfoodl-{dt}-D{D}-dW",
+                 _call("posrf", "fastfoodl", dtype, D, D, M, False, learn=True)),
+            ]  # fmt: skip
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# step 2: compile each launch for a CUDA target (interpreter off)
+
+
+def _decode(kind, value):
+    import triton.language as tl
+
+    return tl.dtype(value) if kind == "tl_dtype" else value
+
+
+def _specialise(param, kind, value):
+    """(signature type, constexpr value or None) of one argument, as Triton's JIT would."""
+    if param.is_constexpr:
+        return "constexpr", _decode(kind, value)
+    if kind == "ptr":
+        return "*" + value, None
+    if kind == "none" or (kind == "int" and value == 1):
+        return "constexpr", value  # the JIT specialises None and ints equal to 1
+    if kind == "int":
+        return ("i32" if -(2**31) <= value < 2**31 else "i64"), None
+    if kind == "bool":
+        return "i1", None
+    if kind == "float":
+        return "fp32", None
+    raise TypeError(f"argument {param.name}: cannot pass a {kind} to a non-constexpr parameter")
+
+
+def _cubin_resources(cubin: bytes) -> dict:
+    """Registers per thread and local stack bytes (spills) of a cubin, from Triton's cuobjdump."""
+    from triton.backends.nvidia.compiler import knobs
+
+    tool = knobs.nvidia.cuobjdump.path
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "k.cubin"
+        path.write_bytes(cubin)
+        log = subprocess.run([tool, "--dump-resource-usage", str(path)], capture_output=True,
+                             text=True).stdout  # fmt: skip
+    regs, stack = re.search(r"REG:(\d+)", log), re.search(r"STACK:(\d+)", log)
+    return {
+        "registers": int(regs.group(1)) if regs else None,
+        "stack_bytes": int(stack.group(1)) if stack else None,
+    }
+
+
+def _compile_one(job: dict) -> dict:
+    """Compile one (launch, config) for ``job["arch"]``; never raises."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    rec, cfg, arch = job["launch"], job["config"], job["arch"]
+    row = {"kernel": rec["name"], "tag": rec["tag"], "config": cfg, "status": "ok"}
+    try:
+        obj = getattr(importlib.import_module(rec["module"]), rec["name"])
+        jit = obj.fn if isinstance(obj, triton.runtime.Autotuner) else obj
+        args = {**rec["args"], **{k: ["int", v] for k, v in cfg["kwargs"].items()}}
+        signature, constexprs = {}, {}
+        for param in jit.params:
+            kind, value = args[param.name]
+            signature[param.name], const = _specialise(param, kind, value)
+            if signature[param.name] == "constexpr":
+                constexprs[param.name] = const
+        src = ASTSource(fn=jit, signature=signature, constexprs=constexprs)
+        options = {**rec["options"], **cfg["options"]}
+        kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+        row["shared_bytes"] = kernel.metadata.shared
+        row.update(_cubin_resources(kernel.asm["cubin"]))
+        if kernel.metadata.shared > SMEM_LIMIT.get(arch, 48 * 1024):
+            row["status"] = "shared memory over the limit"
+    except Exception as e:  # noqa: BLE001 -- reported per row
+        row["status"] = "error: " + _describe(e)
+    return row
+
+
+def _describe(e: Exception) -> str:
+    """One line: where in the kernel (Triton's "at line:col" of each call level) and the cause."""
+    chain = [e]
+    while chain[-1].__cause__ is not None:
+        chain.append(chain[-1].__cause__)
+    where = [str(x).split(":\n")[0] for x in chain if str(x).startswith("at ")]
+    lines = str(chain[-1]).strip().splitlines()
+    carets = [i for i, line in enumerate(lines) if line.strip() == "^"]
+    what = " ".join(lines[carets[-1] + 1 :] if carets else lines[-1:]).strip()
+    if not carets and not str(chain[-1]).startswith("at "):
+        what = f"{type(chain[-1]).__name__}: {what}"
+    return (" > ".join(where) + " | " + what)[:500]
+
+
+def _configs_of(rec: dict, which: str = "all") -> list[dict]:
+    """The autotune configs a launch is compiled with (its own options when not autotuned);
+    ``which="smallest"``: only the one with the fewest tokens per tile and warps, the config most
+    likely to fit (a launch fails only when none does)."""
+    import triton
+
+    obj = getattr(importlib.import_module(rec["module"]), rec["name"])
+    if not isinstance(obj, triton.runtime.Autotuner):
+        return [{"kwargs": {}, "options": {}}]
+    configs = obj.configs
+    if which == "smallest":
+        configs = [min(configs, key=lambda c: (sorted(c.kwargs.values()), c.num_warps))]
+    return [
+        {
+            "kwargs": dict(c.kwargs),
+            "options": {"num_warps": c.num_warps, "num_stages": c.num_stages},
+        }
+        for c in configs
+    ]
+
+
+def compile_launches(
+    launches: list[dict], arch: int = 90, jobs: int | None = None, configs: str = "all"
+) -> list[dict]:
+    """Compile the configs (``"all"`` or ``"smallest"``) of every launch, in worker processes.
+
+    The interpreter must be off in this process (``TRITON_INTERPRET`` unset before import).
+    """
+    from rfattn.kernels import common
+
+    if common.INTERPRET:
+        raise RuntimeError("compile_launches() needs the interpreter off (TRITON_INTERPRET unset)")
+    work = [
+        {"launch": r, "config": c, "arch": arch} for r in launches for c in _configs_of(r, configs)
+    ]
+    with ProcessPoolExecutor(max_workers=jobs or os.cpu_count()) as pool:
+        return list(pool.map(_compile_one, work, chunksize=1))
+
+
+def _stage(*args: str, interpret: bool) -> None:
+    """Run one stage of this module in a child process (the interpreter is fixed at import)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    repo = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-m", "bench.compile", "--stage", *args], env=env, check=True,
+                   cwd=repo)  # fmt: skip
+
+
+def compile_in_child(launches: list[dict], arch: int = 90, jobs: int | None = None,
+                     configs: str = "all") -> list[dict]:  # fmt: skip
+    """:func:`compile_launches` in a child process with the interpreter off; the rows."""
+    with tempfile.TemporaryDirectory() as d:
+        src, dst = Path(d) / "launches.json", Path(d) / "rows.json"
+        src.write_text(json.dumps(launches))
+        _stage("compile", str(src), str(dst), "--arch", str(arch), "--configs", configs,
+               *(["--jobs", str(jobs)] if jobs else []), interpret=False)  # fmt: skip
+        return json.loads(dst.read_text())
+
+
+def check(quick: bool = False, arch: int = 90, jobs: int | None = None,
+          configs: str = "all") -> list[dict]:  # fmt: skip
+    """Record under the interpreter in a child process, then compile in another; the rows."""
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "launches.json"
+        _stage("record", str(path), *(["--quick"] if quick else []), interpret=True)
+        return compile_in_child(json.loads(path.read_text()), arch, jobs, configs)
+
+
+def failures(rows: list[dict]) -> list[str]:
+    """One line per launch none of whose configs compiled within the limits."""
+    by_launch: dict[tuple, list[dict]] = {}
+    for r in rows:
+        by_launch.setdefault((r["kernel"], r["tag"]), []).append(r)
+    bad = []
+    for (kernel, tag), rs in by_launch.items():
+        if not any(r["status"] == "ok" for r in rs):
+            bad.append(f"{kernel} [{tag}]: " + "; ".join(sorted({r["status"] for r in rs})))
+    return bad
+
+
+def _print_table(rows: list[dict]) -> None:
+    """Worst case per kernel: most shared memory, most registers, any spill, failures."""
+    kernels: dict[str, list[dict]] = {}
+    for r in rows:
+        kernels.setdefault(r["kernel"], []).append(r)
+    print(f"{'kernel':<26}{'configs':>8}{'failed':>8}{'max smem KiB':>14}{'max regs':>10}"
+          f"{'spilling':>10}")  # fmt: skip
+    for name, rs in sorted(kernels.items()):
+        ok = [r for r in rs if "shared_bytes" in r]
+        smem = max((r["shared_bytes"] for r in ok), default=0) / 1024
+        regs = max((r["registers"] or 0 for r in ok), default=0)
+        spill = sum(1 for r in ok if r.get("stack_bytes"))
+        fail = sum(1 for r in rs if r["status"] != "ok")
+        print(f"{name:<26}{len(rs):>8}{fail:>8}{smem:>14.1f}{regs:>10}{spill:>10}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.compile", description=__doc__.split("\n")[0])
+    p.add_argument("--arch", type=int, default=90, help="compute capability (90: H100/H200)")
+    p.add_argument("--quick", action="store_true", help="D = 64, fp32 and bf16 only")
+    p.add_argument("--jobs", type=int, default=None, help="compile processes (default: all cores)")
+    p.add_argument(
+        "--configs",
+        choices=("all", "smallest"),
+        default="all",
+        help="autotune configs to compile per launch (smallest: the likeliest to fit)",
+    )
+    p.add_argument("--json", type=Path, default=None, help="write the per-config rows here")
+    p.add_argument("--stage", nargs="+", help=argparse.SUPPRESS)  # internal: record / compile
+    a = p.parse_args(argv)
+    if a.stage and a.stage[0] == "record":
+        Path(a.stage[1]).write_text(json.dumps(record(scenarios(a.quick))))
+        return 0
+    if a.stage and a.stage[0] == "compile":
+        launches = json.loads(Path(a.stage[1]).read_text())
+        rows = compile_launches(launches, a.arch, a.jobs, a.configs)
+        Path(a.stage[2]).write_text(json.dumps(rows))
+        return 0
+    rows = check(a.quick, a.arch, a.jobs, a.configs)
+    _print_table(rows)
+    if a.json:
+        a.json.write_text(json.dumps(rows, indent=1))
+    bad = failures(rows)
+    for line in bad:
+        print("FAILED", line)
+    print(f"{len(rows)} compiles for sm_{a.arch}: {len(bad)} launches with no working config")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
