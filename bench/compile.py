@@ -19,7 +19,7 @@ run out of resources; a kernel without autotuning has one config). What this can
 numerics and speed, which need the GPU (``make test``, ``python -m bench`` there).
 
     python -m bench.compile                       # every scenario, sm_90, table + exit status
-    python -m bench.compile --quick --arch 80     # one head size, fp32 + bf16, sm_80
+    python -m bench.compile --quick --arch 80     # D 64 fp32 + bf16, D 256 fp32; sm_80
     python -m bench.compile --json out.json       # the per-config table as JSON
 """
 
@@ -79,7 +79,7 @@ def record(calls) -> list[dict]:
     which is all that decides what is launched. Needs ``TRITON_INTERPRET=1`` set before
     ``rfattn.kernels`` was imported.
     """
-    from rfattn.kernels import common, rf_chunk, rf_recurrent, stats
+    from rfattn.kernels import common
     from triton.runtime import interpreter
 
     if not common.INTERPRET:
@@ -102,19 +102,16 @@ def record(calls) -> list[dict]:
             out.append({**rec, "tag": tag[0]})
         # not run: outputs stay uninitialised, only their types matter here
 
-    # the launchers pick their GPU tiles and warps (the interpreter runs any)
-    modules = (rf_chunk, rf_recurrent, stats)
-    saved = [m.INTERPRET for m in modules]
+    # the launchers pick their GPU tiles and launch options (the interpreter runs any)
+    saved = common.GPU_TILES
     interpreter.InterpretedFunction.run = spy
     try:
-        for m in modules:
-            m.INTERPRET = False
+        common.GPU_TILES = True
         for tag[0], fn in calls:
             fn()
     finally:
         interpreter.InterpretedFunction.run = original
-        for m, s in zip(modules, saved, strict=True):
-            m.INTERPRET = s
+        common.GPU_TILES = saved
     return out
 
 
@@ -179,40 +176,41 @@ def scenarios(quick: bool = False) -> list[tuple[str, object]]:
     """``(tag, call)`` pairs covering every kernel, feature form and flag combination.
 
     Head sizes (D = E): 64 (the non-causal benchmark), 128 and 256 (flash-linear-attention's
-    causal shapes) with M = 256; dtypes fp32, fp16, bf16, fp64 (``quick``: 64, fp32 and bf16).
+    causal shapes) with M = 256; dtypes fp32, fp16, bf16, fp64. ``quick``: D = 64 in fp32 and
+    bf16, and D = 256 in fp32 (the largest tiles of the dtypes the issue names; fp16 tiles are
+    bf16's).
     """
     import torch
 
-    dtypes = [torch.float32, torch.bfloat16]
-    if not quick:
-        dtypes += [torch.float16, torch.float64]
-    sizes = [64] if quick else [64, 128, 256]
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+    combos = [(dtype, D) for dtype in dtypes for D in (64, 128, 256)]
+    if quick:
+        combos = [(torch.float32, 64), (torch.bfloat16, 64), (torch.float32, 256)]
     M = 256
     out = []
-    for dtype in dtypes:
+    for dtype, D in combos:
         dt = str(dtype).removeprefix("torch.")
-        for D in sizes:
-            for feature, weights, opts, copts in _FORMS:
-                name = f"{feature}/{weights}-{dt}-D{D}"
-                m = 2 * D + 1 if weights == "sgq" else M  # the sparse grid's level-1 size
-                out.append((f"{name}-noncausal", _call(feature, weights, dtype, D, D, m, False,
-                                                       **opts)))  # fmt: skip
-                out.append((f"{name}-causal", _call(feature, weights, dtype, D, D, m, True,
-                                                    **copts)))  # fmt: skip
-            # flags: key padding, initial/final state with gradients, decode, learnable W (dW)
-            base = ("posrf", "orf", dtype, D, D, M)
-            out += [
-                (f"posrf-{dt}-D{D}-mask", _call(*base, False, mask=True)),
-                (f"posrf-{dt}-D{D}-causal-mask-state",
-                 _call(*base, True, mask=True, state=True)),
-                (f"posrf-{dt}-D{D}-decode", _call(*base, True, grad=False, T=1, state=True)),
-                (f"hrf-{dt}-D{D}-decode",
-                 _call("hrf", "orf", dtype, D, D, M, True, grad=False, T=4)),
-                (f"rmf-{dt}-D{D}-decode",
-                 _call("rmf", "rademacher", dtype, D, D, M, True, grad=False, T=4)),
-                (f"posrf/fastfoodl-{dt}-D{D}-dW",
-                 _call("posrf", "fastfoodl", dtype, D, D, M, False, learn=True)),
-            ]  # fmt: skip
+        for feature, weights, opts, copts in _FORMS:
+            name = f"{feature}/{weights}-{dt}-D{D}"
+            m = 2 * D + 1 if weights == "sgq" else M  # the sparse grid's level-1 size
+            out.append((f"{name}-noncausal", _call(feature, weights, dtype, D, D, m, False,
+                                                   **opts)))  # fmt: skip
+            out.append((f"{name}-causal", _call(feature, weights, dtype, D, D, m, True,
+                                                **copts)))  # fmt: skip
+        # flags: key padding, initial/final state with gradients, decode, learnable W (dW)
+        base = ("posrf", "orf", dtype, D, D, M)
+        out += [
+            (f"posrf-{dt}-D{D}-mask", _call(*base, False, mask=True)),
+            (f"posrf-{dt}-D{D}-causal-mask-state",
+             _call(*base, True, mask=True, state=True)),
+            (f"posrf-{dt}-D{D}-decode", _call(*base, True, grad=False, T=1, state=True)),
+            (f"hrf-{dt}-D{D}-decode",
+             _call("hrf", "orf", dtype, D, D, M, True, grad=False, T=4)),
+            (f"rmf-{dt}-D{D}-decode",
+             _call("rmf", "rademacher", dtype, D, D, M, True, grad=False, T=4)),
+            (f"posrf/fastfoodl-{dt}-D{D}-dW",
+             _call("posrf", "fastfoodl", dtype, D, D, M, False, learn=True)),
+        ]  # fmt: skip
     return out
 
 
@@ -305,17 +303,23 @@ def _describe(e: Exception) -> str:
 
 
 def _configs_of(rec: dict, which: str = "all") -> list[dict]:
-    """The autotune configs a launch is compiled with (its own options when not autotuned);
-    ``which="smallest"``: only the one with the fewest tokens per tile and warps, the config most
-    likely to fit (a launch fails only when none does)."""
+    """The autotune configs a launch is compiled with: those its autotuner tries after its
+    ``early_config_prune`` (its own options when not autotuned); ``which="smallest"``: only the
+    one with the fewest tokens per tile, warps and pipeline stages, the config most likely to fit
+    (a launch fails only when none does)."""
     import triton
 
     obj = getattr(importlib.import_module(rec["module"]), rec["name"])
     if not isinstance(obj, triton.runtime.Autotuner):
         return [{"kwargs": {}, "options": {}}]
     configs = obj.configs
+    if obj.early_config_prune is not None:
+        args = {name: _decode(*value) for name, value in rec["args"].items()}
+        configs = obj.early_config_prune(configs, args, **args)
     if which == "smallest":
-        configs = [min(configs, key=lambda c: (sorted(c.kwargs.values()), c.num_warps))]
+        configs = [
+            min(configs, key=lambda c: (sorted(c.kwargs.values()), c.num_warps, c.num_stages))
+        ]
     return [
         {
             "kwargs": dict(c.kwargs),
@@ -404,7 +408,9 @@ def _print_table(rows: list[dict]) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.compile", description=__doc__.split("\n")[0])
     p.add_argument("--arch", type=int, default=90, help="compute capability (90: H100/H200)")
-    p.add_argument("--quick", action="store_true", help="D = 64, fp32 and bf16 only")
+    p.add_argument(
+        "--quick", action="store_true", help="D = 64 in fp32 and bf16, D = 256 in fp32 only"
+    )
     p.add_argument("--jobs", type=int, default=None, help="compile processes (default: all cores)")
     p.add_argument(
         "--configs",

@@ -40,6 +40,9 @@ import triton.language as tl
 
 #: Whether kernels were decorated under the Triton interpreter (read once, at import).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+#: Whether the launchers pick a GPU's tiles and launch options (the interpreter's are small, to
+#: keep tests fast); ``bench.compile`` sets it to record a GPU's launches on CPU.
+GPU_TILES = not INTERPRET
 #: feature form -> constexpr id understood by the kernels
 FEATURE_IDS = {"gerf": 0, "table": 1, "rmf": 2}
 #: rows of the per-side coefficient table of the "table" form, in order
@@ -56,10 +59,30 @@ _BR = tl.constexpr(32)
 
 
 def _configs(bts=(32, 64, 128), warps=(4, 8)):
-    """Autotune configs (BT, num_warps); a single config under the interpreter."""
+    """Autotune configs (BT, num_warps), software-pipelined (Triton's default 3 stages), plus two
+    unpipelined fallbacks (BT 32 and 16, 4 warps, 1 stage) that fit the shared memory of an SM
+    where the pipelined ones do not (fp32 at D = 256, fp64 at D >= 128; the autotuner drops
+    configs that run out of resources). A single config under the interpreter.
+    :data:`PRUNE` picks the ones a launch tries."""
     if INTERPRET:
         return [triton.Config({"BT": 64}, num_warps=1)]
-    return [triton.Config({"BT": bt}, num_warps=w) for bt in bts for w in warps]
+    return [triton.Config({"BT": bt}, num_warps=w) for bt in bts for w in warps] + [
+        triton.Config({"BT": bt}, num_warps=4, num_stages=1) for bt in (32, 16)
+    ]
+
+
+def _prune_configs(configs, nargs, **kwargs):
+    """``early_config_prune``: float64 (a checking dtype, twice the bytes per tile) tries only
+    the unpipelined fallbacks; the other dtypes every config with BT >= 32."""
+    if len(configs) == 1:
+        return configs
+    if kwargs.get("ACC") == tl.float64:
+        return [c for c in configs if c.num_stages == 1]
+    return [c for c in configs if c.kwargs["BT"] >= 32]
+
+
+#: ``prune_configs_by`` of every autotuned feature kernel
+PRUNE = {"early_config_prune": _prune_configs}
 
 
 # Autotune keys: sizes and feature kind, never T (STYLE.md).
@@ -349,6 +372,14 @@ def _splits(T: int, programs_per_split: int, device: torch.device, num_splits: i
     return triton.cdiv(T, per), per
 
 
+def _feature_rows(big: int, itemsize: int) -> int:
+    """Feature tile BM (rows of W per step) for padded head sizes up to ``big`` and inputs of
+    ``itemsize`` bytes, before capping at M (the causal kernels pick their own: rf_chunk)."""
+    if itemsize == 8:
+        return 32 if big <= 64 else 16
+    return 64 if big <= 128 else 32
+
+
 class _Setup:
     """Sizes, tiles and dtypes shared by the forward and backward launchers."""
 
@@ -359,7 +390,10 @@ class _Setup:
         self.B, self.H, self.Tq, self.D = q.shape
         self.Tk, self.E, self.M = k.shape[2], v.shape[3], w.shape[0]
         self.BD, self.BE = _next_pow2(self.D), _next_pow2(self.E)
-        self.BM = min(64 if max(self.BD, self.BE) <= 128 else 32, _next_pow2(self.M))
+        self.itemsize, self.gpu_tiles = q.element_size(), GPU_TILES
+        # the interpreter keeps the big 16-bit tiles whatever the dtype: fewer steps, faster tests
+        rows = _feature_rows(max(self.BD, self.BE), self.itemsize if self.gpu_tiles else 2)
+        self.BM = min(rows, _next_pow2(self.M))
         self.NMT = triton.cdiv(self.M, self.BM)
         self.acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         self.ACC = tl.float64 if self.acc == torch.float64 else tl.float32
@@ -392,6 +426,20 @@ class _Setup:
                          HAS_AB=gerf is not None, HAS_PSI=psi is not None,
                          HAS_LAM=feature == "table" and extra_rows is not None,
                          TINY=self.tiny)  # fmt: skip
+
+    def launch_options(self, num_warps: int | None = None) -> dict:
+        """num_warps (unless given) and num_stages of the kernels launched without autotuning
+        (causal, decode), sized so that every launch fits a Hopper SM's shared memory (checked by
+        ``python -m bench.compile``): 8 warps for 128-wide tiles, else 4; two pipeline stages
+        for 256-wide tiles, else Triton's default three. float64, a checking dtype, runs
+        unpipelined, and with 2 warps at 256-wide tiles (rmf's causal backward needs 262 KiB
+        at 4 or 8 warps, 214 KiB at 2)."""
+        if not self.gpu_tiles:
+            return dict(num_warps=1)
+        big, fp64 = max(self.BD, self.BE), self.itemsize == 8
+        warps = 2 if fp64 and big >= 256 else (8 if big >= 128 else 4)
+        stages = 1 if fp64 else (2 if big >= 256 else 3)
+        return dict(num_warps=num_warps or warps, num_stages=stages)
 
     def set_feature_tile(self, bm: int) -> None:
         """Use feature tiles of ``bm`` rows (a power of two >= 16) in every launch from here on."""

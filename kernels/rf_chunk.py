@@ -56,7 +56,6 @@ import triton.language as tl
 
 from .common import (
     _NEG,
-    INTERPRET,
     _check_inputs,
     _feature_dx,
     _feature_tile,
@@ -458,29 +457,26 @@ def _chunk_bwd_kernel(
 # launchers
 
 
-def _chunk_tiles(c: _Setup, itemsize: int) -> int:
+def _chunk_tiles(c: _Setup) -> int:
     """Set the feature tile BM of the causal kernels on ``c``; return the chunk length C = BT
     (one BT for every launch of a call: the offsets R_c depend on it).
 
     Sized so that the backward kernel, which holds [BT, BT], [BT, BM], [BM, BE] and [BT, BD]
-    tiles at once, fits the 227 KiB of shared memory of a Hopper SM for inputs of ``itemsize``
-    bytes (checked for D, E in {64, 128, 256} by ``python -m bench.compile``).
+    tiles at once, fits the 227 KiB of shared memory of a Hopper SM for the input dtype (with the
+    pipeline depth of :meth:`_Setup.launch_options`; checked for D, E in {64, 128, 256} by
+    ``python -m bench.compile``).
     """
-    if INTERPRET:
+    if not c.gpu_tiles:
         return 16  # several chunks even on tiny test sequences
     big = max(c.BD, c.BE)
-    if itemsize <= 2:
+    if c.itemsize <= 2:
         bt, bm = (64 if big <= 128 else 32), (64 if big <= 64 else 32)
-    elif itemsize == 4:
+    elif c.itemsize == 4:
         bt, bm = (64 if big <= 64 else 32), (32 if big <= 128 else 16)
     else:
         bt, bm = (32 if big <= 64 else 16), (32 if big <= 64 else 16)
     c.set_feature_tile(bm)
     return bt
-
-
-def _num_warps(c: _Setup) -> int:
-    return 1 if INTERPRET else (8 if max(c.BD, c.BE) >= 128 else 4)
 
 
 def _states(c: _Setup, k, v, bt, initial_state):
@@ -490,7 +486,7 @@ def _states(c: _Setup, k, v, bt, initial_state):
     h = c.acc_empty(B * H * NC, M, E, device=dev)
     hz = c.acc_empty(B * H * NC, M, device=dev)
     hm = c.acc_empty(B * H * NC, NMT, device=dev)
-    meta = dict(num_warps=_num_warps(c), **c.meta)
+    meta = dict(**c.launch_options(), **c.meta)
     _chunk_local_kernel[(NMT, NC, B * H)](
         k, v, c.w, c.pad[0], c.scale, c.ab, c.psi, c.tab, c.xr, c.xi, h, hz, hm,
         T, H, NC, *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
@@ -509,7 +505,7 @@ def _states(c: _Setup, k, v, bt, initial_state):
     _chunk_scan_kernel[(NMT, B * H)](
         h, hz, hm, s0, z0, r0, s, z, r, sT, zT, rT, NC,
         M=M, E=E, BM=c.BM, BE=c.BE, BP=_next_pow2(NMT), HAS_INIT=initial_state is not None,
-        ACC=c.ACC, num_warps=_num_warps(c),
+        ACC=c.ACC, **c.launch_options(),
     )  # fmt: skip
     return NC, (s, z, r), (sT, zT, rT)
 
@@ -550,7 +546,7 @@ def rf_chunk_fwd(
     c = _Setup(
         q, k, v, w, scale, key_padding_mask, feature, precision, gerf, psi, table, extra_rows, index
     )
-    bt = _chunk_tiles(c, q.element_size())
+    bt = _chunk_tiles(c)
     B, H, T, E, dev = c.B, c.H, c.Tq, c.E, q.device
     out = torch.empty(B, H, T, E, device=dev, dtype=q.dtype)
     mq, den = c.acc_empty(B * H, T, device=dev), c.acc_empty(B * H, T, device=dev)
@@ -563,7 +559,7 @@ def rf_chunk_fwd(
         _chunk_out_kernel[(NC, B * H)](
             q, k, v, c.w, c.pad[0], c.scale, c.ab, c.psi, c.tab, c.xr, c.xi, s, z, r, out, mq, den,
             T, H, NC, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
-            *out.stride(), BT=bt, HAS_PAD=c.has_pad, num_warps=_num_warps(c), **c.meta,
+            *out.stride(), BT=bt, HAS_PAD=c.has_pad, **c.launch_options(), **c.meta,
         )  # fmt: skip
     state = (sT, zT, _offsets_out(rT))
     return (out, state, (mq, den)) if return_aux else (out, state)
@@ -602,7 +598,7 @@ def rf_chunk_bwd(
     c = _Setup(
         q, k, v, w, scale, key_padding_mask, feature, precision, gerf, psi, table, extra_rows, index
     )
-    bt = _chunk_tiles(c, q.element_size())
+    bt = _chunk_tiles(c)
     B, H, T, M, E, NMT, dev = c.B, c.H, c.Tq, c.M, c.E, c.NMT, q.device
     mq, den = aux
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -612,7 +608,7 @@ def rf_chunk_bwd(
     if B * H == 0:
         return dq, dk, dv, ds0, dz0
     NC, (s, z, r), _ = _states(c, k, v, bt, initial_state)
-    meta = dict(num_warps=_num_warps(c), BT=bt, **c.meta)
+    meta = dict(**c.launch_options(), BT=bt, **c.meta)
     L = c.acc_empty(B * H * NC, M, E, device=dev)
     l_ = c.acc_empty(B * H * NC, M, device=dev)
     if T:
@@ -633,7 +629,7 @@ def rf_chunk_bwd(
     _chunk_rscan_kernel[(NMT, B * H)](
         L, l_, r, dsT, dzT, r0, ds, dz, ds0 if has_init else ds, dz0 if has_init else dz, NC,
         M=M, E=E, BM=c.BM, BE=c.BE, HAS_DFINAL=dstate is not None, HAS_INIT=has_init,
-        ACC=c.ACC, num_warps=_num_warps(c),
+        ACC=c.ACC, **c.launch_options(),
     )  # fmt: skip
     if T:
         _chunk_bwd_kernel[(NC, B * H)](

@@ -57,6 +57,7 @@ from .common import (
     _NEG,
     FEATURE_IDS,
     INTERPRET,
+    PRUNE,
     TABLE_ROWS,
     _check_inputs,
     _configs,
@@ -77,7 +78,7 @@ from .common import (
 __all__ = ["rf_parallel_fwd", "rf_parallel_bwd", "FEATURE_IDS", "TABLE_ROWS", "INTERPRET"]
 
 
-@triton.autotune(configs=_configs(), key=_KEY)
+@triton.autotune(configs=_configs(), key=_KEY, prune_configs_by=PRUNE)
 @triton.jit
 def _fwd_kv_kernel(
     k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
@@ -167,7 +168,7 @@ def _fwd_merge_kernel(
         tl.store(mk_ptr + i_bh, b_off)
 
 
-@triton.autotune(configs=_configs(), key=_KEY)
+@triton.autotune(configs=_configs(), key=_KEY, prune_configs_by=PRUNE)
 @triton.jit
 def _fwd_q_kernel(
     q_ptr, w_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
@@ -231,7 +232,7 @@ def _fwd_q_kernel(
     tl.store(den_ptr + i_bh * T + o_t, b_den, mask=m_t)
 
 
-@triton.autotune(configs=_configs(), key=_KEY + ["W_GRAD"])
+@triton.autotune(configs=_configs(), key=_KEY + ["W_GRAD"], prune_configs_by=PRUNE)
 @triton.jit
 def _bwd_ds_kernel(
     q_ptr, w_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
@@ -301,7 +302,7 @@ def _bwd_ds_kernel(
                  mask=m_f[:, None] & m_d[None, :])  # fmt: skip
 
 
-@triton.autotune(configs=_configs(), key=_KEY)
+@triton.autotune(configs=_configs(), key=_KEY, prune_configs_by=PRUNE)
 @triton.jit
 def _bwd_dq_kernel(
     q_ptr, w_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
@@ -365,7 +366,7 @@ def _bwd_dq_kernel(
     )
 
 
-@triton.autotune(configs=_configs(), key=_KEY)
+@triton.autotune(configs=_configs(), key=_KEY, prune_configs_by=PRUNE)
 @triton.jit
 def _bwd_dkv_kernel(
     k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
@@ -437,7 +438,7 @@ def _bwd_dkv_kernel(
     tl.store(p_dv, b_dv.to(dv_ptr.dtype.element_ty), mask=m_in[:, None] & m_e[None, :])
 
 
-@triton.autotune(configs=_configs(), key=_KEY)
+@triton.autotune(configs=_configs(), key=_KEY, prune_configs_by=PRUNE)
 @triton.jit
 def _bwd_dwk_kernel(
     k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,

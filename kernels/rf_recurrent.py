@@ -25,7 +25,6 @@ import triton.language as tl
 
 from .common import (
     _NEG,
-    INTERPRET,
     _check_inputs,
     _feature_tile,
     _gerf_coeffs,
@@ -194,7 +193,7 @@ def rf_recurrent_fwd(
         _recurrent_kernel[(B * H,)](
             q, k, v, c.w, c.pad[0], c.scale, c.ab, c.psi, c.tab, c.xr, c.xi, s, z, r, out,
             T, H, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
-            *out.stride(), HAS_PAD=c.has_pad, num_warps=1 if INTERPRET else 4, **c.meta,
+            *out.stride(), HAS_PAD=c.has_pad, **c.launch_options(num_warps=4), **c.meta,
         )  # fmt: skip
     r.copy_(_offsets_out(r))
     return out, (s, z, r)

@@ -3,9 +3,10 @@
 The interpreter runs the kernels' semantics but accepts code that compiled Triton rejects (a
 helper whose constexpr-dead branches return other types, a module global that is not a
 ``tl.constexpr``, a tile needing more shared memory than the GPU has). This test records the
-launches of every fused path, feature form and flag on D = 64 in fp32 and bf16 and compiles each
-for sm_90 with Triton's own ptxas (no driver needed). On a CUDA machine the GPU tests compile
-every kernel for real, so it is skipped there.
+launches of every fused path, feature form and flag on D = 64 in fp32 and bf16 and on D = 256 in
+fp32 (the widest tiles: they need the unpipelined fallback configs), and compiles for sm_90 the
+smallest config each autotuner tries, with Triton's own ptxas (no driver needed). On a CUDA
+machine the GPU tests compile every kernel for real, so it is skipped there.
 """
 
 import copy
