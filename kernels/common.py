@@ -73,9 +73,8 @@ def _configs(bts=(32, 64, 128), warps=(4, 8)):
 
 def _prune_configs(configs, nargs, **kwargs):
     """``early_config_prune``: float64 (a checking dtype, twice the bytes per tile) tries only
-    the unpipelined fallbacks; the other dtypes every config with BT >= 32."""
-    if len(configs) == 1:
-        return configs
+    the unpipelined fallbacks; the other dtypes every config with BT >= 32. (The autotuner
+    calls it only when it has several configs, i.e. not under the interpreter.)"""
     if kwargs.get("ACC") == tl.float64:
         return [c for c in configs if c.num_stages == 1]
     return [c for c in configs if c.kwargs["BT"] >= 32]
