@@ -22,6 +22,7 @@ import rfattn
 from bench import accuracy, memory, roofline
 from bench.env import REPO, environment, pick_device, results_slug
 from bench.providers import (
+    CAUSAL_ONLY,
     available_providers,
     forward_output,
     is_softmax,
@@ -175,10 +176,11 @@ def _rf_path(provider, rf, device, causal, backward) -> str | None:
     """Which rfattn implementation ran (the documented rule of backend='auto')."""
     if provider == "rfattn":
         fused = rfattn.attention.fused_kernel_available(rf, causal)
-        triton = device.type == "cuda" and not causal and not backward and fused
-        return "triton" if triton else "torch"
-    if provider == "rfattn-torch":
+        return "triton" if device.type == "cuda" and fused else "torch"
+    if provider in ("rfattn-torch", "rfattn-compiled"):
         return "torch"
+    if provider == "fla-chunk":
+        return "torch features + fla chunk_linear_attn"
     return None
 
 
@@ -243,6 +245,8 @@ def run(args) -> tuple[dict, int]:
                         continue
                     x = make_inputs(B, H, T, D, E, dtype, device, backward)
                     for provider in providers:
+                        if causal is False and provider in CAUSAL_ONLY:
+                            continue
                         kinds = [None] if is_softmax(provider) else list(rfs)
                         if provider == "performer":
                             kinds = ["posrf"]

@@ -23,7 +23,9 @@ SDPA_BACKENDS = {
     "efficient": "EFFICIENT_ATTENTION",
     "math": "MATH",
 }
-RF_PROVIDERS = ("rfattn", "rfattn-torch", "performer")
+RF_PROVIDERS = ("rfattn", "rfattn-torch", "rfattn-compiled", "fla-chunk", "performer")
+#: providers with no non-causal form
+CAUSAL_ONLY = ("fla-chunk",)
 ALL_PROVIDERS = RF_PROVIDERS + tuple(f"sdpa-{b}" for b in SDPA_BACKENDS) + ("flash-attn",)
 
 
@@ -89,6 +91,19 @@ def available_providers(
         consider("rfattn-torch", None)
     elif requested is None:  # backend='auto' is the torch path on CPU: same code, same time
         skipped["rfattn-torch"] = "on CPU rfattn (backend='auto') already is the torch path"
+    if cuda or (requested is not None and "rfattn-compiled" in requested):
+        consider("rfattn-compiled", None)
+    elif requested is None:
+        skipped["rfattn-compiled"] = "the compiled torch path is timed on CUDA only"
+    try:
+        from fla.ops.linear_attn import chunk_linear_attn  # noqa: F401
+
+        why = None
+        if not cuda:
+            why = "flash-linear-attention's kernels need a CUDA device"
+    except ImportError:
+        why = "flash-linear-attention is not installed (pip install flash-linear-attention)"
+    consider("fla-chunk", why)
     for backend in SDPA_BACKENDS:  # probed, not assumed: torch has a CPU flash kernel too
         if requested is None or f"sdpa-{backend}" in requested:
             consider(f"sdpa-{backend}", _probe_sdpa(backend, device, dtype, D, E))
@@ -130,6 +145,25 @@ def _forward(provider: str, x: Inputs, rf, causal: bool) -> tuple[Callable, list
             k,
             v,
         ]
+    if provider == "rfattn-compiled":
+        # the unfused torch path under torch.compile (inductor fuses its elementwise work)
+        compiled = torch.compile(rfattn.rf_attention)
+        return (lambda: compiled(q, k, v, rf, causal=causal, backend="torch")), [q, k, v]
+    if provider == "fla-chunk":
+        if not causal:
+            raise NotImplementedError("fla-chunk (chunk_linear_attn) is causal only")
+        from fla.ops.linear_attn import chunk_linear_attn
+
+        def fla():
+            # the features in torch (rfattn's own maps, fp32, cast to the input dtype), then
+            # flash-linear-attention's chunked kernel normalising by phi_q . cumsum(phi_k)
+            phi_q, phi_k = rf.features(q, k)
+            phi_q, phi_k = (p.to(q.dtype).transpose(1, 2) for p in (phi_q, phi_k))
+            out, _ = chunk_linear_attn(phi_q, phi_k, v.transpose(1, 2), scale=1.0,
+                                       normalize=True)
+            return out.transpose(1, 2)
+
+        return fla, [q, k, v]
     if provider.startswith("sdpa-"):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -203,6 +237,8 @@ def reference_output(provider: str, x: Inputs, rf, causal: bool) -> torch.Tensor
         return rfattn.reference.softmax_attention(q, k, v, causal=causal)
     if provider == "performer":
         return None
+    if provider == "fla-chunk" and rf.feature != "posrf":
+        return None  # its features are the non-causal maps: equal to rfattn's for posrf only
     rf64 = copy.deepcopy(rf).double()
     with torch.no_grad():
         return rfattn.rf_attention(q, k, v, rf64, causal=causal, backend="torch")

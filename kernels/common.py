@@ -40,6 +40,10 @@ import triton.language as tl
 
 #: Whether kernels were decorated under the Triton interpreter (read once, at import).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+#: ``RFATTN_AUTOTUNE=0``: every autotuned kernel gets one config that fits at every dtype and
+#: head size (BT 32, 4 warps, unpipelined), so a test run compiles each kernel once instead of
+#: once per config (read once, at import; slower kernels: not for timing)
+AUTOTUNE = os.environ.get("RFATTN_AUTOTUNE", "1") != "0"
 #: Whether the launchers pick a GPU's tiles and launch options (the interpreter's are small, to
 #: keep tests fast); ``bench.compile`` sets it to record a GPU's launches on CPU.
 GPU_TILES = not INTERPRET
@@ -51,6 +55,8 @@ _NP = tl.constexpr(len(TABLE_ROWS))
 #: running-max sentinel: finite so that exp(sentinel - sentinel) = 1, not NaN
 _NEG = tl.constexpr(-1.0e30)
 _PRECISIONS = ("ieee", "tf32", "tf32x3")
+#: ``tl.dot`` input precision of the fp32 products for fp16/bf16 inputs (see _Setup)
+LOW_PRECISION = "tf32x3"
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 #: tokens handled by one split program: a multiple of every BT in the configs
 _SPLIT_QUANTUM = 128
@@ -66,6 +72,8 @@ def _configs(bts=(32, 64, 128), warps=(4, 8)):
     :data:`PRUNE` picks the ones a launch tries."""
     if INTERPRET:
         return [triton.Config({"BT": 64}, num_warps=1)]
+    if not AUTOTUNE:
+        return [triton.Config({"BT": 32}, num_warps=4, num_stages=1)]  # fits at every size
     return [triton.Config({"BT": bt}, num_warps=w) for bt in bts for w in warps] + [
         triton.Config({"BT": bt}, num_warps=4, num_stages=1) for bt in (32, 16)
     ]
@@ -278,7 +286,7 @@ def _load_rows(base, o_t, o_c, stride_t, stride_c, m_t, m_c, ACC: tl.constexpr):
 
 @triton.jit
 def _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d):
-    """Feature rows [BM, BD] in the input dtype (zeros outside)."""
+    """Feature rows [BM, BD] in the accumulation dtype (zeros outside)."""
     p_w = w_ptr + o_f[:, None] * stride_wm + o_d[None, :] * stride_wd
     return tl.load(p_w, mask=m_f[:, None] & m_d[None, :], other=0.0)
 
@@ -397,14 +405,20 @@ class _Setup:
         self.acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         self.ACC = tl.float64 if self.acc == torch.float64 else tl.float32
         if precision is None:
-            # fp32 inputs: exact fp32 products unless tf32 is asked for; fp16/bf16 inputs: their
-            # fp32 internal products (p @ S, gradients) are rounded far below the input precision.
-            precision = "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32"
+            # fp32 inputs: exact fp32 products unless tf32 is asked for. fp16/bf16 inputs: the
+            # products run on fp32 operands (W, features, states) as three tf32 products, about
+            # fp32's accuracy. Measured on an H100 (bench/results/nvidia-h100-80gb-hbm3): W and
+            # the features rounded to the input dtype gave 3-4x the torch path's error in that
+            # dtype, fp32 operands with one tf32 product still 1.1-2.2x too much under bf16 (the
+            # exponent amplifies the projection's rounding); three tf32 products pass the
+            # flash-attention rule, at ~2.7x the time of the first at T = 8192.
+            precision = "ieee" if q.dtype in (torch.float32, torch.float64) else LOW_PRECISION
         if precision not in _PRECISIONS:
             raise ValueError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
         self.precision = precision
         self.fid = FEATURE_IDS[feature]
-        self.w = w.to(device=q.device, dtype=q.dtype)
+        # W in the accumulation dtype: rounded to bf16 it would move each logit by ~|u| 2^-9
+        self.w = w.to(device=q.device, dtype=self.acc)
         self.scale = torch.tensor([float(scale) ** 0.5], device=q.device, dtype=self.acc)
         self.tiny = torch.finfo(self.acc).tiny
         if key_padding_mask is not None:
@@ -465,7 +479,7 @@ class _Setup:
             raise ValueError("feature='rmf' needs extra_rows (stacked rows) and index")
         elif index.shape[0] != M + 1 + extra_rows.shape[0] or extra_rows.shape[-1] != D:
             raise ValueError(f"rmf index must be [{M} + 1 + R] for stacked rows [R, {D}]")
-        xr = extra_rows.detach().to(device=dev, dtype=q.dtype).contiguous()
+        xr = extra_rows.detach().to(device=dev, dtype=self.acc).contiguous()
         xi = index.to(device=dev, dtype=torch.int32).contiguous()
         return tab, (xr if xr.numel() else self.scale), xi
 

@@ -115,7 +115,7 @@ def _chunk_local_kernel(
     )
     b_v = tl.load(p_v, mask=m_t[:, None] & m_e[None, :], other=0.0)  # padded values unread
     # [BM, BT] @ [BT, BE] -> [BM, BE]
-    b_h = tl.dot(tl.trans(b_p).to(b_v.dtype), b_v, input_precision=PRECISION, out_dtype=ACC)
+    b_h = tl.dot(tl.trans(b_p), b_v.to(ACC), input_precision=PRECISION, out_dtype=ACC)
     i_blk = i_bh * NC + i_c
     tl.store(h_ptr + i_blk * M * E + o_f[:, None] * E + o_e[None, :], b_h,
              mask=m_f[:, None] & m_e[None, :])  # fmt: skip

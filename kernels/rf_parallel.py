@@ -122,7 +122,7 @@ def _fwd_kv_kernel(
         p_v = v_base + o_t[:, None] * stride_vt + o_e[None, :] * stride_ve
         b_v = tl.load(p_v, mask=m_t[:, None] & m_e[None, :], other=0.0)  # padded values unread
         # [BM, BT] @ [BT, BE] -> [BM, BE]
-        b_pv = tl.dot(tl.trans(b_p).to(b_v.dtype), b_v, input_precision=PRECISION, out_dtype=ACC)
+        b_pv = tl.dot(tl.trans(b_p), b_v.to(ACC), input_precision=PRECISION, out_dtype=ACC)
         b_s = b_s * b_alpha + b_pv
         b_z = b_z * b_alpha + tl.sum(b_p, axis=0)
         b_mx = b_mx_new

@@ -35,8 +35,9 @@ def rel_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """
     if actual.shape != expected.shape:
         raise ValueError(f"shape mismatch: actual {tuple(actual.shape)} vs {tuple(expected.shape)}")
-    a = actual.detach().to(torch.float64)
-    e = expected.detach().to(torch.float64)
+    # on the CPU: the two may live on different devices (a CUDA result, a CPU reference)
+    a = actual.detach().to("cpu", torch.float64)
+    e = expected.detach().to("cpu", torch.float64)
     if a.numel() == 0:
         return 0.0
     diff = (a - e).pow(2).mean().sqrt()

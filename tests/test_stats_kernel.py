@@ -53,7 +53,7 @@ def test_empty_sequences(kernel_device):
     from rfattn.kernels.stats import token_moments
 
     x = rand(2, 2, 0, 8, device=kernel_device)
-    assert all(torch.equal(t, torch.zeros(2, 2, 8)) for t in token_moments(x, 0.5))
+    assert all(torch.equal(t, torch.zeros(2, 2, 8, device=t.device)) for t in token_moments(x, 0.5))
 
 
 @pytest.mark.parametrize("feature", ["oprf", "saderf"])
