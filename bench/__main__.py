@@ -126,6 +126,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="write to bench/results/<device>/ instead of --out",
     )
     p.add_argument("--notes", default="", help="free text stored in the JSON")
+    p.add_argument(
+        "--jsonl",
+        help="also append every row and failure to this file as it is measured (one JSON object "
+        "per line), so a run cut off by a time limit keeps what it measured",
+    )
     args = p.parse_args(argv)
     return args
 
@@ -274,12 +279,14 @@ def run(args) -> tuple[dict, int]:
                                         error=err,
                                     )
                                 )
+                                _emit(args.jsonl, "failure", failures[-1])
                                 print(f"# {provider} [{feature}] T={T}: {err}"[:240])
                                 if device.type == "cuda":
                                     torch.cuda.empty_cache()
                                 continue
                             row["weights"] = weights_used.get(feature)
                             results.append(row)
+                            _emit(args.jsonl, "row", row)
                             print(
                                 f"# measured {_name(row)} causal={int(causal)} {mode} T={T}: "
                                 f"{row['ms_p50']:.3f} ms",
@@ -522,6 +529,13 @@ def main(argv=None) -> int:
         print(f"# {n_failed} correctness check(s) FAILED: see check_ok in the JSON")
         return 1
     return 0
+
+
+def _emit(path: str | None, kind: str, obj: dict) -> None:
+    """Append ``{"kind": kind, **obj}`` as one line to ``path`` (``--jsonl``), if given."""
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(_finite(dict(kind=kind, **obj)), allow_nan=False) + "\n")
 
 
 def _finite(x):

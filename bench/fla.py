@@ -36,6 +36,9 @@ def main(argv=None) -> int:
     p.add_argument("--features", nargs="+", default=["posrf"])
     p.add_argument("--out", default="plots/out/fla")
     p.add_argument("--save-results", action="store_true")
+    p.add_argument("--jsonl", help="passed to each bench run (rows appended as measured)")
+    p.add_argument("--shapes", type=int, help="run only the first N shapes")
+    p.add_argument("--providers", nargs="+", help="subset of providers (default: all available)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("# bench.fla needs a CUDA device (these shapes are GPU-sized); nothing run")
@@ -45,7 +48,7 @@ def main(argv=None) -> int:
         out = REPO / "bench" / "results" / results_slug(torch.device("cuda"))
     merged: dict = {"shapes": [], "results": [], "summary": []}
     status = 0
-    for B, T, H, D in SHAPES:
+    for B, T, H, D in SHAPES[: args.shapes]:
         tag = f"B{B}-T{T}-H{H}-D{D}"
         sub = out / "fla" / tag
         argv_one = [
@@ -53,7 +56,13 @@ def main(argv=None) -> int:
             "--D", str(D), "--E", str(D), "--M", str(args.M), "--T", str(T),
             "--causal", "1", "--modes", "fwd", "fwd+bwd", "--features", *args.features,
             "--max-T-bwd", str(T), "--out", str(sub),
+            # accuracy is not what these shapes are for: one M, one draw
+            "--error-M", str(args.M), "--seeds", "1",
         ]  # fmt: skip
+        if args.providers:
+            argv_one += ["--providers", *args.providers]
+        if args.jsonl:
+            argv_one += ["--jsonl", args.jsonl]
         print(f"# {tag}", flush=True)
         status |= bench_main(argv_one)
         doc = json.loads((sub / "bench.json").read_text())

@@ -159,8 +159,7 @@ def _forward(provider: str, x: Inputs, rf, causal: bool) -> tuple[Callable, list
             # flash-linear-attention's chunked kernel normalising by phi_q . cumsum(phi_k)
             phi_q, phi_k = rf.features(q, k)
             phi_q, phi_k = (p.to(q.dtype).transpose(1, 2) for p in (phi_q, phi_k))
-            out, _ = chunk_linear_attn(phi_q, phi_k, v.transpose(1, 2), scale=1.0,
-                                       normalize=True)
+            out, _ = chunk_linear_attn(phi_q, phi_k, v.transpose(1, 2), scale=1.0, normalize=True)
             return out.transpose(1, 2)
 
         return fla, [q, k, v]

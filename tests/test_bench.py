@@ -38,6 +38,7 @@ def tiny_run(tmp_path_factory):
         "--M", "8", "--features", "posrf", *planned[:1], "--providers", "rfattn", "sdpa-math",
         "--min-reps", "2", "--max-reps", "2", "--ceiling-n", "64", "--ceiling-mib", "1",
         "--acc-T", "32", "--error-M", "4", "8", "--seeds", "2", "--out", str(out),
+        "--jsonl", str(out / "rows.jsonl"),
     ]  # fmt: skip
     code = bench_main(argv)
     doc = json.loads((out / "bench.json").read_text())
@@ -58,6 +59,18 @@ def test_cli_writes_valid_json(tiny_run):
             for t in (32, 64):
                 assert ("rfattn", "posrf", causal, mode, t) in ran
                 assert ("sdpa-math", None, causal, mode, t) in ran
+
+
+def test_jsonl_has_every_row_as_measured(tiny_run):
+    """--jsonl: each row (and failure) appended as it is measured, the same as in bench.json."""
+    _, doc, out, _ = tiny_run
+    lines = [json.loads(ln) for ln in (out / "rows.jsonl").read_text().splitlines()]
+    rows = [{k: v for k, v in d.items() if k != "kind"} for d in lines if d["kind"] == "row"]
+    key = ("provider", "feature", "causal", "mode", "T", "ms_p50")
+    assert sorted(tuple(r[k] for k in key) for r in rows) == sorted(
+        tuple(r[k] for k in key) for r in doc["results"]
+    )
+    assert sum(d["kind"] == "failure" for d in lines) == sum("T" in f for f in doc["failures"])
 
 
 def test_every_result_is_finite(tiny_run):

@@ -1,0 +1,197 @@
+"""bench.gpu, the GPU runbook: its harness, tested without a GPU (the smoke stage runs under the
+Triton interpreter at tiny shapes; the CUDA-only stages are recorded as skipped)."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench import gpu
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _run(*argv, timeout=300):
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.gpu", *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return proc, time.perf_counter() - t0
+
+
+def test_dry_run_prints_the_plan():
+    proc, _ = _run("--dry-run", "--profile", "--budget-s", "300")
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("  ")]
+    assert [ln.split()[0] for ln in lines] == [s.name for s in gpu.STAGES]
+    boxes = [float(ln.split()[2]) for ln in lines]
+    assert sum(boxes) == pytest.approx(300, abs=1)
+
+
+def test_plan_shares_the_budget_and_skips_cuda_stages_without_cuda():
+    steps = gpu.plan(["env", "smoke", "bench"], 150, cuda=False)
+    assert sum(s["box_s"] for s in steps) == pytest.approx(150, abs=0.2)
+    shares = {s.name: s.box_s for s in gpu.STAGES}
+    total = shares["env"] + shares["smoke"] + shares["bench"]
+    assert steps[0]["box_s"] == pytest.approx(150 * shares["env"] / total, abs=0.1)
+    assert [s["runs"] for s in steps] == [True, True, False]
+
+
+def test_smoke_stage_report_with_a_failing_case(tmp_path):
+    """Two real cases pass against float64; a broken one is recorded, not fatal; the CUDA-only
+    stage after it is still reached (skipped); the report is written and well formed."""
+    bad = json.dumps({"path": "parallel", "form": "gerf", "feature": "nosuch", "dtype": "float32"})
+    proc, _ = _run(
+        "--stages",
+        "smoke",
+        "pytest",
+        "--out",
+        str(tmp_path),
+        "--smoke-cases",
+        "parallel/posrf/",
+        "decode/rmf/",
+        "--smoke-extra",
+        bad,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # not every stage ok
+    report = json.loads((tmp_path / "gpu_report.json").read_text())
+    assert report["schema"] == gpu.SCHEMA
+    assert [s["name"] for s in report["stages"]] == ["smoke", "pytest"]
+    for s in report["stages"]:
+        assert s["status"] in gpu.STATUSES
+        assert s["seconds"] <= s["box_s"] + 5
+    smoke, pytest_stage = report["stages"]
+    assert pytest_stage["status"] == "skipped"
+    rows = {r["case"]: r for r in smoke["rows"]}
+    assert set(rows) == {"parallel/posrf/float32", "decode/rmf/float32", "parallel/nosuch/float32"}
+    assert rows["parallel/nosuch/float32"]["verdict"] == "error"
+    assert "nosuch" in rows["parallel/nosuch/float32"]["error"]
+    for case in ("parallel/posrf/float32", "decode/rmf/float32"):
+        r = rows[case]
+        assert r["verdict"] == "ok" and r["finite"], r
+        assert all(r["errors"][n] <= r["limits"][n] for n in r["errors"])
+    assert set(rows["parallel/posrf/float32"]["errors"]) == {"out", "dq", "dk", "dv"}
+    assert smoke["status"] == "failed" and "nosuch" in smoke["summary"]
+    md = (tmp_path / "gpu_report.md").read_text()
+    assert "| smoke | failed |" in md and "| pytest | skipped |" in md
+    assert md.splitlines()[-1] in proc.stdout  # the table is printed last
+
+
+def test_time_box_stops_a_stage_and_the_next_runs(tmp_path):
+    """A stage over its box is killed at the box and marked timeout; the run goes on."""
+    proc, wall = _run("--stages", "smoke", "pytest", "--box", "smoke=4", "--out", str(tmp_path))
+    report = json.loads((tmp_path / "gpu_report.json").read_text())
+    smoke, nxt = report["stages"]
+    assert smoke["status"] == "timeout", smoke
+    assert 4 <= smoke["seconds"] < 4 + 10
+    assert nxt["name"] == "pytest" and nxt["status"] == "skipped"
+    assert wall < 60
+    assert proc.returncode == 1
+
+
+def _row(provider, T, ms, causal=False, mode="fwd", feature="posrf", peak=None, roof=None):
+    return dict(
+        provider=provider,
+        feature=None if provider.startswith("sdpa") else feature,
+        causal=causal,
+        mode=mode,
+        T=T,
+        ms_p50=ms,
+        peak_bytes=peak,
+        roofline_fraction=roof,
+    )
+
+
+def test_targets_from_rows():
+    rows = [
+        _row("sdpa-cudnn", 1024, 1.0),
+        _row("rfattn", 1024, 0.5, roof=0.2),
+        _row("sdpa-cudnn", 8192, 9.0),
+        _row("rfattn", 8192, 2.0, peak=100, roof=0.6),
+        _row("rfattn-torch", 8192, 8.0, peak=500),
+        _row("rfattn-compiled", 8192, 3.0),
+        _row("sdpa-cudnn", 16384, 30.0),
+        _row("rfattn", 16384, 4.0),
+    ]
+    stages = {
+        "decode": {"decode": {"ratio_last_first": 1.05}},
+        "compile": {"rows": [{"graph_breaks": 0}, {"graph_breaks": 2}]},
+    }
+    got = {t["target"]: t for t in gpu.targets(rows, stages)}
+    t = got["crossover T <= 1024, non-causal fwd"]
+    assert (t["measured"], t["met"]) == (1024, True)
+    t = got[">= 10x faster than the best SDPA at T=16384, non-causal fwd"]
+    assert (t["measured"], t["met"]) == (7.5, False)
+    t = got[">= 3x faster than the unfused path, non-causal fwd, T=8192"]
+    assert (t["measured"], t["met"]) == (4.0, True)
+    t = got[">= 2x faster than the compiled unfused path, non-causal fwd, T=8192"]
+    assert (t["measured"], t["met"]) == (1.5, False)
+    t = got[">= 4x less peak memory than the unfused path, non-causal fwd, T=8192"]
+    assert (t["measured"], t["met"]) == (5.0, True)
+    assert got[">= 50 % of the roofline floor (best rfattn row)"]["measured"] == 0.6
+    assert got["decode time per token flat in position (last/first <= 1.2)"]["met"] is True
+    t = got["zero graph breaks under torch.compile"]
+    assert (t["measured"], t["met"]) == (2, False)
+    t = got["crossover T <= 2048, causal fwd"]  # no causal rows
+    assert (t["measured"], t["met"]) == (None, None)
+
+
+def test_junit_and_ncu_parsers(tmp_path):
+    xml = tmp_path / "j.xml"
+    xml.write_text(
+        '<testsuites><testsuite><testcase classname="t.a" name="ok"/>'
+        '<testcase classname="t.a" name="bad"><failure message="assert 1 == 2"/></testcase>'
+        '<testcase classname="t.b" name="skip"><skipped message="no"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    counts, failures = gpu._junit(xml)
+    assert counts == {"passed": 1, "failed": 1, "error": 0, "skipped": 1}
+    assert failures == [{"test": "t.a::bad", "message": "assert 1 == 2"}]
+    csv_text = (
+        "==PROF== noise\n"
+        '"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"\n'
+        '"0","_fwd_kv_kernel","GPU Speed Of Light Throughput","DRAM Throughput","%","41.2"\n'
+        '"0","_fwd_kv_kernel","Launch Statistics","Registers Per Thread",'
+        '"register/thread","168"\n'
+        '"0","_fwd_kv_kernel","Launch Statistics","Waves Per SM","","3"\n'
+        '"1","_fwd_q_kernel","GPU Speed Of Light Throughput","Duration","us","812.5"\n'
+    )
+    rows = gpu._ncu_rows(csv_text)
+    assert rows == [
+        {
+            "kernel": "_fwd_kv_kernel",
+            "id": "0",
+            "DRAM Throughput [%]": "41.2",
+            "Registers Per Thread [register/thread]": "168",
+        },
+        {"kernel": "_fwd_q_kernel", "id": "1", "Duration [us]": "812.5"},
+    ]
+
+
+def test_merge_bench_concatenates_the_feature_runs(tmp_path):
+    for f, ms in (("posrf", 1.0), ("rmf", 2.0)):
+        (tmp_path / f).mkdir()
+        doc = {
+            "schema": "rfattn-bench/1",
+            "env": {"device": f},
+            "config": {"features": [f], "features_run": [f]},
+            "results": [_row("rfattn", 64, ms, feature=f)],
+            "summary": [{"feature": f}],
+            "accuracy": [],
+            "error_vs_M": [],
+            "failures": [],
+            "skipped": [],
+        }
+        (tmp_path / f / "bench.json").write_text(json.dumps(doc))
+    gpu._merge_bench(tmp_path, ["posrf", "oprf", "rmf"])  # oprf never finished
+    merged = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["feature"] for r in merged["results"]] == ["posrf", "rmf"]
+    assert merged["config"]["features_run"] == ["posrf", "rmf"]
+    assert merged["env"] == {"device": "posrf"}
