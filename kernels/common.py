@@ -126,6 +126,21 @@ def _input_scale(
 
 
 @triton.jit
+def _safe_den(b_den, TINY: tl.constexpr):
+    """The denominator policy of ``rfattn.reference.safe_denominator``: ``|den| < tiny`` becomes
+    ``sign(den) * tiny`` (0 -> +tiny), so a query with no valid key gets 0, never NaN."""
+    eps = tl.full([], TINY, b_den.dtype)
+    return tl.where(tl.abs(b_den) < eps, tl.where(b_den < 0, -eps, eps), b_den)
+
+
+@triton.jit
+def _store_tile(ptr, i_b, i_h, o_r, o_c, stride_b, stride_h, stride_r, stride_c, b_x, m_r, m_c):
+    """Store the tile ``b_x`` [rows, cols] at ``ptr[i_b, i_h, o_r, o_c]`` in ``ptr``'s dtype."""
+    p = ptr + i_b * stride_b + i_h * stride_h + o_r[:, None] * stride_r + o_c[None, :] * stride_c
+    tl.store(p, b_x.to(ptr.dtype.element_ty), mask=m_r[:, None] & m_c[None, :])
+
+
+@triton.jit
 def _tab(tab_ptr, row: tl.constexpr, o_f, m_f, M: tl.constexpr, IS_KEY: tl.constexpr):
     """[BM] coefficients ``row`` of the table form on one side (see TABLE_ROWS)."""
     side: tl.constexpr = 1 if IS_KEY else 0

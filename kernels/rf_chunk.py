@@ -1,7 +1,7 @@
 """Fused causal random-feature attention, chunkwise, forward and backward, per (b, h).
 
 Tokens are cut into chunks of C = BT. Features are ``phi = g exp(u - offset)`` in every form
-of ``rf_parallel`` (its ``_feature_tile`` epilogue: the real positive GERF family, the signed
+of ``rf_parallel`` (``common._feature_tile``'s epilogue: the real positive GERF family, the signed
 table form -- trigrf, hrf, complex gerf, sgq row weights -- and rmf's plain products, u = 0).
 With the running key offset R_c = max of the key logits u over all valid keys of chunks <= c
 and all features:
@@ -35,7 +35,7 @@ prefix sums). With g_i = do_i / den_i, c_i = -(do_i . out_i) / den_i, dK_ij = v_
    (+ the final state's cotangent), the reverse scan, and the initial state's gradient;
 6. ``_chunk_bwd_kernel``, grid (chunks, B*H):
    du_q = a ⊙ (g S_c^T + c z_c + (dK ⊙ tril) b),  du_k = b ⊙ ((dK ⊙ tril)^T a + v dS_c^T + dz_c),
-   dv = (a b^T ⊙ tril)^T g + b dS_c; dq, dk through ``rf_parallel``'s ``_feature_dx``
+   dv = (a b^T ⊙ tril)^T g + b dS_c; dq, dk through ``common._feature_dx``
    (``phi = g e``: du = phi * dphi, dg = e * dphi).
 
 State (``rfattn.RFState``): S [B, H, M, E], z [B, H, M] in the accumulation dtype and the offset
@@ -67,7 +67,9 @@ from .common import (
     _offsets_in,
     _offsets_out,
     _query_cotangents,
+    _safe_den,
     _Setup,
+    _store_tile,
     _valid_keys,
 )
 
@@ -239,17 +241,10 @@ def _chunk_out_kernel(
     b_v = tl.load(p_v, mask=m_k[:, None] & m_e[None, :], other=0.0).to(ACC)  # [BT, BE]
     b_num += tl.dot(b_A, b_v, input_precision=PRECISION, out_dtype=ACC)
     b_den += tl.sum(b_A, axis=1)
-    eps = tl.full([], TINY, ACC)
-    b_den = tl.where(tl.abs(b_den) < eps, tl.where(b_den < 0, -eps, eps), b_den)
+    b_den = _safe_den(b_den, TINY)
     b_o = b_num / b_den[:, None]
-    p_o = (
-        o_ptr
-        + i_b * stride_ob
-        + i_h * stride_oh
-        + o_t[:, None] * stride_ot
-        + o_e[None, :] * stride_oe
-    )
-    tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_q[:, None] & m_e[None, :])
+    _store_tile(o_ptr, i_b, i_h, o_t, o_e, stride_ob, stride_oh, stride_ot, stride_oe,
+                b_o, m_q, m_e)  # fmt: skip
     tl.store(mq_ptr + i_bh * T + o_t, b_mx, mask=m_q)
     tl.store(den_ptr + i_bh * T + o_t, b_den, mask=m_q)
 
@@ -423,34 +418,12 @@ def _chunk_bwd_kernel(
         b_A += tl.dot(b_a, tl.trans(b_b), input_precision=PRECISION, out_dtype=ACC)
     b_A = tl.where(m_tril, b_A, 0.0)
     b_dv += tl.dot(tl.trans(b_A), b_g, input_precision=PRECISION, out_dtype=ACC)  # [BT, BE]
-    p_dq = (
-        dq_ptr
-        + i_b * stride_dqb
-        + i_h * stride_dqh
-        + o_t[:, None] * stride_dqt
-        + o_d[None, :] * stride_dqd
-    )
-    tl.store(
-        p_dq, (b_dxq * b_scq[None, :]).to(dq_ptr.dtype.element_ty), mask=m_q[:, None] & m_d[None, :]
-    )
-    p_dk = (
-        dk_ptr
-        + i_b * stride_dkb
-        + i_h * stride_dkh
-        + o_t[:, None] * stride_dkt
-        + o_d[None, :] * stride_dkd
-    )
-    tl.store(
-        p_dk, (b_dxk * b_sck[None, :]).to(dk_ptr.dtype.element_ty), mask=m_q[:, None] & m_d[None, :]
-    )
-    p_dv = (
-        dv_ptr
-        + i_b * stride_dvb
-        + i_h * stride_dvh
-        + o_t[:, None] * stride_dvt
-        + o_e[None, :] * stride_dve
-    )
-    tl.store(p_dv, b_dv.to(dv_ptr.dtype.element_ty), mask=m_q[:, None] & m_e[None, :])
+    _store_tile(dq_ptr, i_b, i_h, o_t, o_d, stride_dqb, stride_dqh, stride_dqt, stride_dqd,
+                b_dxq * b_scq[None, :], m_q, m_d)  # fmt: skip
+    _store_tile(dk_ptr, i_b, i_h, o_t, o_d, stride_dkb, stride_dkh, stride_dkt, stride_dkd,
+                b_dxk * b_sck[None, :], m_q, m_d)  # fmt: skip
+    _store_tile(dv_ptr, i_b, i_h, o_t, o_e, stride_dvb, stride_dvh, stride_dvt, stride_dve,
+                b_dv, m_q, m_e)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------

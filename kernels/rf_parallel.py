@@ -70,8 +70,10 @@ from .common import (
     _load_w,
     _next_pow2,
     _query_cotangents,
+    _safe_den,
     _Setup,
     _splits,
+    _store_tile,
     _valid_keys,
 )
 
@@ -216,18 +218,10 @@ def _fwd_q_kernel(
         )
         b_den = b_den * b_alpha + tl.sum(b_p * b_z[None, :], axis=1)
         b_mx = b_mx_new
-    # denominator policy (rfattn.reference.safe_denominator): |den| < tiny -> sign(den) * tiny
-    eps = tl.full([], TINY, ACC)
-    b_den = tl.where(tl.abs(b_den) < eps, tl.where(b_den < 0, -eps, eps), b_den)
+    b_den = _safe_den(b_den, TINY)
     b_o = b_num / b_den[:, None]
-    p_o = (
-        o_ptr
-        + i_b * stride_ob
-        + i_h * stride_oh
-        + o_t[:, None] * stride_ot
-        + o_e[None, :] * stride_oe
-    )
-    tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_t[:, None] & m_e[None, :])
+    _store_tile(o_ptr, i_b, i_h, o_t, o_e, stride_ob, stride_oh, stride_ot, stride_oe,
+                b_o, m_t, m_e)  # fmt: skip
     tl.store(mq_ptr + i_bh * T + o_t, b_mx, mask=m_t)
     tl.store(den_ptr + i_bh * T + o_t, b_den, mask=m_t)
 
@@ -354,16 +348,8 @@ def _bwd_dq_kernel(
         b_dx += _feature_dx(b_g * b_e * b_da, b_e * b_da, b_g1, b_g2, b_xs, b_w, o_f, m_f, o_d,
                             m_d, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM, FEATURE, False,
                             PRECISION, TINY)  # fmt: skip
-    p_dq = (
-        dq_ptr
-        + i_b * stride_dqb
-        + i_h * stride_dqh
-        + o_t[:, None] * stride_dqt
-        + o_d[None, :] * stride_dqd
-    )
-    tl.store(
-        p_dq, (b_dx * b_sc[None, :]).to(dq_ptr.dtype.element_ty), mask=m_t[:, None] & m_d[None, :]
-    )
+    _store_tile(dq_ptr, i_b, i_h, o_t, o_d, stride_dqb, stride_dqh, stride_dqt, stride_dqd,
+                b_dx * b_sc[None, :], m_t, m_d)  # fmt: skip
 
 
 @triton.autotune(configs=_configs(), key=_KEY, prune_configs_by=PRUNE)
@@ -418,24 +404,10 @@ def _bwd_dkv_kernel(
                             PRECISION, TINY)  # fmt: skip
         # [BT, BM] @ [BM, BE] -> [BT, BE]
         b_dv += tl.dot(b_b, b_ds, input_precision=PRECISION, out_dtype=ACC)
-    p_dk = (
-        dk_ptr
-        + i_b * stride_dkb
-        + i_h * stride_dkh
-        + o_t[:, None] * stride_dkt
-        + o_d[None, :] * stride_dkd
-    )
-    tl.store(
-        p_dk, (b_dx * b_sc[None, :]).to(dk_ptr.dtype.element_ty), mask=m_in[:, None] & m_d[None, :]
-    )
-    p_dv = (
-        dv_ptr
-        + i_b * stride_dvb
-        + i_h * stride_dvh
-        + o_t[:, None] * stride_dvt
-        + o_e[None, :] * stride_dve
-    )
-    tl.store(p_dv, b_dv.to(dv_ptr.dtype.element_ty), mask=m_in[:, None] & m_e[None, :])
+    _store_tile(dk_ptr, i_b, i_h, o_t, o_d, stride_dkb, stride_dkh, stride_dkt, stride_dkd,
+                b_dx * b_sc[None, :], m_in, m_d)  # fmt: skip
+    _store_tile(dv_ptr, i_b, i_h, o_t, o_e, stride_dvb, stride_dvh, stride_dvt, stride_dve,
+                b_dv, m_in, m_e)  # fmt: skip
 
 
 @triton.autotune(configs=_configs(), key=_KEY, prune_configs_by=PRUNE)

@@ -7,7 +7,7 @@ For each new token t in order (the state (S [M, E], z [M], R) in the accumulatio
     out_t = a_t S / a_t z,  a_t = g_q exp(u_q(t) - max_f u_q(t))   (safe_denominator policy)
 
 This is exactly the chunked form (``rf_chunk``) with chunks of one token: the same features
-(``rf_parallel``'s ``_feature_tile``), offsets and denominator policy, so a state from either
+(``common._feature_tile``), offsets and denominator policy, so a state from either
 continues in the other. Cost O(M (D + E)) per token and (b, h), whatever the position: the
 generation path. One program per (b, h) walks the tokens and the M tiles of its state, which it
 updates in place in the output state buffers (the caller's initial state is copied first
@@ -33,6 +33,7 @@ from .common import (
     _load_w,
     _offsets_in,
     _offsets_out,
+    _safe_den,
     _Setup,
     _valid_keys,
 )
@@ -126,8 +127,7 @@ def _recurrent_kernel(
                                                      out_dtype=ACC)  # fmt: skip
             b_den = b_den * b_beta + tl.sum(b_a * b_z[None, :], axis=1)
             b_mx = b_mx_new
-        eps = tl.full([], TINY, ACC)
-        b_den = tl.where(tl.abs(b_den) < eps, tl.where(b_den < 0, -eps, eps), b_den)
+        b_den = _safe_den(b_den, TINY)
         b_o = b_num / b_den[:, None]
         p_o = o_ptr + i_b * stride_ob + i_h * stride_oh + t * stride_ot + o_e[None, :] * stride_oe
         tl.store(p_o + o_r[:, None] * 0, b_o.to(o_ptr.dtype.element_ty),

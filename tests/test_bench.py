@@ -29,24 +29,22 @@ ROW_KEYS = {
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """One end-to-end CPU run on tiny sizes: (exit code, JSON document, output folder)."""
-    import rfattn
 
     out = tmp_path_factory.mktemp("bench")
-    planned = [f for f in rfattn.ALL_FEATURES if f not in rfattn.features.FEATURES]
     argv = [
         "--device", "cpu", "--T", "32", "64", "--B", "1", "--H", "2", "--D", "8", "--E", "8",
-        "--M", "8", "--features", "posrf", *planned[:1], "--providers", "rfattn", "sdpa-math",
+        "--M", "8", "--features", "posrf", "--providers", "rfattn", "sdpa-math",
         "--min-reps", "2", "--max-reps", "2", "--ceiling-n", "64", "--ceiling-mib", "1",
         "--acc-T", "32", "--error-M", "4", "8", "--seeds", "2", "--out", str(out),
         "--jsonl", str(out / "rows.jsonl"),
     ]  # fmt: skip
     code = bench_main(argv)
     doc = json.loads((out / "bench.json").read_text())
-    return code, doc, out, planned[:1]
+    return code, doc, out
 
 
 def test_cli_writes_valid_json(tiny_run):
-    code, doc, _, _ = tiny_run
+    code, doc, _ = tiny_run
     assert code == 0
     assert doc["schema"] == "rfattn-bench/1"
     for key in ("device", "torch", "triton", "git_commit", "date"):
@@ -63,7 +61,7 @@ def test_cli_writes_valid_json(tiny_run):
 
 def test_jsonl_has_every_row_as_measured(tiny_run):
     """--jsonl: each row (and failure) appended as it is measured, the same as in bench.json."""
-    _, doc, out, _ = tiny_run
+    _, doc, out = tiny_run
     lines = [json.loads(ln) for ln in (out / "rows.jsonl").read_text().splitlines()]
     rows = [{k: v for k, v in d.items() if k != "kind"} for d in lines if d["kind"] == "row"]
     key = ("provider", "feature", "causal", "mode", "T", "ms_p50")
@@ -74,7 +72,7 @@ def test_jsonl_has_every_row_as_measured(tiny_run):
 
 
 def test_every_result_is_finite(tiny_run):
-    _, doc, _, _ = tiny_run
+    _, doc, _ = tiny_run
     assert doc["results"]
     for r in doc["results"]:
         assert ROW_KEYS <= r.keys()
@@ -87,7 +85,7 @@ def test_every_result_is_finite(tiny_run):
 
 
 def test_accuracy_and_error_vs_m(tiny_run):
-    _, doc, _, _ = tiny_run
+    _, doc, _ = tiny_run
     acc = {(a["provider"], a["feature"], a["causal"]): a["rel_err"] for a in doc["accuracy"]}
     assert acc[("sdpa-math", None, False)] < 1e-5  # exact up to rounding
     assert 0 < acc[("rfattn", "posrf", False)] < 10
@@ -97,17 +95,8 @@ def test_accuracy_and_error_vs_m(tiny_run):
         assert r["rel_err_min"] <= r["rel_err_mean"] <= r["rel_err_max"]
 
 
-def test_unimplemented_feature_is_skipped_with_reason(tiny_run):
-    _, doc, _, planned = tiny_run
-    if not planned:
-        pytest.skip("every feature kind is implemented")
-    reasons = {s.get("feature"): s["reason"] for s in doc["skipped"]}
-    assert "NotImplementedError" in reasons[planned[0]]
-    assert all(r["feature"] != planned[0] for r in doc["results"])
-
-
 def test_plots_from_cli_json(tiny_run, tmp_path):
-    _, _, out, _ = tiny_run
+    _, _, out = tiny_run
     assert plots_main([str(out / "bench.json"), "--out", str(tmp_path)]) == 0
     for name in PNGS:
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -50,7 +50,6 @@ __all__ = [
     "RMF",
     "DOT_KERNELS",
     "FEATURES",
-    "PLANNED_FEATURES",
     "ALL_FEATURES",
     "VALID_WEIGHTS",
     "check_feature_name",
@@ -76,8 +75,7 @@ FEATURES: dict[str, type[FeatureMap]] = {
     "rmf": RMF,
 }
 #: names pinned by DESIGN §2 whose maths is not written yet (none left).
-PLANNED_FEATURES: tuple[str, ...] = ()
-ALL_FEATURES = tuple(FEATURES) + PLANNED_FEATURES
+ALL_FEATURES = tuple(FEATURES)
 
 #: rows marginally N(0, I_D): what the Gaussian-frequency features need.
 _GAUSSIAN_ROWS = ("gaussian", "orf", "sorf", "qmc", "mm", "sgq", "fastfood", "fastfoodl")
@@ -103,13 +101,9 @@ VALID_WEIGHTS: dict[str, tuple[str, ...]] = {
 
 
 def check_feature_name(name: str) -> None:
-    """Raise ValueError for an unknown name, NotImplementedError for a planned one."""
+    """Raise ValueError for an unknown name."""
     if name in FEATURES:
         return
-    if name in PLANNED_FEATURES:
-        raise NotImplementedError(
-            f"feature={name!r} is planned but not implemented yet; implemented: {sorted(FEATURES)}"
-        )
     raise ValueError(f"unknown feature={name!r}; valid choices: {list(ALL_FEATURES)}")
 
 

@@ -58,7 +58,6 @@ __all__ = [
     "draw_weighted",
     "check_weights_name",
     "WEIGHTS",
-    "PLANNED_WEIGHTS",
     "ALL_WEIGHTS",
     "LEARNABLE_WEIGHTS",
     "DETERMINISTIC_WEIGHTS",
@@ -78,8 +77,7 @@ WEIGHTS = {
     "rademacher": rademacher,
 }
 #: names pinned by DESIGN §2 that are not implemented yet (none left).
-PLANNED_WEIGHTS: tuple[str, ...] = ()
-ALL_WEIGHTS = tuple(WEIGHTS) + PLANNED_WEIGHTS
+ALL_WEIGHTS = tuple(WEIGHTS)
 #: name -> nn.Module class ``cls(M, D, *, generator)`` whose ``forward()`` rebuilds W.
 LEARNABLE_WEIGHTS = {"fastfoodl": FastFoodL}
 #: matrices that do not depend on the generator (the same W for every seed).
@@ -89,13 +87,9 @@ WEIGHTED_WEIGHTS = ("sgq",)
 
 
 def check_weights_name(name: str) -> None:
-    """Raise ValueError for an unknown name, NotImplementedError for a planned one."""
+    """Raise ValueError for an unknown name."""
     if name in WEIGHTS:
         return
-    if name in PLANNED_WEIGHTS:
-        raise NotImplementedError(
-            f"weights={name!r} is planned but not implemented yet; implemented: {sorted(WEIGHTS)}"
-        )
     raise ValueError(f"unknown weights={name!r}; valid choices: {list(ALL_WEIGHTS)}")
 
 
