@@ -40,6 +40,33 @@ import triton.language as tl
 
 #: Whether kernels were decorated under the Triton interpreter (read once, at import).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def interpreter_numpy_problem(triton_version: str, numpy_version: str) -> str | None:
+    """Why the Triton interpreter cannot run these kernels with these versions, or None.
+
+    Triton's interpreter before 3.7 converts arrays to scalars in a way numpy 2.4 refuses
+    ("only 0-dimensional arrays can be converted to Python scalars", at the first kernel);
+    seen with triton 3.6.0 + numpy 2.4.6, while 3.6.0 + numpy 2.3 and 3.7/3.8 + numpy 2.4 run."""
+
+    def major_minor(v: str) -> tuple[int, int]:
+        parts = (v.split("+")[0].split(".") + ["0"])[:2]
+        return tuple(int("".join(ch for ch in p if ch.isdigit()) or 0) for p in parts)
+
+    if major_minor(triton_version) < (3, 7) and major_minor(numpy_version) >= (2, 4):
+        return (
+            f"the Triton interpreter (TRITON_INTERPRET=1) of triton {triton_version} fails with "
+            f"numpy {numpy_version}: install numpy<2.4 (pip install 'numpy<2.4') or triton>=3.7"
+        )
+    return None
+
+
+if INTERPRET:
+    import numpy
+
+    _why = interpreter_numpy_problem(triton.__version__, numpy.__version__)
+    if _why is not None:
+        raise ImportError(_why)
 #: ``RFATTN_AUTOTUNE=0``: every autotuned kernel gets one config that fits at every dtype and
 #: head size (BT 32, 4 warps, unpipelined), so a test run compiles each kernel once instead of
 #: once per config (read once, at import; slower kernels: not for timing)

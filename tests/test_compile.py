@@ -16,9 +16,12 @@ import torch
 
 from bench import compile as aot
 
-pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available(), reason="CUDA present: the GPU tests compile the kernels for real"
-)
+pytestmark = [
+    pytest.mark.compile,  # make check-compile (half an hour on 2 cores): not part of make test
+    pytest.mark.skipif(
+        torch.cuda.is_available(), reason="CUDA present: the GPU tests compile the kernels for real"
+    ),
+]
 
 
 @pytest.fixture(scope="module")

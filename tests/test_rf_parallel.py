@@ -560,3 +560,18 @@ def test_signed_low_precision_gpu(case, dtype):
     for name, err in torch_errs.items():
         factor, kind = (2, "out") if name == "out" else (3, "grad")
         assert kernel[name] <= max(factor * err, tolerance(dtype, kind) / 10), (name, kernel, err)
+
+
+@pytest.mark.parametrize(
+    "triton_version, numpy_version, refused",
+    [("3.6.0", "2.4.6", True), ("3.2.0", "2.4.0", True), ("3.6.0", "2.3.5", False),
+     ("3.7.0", "2.4.6", False), ("3.9.0+git1234", "2.4.6", False), ("3.6.0", "1.26.4", False)],
+)  # fmt: skip
+def test_interpreter_numpy_guard(triton_version, numpy_version, refused):
+    """triton < 3.7 with numpy >= 2.4 fails inside the interpreter: refused with the fix named."""
+    from rfattn.kernels.common import interpreter_numpy_problem
+
+    why = interpreter_numpy_problem(triton_version, numpy_version)
+    assert (why is not None) == refused
+    if refused:
+        assert "numpy<2.4" in why and triton_version in why
