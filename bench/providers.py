@@ -26,6 +26,8 @@ SDPA_BACKENDS = {
 RF_PROVIDERS = ("rfattn", "rfattn-torch", "rfattn-compiled", "fla-chunk", "performer")
 #: providers with no non-causal form
 CAUSAL_ONLY = ("fla-chunk",)
+#: largest T timed for the compiled torch path in causal mode (see _forward)
+COMPILED_CAUSAL_MAX_T = 8192
 ALL_PROVIDERS = RF_PROVIDERS + tuple(f"sdpa-{b}" for b in SDPA_BACKENDS) + ("flash-attn",)
 
 
@@ -147,6 +149,11 @@ def _forward(provider: str, x: Inputs, rf, causal: bool) -> tuple[Callable, list
         ]
     if provider == "rfattn-compiled":
         # the unfused torch path under torch.compile (inductor fuses its elementwise work)
+        if causal and q.shape[2] > COMPILED_CAUSAL_MAX_T:
+            raise NotImplementedError(
+                f"rfattn-compiled causal above T={COMPILED_CAUSAL_MAX_T}: dynamo unrolls the torch "
+                "path's chunk loop (T/128 steps), and compiling takes minutes"
+            )
         compiled = torch.compile(rfattn.rf_attention)
         return (lambda: compiled(q, k, v, rf, causal=causal, backend="torch")), [q, k, v]
     if provider == "fla-chunk":
