@@ -769,8 +769,8 @@ def run_stage(
     return dict(doc, name=name, seconds=round(seconds, 1), box_s=box_s)
 
 
-def collect(work: Path, out: Path, stages: list[dict]) -> dict:
-    """Copy the stages' artefacts into ``out`` and compute the issue's targets."""
+def collect(work: Path, out: Path) -> dict:
+    """Copy the stages' artefacts into ``out``; the benchmark rows measured (partial runs too)."""
     import shutil
 
     for src, dst in (
@@ -782,8 +782,7 @@ def collect(work: Path, out: Path, stages: list[dict]) -> dict:
             shutil.copy(work / src, out / dst)
     rows, _ = _bench_rows(work / "bench_rows.jsonl")
     fla_rows, _ = _bench_rows(work / "fla_rows.jsonl")
-    by = {s["name"]: s for s in stages}
-    return dict(targets=targets(rows, by), bench_rows=rows, fla_rows=fla_rows)
+    return dict(bench_rows=rows, fla_rows=fla_rows)
 
 
 def _ms(rows, provider, feature, causal, mode, T, key="ms_p50"):
@@ -886,6 +885,8 @@ def targets(rows: list[dict], stages: dict) -> list[dict]:
 
 def _roofline(rows: list[dict], ceilings: dict | None) -> None:
     """Roofline fractions of partial rows (bench sets them only when it finishes)."""
+    from bench import roofline
+
     if not ceilings:
         return
     c = dict(
@@ -894,8 +895,9 @@ def _roofline(rows: list[dict], ceilings: dict | None) -> None:
     )
     for r in rows:
         if r.get("roofline_fraction") is None and r.get("flops"):
-            floor_s = max(r["flops"] / c["matmul_flop_per_s"], r["bytes"] / c["copy_bytes_per_s"])
-            r["roofline_fraction"] = floor_s / (r["ms_p50"] * 1e-3)
+            r["roofline_fraction"] = roofline.roofline_fraction(
+                r["ms_p50"], r["flops"], r["bytes"], c
+            )
 
 
 def markdown(report: dict) -> str:
@@ -1012,22 +1014,18 @@ def main(argv=None) -> int:
         work = Path(tmp)
         for st in steps:
             left = args.budget_s - (time.perf_counter() - start)
-            if not st["runs"]:
-                res = dict(
-                    name=st["name"],
-                    status="skipped",
-                    seconds=0.0,
-                    box_s=st["box_s"],
-                    summary="needs a CUDA device",
-                    rows=[],
+            if not st["runs"] or left < 5:
+                why = (
+                    ("skipped", "needs a CUDA device")
+                    if not st["runs"]
+                    else ("not run", "the budget was spent")
                 )
-            elif left < 5:
                 res = dict(
                     name=st["name"],
-                    status="not run",
+                    status=why[0],
                     seconds=0.0,
                     box_s=st["box_s"],
-                    summary="the budget was spent",
+                    summary=why[1],
                     rows=[],
                 )
             else:
@@ -1038,7 +1036,7 @@ def main(argv=None) -> int:
                 f"{str(res.get('summary', ''))[:200]}",
                 flush=True,
             )
-        extra_doc = collect(work, out, results)
+        extra_doc = collect(work, out)
     ceilings = next((s.get("ceilings") for s in results if s["name"] == "env"), None)
     _roofline(extra_doc["bench_rows"], ceilings)
     extra_doc["targets"] = targets(extra_doc["bench_rows"], {s["name"]: s for s in results})
