@@ -29,7 +29,7 @@ endif
 HAS_CUDA = $(shell $(PY) -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null)
 INTERPRET = $(if $(filter 1,$(HAS_CUDA)),,TRITON_INTERPRET=1)
 
-.PHONY: test check-compile demo bench-results bench-suite install lint clean
+.PHONY: test test-slow check-compile check-install demo bench-results bench-suite install lint clean
 
 install: $(STAMP)
 
@@ -76,13 +76,29 @@ $(STAMP): setup.cfg pyproject.toml
 RUFF_INSTALL = $(PY) -m pip install -q ruff
 endif
 
+# Tests run on every core through pytest-xdist where the environment has it (the `test` extra
+# does), else in one process: make test PYTEST_WORKERS=0 for one process anyway.
+PYTEST_WORKERS ?= auto
+XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,$(shell $(PY) -c "import xdist" >/dev/null 2>&1 && echo "-n $(PYTEST_WORKERS)"))
+
 test: $(STAMP)
-	$(INTERPRET) $(PY) -m pytest $(PYTEST_ARGS)
+	$(INTERPRET) $(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
+
+# The long interpreter tests (marker `slow`: the larger shapes, gradchecks with state, the runbook's
+# stage timeouts), outside `make test` to keep it under five minutes on 2 cores; CI runs both.
+test-slow: $(STAMP)
+	$(INTERPRET) $(PY) -m pytest -m slow $(XDIST) $(PYTEST_ARGS)
 
 # Every fused kernel launch compiles for a Hopper GPU (sm_90) and fits its shared memory, checked
 # without a GPU (bench/compile.py; ~30 minutes on 2 cores, so not part of `make test`; CI runs it).
 check-compile: $(STAMP)
 	$(INTERPRET) $(PY) -m pytest -m compile tests/test_compile.py $(PYTEST_ARGS)
+
+# A fresh venv in a temporary folder with only `pip install .` (no extras, not editable) imports
+# rfattn and builds all nine weight matrices (issue 14; .ci/fresh_install.sh). Needs no .venv;
+# CI pins the CPU torch build: make check-install TORCH=torch==2.13.0
+check-install:
+	TORCH='$(TORCH)' PYTHON='$(PYTHON)' bash .ci/fresh_install.sh
 
 # The plots are drawn even when a correctness check failed; the exit status still says so.
 demo: $(STAMP)

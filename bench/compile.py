@@ -102,21 +102,41 @@ def record(calls) -> list[dict]:
             out.append({**rec, "tag": tag[0]})
         # not run: outputs stay uninitialised, only their types matter here
 
-    # the launchers pick their GPU tiles and launch options (the interpreter runs any)
-    saved = common.GPU_TILES
     interpreter.InterpretedFunction.run = spy
     try:
-        common.GPU_TILES = True
         for tag[0], fn in calls:
             fn()
     finally:
         interpreter.InterpretedFunction.run = original
-        common.GPU_TILES = saved
     return out
 
 
-def _call(feature, weights, dtype, D, E, M, causal, grad=True, T=40, mask=False, state=False,
-          learn=False, **options):  # fmt: skip
+def _fused(q, k, v, rf, causal, key_padding_mask=None, initial_state=None, return_state=False):
+    """``rf_attention(..., backend="triton")`` with the launchers picking a GPU's tiles and launch
+    options (the interpreter runs any): the fused path's ``gpu_tiles`` parameter."""
+    from rfattn.attention import _triton_attention
+
+    scale = q.shape[-1] ** -0.5
+    return _triton_attention(
+        q, k, v, rf, causal, key_padding_mask, scale, initial_state, return_state, gpu_tiles=True
+    )
+
+
+def _call(
+    feature,
+    weights,
+    dtype,
+    D,
+    E,
+    M,
+    causal,
+    grad=True,
+    T=40,
+    mask=False,
+    state=False,
+    learn=False,
+    **options,
+):
     """A closure running one fused call (+ backward) on CPU."""
     import torch
 
@@ -136,8 +156,7 @@ def _call(feature, weights, dtype, D, E, M, causal, grad=True, T=40, mask=False,
             kw["key_padding_mask"] = torch.arange(T).expand(B, T) < 3  # left padding
         if state:
             kw["return_state"] = True
-            _, st = rfattn.rf_attention(q[:, :, :5], k[:, :, :5], v[:, :, :5], rf, causal=True,
-                                        backend="triton", return_state=True)  # fmt: skip
+            _, st = _fused(q[:, :, :5], k[:, :, :5], v[:, :, :5], rf, True, return_state=True)
             kw["initial_state"] = (
                 st
                 if not grad
@@ -148,7 +167,7 @@ def _call(feature, weights, dtype, D, E, M, causal, grad=True, T=40, mask=False,
         for x in (q, k, v):
             x.requires_grad_(grad)
         with torch.set_grad_enabled(grad):
-            out = rfattn.rf_attention(q, k, v, rf, causal=causal, backend="triton", **kw)
+            out = _fused(q, k, v, rf, causal, **kw)
             if grad:
                 loss = (out[0] if isinstance(out, tuple) else out).float().square().sum()
                 if state:
@@ -193,24 +212,26 @@ def scenarios(quick: bool = False) -> list[tuple[str, object]]:
         for feature, weights, opts, copts in _FORMS:
             name = f"{feature}/{weights}-{dt}-D{D}"
             m = 2 * D + 1 if weights == "sgq" else M  # the sparse grid's level-1 size
-            out.append((f"{name}-noncausal", _call(feature, weights, dtype, D, D, m, False,
-                                                   **opts)))  # fmt: skip
-            out.append((f"{name}-causal", _call(feature, weights, dtype, D, D, m, True,
-                                                **copts)))  # fmt: skip
+            out.append(
+                (f"{name}-noncausal", _call(feature, weights, dtype, D, D, m, False, **opts))
+            )
+            out.append((f"{name}-causal", _call(feature, weights, dtype, D, D, m, True, **copts)))
         # flags: key padding, initial/final state with gradients, decode, learnable W (dW)
         base = ("posrf", "orf", dtype, D, D, M)
         out += [
             (f"posrf-{dt}-D{D}-mask", _call(*base, False, mask=True)),
-            (f"posrf-{dt}-D{D}-causal-mask-state",
-             _call(*base, True, mask=True, state=True)),
+            (f"posrf-{dt}-D{D}-causal-mask-state", _call(*base, True, mask=True, state=True)),
             (f"posrf-{dt}-D{D}-decode", _call(*base, True, grad=False, T=1, state=True)),
-            (f"hrf-{dt}-D{D}-decode",
-             _call("hrf", "orf", dtype, D, D, M, True, grad=False, T=4)),
-            (f"rmf-{dt}-D{D}-decode",
-             _call("rmf", "rademacher", dtype, D, D, M, True, grad=False, T=4)),
-            (f"posrf/fastfoodl-{dt}-D{D}-dW",
-             _call("posrf", "fastfoodl", dtype, D, D, M, False, learn=True)),
-        ]  # fmt: skip
+            (f"hrf-{dt}-D{D}-decode", _call("hrf", "orf", dtype, D, D, M, True, grad=False, T=4)),
+            (
+                f"rmf-{dt}-D{D}-decode",
+                _call("rmf", "rademacher", dtype, D, D, M, True, grad=False, T=4),
+            ),
+            (
+                f"posrf/fastfoodl-{dt}-D{D}-dW",
+                _call("posrf", "fastfoodl", dtype, D, D, M, False, learn=True),
+            ),
+        ]
     return out
 
 
@@ -249,8 +270,9 @@ def _cubin_resources(cubin: bytes) -> dict:
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "k.cubin"
         path.write_bytes(cubin)
-        log = subprocess.run([tool, "--dump-resource-usage", str(path)], capture_output=True,
-                             text=True).stdout  # fmt: skip
+        log = subprocess.run(
+            [tool, "--dump-resource-usage", str(path)], capture_output=True, text=True
+        ).stdout
     regs, stack = re.search(r"REG:(\d+)", log), re.search(r"STACK:(\d+)", log)
     return {
         "registers": int(regs.group(1)) if regs else None,
@@ -353,23 +375,35 @@ def _stage(*args: str, interpret: bool) -> None:
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     repo = Path(__file__).resolve().parents[1]
-    subprocess.run([sys.executable, "-m", "bench.compile", "--stage", *args], env=env, check=True,
-                   cwd=repo)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "bench.compile", "--stage", *args], env=env, check=True, cwd=repo
+    )
 
 
-def compile_in_child(launches: list[dict], arch: int = 90, jobs: int | None = None,
-                     configs: str = "all") -> list[dict]:  # fmt: skip
+def compile_in_child(
+    launches: list[dict], arch: int = 90, jobs: int | None = None, configs: str = "all"
+) -> list[dict]:
     """:func:`compile_launches` in a child process with the interpreter off; the rows."""
     with tempfile.TemporaryDirectory() as d:
         src, dst = Path(d) / "launches.json", Path(d) / "rows.json"
         src.write_text(json.dumps(launches))
-        _stage("compile", str(src), str(dst), "--arch", str(arch), "--configs", configs,
-               *(["--jobs", str(jobs)] if jobs else []), interpret=False)  # fmt: skip
+        _stage(
+            "compile",
+            str(src),
+            str(dst),
+            "--arch",
+            str(arch),
+            "--configs",
+            configs,
+            *(["--jobs", str(jobs)] if jobs else []),
+            interpret=False,
+        )
         return json.loads(dst.read_text())
 
 
-def check(quick: bool = False, arch: int = 90, jobs: int | None = None,
-          configs: str = "all") -> list[dict]:  # fmt: skip
+def check(
+    quick: bool = False, arch: int = 90, jobs: int | None = None, configs: str = "all"
+) -> list[dict]:
     """Record under the interpreter in a child process, then compile in another; the rows."""
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "launches.json"
@@ -394,8 +428,10 @@ def _print_table(rows: list[dict]) -> None:
     kernels: dict[str, list[dict]] = {}
     for r in rows:
         kernels.setdefault(r["kernel"], []).append(r)
-    print(f"{'kernel':<26}{'configs':>8}{'failed':>8}{'max smem KiB':>14}{'max regs':>10}"
-          f"{'spilling':>10}")  # fmt: skip
+    print(
+        f"{'kernel':<26}{'configs':>8}{'failed':>8}{'max smem KiB':>14}{'max regs':>10}"
+        f"{'spilling':>10}"
+    )
     for name, rs in sorted(kernels.items()):
         ok = [r for r in rs if "shared_bytes" in r]
         smem = max((r["shared_bytes"] for r in ok), default=0) / 1024

@@ -32,6 +32,7 @@ Feature forms (constexpr ``FEATURE``; ``w`` ``[F, D]`` holds one projection row 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -76,9 +77,9 @@ AUTOTUNE = os.environ.get("RFATTN_AUTOTUNE", "1") != "0"
 GPU_TILES = not INTERPRET
 #: feature form -> constexpr id understood by the kernels
 FEATURE_IDS = {"gerf": 0, "table": 1, "rmf": 2}
-#: rows of the per-side coefficient table of the "table" form, in order
-TABLE_ROWS = ("cu", "ch", "cw", "bias", "ct", "tw", "tb", "ga", "gb")
-_NP = tl.constexpr(len(TABLE_ROWS))
+#: rows of the per-side coefficient table of the "table" form (``rfattn.features.form.TABLE_ROWS``,
+#: in that order: cu ch cw bias ct tw tb ga gb; a test holds the two together)
+_NP = tl.constexpr(9)
 #: running-max sentinel: finite so that exp(sentinel - sentinel) = 1, not NaN
 _NEG = tl.constexpr(-1.0e30)
 _PRECISIONS = ("ieee", "tf32", "tf32x3")
@@ -125,14 +126,17 @@ _KEY = ["D", "M", "E", "FEATURE", "ACC"]
 
 @triton.jit
 def _gerf_coeffs(ab_ptr, i_bh, HAS_AB: tl.constexpr, ACC: tl.constexpr):
-    """(A, B) of the (b, h) in ``u = A |w|^2 + B w . x~ - |x~|^2 / 2`` (posrf: A = 0, B = 1)."""
+    """(A, B, log D) of the (b, h) in ``u = A |w|^2 + B w . x~ - |x~|^2 / 2 + log D`` (posrf:
+    0, 1, 0)."""
     if HAS_AB:
-        b_ca = tl.load(ab_ptr + i_bh * 2).to(ACC)
-        b_cb = tl.load(ab_ptr + i_bh * 2 + 1).to(ACC)
+        b_ca = tl.load(ab_ptr + i_bh * 3).to(ACC)
+        b_cb = tl.load(ab_ptr + i_bh * 3 + 1).to(ACC)
+        b_cd = tl.load(ab_ptr + i_bh * 3 + 2).to(ACC)
     else:
         b_ca = tl.zeros([], dtype=ACC)
         b_cb = tl.full([], 1.0, dtype=ACC)
-    return b_ca, b_cb
+        b_cd = tl.zeros([], dtype=ACC)
+    return b_ca, b_cb, b_cd
 
 
 @triton.jit
@@ -161,6 +165,26 @@ def _safe_den(b_den, TINY: tl.constexpr):
 
 
 @triton.jit
+def _load_offset(ptr, PLAIN: tl.constexpr, HAS_INIT: tl.constexpr, ACC: tl.constexpr):
+    """A carried key offset (``rfattn.RFState``: -inf before any valid key) as the kernels' finite
+    sentinel; without a state, the empty one's: the sentinel, or 0 for plain features."""
+    if HAS_INIT:
+        b_r = tl.load(ptr).to(ACC)
+        b_r = tl.where(b_r == float("-inf"), _NEG, b_r)
+    elif PLAIN:
+        b_r = tl.zeros([], dtype=ACC)
+    else:
+        b_r = tl.full([], _NEG, dtype=ACC)
+    return b_r
+
+
+@triton.jit
+def _store_offset(ptr, b_r):
+    """Store a carried key offset in ``rfattn.RFState``'s convention (the sentinel as -inf)."""
+    tl.store(ptr, tl.where(b_r <= 0.5 * _NEG, float("-inf"), b_r))
+
+
+@triton.jit
 def _store_tile(ptr, i_b, i_h, o_r, o_c, stride_b, stride_h, stride_r, stride_c, b_x, m_r, m_c):
     """Store the tile ``b_x`` [rows, cols] at ``ptr[i_b, i_h, o_r, o_c]`` in ``ptr``'s dtype."""
     p = ptr + i_b * stride_b + i_h * stride_h + o_r[:, None] * stride_r + o_c[None, :] * stride_c
@@ -169,7 +193,7 @@ def _store_tile(ptr, i_b, i_h, o_r, o_c, stride_b, stride_h, stride_r, stride_c,
 
 @triton.jit
 def _tab(tab_ptr, row: tl.constexpr, o_f, m_f, M: tl.constexpr, IS_KEY: tl.constexpr):
-    """[BM] coefficients ``row`` of the table form on one side (see TABLE_ROWS)."""
+    """[BM] coefficients ``row`` of the table form on one side (see _NP)."""
     side: tl.constexpr = 1 if IS_KEY else 0
     return tl.load(tab_ptr + (side * _NP + row) * M + o_f, mask=m_f, other=0.0)
 
@@ -193,7 +217,7 @@ def _log_abs(b_z, TINY: tl.constexpr):
 
 @triton.jit
 def _feature_tile(
-    b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m,
+    b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
     M: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, FEATURE: tl.constexpr,
     IS_KEY: tl.constexpr, HAS_LAM: tl.constexpr, PRECISION: tl.constexpr, TINY: tl.constexpr,
 ):  # fmt: skip
@@ -230,8 +254,8 @@ def _feature_tile(
         b_nw = tl.sum(b_wf * b_wf, axis=1)  # [BM]
         b_nx = tl.sum(b_xs * b_xs, axis=1)  # [BT]
         b_g2 = one
-        if FEATURE == 0:  # real positive GERF: A |w|^2 + B w . x~ - |x~|^2 / 2
-            b_u = b_ca * b_nw[None, :] + b_cb * b_z - 0.5 * b_nx[:, None]
+        if FEATURE == 0:  # real positive GERF: A |w|^2 + B w . x~ - |x~|^2 / 2 + log D
+            b_u = b_ca * b_nw[None, :] + b_cb * b_z - 0.5 * b_nx[:, None] + b_cd
             b_g, b_g1 = one, one
         else:  # FEATURE == 1: the table form
             b_u = (_tab(tab_ptr, 0, o_f, m_f, M, IS_KEY)[None, :] * b_z
@@ -365,16 +389,6 @@ def _query_cotangents(
 # launch setup (shared by every launcher)
 
 
-def _offsets_in(r: torch.Tensor) -> torch.Tensor:
-    """Causal state offsets (-inf = no valid key seen) to the kernels' finite sentinel."""
-    return torch.where(torch.isinf(r) & (r < 0), torch.full_like(r, _NEG.value), r)
-
-
-def _offsets_out(r: torch.Tensor) -> torch.Tensor:
-    """The kernels' sentinel offsets back to -inf (the state convention of ``rfattn.RFState``)."""
-    return torch.where(r <= 0.5 * _NEG.value, torch.full_like(r, float("-inf")), r)
-
-
 def _next_pow2(n: int, floor: int = 16) -> int:
     return max(floor, triton.next_power_of_2(max(n, 1)))
 
@@ -422,65 +436,95 @@ def _splits(T: int, programs_per_split: int, device: torch.device, num_splits: i
 
 
 def _feature_rows(big: int, itemsize: int) -> int:
-    """Feature tile BM (rows of W per step) for padded head sizes up to ``big`` and inputs of
-    ``itemsize`` bytes, before capping at M (the causal kernels pick their own: rf_chunk)."""
+    """Feature tile BM (rows of W per step) of the non-causal kernels for padded head sizes up to
+    ``big`` and inputs of ``itemsize`` bytes, before capping at M."""
     if itemsize == 8:
         return 32 if big <= 64 else 16
     return 64 if big <= 128 else 32
 
 
-class _Setup:
-    """Sizes, tiles and dtypes shared by the forward and backward launchers."""
+def _chunk_tiles(big: int, itemsize: int, gpu_tiles: bool) -> tuple[int, int]:
+    """(chunk length C = BT, feature tile BM) of the causal kernels (one BT for every launch of a
+    call: the offsets R_c depend on it) for padded head sizes up to ``big``.
 
-    def __init__(self, q, k, v, w, scale, key_padding_mask, feature, precision, gerf, psi,
-                 table=None, extra_rows=None, index=None):  # fmt: skip
-        if feature not in FEATURE_IDS:
-            raise ValueError(f"feature={feature!r} has no fused kernel; have {sorted(FEATURE_IDS)}")
-        self.B, self.H, self.Tq, self.D = q.shape
-        self.Tk, self.E, self.M = k.shape[2], v.shape[3], w.shape[0]
-        self.BD, self.BE = _next_pow2(self.D), _next_pow2(self.E)
-        self.itemsize, self.gpu_tiles = q.element_size(), GPU_TILES
-        # the interpreter keeps the big 16-bit tiles whatever the dtype: fewer steps, faster tests
-        rows = _feature_rows(max(self.BD, self.BE), self.itemsize if self.gpu_tiles else 2)
-        self.BM = min(rows, _next_pow2(self.M))
-        self.NMT = triton.cdiv(self.M, self.BM)
-        self.acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        self.ACC = tl.float64 if self.acc == torch.float64 else tl.float32
-        if precision is None:
-            # fp32 inputs: exact fp32 products unless tf32 is asked for. fp16/bf16 inputs: the
-            # products run on fp32 operands (W, features, states) as three tf32 products, about
-            # fp32's accuracy. Measured on an H100 (bench/results/nvidia-h100-80gb-hbm3): W and
-            # the features rounded to the input dtype gave 3-4x the torch path's error in that
-            # dtype, fp32 operands with one tf32 product still 1.1-2.2x too much under bf16 (the
-            # exponent amplifies the projection's rounding); three tf32 products pass the
-            # flash-attention rule, at ~2.7x the time of the first at T = 8192.
-            precision = "ieee" if q.dtype in (torch.float32, torch.float64) else LOW_PRECISION
-        if precision not in _PRECISIONS:
-            raise ValueError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
-        self.precision = precision
-        self.fid = FEATURE_IDS[feature]
-        # W in the accumulation dtype: rounded to bf16 it would move each logit by ~|u| 2^-9
-        self.w = w.to(device=q.device, dtype=self.acc)
-        self.scale = torch.tensor([float(scale) ** 0.5], device=q.device, dtype=self.acc)
-        self.tiny = torch.finfo(self.acc).tiny
-        if key_padding_mask is not None:
-            # int32, not a uint8 view: Triton 3.6 fails to compile fp64 tl.dot kernels that mask
-            # with an 8-bit load (found ahead of time by bench/compile.py); B*T ints are cheap
-            pad = key_padding_mask.to(torch.int32)
-            self.pad = (pad, pad.stride(0), pad.stride(1))
-        else:
-            self.pad = (self.scale, 0, 0)  # never read
-        self.has_pad = key_padding_mask is not None
-        # per-(b, h) parameters, broadcast from [B, H, ...] or [1, 1, ...]; fp32/fp64 contiguous
-        self.ab = self.scale if gerf is None else self._per_head(gerf, (2,), "gerf", q.device)
-        self.psi = self.scale if psi is None else self._per_head(psi, (self.D,), "psi", q.device)
-        self.tab, self.xr, self.xi = self._form(feature, table, extra_rows, index, q)
-        # the constexprs every feature kernel takes
-        self.meta = dict(D=self.D, M=self.M, E=self.E, BD=self.BD, BM=self.BM, BE=self.BE,
-                         FEATURE=self.fid, PRECISION=precision, ACC=self.ACC,
-                         HAS_AB=gerf is not None, HAS_PSI=psi is not None,
-                         HAS_LAM=feature == "table" and extra_rows is not None,
-                         TINY=self.tiny)  # fmt: skip
+    Sized so that the backward kernel, which holds [BT, BT], [BT, BM], [BM, BE] and [BT, BD]
+    tiles at once, fits the 227 KiB of shared memory of a Hopper SM for the input dtype (with the
+    pipeline depth of :meth:`_Setup.launch_options`; checked for D, E in {64, 128, 256} by
+    ``python -m bench.compile``). The interpreter's: 16-token chunks (several chunks even on tiny
+    test sequences) and 16-bit feature tiles.
+    """
+    if not gpu_tiles:
+        return 16, _feature_rows(big, 2)
+    if itemsize <= 2:
+        return (64 if big <= 128 else 32), (64 if big <= 64 else 32)
+    if itemsize == 4:
+        return (64 if big <= 64 else 32), (32 if big <= 128 else 16)
+    return (32 if big <= 64 else 16), (32 if big <= 64 else 16)
+
+
+def _precision(dtype: torch.dtype, precision: str | None) -> str:
+    """The ``tl.dot`` input precision of the fp32 products.
+
+    Default: fp32/fp64 inputs exact ("ieee"). fp16/bf16 inputs: the products run on fp32 operands
+    (W, features, states) as three tf32 products (:data:`LOW_PRECISION`), about fp32's accuracy.
+    Measured on an H100 (bench/results/nvidia-h100-80gb-hbm3): W and the features rounded to the
+    input dtype gave 3-4x the torch path's error in that dtype, fp32 operands with one tf32
+    product still 1.1-2.2x too much under bf16 (the exponent amplifies the projection's
+    rounding); three tf32 products pass the flash-attention rule, at ~2.7x the time of the first
+    at T = 8192.
+    """
+    if precision is None:
+        return "ieee" if dtype in (torch.float32, torch.float64) else LOW_PRECISION
+    if precision not in _PRECISIONS:
+        raise ValueError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
+    return precision
+
+
+def _per_head(x, B: int, H: int, tail: tuple, name: str, acc, device) -> torch.Tensor:
+    """``x`` broadcast to ``[B*H, *tail]`` in the accumulation dtype (the kernels index it)."""
+    try:
+        x = x.detach().to(device=device, dtype=acc).expand(B, H, *tail)
+    except RuntimeError:
+        raise ValueError(
+            f"{name} must broadcast to [B, H, {', '.join(map(str, tail))}], got {tuple(x.shape)}"
+        ) from None
+    return x.reshape(B * H, *tail).contiguous()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    """Everything the launchers of one call share, fixed at construction (:func:`_setup`):
+    sizes, tiles, precision, the mask and the kernel form's tensors in the kernels' layout.
+
+    ``form_ptrs`` are the per-feature pointers every feature kernel takes after its inputs
+    (``scale_ptr``, ``ab_ptr``, ``psi_ptr``, ``tab_ptr``, ``xr_ptr``, ``xi_ptr``): sqrt(scale);
+    (A, B, log D) per (b, h); psi ``[B*H, D]``; the table / rmf scales; tau / rmf's stacked rows;
+    lam / rmf's segment indices. An absent one is a placeholder the kernel's flags never read.
+    """
+
+    B: int
+    H: int
+    Tq: int
+    Tk: int
+    D: int
+    E: int
+    M: int
+    BD: int
+    BE: int
+    BM: int
+    BT: int | None  # the causal chunk length (None: non-causal)
+    itemsize: int
+    gpu_tiles: bool
+    acc: torch.dtype
+    precision: str
+    plain: bool  # the "rmf" kind: offsets stay 0
+    w: torch.Tensor
+    pad: tuple  # (mask as int32 [B, Tk] or a placeholder, stride_b, stride_t)
+    has_pad: bool
+    form_ptrs: tuple
+    NMT: int  # feature tiles
+    ACC: object  # the accumulation dtype as a Triton dtype
+    meta: dict  # the constexprs every feature kernel takes
 
     def launch_options(self, num_warps: int | None = None) -> dict:
         """num_warps (unless given) and num_stages of the kernels launched without autotuning
@@ -496,45 +540,67 @@ class _Setup:
         stages = 1 if fp64 else (2 if big >= 256 else 3)
         return dict(num_warps=num_warps or warps, num_stages=stages)
 
-    def set_feature_tile(self, bm: int) -> None:
-        """Use feature tiles of ``bm`` rows (a power of two >= 16) in every launch from here on."""
-        self.BM = min(bm, _next_pow2(self.M))
-        self.NMT = triton.cdiv(self.M, self.BM)
-        self.meta["BM"] = self.BM
+    def acc_empty(self, *shape) -> torch.Tensor:
+        return torch.empty(*shape, device=self.w.device, dtype=self.acc)
 
-    def _form(self, feature, table, extra_rows, index, q):
-        """(table, extra rows, int32 index) of the table / rmf forms, checked and contiguous."""
-        dev, M, D = q.device, self.M, self.D
-        if feature == "gerf":
-            return self.scale, self.scale, self.scale  # never read
-        np_ = 1 if feature == "rmf" else len(TABLE_ROWS)
-        if table is None or tuple(table.shape) != (2, np_, M):
-            got = None if table is None else tuple(table.shape)
-            raise ValueError(f"feature={feature!r} needs table [2, {np_}, {M}], got {got}")
-        tab = table.detach().to(device=dev, dtype=self.acc).contiguous()
-        if feature == "table":
-            if extra_rows is None:
-                return tab, self.scale, self.scale
-            if index is None or tuple(index.shape) != (M,) or extra_rows.shape[-1] != D:
-                raise ValueError(f"the table form's tau must be [n, {D}] with lam [{M}]")
-        elif index is None or extra_rows is None or index.dim() != 1:
-            raise ValueError("feature='rmf' needs extra_rows (stacked rows) and index")
-        elif index.shape[0] != M + 1 + extra_rows.shape[0] or extra_rows.shape[-1] != D:
-            raise ValueError(f"rmf index must be [{M} + 1 + R] for stacked rows [R, {D}]")
-        xr = extra_rows.detach().to(device=dev, dtype=self.acc).contiguous()
-        xi = index.to(device=dev, dtype=torch.int32).contiguous()
-        return tab, (xr if xr.numel() else self.scale), xi
 
-    def _per_head(self, x: torch.Tensor, tail: tuple, name: str, device) -> torch.Tensor:
-        """``x`` broadcast to ``[B*H, *tail]`` in the accumulation dtype (the kernels index it)."""
-        try:
-            x = x.detach().to(device=device, dtype=self.acc).expand(self.B, self.H, *tail)
-        except RuntimeError:
-            raise ValueError(
-                f"{name} must broadcast to [B, H, {', '.join(map(str, tail))}], "
-                f"got {tuple(x.shape)}"
-            ) from None
-        return x.reshape(self.B * self.H, *tail).contiguous()
+def _form_args(form, B: int, H: int, D: int, acc, placeholder) -> tuple[tuple, dict]:
+    """(the per-feature pointers after sqrt(scale), the constexpr flags) of a
+    :class:`rfattn.features.form.KernelForm`, checked and contiguous on the inputs' device."""
+    dev = placeholder.device
 
-    def acc_empty(self, *shape, device):
-        return torch.empty(*shape, device=device, dtype=self.acc)
+    def dense(x, dtype=acc):
+        return x.detach().to(device=dev, dtype=dtype).contiguous()
+
+    ab = placeholder if form.coeffs is None else _per_head(form.coeffs, B, H, (3,), "coeffs",
+                                                           acc, dev)  # fmt: skip
+    psi = placeholder if form.psi is None else _per_head(form.psi, B, H, (D,), "psi", acc, dev)
+    tab = placeholder if form.table is None else dense(form.table)
+    extra = form.tau if form.kind == "table" else form.rows
+    index = form.lam if form.kind == "table" else form.segments
+    xr = placeholder if extra is None or extra.numel() == 0 else dense(extra)
+    xi = placeholder if index is None else dense(index, torch.int32)
+    has_lam = form.kind == "table" and form.tau is not None
+    flags = dict(FEATURE=FEATURE_IDS[form.kind], HAS_AB=form.coeffs is not None,
+                 HAS_PSI=form.psi is not None, HAS_LAM=has_lam)  # fmt: skip
+    return (ab, psi, tab, xr, xi), flags
+
+
+def _setup(q, k, v, form, scale, key_padding_mask, precision=None, causal=False,
+           gpu_tiles=None) -> _Setup:  # fmt: skip
+    """Check the inputs and fix the launch setup of one call (``gpu_tiles``: pick a GPU's tiles
+    and launch options, default :data:`GPU_TILES`; ``bench.compile`` records a GPU's launches on
+    CPU with True)."""
+    _check_inputs(q, k, v, form.w, key_padding_mask)
+    gpu = GPU_TILES if gpu_tiles is None else bool(gpu_tiles)
+    B, H, Tq, D = q.shape
+    Tk, E, M = k.shape[2], v.shape[3], form.w.shape[0]
+    BD, BE, itemsize = _next_pow2(D), _next_pow2(E), q.element_size()
+    big = max(BD, BE)
+    if causal:
+        bt, rows = _chunk_tiles(big, itemsize, gpu)
+    else:  # the interpreter keeps the big 16-bit tiles whatever the dtype: faster tests
+        bt, rows = None, _feature_rows(big, itemsize if gpu else 2)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    # sqrt(scale) doubles as the placeholder of absent pointers
+    sqrt_scale = torch.tensor([float(scale) ** 0.5], device=q.device, dtype=acc)
+    ptrs, flags = _form_args(form, B, H, D, acc, sqrt_scale)
+    if key_padding_mask is not None:
+        # int32, not a uint8 view: Triton 3.6 fails to compile fp64 tl.dot kernels that mask
+        # with an 8-bit load (found ahead of time by bench/compile.py); B*T ints are cheap
+        mask = key_padding_mask.to(torch.int32)
+        pad = (mask, mask.stride(0), mask.stride(1))
+    else:
+        pad = (sqrt_scale, 0, 0)
+    BM, precision = min(rows, _next_pow2(M)), _precision(q.dtype, precision)
+    ACC = tl.float64 if acc == torch.float64 else tl.float32
+    meta = dict(D=D, M=M, E=E, BD=BD, BM=BM, BE=BE, PRECISION=precision, ACC=ACC,
+                TINY=torch.finfo(acc).tiny, **flags)  # fmt: skip
+    return _Setup(
+        B=B, H=H, Tq=Tq, Tk=Tk, D=D, E=E, M=M, BD=BD, BE=BE, BM=BM, BT=bt, itemsize=itemsize,
+        gpu_tiles=gpu, acc=acc, precision=precision, plain=flags["FEATURE"] == FEATURE_IDS["rmf"],
+        # W in the accumulation dtype: rounded to bf16 it would move each logit by ~|u| 2^-9
+        w=form.w.detach().to(device=q.device, dtype=acc), pad=pad,
+        has_pad=key_padding_mask is not None, form_ptrs=(sqrt_scale, *ptrs),
+        NMT=triton.cdiv(M, BM), ACC=ACC, meta=meta,
+    )  # fmt: skip

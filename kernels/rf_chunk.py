@@ -56,19 +56,19 @@ import triton.language as tl
 
 from .common import (
     _NEG,
-    _check_inputs,
     _feature_dx,
     _feature_tile,
     _gerf_coeffs,
     _input_scale,
+    _load_offset,
     _load_rows,
     _load_w,
     _next_pow2,
-    _offsets_in,
-    _offsets_out,
     _query_cotangents,
     _safe_den,
     _Setup,
+    _setup,
+    _store_offset,
     _store_tile,
     _valid_keys,
 )
@@ -97,13 +97,13 @@ def _chunk_local_kernel(
     m_d, m_e, m_f = o_d < D, o_e < E, o_f < M
     o_t = i_c.to(tl.int64) * BT + tl.arange(0, BT)
     m_t = _valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
-    b_ca, b_cb = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_ca, b_cb, b_cd = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
     b_sc = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
     b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
     b_xs = _load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, ACC) * b_sc[None, :]
     b_u, b_g, b_g1, b_g2 = _feature_tile(
-        b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m,
+        b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
         M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
     b_u = tl.where(m_t[:, None] & m_f[None, :], b_u, float("-inf"))
     b_l = tl.maximum(tl.max(tl.max(b_u, axis=1), axis=0), _NEG)
@@ -130,7 +130,7 @@ def _chunk_scan_kernel(
     h_ptr, hz_ptr, hm_ptr, s0_ptr, z0_ptr, r0_ptr, s_ptr, z_ptr, r_ptr, sT_ptr, zT_ptr, rT_ptr,
     NC,
     M: tl.constexpr, E: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr,
-    HAS_INIT: tl.constexpr, ACC: tl.constexpr,
+    HAS_INIT: tl.constexpr, PLAIN: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """Prefix states S_c, z_c at the running offset R_c for one M tile, and the final state."""
     i_m, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
@@ -138,14 +138,13 @@ def _chunk_scan_kernel(
     o_f, o_e, o_p = i_m * BM + tl.arange(0, BM), tl.arange(0, BE), tl.arange(0, BP)
     m_f, m_fe = o_f < M, (o_f < M)[:, None] & (o_e < E)[None, :]
     o_fe = o_f[:, None] * E + o_e[None, :]
+    b_r = _load_offset(r0_ptr + i_bh, PLAIN, HAS_INIT, ACC)
     if HAS_INIT:
         b_s = tl.load(s0_ptr + i_bh * M * E + o_fe, mask=m_fe, other=0.0).to(ACC)
         b_z = tl.load(z0_ptr + i_bh * M + o_f, mask=m_f, other=0.0).to(ACC)
-        b_r = tl.load(r0_ptr + i_bh).to(ACC)
     else:
         b_s = tl.zeros([BM, BE], dtype=ACC)
         b_z = tl.zeros([BM], dtype=ACC)
-        b_r = tl.full([], _NEG, dtype=ACC)
     for i_c in range(0, NC):
         i_blk = i_bh * NC + i_c
         b_lall = tl.load(hm_ptr + i_blk * NMT + o_p, mask=o_p < NMT, other=_NEG)  # [BP]
@@ -163,7 +162,7 @@ def _chunk_scan_kernel(
     tl.store(sT_ptr + i_bh * M * E + o_fe, b_s, mask=m_fe)
     tl.store(zT_ptr + i_bh * M + o_f, b_z, mask=m_f)
     if i_m == 0:
-        tl.store(rT_ptr + i_bh, b_r)
+        _store_offset(rT_ptr + i_bh, b_r)
 
 
 @triton.jit
@@ -190,7 +189,7 @@ def _chunk_out_kernel(
     o_d, o_e = tl.arange(0, BD), tl.arange(0, BE)
     m_q, m_d, m_e = o_t < T, o_d < D, o_e < E
     m_k = _valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
-    b_ca, b_cb = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_ca, b_cb, b_cd = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
     b_scq = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
     b_sck = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)
     q_base = q_ptr + i_b * stride_qb + i_h * stride_qh
@@ -208,14 +207,14 @@ def _chunk_out_kernel(
         m_f = o_f < M
         b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
         b_uq, b_gq, b_g1, b_g2 = _feature_tile(
-            b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m,
+            b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
             M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
         b_uq = tl.where(m_f[None, :], b_uq, float("-inf"))
         b_mx_new = tl.maximum(b_mx, tl.max(b_uq, axis=1))
         b_alpha = tl.exp(b_mx - b_mx_new)
         b_a = b_gq * tl.exp(b_uq - b_mx_new[:, None])  # [BT, BM]
         b_uk, b_gk, b_g1, b_g2 = _feature_tile(
-            b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m,
+            b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
             M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # fmt: skip
         b_b = b_gk * tl.where(m_k[:, None] & m_f[None, :], tl.exp(b_uk - b_r), 0.0)  # [BT, BM]
         b_s = tl.load(s_ptr + i_blk * M * E + o_f[:, None] * E + o_e[None, :],
@@ -270,14 +269,14 @@ def _chunk_local_grad_kernel(
     m_d, m_e, m_f = o_d < D, o_e < E, o_f < M
     o_t = i_c.to(tl.int64) * BT + tl.arange(0, BT)
     m_q = o_t < T
-    b_ca, b_cb = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_ca, b_cb, b_cd = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
     b_sc = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
     b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
     q_base = q_ptr + i_b * stride_qb + i_h * stride_qh
     b_xq = _load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, ACC) * b_sc[None, :]
     b_mq = tl.load(mq_ptr + i_bh * T + o_t, mask=m_q, other=0.0)
     b_u, b_g, b_g1, b_g2 = _feature_tile(
-        b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m,
+        b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
         M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # fmt: skip
     b_a = b_g * tl.where(m_q[:, None] & m_f[None, :], tl.exp(b_u - b_mq[:, None]), 0.0)
     b_g, b_c = _query_cotangents(do_ptr + i_b * stride_dob + i_h * stride_doh,
@@ -321,7 +320,7 @@ def _chunk_rscan_kernel(
             b_f = tl.exp(tl.load(r_ptr + i_blk - 1) - tl.load(r_ptr + i_blk))
             b_ds, b_dz = b_ds * b_f, b_dz * b_f
     if HAS_INIT:  # the initial state entered chunk 0 rescaled by exp(R_init - R_0)
-        b_f = tl.exp(tl.load(r0_ptr + i_bh) - tl.load(r_ptr + i_bh * NC))
+        b_f = tl.exp(_load_offset(r0_ptr + i_bh, False, True, ACC) - tl.load(r_ptr + i_bh * NC))
         tl.store(ds0_ptr + i_bh * M * E + o_fe, b_ds * b_f, mask=m_fe)
         tl.store(dz0_ptr + i_bh * M + o_f, b_dz * b_f, mask=m_f)
 
@@ -356,7 +355,7 @@ def _chunk_bwd_kernel(
     m_q, m_d, m_e = o_t < T, o_d < D, o_e < E
     m_k = _valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
     m_tril = o_t[:, None] >= o_t[None, :]  # [BT(i), BT(j)]
-    b_ca, b_cb = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_ca, b_cb, b_cd = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
     b_scq = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
     b_sck = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)
     q_base = q_ptr + i_b * stride_qb + i_h * stride_qh
@@ -386,12 +385,12 @@ def _chunk_bwd_kernel(
         o_fe = o_f[:, None] * E + o_e[None, :]
         b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
         b_uq, b_gq, b_g1q, b_g2q = _feature_tile(
-            b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m,
+            b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
             M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # fmt: skip
         b_eq = tl.where(m_q[:, None] & m_f[None, :], tl.exp(b_uq - b_mq[:, None]), 0.0)
         b_a = b_gq * b_eq  # [BT, BM]
         b_uk, b_gk, b_g1k, b_g2k = _feature_tile(
-            b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m,
+            b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
             M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # fmt: skip
         b_ek = tl.where(m_k[:, None] & m_f[None, :], tl.exp(b_uk - b_r), 0.0)
         b_b = b_gk * b_ek  # [BT, BM]
@@ -430,55 +429,31 @@ def _chunk_bwd_kernel(
 # launchers
 
 
-def _chunk_tiles(c: _Setup) -> int:
-    """Set the feature tile BM of the causal kernels on ``c``; return the chunk length C = BT
-    (one BT for every launch of a call: the offsets R_c depend on it).
-
-    Sized so that the backward kernel, which holds [BT, BT], [BT, BM], [BM, BE] and [BT, BD]
-    tiles at once, fits the 227 KiB of shared memory of a Hopper SM for the input dtype (with the
-    pipeline depth of :meth:`_Setup.launch_options`; checked for D, E in {64, 128, 256} by
-    ``python -m bench.compile``).
-    """
-    if not c.gpu_tiles:
-        return 16  # several chunks even on tiny test sequences
-    big = max(c.BD, c.BE)
-    if c.itemsize <= 2:
-        bt, bm = (64 if big <= 128 else 32), (64 if big <= 64 else 32)
-    elif c.itemsize == 4:
-        bt, bm = (64 if big <= 64 else 32), (32 if big <= 128 else 16)
-    else:
-        bt, bm = (32 if big <= 64 else 16), (32 if big <= 64 else 16)
-    c.set_feature_tile(bm)
-    return bt
-
-
-def _states(c: _Setup, k, v, bt, initial_state):
+def _states(c: _Setup, k, v, initial_state):
     """Launch the local and scan kernels: prefix states per chunk and the final state."""
-    B, H, T, M, E, NMT, dev = c.B, c.H, c.Tk, c.M, c.E, c.NMT, k.device
+    B, H, T, M, E, NMT, bt = c.B, c.H, c.Tk, c.M, c.E, c.NMT, c.BT
     NC = max(triton.cdiv(T, bt), 1)
-    h = c.acc_empty(B * H * NC, M, E, device=dev)
-    hz = c.acc_empty(B * H * NC, M, device=dev)
-    hm = c.acc_empty(B * H * NC, NMT, device=dev)
+    h = c.acc_empty(B * H * NC, M, E)
+    hz = c.acc_empty(B * H * NC, M)
+    hm = c.acc_empty(B * H * NC, NMT)
     meta = dict(**c.launch_options(), **c.meta)
     _chunk_local_kernel[(NMT, NC, B * H)](
-        k, v, c.w, c.pad[0], c.scale, c.ab, c.psi, c.tab, c.xr, c.xi, h, hz, hm,
+        k, v, c.w, c.pad[0], *c.form_ptrs, h, hz, hm,
         T, H, NC, *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
         BT=bt, HAS_PAD=c.has_pad, **meta,
     )  # fmt: skip
-    s = c.acc_empty(B * H * NC, M, E, device=dev)
-    z = c.acc_empty(B * H * NC, M, device=dev)
-    r = c.acc_empty(B * H * NC, device=dev)
-    sT, zT, rT = c.acc_empty(B, H, M, E, device=dev), c.acc_empty(B, H, M, device=dev), None
-    rT = c.acc_empty(B, H, device=dev)
+    s = c.acc_empty(B * H * NC, M, E)
+    z = c.acc_empty(B * H * NC, M)
+    r = c.acc_empty(B * H * NC)
+    sT, zT, rT = c.acc_empty(B, H, M, E), c.acc_empty(B, H, M), c.acc_empty(B, H)
     if initial_state is not None:
         s0, z0, r0 = (x.to(c.acc).contiguous() for x in initial_state)
-        r0 = _offsets_in(r0)
     else:
         s0 = z0 = r0 = sT  # never read
     _chunk_scan_kernel[(NMT, B * H)](
         h, hz, hm, s0, z0, r0, s, z, r, sT, zT, rT, NC,
         M=M, E=E, BM=c.BM, BE=c.BE, BP=_next_pow2(NMT), HAS_INIT=initial_state is not None,
-        ACC=c.ACC, **c.launch_options(),
+        PLAIN=c.plain, ACC=c.ACC, **c.launch_options(),
     )  # fmt: skip
     return NC, (s, z, r), (sT, zT, rT)
 
@@ -487,54 +462,46 @@ def rf_chunk_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    w: torch.Tensor,
+    form,
     scale: float,
     key_padding_mask: torch.Tensor | None = None,
     initial_state: tuple | None = None,
     precision: str | None = None,
-    gerf: torch.Tensor | None = None,
-    psi: torch.Tensor | None = None,
     return_aux: bool = False,
-    feature: str = "gerf",
-    table: torch.Tensor | None = None,
-    extra_rows: torch.Tensor | None = None,
-    index: torch.Tensor | None = None,
+    gpu_tiles: bool | None = None,
 ):
     """Causal fused random-feature attention forward (chunkwise).
 
     Args:
         q, k: ``[B, H, T, D]``; v: ``[B, H, T, E]`` (any strides, one dtype).
-        w, scale, key_padding_mask, precision, feature, gerf, psi, table, extra_rows, index:
-            as ``rf_parallel.rf_parallel_fwd`` (every feature form).
-        initial_state: optional ``(S [B, H, M, E], z [B, H, M], offset [B, H])`` to continue.
+        form, scale, key_padding_mask, precision, gpu_tiles: as ``rf_parallel.rf_parallel_fwd``
+            (every kernel form).
+        initial_state: optional ``(S [B, H, M, E], z [B, H, M], offset [B, H])`` to continue, in
+            ``rfattn.RFState``'s convention (offset -inf before any valid key).
         return_aux: also return what the backward needs.
 
     Returns:
-        ``(out [B, H, T, E], (S, z, offset))`` with the final state in the accumulation dtype;
-        with ``return_aux`` also ``(m_q [B*H, T], den [B*H, T])``.
+        ``(out [B, H, T, E], (S, z, offset))`` with the final state in the accumulation dtype and
+        ``rfattn.RFState``'s convention; with ``return_aux`` also ``(m_q [B*H, T], den [B*H, T])``.
     """
-    _check_inputs(q, k, v, w, key_padding_mask)
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"causal attention needs Tq == Tk, got {q.shape[2]} and {k.shape[2]}")
-    c = _Setup(
-        q, k, v, w, scale, key_padding_mask, feature, precision, gerf, psi, table, extra_rows, index
-    )
-    bt = _chunk_tiles(c)
-    B, H, T, E, dev = c.B, c.H, c.Tq, c.E, q.device
-    out = torch.empty(B, H, T, E, device=dev, dtype=q.dtype)
-    mq, den = c.acc_empty(B * H, T, device=dev), c.acc_empty(B * H, T, device=dev)
+    c = _setup(q, k, v, form, scale, key_padding_mask, precision, causal=True,
+               gpu_tiles=gpu_tiles)  # fmt: skip
+    B, H, T, E, bt = c.B, c.H, c.Tq, c.E, c.BT
+    out = torch.empty(B, H, T, E, device=q.device, dtype=q.dtype)
+    mq, den = c.acc_empty(B * H, T), c.acc_empty(B * H, T)
     if B * H == 0:
-        state = (c.acc_empty(B, H, c.M, E, device=dev), c.acc_empty(B, H, c.M, device=dev),
-                 c.acc_empty(B, H, device=dev))  # fmt: skip
+        state = (c.acc_empty(B, H, c.M, E), c.acc_empty(B, H, c.M),
+                 c.acc_empty(B, H))  # fmt: skip
         return (out, state, (mq, den)) if return_aux else (out, state)
-    NC, (s, z, r), (sT, zT, rT) = _states(c, k, v, bt, initial_state)
+    NC, (s, z, r), state = _states(c, k, v, initial_state)
     if T:
         _chunk_out_kernel[(NC, B * H)](
-            q, k, v, c.w, c.pad[0], c.scale, c.ab, c.psi, c.tab, c.xr, c.xi, s, z, r, out, mq, den,
+            q, k, v, c.w, c.pad[0], *c.form_ptrs, s, z, r, out, mq, den,
             T, H, NC, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
             *out.stride(), BT=bt, HAS_PAD=c.has_pad, **c.launch_options(), **c.meta,
         )  # fmt: skip
-    state = (sT, zT, _offsets_out(rT))
     return (out, state, (mq, den)) if return_aux else (out, state)
 
 
@@ -544,19 +511,14 @@ def rf_chunk_bwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    w: torch.Tensor,
+    form,
     scale: float,
     out: torch.Tensor,
     aux: tuple,
     key_padding_mask: torch.Tensor | None = None,
     initial_state: tuple | None = None,
     precision: str | None = None,
-    gerf: torch.Tensor | None = None,
-    psi: torch.Tensor | None = None,
-    feature: str = "gerf",
-    table: torch.Tensor | None = None,
-    extra_rows: torch.Tensor | None = None,
-    index: torch.Tensor | None = None,
+    gpu_tiles: bool | None = None,
 ):
     """Backward of :func:`rf_chunk_fwd` (chunk states recomputed).
 
@@ -568,37 +530,35 @@ def rf_chunk_bwd(
     Returns:
         ``(dq, dk, dv, dS0, dz0)``; the last two are None without ``initial_state``.
     """
-    c = _Setup(
-        q, k, v, w, scale, key_padding_mask, feature, precision, gerf, psi, table, extra_rows, index
-    )
-    bt = _chunk_tiles(c)
-    B, H, T, M, E, NMT, dev = c.B, c.H, c.Tq, c.M, c.E, c.NMT, q.device
+    c = _setup(q, k, v, form, scale, key_padding_mask, precision, causal=True,
+               gpu_tiles=gpu_tiles)  # fmt: skip
+    B, H, T, M, E, NMT, bt = c.B, c.H, c.Tq, c.M, c.E, c.NMT, c.BT
     mq, den = aux
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     has_init = initial_state is not None
-    ds0 = c.acc_empty(B, H, M, E, device=dev) if has_init else None
-    dz0 = c.acc_empty(B, H, M, device=dev) if has_init else None
+    ds0 = c.acc_empty(B, H, M, E) if has_init else None
+    dz0 = c.acc_empty(B, H, M) if has_init else None
     if B * H == 0:
         return dq, dk, dv, ds0, dz0
-    NC, (s, z, r), _ = _states(c, k, v, bt, initial_state)
+    NC, (s, z, r), _ = _states(c, k, v, initial_state)
     meta = dict(**c.launch_options(), BT=bt, **c.meta)
-    L = c.acc_empty(B * H * NC, M, E, device=dev)
-    l_ = c.acc_empty(B * H * NC, M, device=dev)
+    L = c.acc_empty(B * H * NC, M, E)
+    l_ = c.acc_empty(B * H * NC, M)
     if T:
         _chunk_local_grad_kernel[(NMT, NC, B * H)](
-            q, c.w, c.scale, c.ab, c.psi, c.tab, c.xr, c.xi, out, do, mq, den, L, l_,
+            q, c.w, *c.form_ptrs, out, do, mq, den, L, l_,
             T, H, NC, *q.stride(), *c.w.stride(), *out.stride(), *do.stride(), **meta,
         )  # fmt: skip
     else:
         L.zero_()
         l_.zero_()
-    ds = c.acc_empty(B * H * NC, M, E, device=dev)
-    dz = c.acc_empty(B * H * NC, M, device=dev)
+    ds = c.acc_empty(B * H * NC, M, E)
+    dz = c.acc_empty(B * H * NC, M)
     if dstate is not None:
         dsT, dzT = (x.to(c.acc).contiguous() for x in dstate)
     else:
         dsT = dzT = ds  # never read
-    r0 = _offsets_in(initial_state[2].to(c.acc)).contiguous() if has_init else r
+    r0 = initial_state[2].to(c.acc).contiguous() if has_init else r
     _chunk_rscan_kernel[(NMT, B * H)](
         L, l_, r, dsT, dzT, r0, ds, dz, ds0 if has_init else ds, dz0 if has_init else dz, NC,
         M=M, E=E, BM=c.BM, BE=c.BE, HAS_DFINAL=dstate is not None, HAS_INIT=has_init,
@@ -606,7 +566,7 @@ def rf_chunk_bwd(
     )  # fmt: skip
     if T:
         _chunk_bwd_kernel[(NC, B * H)](
-            q, k, v, c.w, c.pad[0], c.scale, c.ab, c.psi, c.tab, c.xr, c.xi,
+            q, k, v, c.w, c.pad[0], *c.form_ptrs,
             s, z, r, ds, dz, out, do, mq, den, dq, dk, dv, T, H, NC,
             *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
             *out.stride(), *do.stride(), *dq.stride(), *dk.stride(), *dv.stride(),

@@ -40,9 +40,10 @@ gradients; their contents are never used. A (b, h) without valid keys gives zero
 Reference: ``rfattn.reference.linear_attention`` on ``RandomFeatures.features`` (float64, same W).
 
 Layout: q, k ``[B, H, T, D]``, v ``[B, H, T, E]`` with arbitrary strides; w ``[F, D]``.
-Limits: inputs fp32/fp16/bf16/fp64, one dtype; w and the extra rows are cast to it for the
-projections. Accumulation is fp32 (fp64 for fp64 inputs). Any D, E, F (tiles padded to powers of
-two >= 16; register pressure grows with D and E, meant for <= 256), any T >= 0, Tq != Tk.
+Limits: inputs fp32/fp16/bf16/fp64, one dtype; w and the extra rows stay in the accumulation
+dtype (fp16/bf16 products run on fp32 operands, see ``common._precision``). Accumulation is fp32
+(fp64 for fp64 inputs). Any D, E, F (tiles padded to powers of two >= 16; register pressure grows
+with D and E, meant for <= 256), any T >= 0, Tq != Tk.
 The coefficient table, tau and the per-(b, h) parameters are held constant: no gradient.
 """
 
@@ -58,8 +59,6 @@ from .common import (
     FEATURE_IDS,
     INTERPRET,
     PRUNE,
-    TABLE_ROWS,
-    _check_inputs,
     _configs,
     _feature_dw,
     _feature_dx,
@@ -71,13 +70,13 @@ from .common import (
     _next_pow2,
     _query_cotangents,
     _safe_den,
-    _Setup,
+    _setup,
     _splits,
     _store_tile,
     _valid_keys,
 )
 
-__all__ = ["rf_parallel_fwd", "rf_parallel_bwd", "FEATURE_IDS", "TABLE_ROWS", "INTERPRET"]
+__all__ = ["rf_parallel_fwd", "rf_parallel_bwd", "FEATURE_IDS", "INTERPRET"]
 
 
 @triton.autotune(configs=_configs(), key=_KEY, prune_configs_by=PRUNE)
@@ -100,7 +99,7 @@ def _fwd_kv_kernel(
     NMT: tl.constexpr = (M + BM - 1) // BM
     o_d, o_e, o_f = tl.arange(0, BD), tl.arange(0, BE), i_m * BM + tl.arange(0, BM)
     m_d, m_e, m_f = o_d < D, o_e < E, o_f < M
-    b_ca, b_cb = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_ca, b_cb, b_cd = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
     b_sc = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
     b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
@@ -115,7 +114,7 @@ def _fwd_kv_kernel(
         m_t = _valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
         b_xs = _load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, ACC) * b_sc[None, :]
         b_u, b_g, b_g1, b_g2 = _feature_tile(
-            b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m,
+            b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
             M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
         b_u = tl.where(m_t[:, None] & m_f[None, :], b_u, float("-inf"))
         b_mx_new = tl.maximum(b_mx, tl.max(tl.max(b_u, axis=1), axis=0))
@@ -191,7 +190,7 @@ def _fwd_q_kernel(
     o_t = i_t.to(tl.int64) * BT + tl.arange(0, BT)
     o_d, o_e = tl.arange(0, BD), tl.arange(0, BE)
     m_t, m_d, m_e = o_t < T, o_d < D, o_e < E
-    b_ca, b_cb = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_ca, b_cb, b_cd = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
     b_sc = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)  # [BD]
     q_base = q_ptr + i_b * stride_qb + i_h * stride_qh
     b_xs = _load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_t, m_d, ACC) * b_sc[None, :]
@@ -203,7 +202,7 @@ def _fwd_q_kernel(
         m_f = o_f < M
         b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
         b_u, b_g, b_g1, b_g2 = _feature_tile(
-            b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m,
+            b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
             M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
         b_u = tl.where(m_f[None, :], b_u, float("-inf"))
         b_mx_new = tl.maximum(b_mx, tl.max(b_u, axis=1))  # [BT]
@@ -247,7 +246,7 @@ def _bwd_ds_kernel(
     i_b, i_h = i_bh // H, i_bh % H
     o_d, o_e, o_f = tl.arange(0, BD), tl.arange(0, BE), i_m * BM + tl.arange(0, BM)
     m_d, m_e, m_f = o_d < D, o_e < E, o_f < M
-    b_ca, b_cb = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_ca, b_cb, b_cd = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
     b_sc = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)  # [BD]
     b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
     b_s = tl.load(s_ptr + i_bh * M * E + o_f[:, None] * E + o_e[None, :],
@@ -267,7 +266,7 @@ def _bwd_ds_kernel(
         b_xs = _load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_t, m_d, ACC) * b_sc[None, :]
         b_mq = tl.load(mq_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
         b_u, b_g, b_g1, b_g2 = _feature_tile(
-            b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m,
+            b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
             M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
         b_e = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_u - b_mq[:, None]), 0.0)
         b_a = b_g * b_e
@@ -319,7 +318,7 @@ def _bwd_dq_kernel(
     o_t = i_t.to(tl.int64) * BT + tl.arange(0, BT)
     o_d, o_e = tl.arange(0, BD), tl.arange(0, BE)
     m_t, m_d, m_e = o_t < T, o_d < D, o_e < E
-    b_ca, b_cb = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_ca, b_cb, b_cd = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
     b_sc = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)  # [BD]
     q_base = q_ptr + i_b * stride_qb + i_h * stride_qh
     b_xs = _load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_t, m_d, ACC) * b_sc[None, :]
@@ -337,7 +336,7 @@ def _bwd_dq_kernel(
                       mask=m_f[:, None] & m_e[None, :], other=0.0)  # [BM, BE]  # fmt: skip
         b_z = tl.load(z_ptr + i_bh * M + o_f, mask=m_f, other=0.0)  # [BM]
         b_u, b_g, b_g1, b_g2 = _feature_tile(
-            b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m,
+            b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
             M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
         b_e = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_u - b_mq[:, None]), 0.0)
         # da = g S^T + c z: [BT, BE] @ [BE, BM] -> [BT, BM]
@@ -376,7 +375,7 @@ def _bwd_dkv_kernel(
     o_d, o_e = tl.arange(0, BD), tl.arange(0, BE)
     m_in, m_d, m_e = o_t < T, o_d < D, o_e < E
     m_t = _valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
-    b_ca, b_cb = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_ca, b_cb, b_cd = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
     b_sc = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
     b_mk = tl.load(mk_ptr + i_bh)
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
@@ -393,7 +392,7 @@ def _bwd_dkv_kernel(
                        mask=m_f[:, None] & m_e[None, :], other=0.0)  # [BM, BE]  # fmt: skip
         b_dz = tl.load(dz_ptr + i_bh * M + o_f, mask=m_f, other=0.0)  # [BM]
         b_u, b_g, b_g1, b_g2 = _feature_tile(
-            b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m,
+            b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
             M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
         b_e = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_u - b_mk), 0.0)
         b_b = b_g * b_e
@@ -429,7 +428,7 @@ def _bwd_dwk_kernel(
     i_b, i_h = i_bh // H, i_bh % H
     o_d, o_e, o_f = tl.arange(0, BD), tl.arange(0, BE), i_m * BM + tl.arange(0, BM)
     m_d, m_e, m_f = o_d < D, o_e < E, o_f < M
-    b_ca, b_cb = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_ca, b_cb, b_cd = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
     b_sc = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
     b_mk = tl.load(mk_ptr + i_bh)
     b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
@@ -446,7 +445,7 @@ def _bwd_dwk_kernel(
         b_xs = _load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, ACC) * b_sc[None, :]
         b_v = _load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_t, m_e, ACC)
         b_u, b_g, b_g1, b_g2 = _feature_tile(
-            b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m,
+            b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
             M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
         b_e = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_u - b_mk), 0.0)
         b_db = tl.dot(b_v, tl.trans(b_ds), input_precision=PRECISION, out_dtype=ACC) + b_dz[None, :]
@@ -466,75 +465,57 @@ def rf_parallel_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    w: torch.Tensor,
+    form,
     scale: float,
     key_padding_mask: torch.Tensor | None = None,
-    feature: str = "gerf",
     precision: str | None = None,
     num_splits: int | None = None,
     return_aux: bool = False,
-    gerf: torch.Tensor | None = None,
-    psi: torch.Tensor | None = None,
-    table: torch.Tensor | None = None,
-    extra_rows: torch.Tensor | None = None,
-    index: torch.Tensor | None = None,
+    gpu_tiles: bool | None = None,
 ):
     """Non-causal fused random-feature attention forward.
 
     Args:
         q: ``[B, H, Tq, D]``; k: ``[B, H, Tk, D]``; v: ``[B, H, Tk, E]`` (any strides, one dtype).
-        w: ``[F, D]`` feature rows, one per feature (cast to the input dtype; rmf: any
-            ``[F, D]``, its rows are ``extra_rows``).
+        form: the feature's :class:`rfattn.features.form.KernelForm` (``FeatureMap.kernel_form``):
+            kind, projection rows ``w`` ``[F, D]`` and the kind's parameters (no gradient here).
         scale: softmax temperature; inputs are multiplied by ``sqrt(scale)`` before projection.
         key_padding_mask: optional ``[B, Tk]`` bool, True = padding.
-        feature: a form of :data:`FEATURE_IDS` ("gerf", "table", "rmf"; module docstring).
         precision: ``tl.dot`` input precision for fp32 products ("ieee", "tf32", "tf32x3");
-            default "ieee" for fp32/fp64 inputs, "tf32" for fp16/bf16 inputs.
+            default "ieee" for fp32/fp64 inputs, :data:`common.LOW_PRECISION` for fp16/bf16.
         num_splits: programs sharing one (b, h)'s keys (default: fill the device).
         return_aux: also return what the backward needs.
-        gerf: optional ``(A, B)`` per (b, h), broadcastable to ``[B, H, 2]``: logits
-            ``A |w|^2 + B w . x~ - |x~|^2 / 2`` (default posrf: A = 0, B = 1). Held constant
-            (no gradient).
-        psi: optional per-(b, h) input scales, broadcastable to ``[B, H, D]``:
-            ``x~ = psi * x`` for queries, ``x~ = x / psi`` for keys (saderf). No gradient.
-        table: "table" form: coefficients ``[2, 9, F]`` (sides query/key, rows
-            :data:`TABLE_ROWS`); "rmf": ``[2, 1, F]`` the scales c (queries, keys). No gradient.
-        extra_rows: "table": optional tau ``[n, D]`` (sign projections); "rmf": the stacked
-            projection rows ``[R, D]``, feature-major. No gradient.
-        index: "table": lam ``[F]`` (row of tau per feature, -1 none); "rmf": ``[F + 1 + R]``,
-            the segment starts (``start_0 = 0 .. start_F = R``) then the owner of each row.
+        gpu_tiles: pick a GPU's tiles (default: on a GPU; ``bench.compile`` sets it on CPU).
 
     Returns:
         ``out [B, H, Tq, E]`` in the input dtype; with ``return_aux`` also
         ``(S [B*H, M, E], z [B*H, M], m_K [B*H], m_q [B*H, Tq], den [B*H, Tq])``.
     """
-    _check_inputs(q, k, v, w, key_padding_mask)
-    c = _Setup(q, k, v, w, scale, key_padding_mask, feature, precision, gerf, psi, table,
-               extra_rows, index)  # fmt: skip
+    c = _setup(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles=gpu_tiles)
     B, H, Tq, Tk, M, E, NMT, dev = c.B, c.H, c.Tq, c.Tk, c.M, c.E, c.NMT, q.device
     out = torch.empty(B, H, Tq, E, device=dev, dtype=q.dtype)
-    s, z, mk = c.acc_empty(B * H, M, E, device=dev), c.acc_empty(B * H, M, device=dev), None
-    mq, den = c.acc_empty(B * H, Tq, device=dev), c.acc_empty(B * H, Tq, device=dev)
+    s, z, mk = c.acc_empty(B * H, M, E), c.acc_empty(B * H, M), None
+    mq, den = c.acc_empty(B * H, Tq), c.acc_empty(B * H, Tq)
     if B * H == 0:
-        return (out, (s, z, c.acc_empty(0, device=dev), mq, den)) if return_aux else out
+        return (out, (s, z, c.acc_empty(0), mq, den)) if return_aux else out
     splits, per = _splits(Tk, B * H * NMT, dev, num_splits)
-    s_part = c.acc_empty(B * H * splits, M, E, device=dev)
-    z_part = c.acc_empty(B * H * splits, M, device=dev)
-    m_part = c.acc_empty(B * H * splits, NMT, device=dev)
+    s_part = c.acc_empty(B * H * splits, M, E)
+    z_part = c.acc_empty(B * H * splits, M)
+    m_part = c.acc_empty(B * H * splits, NMT)
     _fwd_kv_kernel[(NMT, splits, B * H)](
-        k, v, c.w, c.pad[0], c.scale, c.ab, c.psi, c.tab, c.xr, c.xi, s_part, z_part, m_part,
+        k, v, c.w, c.pad[0], *c.form_ptrs, s_part, z_part, m_part,
         Tk, H, splits, per if Tk else 0,
         *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
         HAS_PAD=c.has_pad, **c.meta,
     )  # fmt: skip
-    mk = c.acc_empty(B * H, device=dev)
+    mk = c.acc_empty(B * H)
     _fwd_merge_kernel[(NMT, B * H)](
         s_part, z_part, m_part, s, z, mk, splits,
         M=M, E=E, BM=c.BM, BE=c.BE, BP=_next_pow2(min(splits * NMT, 1024)), ACC=c.ACC,
     )  # fmt: skip
     if Tq:
         _fwd_q_kernel[lambda meta: (triton.cdiv(Tq, meta["BT"]), B * H)](
-            q, c.w, c.scale, c.ab, c.psi, c.tab, c.xr, c.xi, s, z, out, mq, den,
+            q, c.w, *c.form_ptrs, s, z, out, mq, den,
             Tq, H, *q.stride(), *c.w.stride(), *out.stride(),
             **c.meta,
         )  # fmt: skip
@@ -546,50 +527,43 @@ def rf_parallel_bwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    w: torch.Tensor,
+    form,
     scale: float,
     out: torch.Tensor,
     aux: tuple,
     key_padding_mask: torch.Tensor | None = None,
-    feature: str = "gerf",
     precision: str | None = None,
     need_dw: bool = False,
     num_splits: int | None = None,
-    gerf: torch.Tensor | None = None,
-    psi: torch.Tensor | None = None,
-    table: torch.Tensor | None = None,
-    extra_rows: torch.Tensor | None = None,
-    index: torch.Tensor | None = None,
+    gpu_tiles: bool | None = None,
 ):
     """Backward of :func:`rf_parallel_fwd`: features recomputed, offsets from the forward.
 
     Args:
         do: ``[B, H, Tq, E]`` cotangent of the output (any strides).
-        q, k, v, w, scale, key_padding_mask, feature, precision, gerf, psi, table, extra_rows,
-            index: as given to the forward.
+        q, k, v, form, scale, key_padding_mask, precision, gpu_tiles: as given to the forward.
         out, aux: the forward's output and auxiliaries (``return_aux=True``).
-        need_dw: also compute the gradient of w (not for "rmf").
+        need_dw: also compute the gradient of ``form.w`` (not for the "rmf" kind).
 
     Returns:
         ``(dq, dk, dv, dw)``; ``dw`` is None unless ``need_dw`` (then ``[F, D]`` in w's dtype).
     """
-    if need_dw and feature == "rmf":
-        raise NotImplementedError("feature='rmf': no gradient for its projection rows")
-    c = _Setup(q, k, v, w, scale, key_padding_mask, feature, precision, gerf, psi, table,
-               extra_rows, index)  # fmt: skip
+    if need_dw and form.plain:
+        raise NotImplementedError("kind 'rmf': no gradient for its projection rows")
+    c = _setup(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles=gpu_tiles)
     B, H, Tq, Tk, M, D, E, NMT, dev = c.B, c.H, c.Tq, c.Tk, c.M, c.D, c.E, c.NMT, q.device
     s, z, mk, mq, den = aux
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dw = torch.zeros(M, D, device=dev, dtype=c.acc) if need_dw else None
     if B * H == 0:
-        return dq, dk, dv, (dw.to(w.dtype) if need_dw else None)
+        return dq, dk, dv, (dw.to(form.w.dtype) if need_dw else None)
 
     splits, per = _splits(Tq, B * H * NMT, dev, num_splits)
-    ds_part = c.acc_empty(B * H * splits, M, E, device=dev)
-    dz_part = c.acc_empty(B * H * splits, M, device=dev)
-    dw_part = c.acc_empty(B * H * splits, M, D, device=dev) if need_dw else ds_part
+    ds_part = c.acc_empty(B * H * splits, M, E)
+    dz_part = c.acc_empty(B * H * splits, M)
+    dw_part = c.acc_empty(B * H * splits, M, D) if need_dw else ds_part
     _bwd_ds_kernel[(NMT, splits, B * H)](
-        q, c.w, c.scale, c.ab, c.psi, c.tab, c.xr, c.xi, s, z, out, do, mq, den,
+        q, c.w, *c.form_ptrs, s, z, out, do, mq, den,
         ds_part, dz_part, dw_part,
         Tq, H, splits, per if Tq else 0,
         *q.stride(), *c.w.stride(), *out.stride(), *do.stride(),
@@ -602,25 +576,25 @@ def rf_parallel_bwd(
         dw += dw_part.view(B * H * splits, M, D).sum(0)
     if Tq:
         _bwd_dq_kernel[lambda meta: (triton.cdiv(Tq, meta["BT"]), B * H)](
-            q, c.w, c.scale, c.ab, c.psi, c.tab, c.xr, c.xi, s, z, out, do, mq, den, dq,
+            q, c.w, *c.form_ptrs, s, z, out, do, mq, den, dq,
             Tq, H, *q.stride(), *c.w.stride(), *out.stride(), *do.stride(), *dq.stride(),
             **c.meta,
         )  # fmt: skip
     if Tk:
         _bwd_dkv_kernel[lambda meta: (triton.cdiv(Tk, meta["BT"]), B * H)](
-            k, v, c.w, c.pad[0], c.scale, c.ab, c.psi, c.tab, c.xr, c.xi, ds, dz, mk, dk, dv,
+            k, v, c.w, c.pad[0], *c.form_ptrs, ds, dz, mk, dk, dv,
             Tk, H, *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
             *dk.stride(), *dv.stride(),
             HAS_PAD=c.has_pad, **c.meta,
         )  # fmt: skip
         if need_dw:
             ksplits, kper = _splits(Tk, B * H * NMT, dev, num_splits)
-            dwk_part = c.acc_empty(B * H * ksplits, M, D, device=dev)
+            dwk_part = c.acc_empty(B * H * ksplits, M, D)
             _bwd_dwk_kernel[(NMT, ksplits, B * H)](
-                k, v, c.w, c.pad[0], c.scale, c.ab, c.psi, c.tab, c.xr, c.xi, ds, dz, mk, dwk_part,
+                k, v, c.w, c.pad[0], *c.form_ptrs, ds, dz, mk, dwk_part,
                 Tk, H, ksplits, kper,
                 *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
                 HAS_PAD=c.has_pad, **c.meta,
             )  # fmt: skip
             dw += dwk_part.sum(0)
-    return dq, dk, dv, (dw.to(w.dtype) if need_dw else None)
+    return dq, dk, dv, (dw.to(form.w.dtype) if need_dw else None)

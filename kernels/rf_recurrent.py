@@ -9,9 +9,9 @@ For each new token t in order (the state (S [M, E], z [M], R) in the accumulatio
 This is exactly the chunked form (``rf_chunk``) with chunks of one token: the same features
 (``common._feature_tile``), offsets and denominator policy, so a state from either
 continues in the other. Cost O(M (D + E)) per token and (b, h), whatever the position: the
-generation path. One program per (b, h) walks the tokens and the M tiles of its state, which it
-updates in place in the output state buffers (the caller's initial state is copied first
-unless ``inplace=True``).
+generation path. One program per (b, h) walks the tokens and the M tiles of its state: it reads
+the initial state and writes the new one, into new tensors or (``inplace=True``) over the
+initial state's own, never copying it first.
 
 Forward only (generation runs without gradients); ``rfattn.rf_attention`` uses it for causal
 calls of at most :data:`MAX_TOKENS` tokens that need no gradient.
@@ -25,16 +25,15 @@ import triton.language as tl
 
 from .common import (
     _NEG,
-    _check_inputs,
     _feature_tile,
     _gerf_coeffs,
     _input_scale,
+    _load_offset,
     _load_rows,
     _load_w,
-    _offsets_in,
-    _offsets_out,
     _safe_den,
-    _Setup,
+    _setup,
+    _store_offset,
     _valid_keys,
 )
 
@@ -47,7 +46,7 @@ MAX_TOKENS = 16
 @triton.jit
 def _recurrent_kernel(
     q_ptr, k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
-    s_ptr, z_ptr, r_ptr, o_ptr,
+    s0_ptr, z0_ptr, r0_ptr, s_ptr, z_ptr, r_ptr, o_ptr,
     T, H,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
@@ -58,8 +57,11 @@ def _recurrent_kernel(
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr,
     HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
+    HAS_INIT: tl.constexpr, PLAIN: tl.constexpr,
 ):  # fmt: skip
-    """T tokens of one (b, h) against its state (S, z, R), updated in place."""
+    """T tokens of one (b, h) against the state (S0, z0, R0) (zeros without HAS_INIT), written
+    to (S, z, R): the first token reads S0, the later ones S (the two may be the same tensors:
+    in place)."""
     i_bh = tl.program_id(0).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     NMT: tl.constexpr = (M + BM - 1) // BM
@@ -67,13 +69,13 @@ def _recurrent_kernel(
     m_d, m_e = o_d < D, o_e < E
     # one token per step, as a 16-row tile (row 0 live): tl.dot needs >= 16 rows
     o_r = tl.arange(0, 16)
-    b_ca, b_cb = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_ca, b_cb, b_cd = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
     b_scq = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
     b_sck = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)
     q_base = q_ptr + i_b * stride_qb + i_h * stride_qh
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
     v_base = v_ptr + i_b * stride_vb + i_h * stride_vh
-    b_r = tl.load(r_ptr + i_bh)
+    b_r = _load_offset(r0_ptr + i_bh, PLAIN, HAS_INIT, ACC)
     for t in range(0, T):
         o_t = t + o_r * 0  # [16], all rows point at token t
         m_row = o_r == 0
@@ -88,7 +90,7 @@ def _recurrent_kernel(
             m_f = o_f < M
             b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)
             b_uk, b_gk, b_g1, b_g2 = _feature_tile(
-                b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m,
+                b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
                 M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # fmt: skip
             b_uk = tl.where(m_k[:, None] & m_f[None, :], b_uk, float("-inf"))
             b_rn = tl.maximum(b_rn, tl.max(tl.max(b_uk, axis=1), axis=0))
@@ -101,22 +103,26 @@ def _recurrent_kernel(
             o_f = i_m * BM + tl.arange(0, BM)
             m_f = o_f < M
             m_fe = m_f[:, None] & m_e[None, :]
-            p_s = s_ptr + i_bh * M * E + o_f[:, None] * E + o_e[None, :]
-            p_z = z_ptr + i_bh * M + o_f
+            o_fe = i_bh * M * E + o_f[:, None] * E + o_e[None, :]
+            # the state so far: the initial one before the first token, then the written one
+            b_s = tl.load(s_ptr + o_fe, mask=m_fe & (t > 0), other=0.0)
+            b_z = tl.load(z_ptr + i_bh * M + o_f, mask=m_f & (t > 0), other=0.0)
+            if HAS_INIT:
+                b_s += tl.load(s0_ptr + o_fe, mask=m_fe & (t == 0), other=0.0).to(ACC)
+                b_z += tl.load(z0_ptr + i_bh * M + o_f, mask=m_f & (t == 0), other=0.0).to(ACC)
             b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)
             b_uk, b_gk, b_g1, b_g2 = _feature_tile(
-                b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m,
+                b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
                 M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # fmt: skip
             b_b = b_gk * tl.where(m_k[:, None] & m_f[None, :], tl.exp(b_uk - b_rn), 0.0)
             # [BM, 16] @ [16, BE] -> [BM, BE]
-            b_s = tl.load(p_s, mask=m_fe, other=0.0) * b_alpha + tl.dot(
-                tl.trans(b_b), b_v, input_precision=PRECISION, out_dtype=ACC
-            )
-            b_z = tl.load(p_z, mask=m_f, other=0.0) * b_alpha + tl.sum(b_b, axis=0)
-            tl.store(p_s, b_s, mask=m_fe)
-            tl.store(p_z, b_z, mask=m_f)
+            b_s = b_s * b_alpha + tl.dot(tl.trans(b_b), b_v, input_precision=PRECISION,
+                                         out_dtype=ACC)  # fmt: skip
+            b_z = b_z * b_alpha + tl.sum(b_b, axis=0)
+            tl.store(s_ptr + o_fe, b_s, mask=m_fe)
+            tl.store(z_ptr + i_bh * M + o_f, b_z, mask=m_f)
             b_uq, b_gq, b_g1, b_g2 = _feature_tile(
-                b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m,
+                b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
                 M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # fmt: skip
             b_uq = tl.where(m_f[None, :], b_uq, float("-inf"))
             b_mx_new = tl.maximum(b_mx, tl.max(b_uq, axis=1))
@@ -133,67 +139,57 @@ def _recurrent_kernel(
         tl.store(p_o + o_r[:, None] * 0, b_o.to(o_ptr.dtype.element_ty),
                  mask=m_row[:, None] & m_e[None, :])  # fmt: skip
         b_r = b_rn
-    tl.store(r_ptr + i_bh, b_r)
+    _store_offset(r_ptr + i_bh, b_r)
 
 
 def rf_recurrent_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    w: torch.Tensor,
+    form,
     scale: float,
     key_padding_mask: torch.Tensor | None = None,
     initial_state: tuple | None = None,
     precision: str | None = None,
-    feature: str = "gerf",
-    gerf: torch.Tensor | None = None,
-    psi: torch.Tensor | None = None,
-    table: torch.Tensor | None = None,
-    extra_rows: torch.Tensor | None = None,
-    index: torch.Tensor | None = None,
     inplace: bool = False,
+    gpu_tiles: bool | None = None,
 ):
     """Causal decode step over ``T <= MAX_TOKENS`` tokens (no gradient).
 
     Args:
-        q, k: ``[B, H, T, D]``; v: ``[B, H, T, E]``; the feature arguments as
-            ``rf_parallel.rf_parallel_fwd``.
-        initial_state: ``(S [B, H, M, E], z [B, H, M], offset [B, H])`` (None: empty).
-        inplace: update ``initial_state``'s tensors themselves (contiguous, accumulation dtype)
-            instead of copies.
+        q, k: ``[B, H, T, D]``; v: ``[B, H, T, E]``; form, scale, key_padding_mask, precision,
+            gpu_tiles: as ``rf_parallel.rf_parallel_fwd``.
+        initial_state: ``(S [B, H, M, E], z [B, H, M], offset [B, H])`` in ``rfattn.RFState``'s
+            convention (None: empty). Read, never written, unless ``inplace``.
+        inplace: write the new state into ``initial_state``'s own tensors (they must be
+            contiguous, in the accumulation dtype, and not needed afterwards: the cache of a
+            generation loop) instead of new ones. Either way no copy of the state is made.
 
     Returns:
         ``(out [B, H, T, E], (S, z, offset))``.
     """
-    _check_inputs(q, k, v, w, key_padding_mask)
     if q.shape[2] != k.shape[2] or q.shape[2] > MAX_TOKENS:
         raise ValueError(f"the decode step takes Tq == Tk <= {MAX_TOKENS} tokens, got "
                          f"{q.shape[2]} and {k.shape[2]}")  # fmt: skip
-    c = _Setup(q, k, v, w, scale, key_padding_mask, feature, precision, gerf, psi, table,
-               extra_rows, index)  # fmt: skip
-    B, H, T, M, E, dev = c.B, c.H, c.Tq, c.M, c.E, q.device
+    c = _setup(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles=gpu_tiles)
+    B, H, T, M, E = c.B, c.H, c.Tq, c.M, c.E
     if initial_state is None:
-        s = torch.zeros(B, H, M, E, device=dev, dtype=c.acc)
-        z = torch.zeros(B, H, M, device=dev, dtype=c.acc)
-        r = torch.full((B, H), _NEG.value, device=dev, dtype=c.acc)
+        if inplace:
+            raise ValueError("inplace=True needs an initial_state to update")
+        s0 = z0 = r0 = c.w  # never read
     else:
         s0, z0, r0 = initial_state
-        ok = all(x.dtype == c.acc and x.is_contiguous() for x in (s0, z0, r0))
-        if inplace and not ok:
+        if inplace and not all(x.dtype == c.acc and x.is_contiguous() for x in initial_state):
             raise ValueError("inplace=True needs a contiguous state in the accumulation dtype")
-        s, z = (s0, z0) if inplace else (s0.to(c.acc).clone(), z0.to(c.acc).clone())
-        finite = _offsets_in(r0)
-        if inplace:
-            r0.copy_(finite)
-            r = r0
-        else:
-            r = finite.to(c.acc).clone()
-    out = torch.empty(B, H, T, E, device=dev, dtype=q.dtype)
-    if B * H and T:
+        s0, z0, r0 = (x.to(c.acc).contiguous() for x in initial_state)
+    s, z, r = (s0, z0, r0) if inplace else (c.acc_empty(B, H, M, E), c.acc_empty(B, H, M),
+                                            c.acc_empty(B, H))  # fmt: skip
+    out = torch.empty(B, H, T, E, device=q.device, dtype=q.dtype)
+    if B * H:
         _recurrent_kernel[(B * H,)](
-            q, k, v, c.w, c.pad[0], c.scale, c.ab, c.psi, c.tab, c.xr, c.xi, s, z, r, out,
+            q, k, v, c.w, c.pad[0], *c.form_ptrs, s0, z0, r0, s, z, r, out,
             T, H, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
-            *out.stride(), HAS_PAD=c.has_pad, **c.launch_options(num_warps=4), **c.meta,
+            *out.stride(), HAS_PAD=c.has_pad, HAS_INIT=initial_state is not None,
+            PLAIN=c.plain, **c.launch_options(num_warps=4), **c.meta,
         )  # fmt: skip
-    r.copy_(_offsets_out(r))
     return out, (s, z, r)

@@ -184,20 +184,12 @@ def _causal_torch(
     return out, RFState(s, z, off)
 
 
-#: the real positive GERF family ``u = A |w|^2 + B w . x~ - |x~|^2 / 2`` (kernel form "gerf")
-#: with per-(b, h) A, B, psi.
-_GERF_FAMILY = ("posrf", "hyprf", "gerf", "oprf", "saderf")
-#: the signed features the non-causal kernel also computes: trigrf, hrf and complex gerf in its
-#: "table" form, rmf in its "rmf" form (see :func:`_fused_form`).
-_SIGNED_FUSED = ("trigrf", "hrf", "rmf")
-
-
 def _no_kernel_reason(rf, causal: bool) -> str | None:
     """Why no fused kernel can run this call, or None when one can."""
     fm = rf.feature_map
     if causal and rf.weight.requires_grad:
         return "learnable weights (dW) in causal attention need the torch path"
-    if rf.feature not in _GERF_FAMILY + _SIGNED_FUSED:
+    if not fm.has_kernel_form:
         return f"feature={rf.feature!r} has no fused Triton kernel yet"
     if getattr(fm, "stats_grad", False):
         return "stats_grad=True (gradients through the statistics) needs the torch path"
@@ -212,145 +204,50 @@ def fused_kernel_available(rf, causal: bool = False) -> bool:
     return _no_kernel_reason(rf, causal) is None
 
 
-def _kernel_moments(q, k, key_padding_mask, scale) -> Moments:
-    """This call's per-(b, h) moments from the fused stats pass (``rfattn.kernels.stats``)."""
-    from rfattn.kernels.stats import sequence_moments_fused
+def _kernel_form(rf, q, k, key_padding_mask, scale: float, causal: bool):
+    """The feature's kernel form for this call: its per-call parameters, with the statistics of
+    oprf/saderf from the fused stats pass (``rfattn.kernels.stats``) where the call needs them
+    (held constant: ``stats_grad=False``)."""
+    fm = rf.feature_map
+    moments = None
+    if getattr(fm, "uses_batch_moments", None) and fm.uses_batch_moments(causal):
+        from rfattn.kernels.stats import sequence_moments_fused
 
-    return Moments(*sequence_moments_fused(q, k, scale, key_padding_mask))
-
-
-def _gerf_form(rf, q, k, key_padding_mask, scale, causal=False):
-    """The fused kernel's inputs for ``rf``: (W to project by, per-(b, h) (A, B) or None,
-    per-(b, h) psi or None, log D). Statistics come from the feature map itself (one place).
-
-    ``log D`` (a per-(b, h) constant of the feature maps' logits) cancels in attention and the
-    kernels drop it; it only shifts the causal state's offset (see :func:`_causal_triton`).
-    """
-    fm, w = rf.feature_map, rf.weight
-    if rf.feature == "posrf":
-        return w, None, None, 0.0
-    if rf.feature == "hyprf":  # [exp(w.x), exp(-w.x)] = posrf on the rows [W; -W]
-        return torch.cat((w, -w), dim=0), None, None, 0.0
-    if rf.feature == "gerf":
-        a = fm.A.real
-        log_d = 0.25 * q.shape[-1] * math.log(1.0 - 4.0 * a)
-        return w, torch.tensor([a, math.sqrt(1.0 - 4.0 * a)], dtype=torch.float64), None, log_d
-    # oprf, saderf: the feature map's parameters (one place) from the fused stats pass (held
-    # constant: stats_grad=False); empty stand-ins give it dtype, device and D, never a copy
+        moments = Moments(*sequence_moments_fused(q, k, scale, key_padding_mask))
+    # empty stand-ins give the parameters dtype, device and D, never a copy of q, k
     stand_in = q.new_empty((1, 1, 0, q.shape[-1]), dtype=compute_dtype(q.dtype))
     with torch.no_grad():
-        p = fm.params(stand_in, stand_in, key_padding_mask, causal=causal,
-                      batch=lambda: _kernel_moments(q, k, key_padding_mask, scale))  # fmt: skip
-    ab = torch.cat((p["A"], p["B"]), dim=-1).flatten(-2)  # [B|1, H|1, 2]
-    psi = p["psi"].squeeze(-2) if "psi" in p else None  # [B|1, H|1, D]
-    return w, ab, psi, p["log_D"][..., 0, 0]  # log D: [B|1, H|1]
-
-
-def _table(width: int, device, **rows) -> torch.Tensor:
-    """Coefficients ``[2, 9, width]`` of the kernel's table form (float64; rows named as in
-    ``rfattn.kernels.rf_parallel.TABLE_ROWS``): each a number, an ``[width]`` tensor or a
-    (query, key) pair of those; rows not given are 0."""
-    from rfattn.kernels.common import TABLE_ROWS
-
-    t = torch.zeros(2, len(TABLE_ROWS), width, dtype=torch.float64, device=device)
-    for name, val in rows.items():
-        for side, x in enumerate(val if isinstance(val, tuple) else (val, val)):
-            t[side, TABLE_ROWS.index(name)] = x.detach() if torch.is_tensor(x) else x
-    return t
-
-
-def _fused_form(rf, q, k, key_padding_mask, scale, causal=False) -> tuple[dict, object]:
-    """The keyword arguments of :func:`rfattn.autograd.rf_parallel` / ``rf_chunk`` for ``rf``:
-    the kernel's feature form, one projection row per feature ``w`` (built from ``rf.weight``
-    with differentiable ops, so dW flows back) and the form's parameters; and the shift
-    between the kernel's key offsets and the torch path's (log D, dropped by the "gerf" form;
-    0 otherwise). The coefficients restate the feature maps' formulas (``rfattn.features``;
-    tests hold them to the torch path)."""
-    fm, w, name, dev = rf.feature_map, rf.weight, rf.feature, q.device
-    m = w.shape[0]
-    c = rf.component_weight if rf.weights in WEIGHTED_WEIGHTS else None  # key-side row weights
-    if name in _GERF_FAMILY and fm.positive and c is None:
-        w, gerf, psi, log_d = _gerf_form(rf, q, k, key_padding_mask, scale, causal)
-        return dict(w=w, feature="gerf", gerf=gerf, psi=psi), log_d
-    if name == "rmf":
-        d = fm.drawn()
-        deg = d["rmf_degree"].to(dev)
-        proj = d["rmf_proj"].to(device=dev, dtype=w.dtype)
-        stages = torch.cat((w.detach()[None].to(dev), proj), dim=0)  # [max_degree, M, D]
-        starts = torch.cat((deg.new_zeros(1), deg.cumsum(0)))  # feature f: rows starts[f]..
-        owner = torch.repeat_interleave(torch.arange(m, device=dev), deg)
-        rows = stages[torch.arange(owner.shape[0], device=dev) - starts[owner], owner]
-        cq = d["rmf_scale"].to(dev, torch.float64)
-        ck = cq if c is None else cq * c.to(dev, torch.float64)
-        return dict(w=w.detach(), feature="rmf", table=torch.stack((cq, ck))[:, None],
-                    extra_rows=rows, index=torch.cat((starts, owner))), 0.0  # fmt: skip
-    ones = torch.ones(m, dtype=torch.float64, device=dev)
-    ck = 1.0 if c is None else c.to(dev, torch.float64).repeat(fm.width(m) // m)
-    shift = torch.cat((0.0 * ones, -0.5 * math.pi * ones))  # [cos, sin] = cos(th - [0, pi/2])
-    if name in ("posrf", "gerf") and fm.positive:  # sgq's weights: u = A |w|^2 + B z - |x|^2/2
-        a = fm.A.real if name == "gerf" else 0.0
-        table = _table(m, dev, cu=math.sqrt(1.0 - 4.0 * a), ch=-0.5, cw=a, ga=(1.0, ck))
-        return dict(w=w, feature="table", table=table), 0.0
-    if name == "hyprf":
-        table = _table(2 * m, dev, cu=1.0, ch=-0.5, ga=(1.0, ck))
-        return dict(w=torch.cat((w, -w), dim=0), feature="table", table=table), 0.0
-    if name == "trigrf":  # u = |x|^2 / 2, g = [cos z, sin z]
-        table = _table(2 * m, dev, ch=0.5, ct=1.0, tb=shift, gb=(1.0, ck))
-        return dict(w=torch.cat((w, w), dim=0), feature="table", table=table), 0.0
-    if name == "gerf":  # complex: u = [Re z, Re z]; g = [cos Im z, +-sin Im z] (keys: -sin)
-        (bq, log_d), (bk, _) = (
-            fm.coefficients(q.shape[-1], "query"),
-            fm.coefficients(q.shape[-1], "key"),
+        params = rf.feature_params(
+            stand_in, stand_in, key_padding_mask, causal=causal, moments=moments
         )
-        table = _table(2 * m, dev, cu=(bq.real, bk.real), ch=-0.5 * fm.s, cw=fm.A.real,
-                       bias=log_d.real, ct=(bq.imag, bk.imag), tw=fm.A.imag,
-                       tb=log_d.imag + shift, gb=(1.0, torch.cat((ones, -ones)) * ck))  # fmt: skip
-        return dict(w=torch.cat((w, w), dim=0), feature="table", table=table), 0.0
-    # hrf: blocks [P, T, P (x) s_r (r < n), T (x) s_r (r < n)]; P = exp(+-z_p - |x|^2/2) (queries
-    # carry -s_r), T = exp(|x|^2/2) [sin z_t, cos z_t]; lam_f = r on the s_r blocks, else -1
-    wp, wt = fm._split(w)
-    mp, mt, n = wp.shape[0], wt.shape[0], fm.n
-    lp, lt, lr = fm.log_constants(mp, mt)
-    pm = torch.cat((torch.ones(mp), -torch.ones(mp))).to(dev, torch.float64)
-    sc = torch.cat((torch.full((mt,), -0.5 * math.pi), torch.zeros(mt))).to(dev, torch.float64)
-    p_blk = dict(cu=pm, ch=-0.5)
-    t_blk = dict(ch=0.5, ct=1.0, tb=sc, gb=1.0)
-    tables = [_table(2 * mp, dev, bias=lp, ga=1.0, **p_blk), _table(2 * mt, dev, bias=lt, **t_blk)]
-    tables += [_table(2 * mp, dev, bias=lp + lr, ga=(-1.0, 1.0), **p_blk)] * n
-    tables += [_table(2 * mt, dev, bias=lt + lr, **t_blk)] * n
-    lam = [torch.full((2 * mp + 2 * mt,), -1)]
-    lam += [torch.full((2 * mp,), r) for r in range(n)]
-    lam += [torch.full((2 * mt,), r) for r in range(n)]
-    rows = [wp, wp, wt, wt] + [wp, wp] * n + [wt, wt] * n
-    return dict(w=torch.cat(rows, dim=0), feature="table", table=torch.cat(tables, dim=-1),
-                extra_rows=fm.drawn()["hrf_tau"], index=torch.cat(lam).to(dev)), 0.0  # fmt: skip
+    return fm.kernel_form(rf.weight.to(q.device), params)
 
 
-def _causal_triton(q, k, v, scale, key_padding_mask, form, shift, state, return_state):
-    """The causal kernels: the decode step (``rf_recurrent``) for a few tokens without gradient,
-    else the chunked form (``rf_chunk``). States keep the torch path's conventions: offsets
-    include log D (``shift``), and plain features (rmf) carry offset 0."""
-    from rfattn.autograd import rf_chunk
+def _triton_attention(
+    q, k, v, rf, causal, key_padding_mask, scale, initial_state, return_state, gpu_tiles=None
+):
+    """The fused path of :func:`rf_attention` (arguments validated). Causal calls of at most
+    ``rf_recurrent.MAX_TOKENS`` tokens without gradient run the decode step, others the chunked
+    form; states keep the torch path's conventions (the kernel forms' offsets are the torch
+    path's). ``gpu_tiles``: as the launchers' (``bench.compile`` records a GPU's launches)."""
+    from rfattn import autograd as ops
 
-    if state is not None:
-        s0, z0, off0 = state
-        state = RFState(s0, z0, off0 - shift)
+    reason = _no_kernel_reason(rf, causal)
+    if reason is not None:
+        raise NotImplementedError(f"{reason}; use backend='torch'")
+    form = _kernel_form(rf, q, k, key_padding_mask, scale, causal)
+    kw = dict(key_padding_mask=key_padding_mask, gpu_tiles=gpu_tiles)
+    if not causal:
+        return ops.rf_parallel(q, k, v, form, scale, **kw)
     from rfattn.kernels.rf_recurrent import MAX_TOKENS
 
-    tensors = (q, k, v, form["w"]) + (() if state is None else tuple(state))
-    no_grad = not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-    if no_grad and q.shape[2] <= MAX_TOKENS:  # decoding: one launch, O(M (D + E)) per token
-        from rfattn.kernels.rf_recurrent import rf_recurrent_fwd
-
-        out, (s, z, off) = rf_recurrent_fwd(q, k, v, scale=scale, key_padding_mask=key_padding_mask,
-                                            initial_state=state, **form)  # fmt: skip
+    tensors = (q, k, v, form.w) + (() if initial_state is None else tuple(initial_state))
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if not grad and q.shape[2] <= MAX_TOKENS:  # decoding: one launch, O(M (D + E)) per token
+        out, s, z, off = ops.rf_decode(q, k, v, form, scale, initial_state=initial_state, **kw)
     else:
-        out, s, z, off = rf_chunk(q, k, v, scale=scale, key_padding_mask=key_padding_mask,
-                                  initial_state=state, **form)  # fmt: skip
-    if not return_state:
-        return out
-    off = torch.zeros_like(off) if form["feature"] == "rmf" else off + shift
-    return out, RFState(s, z, off)
+        out, s, z, off = ops.rf_chunk(q, k, v, form, scale, initial_state=initial_state, **kw)
+    return (out, RFState(s, z, off)) if return_state else out
 
 
 def _use_triton(q, rf, causal) -> bool:
@@ -397,16 +294,9 @@ def rf_attention(
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     use_triton = backend == "triton" or (backend == "auto" and _use_triton(q, rf, causal))
     if use_triton:
-        reason = _no_kernel_reason(rf, causal)
-        if reason is not None:
-            raise NotImplementedError(f"{reason}; use backend='torch'")
-        from rfattn.autograd import rf_parallel
-
-        form, shift = _fused_form(rf, q, k, key_padding_mask, scale, causal)
-        if causal:
-            return _causal_triton(q, k, v, scale, key_padding_mask, form, shift, initial_state,
-                                  return_state)  # fmt: skip
-        return rf_parallel(q, k, v, scale=scale, key_padding_mask=key_padding_mask, **form)
+        return _triton_attention(
+            q, k, v, rf, causal, key_padding_mask, scale, initial_state, return_state
+        )
 
     cdt = compute_dtype(q.dtype)
     w = rf.weight.to(device=q.device, dtype=cdt)

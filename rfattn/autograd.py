@@ -1,118 +1,296 @@
-"""autograd.Functions around the fused kernels (``rfattn.kernels``)."""
+"""The fused kernels as PyTorch operators (``torch.library``), with autograd and fake impls.
+
+One operator per algorithmic form, each taking a feature's kernel form
+(:class:`rfattn.features.form.KernelForm`, flattened into the schema by :func:`_flat`):
+
+* ``rfattn::parallel`` / ``rfattn::parallel_bwd``: non-causal (``rfattn.kernels.rf_parallel``);
+  forward saves q, k, v, the output, S, z and the stabiliser offsets (``O(B H (F E + T))``, no
+  feature maps); backward recomputes the features and returns dq, dk, dv and dW when the form's
+  rows require grad.
+* ``rfattn::chunk`` / ``rfattn::chunk_bwd``: causal, chunkwise (``rfattn.kernels.rf_chunk``),
+  with an optional initial state; gradients reach q, k, v and the initial S0, z0 from cotangents
+  of the output and of the final S, z taken with the offsets held fixed (the gradients of the
+  offset-invariant ``S exp(offset)``; offsets are stabilisers, not differentiable). W gets no
+  gradient here (``rf_attention`` sends learnable W to the torch path). Chunk states are
+  recomputed in the backward, not saved.
+* ``rfattn::decode`` (new state) and ``rfattn::decode_`` (the state updated in place): the
+  recurrent step (``rfattn.kernels.rf_recurrent``), forward only.
+
+``torch.compile(fullgraph=True)`` and ``torch.export`` see each as one operator (fake impls give
+the output shapes) instead of tracing into the launchers. They are ``torch.library.custom_op``
+rather than ``triton_op``: a ``triton_op`` lets Inductor trace into its body, which needs every
+launch wrapped in ``wrap_triton`` and the launchers' host logic (split counts from the device's SM
+count, autotuning with config pruning) traceable, and can only be checked on a GPU; as an opaque
+operator the kernels run exactly as in eager mode.
+
+The per-form parameters (coefficients, tables, tau, rmf's rows) are held constant: no gradient.
+Importing this module imports Triton (``rfattn.attention`` imports it on first fused call).
+"""
 
 from __future__ import annotations
 
 import torch
+from torch.library import custom_op
 
-__all__ = ["RFParallelFunction", "rf_parallel", "RFChunkFunction", "rf_chunk"]
+from rfattn.features.form import KernelForm
+from rfattn.kernels import rf_chunk as rf_chunk_kernels
+from rfattn.kernels import rf_parallel as rf_parallel_kernels
+from rfattn.kernels import rf_recurrent as rf_recurrent_kernels
 
+__all__ = ["rf_parallel", "rf_chunk", "rf_decode"]
 
-class RFParallelFunction(torch.autograd.Function):
-    """Non-causal fused random-feature attention (``rfattn.kernels.rf_parallel``).
-
-    Forward saves q, k, v, W, the output, S, z and the stabiliser offsets (``O(B H (F E + T))``
-    extra memory, no feature maps); backward recomputes the features in Triton and returns
-    dq, dk, dv and, when W requires grad (learnable weights), dW.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, w, scale, key_padding_mask, gerf, psi, precision, feature="gerf",
-                table=None, extra_rows=None, index=None):  # fmt: skip
-        from rfattn.kernels.rf_parallel import rf_parallel_fwd
-
-        form = dict(feature=feature, gerf=gerf, psi=psi, table=table, extra_rows=extra_rows,
-                    index=index)  # fmt: skip
-        out, aux = rf_parallel_fwd(
-            q, k, v, w, scale, key_padding_mask=key_padding_mask, precision=precision,
-            return_aux=True, **form,
-        )  # fmt: skip
-        ctx.save_for_backward(q, k, v, w, out, key_padding_mask, gerf, psi, table, extra_rows,
-                              index, *aux)  # fmt: skip
-        ctx.scale, ctx.precision, ctx.feature = scale, precision, feature
-        ctx.mark_non_differentiable(*[x for x in aux if x is not None])
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        from rfattn.kernels.rf_parallel import rf_parallel_bwd
-
-        q, k, v, w, out, key_padding_mask, gerf, psi, table, extra_rows, index, *aux = (
-            ctx.saved_tensors
-        )
-        dq, dk, dv, dw = rf_parallel_bwd(
-            grad_out, q, k, v, w, ctx.scale, out, tuple(aux), key_padding_mask=key_padding_mask,
-            feature=ctx.feature, precision=ctx.precision, need_dw=ctx.needs_input_grad[3],
-            gerf=gerf, psi=psi, table=table, extra_rows=extra_rows, index=index,
-        )  # fmt: skip
-        return dq, dk, dv, dw, *([None] * 9)
+# Schema pieces shared by the operators: the kernel form (flattened by _flat), the call, the
+# carried state and the launch options.
+_FORM = (
+    "str kind, Tensor w, Tensor? coeffs, Tensor? psi, Tensor? table, Tensor? extra, Tensor? index"
+)
+_CALL = "float scale, Tensor? key_padding_mask"
+_STATE = "Tensor? s0, Tensor? z0, Tensor? off0"
+_OPTS = "str? precision, bool? gpu_tiles"
+_QKV = "Tensor q, Tensor k, Tensor v"
+_NFORM = 7  # arguments of _FORM
 
 
-def rf_parallel(q, k, v, w, scale, key_padding_mask=None, gerf=None, psi=None, precision=None,
-                feature="gerf", table=None, extra_rows=None, index=None):  # fmt: skip
-    """Fused non-causal attention in one of the kernel's feature forms (default: real positive
-    GERF, posrf when ``gerf`` and ``psi`` are None); see
+def _op(name: str, args: str, returns: str, mutates=()):
+    return custom_op(f"rfattn::{name}", mutates_args=mutates, schema=f"({args}) -> {returns}")
+
+
+def _flat(form: KernelForm) -> tuple:
+    """The form as operator arguments (``_FORM``): kind, w, coeffs, psi, table, extra, index."""
+    extra, index = (form.tau, form.lam) if form.kind == "table" else (form.rows, form.segments)
+    return form.kind, form.w, form.coeffs, form.psi, form.table, extra, index
+
+
+def _form(args: tuple) -> tuple[KernelForm, tuple]:
+    """(the KernelForm of the leading ``_FORM`` arguments, the arguments after them)."""
+    kind, w, coeffs, psi, table, extra, index = args[:_NFORM]
+    named = dict(tau=extra, lam=index) if kind == "table" else dict(rows=extra, segments=index)
+    return KernelForm(kind, w, coeffs, psi, table, **named), args[_NFORM:]
+
+
+def _acc(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _state(s0, z0, off0):
+    return None if s0 is None else (s0, z0, off0)
+
+
+def _state_like(q, v, w) -> tuple:
+    """Empty ``(S [B, H, F, E], z [B, H, F], offset [B, H])`` in the accumulation dtype."""
+    B, H, F, E, acc = q.shape[0], q.shape[1], w.shape[0], v.shape[3], _acc(q)
+    return (
+        q.new_empty(B, H, F, E, dtype=acc),
+        q.new_empty(B, H, F, dtype=acc),
+        q.new_empty(B, H, dtype=acc),
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# non-causal
+
+
+@_op(
+    "parallel",
+    f"{_QKV}, {_FORM}, {_CALL}, {_OPTS}",
+    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+def _parallel(q, k, v, *args):
+    form, (scale, mask, precision, gpu_tiles) = _form(args)
+    out, aux = rf_parallel_kernels.rf_parallel_fwd(
+        q, k, v, form, scale, mask, precision, return_aux=True, gpu_tiles=gpu_tiles
+    )
+    return (out, *aux)
+
+
+@_parallel.register_fake
+def _(q, k, v, *args):
+    BH, Tq, F, acc = q.shape[0] * q.shape[1], q.shape[2], args[1].shape[0], _acc(q)
+    aux = [(BH, F, v.shape[3]), (BH, F), (BH,), (BH, Tq), (BH, Tq)]
+    return (q.new_empty(*q.shape[:3], v.shape[3]), *(q.new_empty(s, dtype=acc) for s in aux))
+
+
+_PARALLEL_BWD = f"Tensor do, {_QKV}, {_FORM}, {_CALL}, Tensor out, Tensor s, Tensor z, " \
+    f"Tensor mk, Tensor mq, Tensor den, {_OPTS}, bool need_dw"  # fmt: skip
+
+
+@_op("parallel_bwd", _PARALLEL_BWD, "(Tensor, Tensor, Tensor, Tensor)")
+def _parallel_bwd(do, q, k, v, *args):
+    form, (scale, mask, out, *aux, precision, gpu_tiles, need_dw) = _form(args)
+    dq, dk, dv, dw = rf_parallel_kernels.rf_parallel_bwd(
+        do, q, k, v, form, scale, out, tuple(aux), mask, precision, need_dw=need_dw,
+        gpu_tiles=gpu_tiles,
+    )  # fmt: skip
+    return dq, dk, dv, (dw if need_dw else form.w.new_empty(0))
+
+
+@_parallel_bwd.register_fake
+def _(do, q, k, v, *args):
+    w, need_dw = args[1], args[-1]
+    dw = torch.empty_like(w) if need_dw else w.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dw
+
+
+def _parallel_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:3], *inputs[4 : 3 + _NFORM], inputs[11], *output)
+    ctx.kind, ctx.scale, ctx.opts = inputs[3], inputs[10], inputs[12:]
+
+
+def _parallel_backward(ctx, d_out, *_aux):
+    q, k, v, *form, mask, out, s, z, mk, mq, den = ctx.saved_tensors
+    need_dw = ctx.needs_input_grad[4]
+    d_out = torch.zeros_like(out) if d_out is None else d_out
+    dq, dk, dv, dw = _parallel_bwd(
+        d_out, q, k, v, ctx.kind, *form, ctx.scale, mask, out, s, z, mk, mq, den, *ctx.opts,
+        need_dw,
+    )  # fmt: skip
+    return dq, dk, dv, None, (dw if need_dw else None), *([None] * 9)
+
+
+_parallel.register_autograd(_parallel_backward, setup_context=_parallel_setup)
+
+
+def rf_parallel(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, precision=None,
+                gpu_tiles=None) -> torch.Tensor:  # fmt: skip
+    """Fused non-causal attention of the kernel form ``form`` (``rfattn::parallel``); see
     ``rfattn.kernels.rf_parallel.rf_parallel_fwd`` for the arguments. Gradients reach q, k, v
-    and W (not the per-(b, h) parameters, the table or the extra rows)."""
-    return RFParallelFunction.apply(q, k, v, w, scale, key_padding_mask, gerf, psi, precision,
-                                    feature, table, extra_rows, index)  # fmt: skip
+    and ``form.w``."""
+    return _parallel(q, k, v, *_flat(form), scale, key_padding_mask, precision, gpu_tiles)[0]
 
 
-class RFChunkFunction(torch.autograd.Function):
-    """Causal fused random-feature attention, chunkwise (``rfattn.kernels.rf_chunk``), for every
-    feature form of the non-causal kernel.
-
-    Inputs q, k, v, W and an optional initial state (S0, z0, offset0); outputs the attention
-    output and the final state (S, z, offset). Gradients reach q, k, v and the initial S0, z0,
-    from cotangents of the output and of the final S, z, taken with the offsets held fixed --
-    i.e. the gradients of the offset-invariant ``S exp(offset)`` (offsets are stabilisers, not
-    differentiable). W gets no gradient here (``rf_attention`` sends learnable W to the torch
-    path). Chunk states are recomputed in the backward, not saved.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, w, s0, z0, off0, scale, key_padding_mask, precision, form):
-        from rfattn.kernels.rf_chunk import rf_chunk_fwd
-
-        init = None if s0 is None else (s0, z0, off0)
-        out, (s, z, off), aux = rf_chunk_fwd(
-            q, k, v, w, scale, key_padding_mask=key_padding_mask, initial_state=init,
-            precision=precision, return_aux=True, **form,
-        )  # fmt: skip
-        ctx.save_for_backward(q, k, v, w, out, key_padding_mask, s0, z0, off0, *aux)
-        ctx.scale, ctx.precision, ctx.form = scale, precision, form
-        ctx.mark_non_differentiable(off)
-        return out, s, z, off
-
-    @staticmethod
-    def backward(ctx, d_out, d_s, d_z, d_off):
-        from rfattn.kernels.rf_chunk import rf_chunk_bwd
-
-        q, k, v, w, out, kpm, s0, z0, off0, *aux = ctx.saved_tensors
-        if d_out is None:
-            d_out = torch.zeros_like(out)
-        dstate = None
-        if d_s is not None or d_z is not None:
-            B, H, M, E = q.shape[0], q.shape[1], w.shape[0], v.shape[-1]
-            acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-            d_s = d_s if d_s is not None else q.new_zeros(B, H, M, E, dtype=acc)
-            d_z = d_z if d_z is not None else q.new_zeros(B, H, M, dtype=acc)
-            dstate = (d_s, d_z)
-        init = None if s0 is None else (s0, z0, off0)
-        dq, dk, dv, ds0, dz0 = rf_chunk_bwd(
-            d_out, dstate, q, k, v, w, ctx.scale, out, tuple(aux), key_padding_mask=kpm,
-            initial_state=init, precision=ctx.precision, **ctx.form,
-        )  # fmt: skip
-        if ds0 is not None:
-            ds0, dz0 = ds0.to(s0.dtype), dz0.to(z0.dtype)
-        return dq, dk, dv, None, ds0, dz0, None, None, None, None, None
+# ------------------------------------------------------------------------------------------------
+# causal, chunkwise
 
 
-def rf_chunk(q, k, v, w, scale, key_padding_mask=None, initial_state=None, precision=None,
-             feature="gerf", gerf=None, psi=None, table=None, extra_rows=None,
-             index=None):  # fmt: skip
-    """Causal fused attention (any feature form; arguments as ``rf_parallel``); see
+@_op(
+    "chunk",
+    f"{_QKV}, {_FORM}, {_CALL}, {_STATE}, {_OPTS}",
+    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+def _chunk(q, k, v, *args):
+    form, (scale, mask, s0, z0, off0, precision, gpu_tiles) = _form(args)
+    out, state, aux = rf_chunk_kernels.rf_chunk_fwd(
+        q, k, v, form, scale, mask, _state(s0, z0, off0), precision, return_aux=True,
+        gpu_tiles=gpu_tiles,
+    )  # fmt: skip
+    return out, *state, *aux
+
+
+@_chunk.register_fake
+def _(q, k, v, *args):
+    BH, T, acc = q.shape[0] * q.shape[1], q.shape[2], _acc(q)
+    return (q.new_empty(*q.shape[:3], v.shape[3]), *_state_like(q, v, args[1]),
+            q.new_empty(BH, T, dtype=acc), q.new_empty(BH, T, dtype=acc))  # fmt: skip
+
+
+_CHUNK_BWD = f"Tensor do, Tensor? ds, Tensor? dz, {_QKV}, {_FORM}, {_CALL}, {_STATE}, " \
+    f"Tensor out, Tensor mq, Tensor den, {_OPTS}"  # fmt: skip
+
+
+@_op("chunk_bwd", _CHUNK_BWD, "(Tensor, Tensor, Tensor, Tensor, Tensor)")
+def _chunk_bwd(do, ds, dz, q, k, v, *args):
+    form, (scale, mask, s0, z0, off0, out, mq, den, precision, gpu_tiles) = _form(args)
+    dq, dk, dv, ds0, dz0 = rf_chunk_kernels.rf_chunk_bwd(
+        do, None if ds is None else (ds, dz), q, k, v, form, scale, out, (mq, den), mask,
+        _state(s0, z0, off0), precision, gpu_tiles=gpu_tiles,
+    )  # fmt: skip
+    if ds0 is None:
+        return dq, dk, dv, q.new_empty(0), q.new_empty(0)
+    return dq, dk, dv, ds0.to(s0.dtype), dz0.to(z0.dtype)
+
+
+@_chunk_bwd.register_fake
+def _(do, ds, dz, q, k, v, *args):
+    s0, z0 = args[_NFORM + 2], args[_NFORM + 3]
+    init = s0 is not None
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            torch.empty_like(s0) if init else q.new_empty(0),
+            torch.empty_like(z0) if init else q.new_empty(0))  # fmt: skip
+
+
+def _chunk_setup(ctx, inputs, output):
+    out, mq, den = output[0], output[4], output[5]
+    ctx.save_for_backward(*inputs[:3], *inputs[4 : 3 + _NFORM], *inputs[11:15], out, mq, den)
+    ctx.kind, ctx.scale, ctx.opts = inputs[3], inputs[10], inputs[15:]
+
+
+def _chunk_backward(ctx, d_out, d_s, d_z, *_rest):
+    q, k, v, *form, mask, s0, z0, off0, out, mq, den = ctx.saved_tensors
+    d_out = torch.zeros_like(out) if d_out is None else d_out
+    if d_s is not None or d_z is not None:  # the final state's cotangents, zeros where unused
+        s, z, _ = _state_like(q, v, form[0])
+        d_s = torch.zeros_like(s) if d_s is None else d_s
+        d_z = torch.zeros_like(z) if d_z is None else d_z
+    dq, dk, dv, ds0, dz0 = _chunk_bwd(
+        d_out, d_s, d_z, q, k, v, ctx.kind, *form, ctx.scale, mask, s0, z0, off0, out, mq, den,
+        *ctx.opts,
+    )  # fmt: skip
+    init = s0 is not None
+    return (dq, dk, dv, *([None] * 9), (ds0 if init else None), (dz0 if init else None),
+            None, None, None)  # fmt: skip
+
+
+_chunk.register_autograd(_chunk_backward, setup_context=_chunk_setup)
+
+
+def rf_chunk(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, initial_state=None,
+             precision=None, gpu_tiles=None):  # fmt: skip
+    """Causal fused attention of the kernel form ``form`` (``rfattn::chunk``); see
     ``rfattn.kernels.rf_chunk.rf_chunk_fwd``. Returns ``(out, S, z, offset)``."""
     s0, z0, off0 = (None, None, None) if initial_state is None else initial_state
-    form = dict(feature=feature, gerf=gerf, psi=psi, table=table, extra_rows=extra_rows,
-                index=index)  # fmt: skip
-    return RFChunkFunction.apply(q, k, v, w, s0, z0, off0, scale, key_padding_mask, precision, form)
+    out, s, z, off, _, _ = _chunk(q, k, v, *_flat(form), scale, key_padding_mask, s0, z0, off0,
+                                  precision, gpu_tiles)  # fmt: skip
+    return out, s, z, off
+
+
+# ------------------------------------------------------------------------------------------------
+# decode
+
+
+@_op("decode", f"{_QKV}, {_FORM}, {_CALL}, {_STATE}, {_OPTS}", "(Tensor, Tensor, Tensor, Tensor)")
+def _decode(q, k, v, *args):
+    form, (scale, mask, s0, z0, off0, precision, gpu_tiles) = _form(args)
+    out, state = rf_recurrent_kernels.rf_recurrent_fwd(
+        q, k, v, form, scale, mask, _state(s0, z0, off0), precision, gpu_tiles=gpu_tiles
+    )
+    return out, *state
+
+
+@_decode.register_fake
+def _(q, k, v, *args):
+    return q.new_empty(*q.shape[:3], v.shape[3]), *_state_like(q, v, args[1])
+
+
+_DECODE_ = f"{_QKV}, {_FORM}, {_CALL}, Tensor(a!) s, Tensor(b!) z, Tensor(c!) off, {_OPTS}"
+
+
+@_op("decode_", _DECODE_, "Tensor", mutates=("s", "z", "off"))
+def _decode_(q, k, v, *args):
+    form, (scale, mask, s, z, off, precision, gpu_tiles) = _form(args)
+    out, _ = rf_recurrent_kernels.rf_recurrent_fwd(
+        q, k, v, form, scale, mask, (s, z, off), precision, inplace=True, gpu_tiles=gpu_tiles
+    )
+    return out
+
+
+@_decode_.register_fake
+def _(q, k, v, *args):
+    return q.new_empty(*q.shape[:3], v.shape[3])
+
+
+def rf_decode(q, k, v, form: KernelForm, scale: float, key_padding_mask=None,
+              initial_state=None, precision=None, inplace=False, gpu_tiles=None):  # fmt: skip
+    """The causal decode step of the kernel form ``form`` (no gradient): ``(out, S, z, offset)``.
+
+    ``inplace=True`` (``rfattn::decode_``) writes the new state over ``initial_state``'s tensors
+    (contiguous, in the accumulation dtype) and returns them: for a caller that owns the state,
+    such as a generation cache. Otherwise (``rfattn::decode``) the given state is only read.
+    """
+    args = (*_flat(form), scale, key_padding_mask)
+    if inplace:
+        if initial_state is None:
+            raise ValueError("inplace=True needs an initial_state to update")
+        out = _decode_(q, k, v, *args, *initial_state, precision, gpu_tiles)
+        return (out, *initial_state)
+    s0, z0, off0 = (None, None, None) if initial_state is None else initial_state
+    return _decode(q, k, v, *args, s0, z0, off0, precision, gpu_tiles)

@@ -13,6 +13,11 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # one thread per xdist worker (make test runs one worker per core): the interpreter's numpy
+    # and torch's thread pool would otherwise oversubscribe the cores
+    torch.set_num_threads(1)
+
 HAS_CUDA = torch.cuda.is_available()
 
 

@@ -44,6 +44,7 @@ def test_plan_shares_the_budget_and_skips_cuda_stages_without_cuda():
     assert [s["runs"] for s in steps] == [True, True, False]
 
 
+@pytest.mark.slow
 def test_smoke_stage_report_with_a_failing_case(tmp_path):
     """Two real cases pass against float64; a broken one is recorded, not fatal; the CUDA-only
     stage after it is still reached (skipped); the report is written and well formed."""
@@ -84,6 +85,7 @@ def test_smoke_stage_report_with_a_failing_case(tmp_path):
     assert md.splitlines()[-1] in proc.stdout  # the table is printed last
 
 
+@pytest.mark.slow
 def test_time_box_stops_a_stage_and_the_next_runs(tmp_path):
     """A stage over its box is killed at the box and marked timeout; the run goes on."""
     proc, wall = _run("--stages", "smoke", "pytest", "--box", "smoke=4", "--out", str(tmp_path))

@@ -12,8 +12,9 @@ from rfattn.kernels.rf_chunk import rf_chunk_fwd
 from rfattn.kernels.rf_recurrent import rf_recurrent_fwd
 
 import rfattn
-from rfattn.attention import _fused_form
-from rfattn.autograd import rf_chunk
+from rfattn.attention import _kernel_form
+from rfattn.autograd import rf_chunk, rf_decode
+from rfattn.features.form import KernelForm
 from rfattn.testing import rel_rms, tolerance
 
 f32, f64 = torch.float32, torch.float64
@@ -41,8 +42,9 @@ def compare(q, k, v, rf, mask=None, initial_state=None, seed=0):
     out, st = rfattn.rf_attention(*args, rf, backend="triton", initial_state=initial_state, **kw)
     ref, rst = rfattn.rf_attention(*ref_args, rf64, backend="torch", initial_state=init64, **kw)
     g = torch.Generator().manual_seed(seed)
-    do, ds, dz = (torch.randn(x.shape, generator=g, dtype=f64).to(x.device)
-                  for x in (ref, rst.s, rst.z))  # fmt: skip
+    do, ds, dz = (
+        torch.randn(x.shape, generator=g, dtype=f64).to(x.device) for x in (ref, rst.s, rst.z)
+    )
     # the state's cotangents act on the offset-invariant S e^offset (offsets are stabilisers)
     e, e64 = torch.exp(st.offset.detach()), torch.exp(rst.offset.detach())
     loss = (out * do.to(out.dtype)).sum() + (st.s * e[..., None, None] * ds.to(st.s.dtype)).sum()
@@ -53,15 +55,17 @@ def compare(q, k, v, rf, mask=None, initial_state=None, seed=0):
     loss64.backward()
     s, z = at_offset(st, rst.offset)
     errs = {"out": rel_rms(out, ref), "S": rel_rms(s, rst.s), "z": rel_rms(z, rst.z)}
-    errs.update({"d" + n: rel_rms(a.grad, b.grad) for n, a, b in zip("qkv", args, ref_args,
-                                                                    strict=True)})  # fmt: skip
+    errs.update(
+        {"d" + n: rel_rms(a.grad, b.grad) for n, a, b in zip("qkv", args, ref_args, strict=True)}
+    )
     return errs
 
 
+SLOW = pytest.mark.slow  # make test-slow (CI); the fast cases cover every kernel and form
 SHAPES = [  # B, H, T, D, M, E
     (1, 2, 1, 16, 24, 8),
     (2, 3, 63, 16, 40, 24),
-    (1, 2, 257, 32, 72, 20),
+    pytest.param((1, 2, 257, 32, 72, 20), marks=SLOW),
     (2, 1, 40, 24, 17, 33),
 ]
 
@@ -122,20 +126,29 @@ def test_initial_state_and_split_resume(kernel_device):
         outs, st = [], None
         for a, b in zip(cuts[:-1], cuts[1:], strict=True):
             sl = slice(a, b)
-            o, st = rfattn.rf_attention(q[:, :, sl], k[:, :, sl], v[:, :, sl], rf,
-                                        initial_state=st, **kw)  # fmt: skip
+            o, st = rfattn.rf_attention(
+                q[:, :, sl], k[:, :, sl], v[:, :, sl], rf, initial_state=st, **kw
+            )
             outs.append(o)
         assert rel_rms(torch.cat(outs, 2), full) <= 1e-6
         s, z = at_offset(st, st_full.offset)
         assert rel_rms(s, st_full.s) <= 1e-6 and rel_rms(z, st_full.z) <= 1e-6
     # gradients through an initial state (and states across backends)
-    _, st_torch = rfattn.rf_attention(q[:, :, :30], k[:, :, :30], v[:, :, :30], rf,
-                                      causal=True, backend="torch", return_state=True)  # fmt: skip
+    _, st_torch = rfattn.rf_attention(
+        q[:, :, :30],
+        k[:, :, :30],
+        v[:, :, :30],
+        rf,
+        causal=True,
+        backend="torch",
+        return_state=True,
+    )
     init = rfattn.RFState(*(x.detach() for x in st_torch))
     errs = compare(q[:, :, 30:], k[:, :, 30:], v[:, :, 30:], rf, initial_state=init)
     assert max(errs.values()) <= tolerance(f32, "grad"), errs
 
 
+@SLOW
 def test_gradcheck_float64_with_state(kernel_device):
     g = torch.Generator().manual_seed(0)
 
@@ -154,7 +167,7 @@ def test_gradcheck_float64_with_state(kernel_device):
     mask = torch.tensor([[True, False, False, True, False]], device=kernel_device)
 
     def fn(a, b, c, s, z):
-        out, s1, z1, off = rf_chunk(a, b, c, w, 0.5, mask, (s, z, off0))
+        out, s1, z1, off = rf_chunk(a, b, c, KernelForm("gerf", w), 0.5, mask, (s, z, off0))
         e = torch.exp(off)  # offset-invariant state
         return out, s1 * e[..., None, None], z1 * e[..., None]
 
@@ -193,8 +206,9 @@ def test_deterministic_and_empty(kernel_device):
         out.pow(2).sum().backward()
         res.append([out.detach().clone()] + [x.grad.clone() for x in (q, k, v)])
     assert all(torch.equal(a, b) for a, b in zip(*res, strict=True))
-    out, st = rfattn.rf_attention(q[:, :, :0], k[:, :, :0], v[:, :, :0], rf, causal=True,
-                                  backend="triton", return_state=True)  # fmt: skip
+    out, st = rfattn.rf_attention(
+        q[:, :, :0], k[:, :, :0], v[:, :, :0], rf, causal=True, backend="triton", return_state=True
+    )
     assert out.shape == (1, 2, 0, 16) and torch.equal(st.s, torch.zeros_like(st.s))
     assert torch.isinf(st.offset).all()
 
@@ -232,11 +246,12 @@ def test_parity_low_precision_gpu(dtype):
 
 SIGNED = [
     ("trigrf", "orf", {}),
-    ("hrf", "orf", {}),
+    ("hrf", "orf", {"lambda_features": 2}),
+    pytest.param("hrf", "orf", {}, marks=SLOW),
     ("gerf", "orf", {"A": 0.1j}),
     ("rmf", "rademacher", {}),
     ("rmf", "rademacher", {"dot_kernel": "inverse", "mode": "paper"}),
-    ("posrf", "sgq", {}),
+    pytest.param("posrf", "sgq", {}, marks=SLOW),
 ]
 
 
@@ -258,8 +273,12 @@ def test_signed_and_plain_features(feature, weights, opts, kernel_device):
 # ------------------------------------------------------------------------------------------------
 # the decode step (kernels/rf_recurrent.py)
 
-DECODE = [("posrf", "orf", {}), ("trigrf", "orf", {}), ("rmf", "rademacher", {}),
-          ("oprf", "orf", {"stats": "fixed", "A": -0.05})]  # fmt: skip
+DECODE = [
+    ("posrf", "orf", {}),
+    pytest.param("trigrf", "orf", {}, marks=SLOW),
+    pytest.param("rmf", "rademacher", {}, marks=SLOW),
+    pytest.param("oprf", "orf", {"stats": "fixed", "A": -0.05}, marks=SLOW),
+]
 
 
 @pytest.mark.parametrize("feature,weights,opts", DECODE, ids=str)
@@ -280,25 +299,36 @@ def test_decode_step_equals_chunked(feature, weights, opts, kernel_device):
         outs, s = [], None
         for t in range(T):  # one token per call: the decode step
             sl = slice(t, t + 1)
-            o, s = rfattn.rf_attention(q[:, :, sl], k[:, :, sl], v[:, :, sl], rf, initial_state=s,
-                                       key_padding_mask=mask[:, sl], **kw)  # fmt: skip
+            o, s = rfattn.rf_attention(
+                q[:, :, sl],
+                k[:, :, sl],
+                v[:, :, sl],
+                rf,
+                initial_state=s,
+                key_padding_mask=mask[:, sl],
+                **kw,
+            )
             outs.append(o)
     assert rel_rms(torch.cat(outs, 2), full) <= 1e-6
     s_at, z_at = at_offset(s, st.offset)
     assert rel_rms(s_at, st.s) <= 1e-6 and rel_rms(z_at, st.z) <= 1e-6
     # the step itself against the chunked kernel, 5 tokens from a mid-sequence state
-    form, shift = _fused_form(rf, q, k, None, D**-0.5, causal=True)
-    _, init = rf_chunk_fwd(q[:, :, :10], k[:, :, :10], v[:, :, :10], scale=D**-0.5, **form)
+    form = _kernel_form(rf, q, k, None, D**-0.5, causal=True)
+    _, init = rf_chunk_fwd(q[:, :, :10], k[:, :, :10], v[:, :, :10], form, D**-0.5)
     init_copy = tuple(x.clone() for x in init)
     sl = slice(10, 15)
-    step, st1 = rf_recurrent_fwd(q[:, :, sl], k[:, :, sl], v[:, :, sl], scale=D**-0.5,
-                                 initial_state=init, **form)  # fmt: skip
-    ref, st2 = rf_chunk_fwd(q[:, :, sl], k[:, :, sl], v[:, :, sl], scale=D**-0.5,
-                            initial_state=init, **form)  # fmt: skip
+    step, st1 = rf_recurrent_fwd(
+        q[:, :, sl], k[:, :, sl], v[:, :, sl], form, D**-0.5, initial_state=init
+    )
+    ref, st2 = rf_chunk_fwd(
+        q[:, :, sl], k[:, :, sl], v[:, :, sl], form, D**-0.5, initial_state=init
+    )
     assert rel_rms(step, ref) <= 1e-6
     assert all(torch.equal(a, b) for a, b in zip(init, init_copy, strict=True))  # not mutated
     assert torch.allclose(st1[2], st2[2]) and rel_rms(st1[0], st2[0]) <= 1e-6
-    inplace = tuple(x.clone() for x in init)
-    rf_recurrent_fwd(q[:, :, sl], k[:, :, sl], v[:, :, sl], scale=D**-0.5,
-                     initial_state=inplace, inplace=True, **form)  # fmt: skip
-    assert rel_rms(inplace[0], st1[0]) == 0.0
+    # in place (the decode operator a generation cache uses): the same state, in init's tensors
+    out, *new = rf_decode(
+        q[:, :, sl], k[:, :, sl], v[:, :, sl], form, D**-0.5, initial_state=init, inplace=True
+    )
+    assert all(a is b for a, b in zip(new, init, strict=True)) and torch.equal(out, step)
+    assert all(torch.equal(a, b) for a, b in zip(init, st1, strict=True))

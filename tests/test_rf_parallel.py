@@ -4,12 +4,14 @@ On CPU these run under the Triton interpreter (conftest sets TRITON_INTERPRET=1)
 """
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
 import rfattn
 from rfattn.autograd import rf_parallel
+from rfattn.features.form import KernelForm
 from rfattn.reference import linear_attention
 from rfattn.testing import rel_rms, tolerance
 
@@ -90,7 +92,8 @@ def test_split_merge_is_exact(splits, kernel_device):
     k = rand(B, H, T, D, seed=2, device=kernel_device)
     v = rand(B, H, T, E, seed=3, device=kernel_device)
     rf = rfattn.RandomFeatures(D, M, seed=7).to(kernel_device)
-    out = rf_parallel_fwd(q, k, v, rf.weight, D**-0.5, num_splits=splits)
+    form = rf.feature_map.kernel_form(rf.weight)
+    out = rf_parallel_fwd(q, k, v, form, D**-0.5, num_splits=splits)
     assert rel_rms(out, reference(q, k, v, rf)) <= tolerance(f32)
 
 
@@ -141,7 +144,7 @@ def grad_parity(q, k, v, rf, mask=None, scale=None, learn_w=False, seed=0, zero=
     reported instead."""
     w = rf.weight.detach().clone().requires_grad_(learn_w)
     args = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    out = rf_parallel(*args, w, scale or q.shape[-1] ** -0.5, mask)
+    out = rf_parallel(*args, rf.feature_map.kernel_form(w), scale or q.shape[-1] ** -0.5, mask)
     g = torch.Generator().manual_seed(seed)
     do = torch.randn(out.shape, generator=g, dtype=torch.float64)
     out.backward(do.to(out.device, out.dtype))
@@ -193,6 +196,7 @@ def test_gradient_parity_mask_strided_fp64(kernel_device):
     assert torch.equal(vv.grad[pad], torch.zeros_like(vv.grad[pad]))
 
 
+@pytest.mark.slow
 def test_gradcheck_float64_tiny(kernel_device):
     f64 = torch.float64
     q = rand(1, 1, 3, 5, seed=1, dtype=f64, device=kernel_device).requires_grad_()
@@ -200,8 +204,11 @@ def test_gradcheck_float64_tiny(kernel_device):
     v = rand(1, 1, 4, 2, seed=3, dtype=f64, device=kernel_device).requires_grad_()
     w = rfattn.RandomFeatures(5, 3, seed=0).weight.to(kernel_device, f64).requires_grad_()
     mask = torch.tensor([[False, True, False, False]], device=kernel_device)
-    fn = rf_parallel
-    assert torch.autograd.gradcheck(lambda a, b, c, d: fn(a, b, c, d, 0.3, mask), (q, k, v, w))
+
+    def fn(a, b, c, d):  # dW through the form's rows
+        return rf_parallel(a, b, c, KernelForm("gerf", d), 0.3, mask)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, w))
 
 
 def test_gradients_deterministic(kernel_device):
@@ -227,9 +234,7 @@ def test_triton_backend_rejects_what_it_cannot_run(kernel_device):
     from rfattn.kernels.rf_parallel import rf_parallel_fwd
 
     with pytest.raises(ValueError, match="precision"):
-        rf_parallel_fwd(q, q, q, rf.weight, 0.25, precision="fp8")
-    with pytest.raises(ValueError, match="no fused kernel"):
-        rf_parallel_fwd(q, q, q, rf.weight, 0.25, feature="oprf")
+        rf_parallel_fwd(q, q, q, rf.feature_map.kernel_form(rf.weight), 0.25, precision="fp8")
 
 
 @pytest.mark.gpu
@@ -461,9 +466,10 @@ def test_signed_awkward_shapes(feature, shape, kernel_device):
     assert max(errs.values()) <= tolerance(f32, "grad"), errs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("feature,opts", [("rmf", {}), ("hrf", {"lambda_features": 1})])
 def test_gradcheck_float64_tiny_signed(feature, opts, kernel_device):
-    from rfattn.attention import _fused_form
+    from rfattn.attention import _kernel_form
 
     f64 = torch.float64
     weights = "rademacher" if feature == "rmf" else "gaussian"
@@ -473,11 +479,11 @@ def test_gradcheck_float64_tiny_signed(feature, opts, kernel_device):
     k = rand(1, 1, 3, 3, seed=2, dtype=f64, device=kernel_device).requires_grad_()
     v = rand(1, 1, 3, 2, seed=3, dtype=f64, device=kernel_device).requires_grad_()
     mask = torch.tensor([[False, True, False]], device=kernel_device)
-    form, _ = _fused_form(rf, q, k, mask, 0.5)
-    form["w"] = form["w"].detach()
+    form = _kernel_form(rf, q, k, mask, 0.5, causal=False)
+    form = dataclasses.replace(form, w=form.w.detach())
 
     def fn(a, b, c):
-        return rf_parallel(a, b, c, scale=0.5, key_padding_mask=mask, **form)
+        return rf_parallel(a, b, c, form, 0.5, key_padding_mask=mask)
 
     assert torch.autograd.gradcheck(fn, (q, k, v))
 

@@ -37,6 +37,7 @@ import math
 import torch
 from torch import nn
 
+from rfattn.features.form import KernelForm
 from rfattn.stats import (
     STATS_MODES,
     Moments,
@@ -172,6 +173,9 @@ class FeatureMap(nn.Module):
     positive: bool = True
     #: True when phi = g * exp(logits) (stabilised by offsets); False: phi = values(...)
     exponential: bool = True
+    #: whether :meth:`kernel_form` is implemented: the fused kernels can run this feature (set
+    #: for each subclass)
+    has_kernel_form: bool = False
     #: names of the extra-draw buffers (set by :meth:`_register_draws`)
     _draw_names: tuple[str, ...] = ()
 
@@ -228,6 +232,7 @@ class FeatureMap(nn.Module):
         key_padding_mask: torch.Tensor | None = None,
         causal: bool = False,
         update: bool = True,
+        moments: Moments | None = None,
     ) -> dict[str, torch.Tensor]:
         """Everything beyond (x, W) one call needs: statistics-derived parameters and draws.
 
@@ -236,6 +241,8 @@ class FeatureMap(nn.Module):
             key_padding_mask: ``[B, Tk]`` bool, True = padding (excluded from statistics).
             causal: the call is causal (global statistics would leak the future: they raise).
             update: allow a running-statistics update (training mode only).
+            moments: this call's per-(b, h) moments when the caller has them (see
+                :meth:`StatsFeature.moments`); ignored by features without statistics.
 
         Returns:
             name -> tensor; per-(b, h) values are shaped ``[B, H, ...]``.
@@ -276,6 +283,24 @@ class FeatureMap(nn.Module):
             return g
         c = c.to(device=x.device, dtype=x.dtype).expand(*x.shape[:-1], c.shape[-1])
         return c if g is None else g * c
+
+    def kernel_form(self, w: torch.Tensor, params: dict | None = None) -> KernelForm:
+        """This feature as the fused kernels compute it (:class:`rfattn.features.form.KernelForm`):
+        the same ``phi`` as :meth:`logits`/:meth:`amplitude` or :meth:`values`, with the same key
+        offsets (tests hold each form to its feature map).
+
+        Args:
+            w: ``[M, D]`` the weight matrix (gradients reach it through the form's ``w``).
+            params: :meth:`params`' dict for the call (plus the owner's ``component_weight``).
+
+        Raises:
+            NotImplementedError: the feature has no kernel form (see :attr:`has_kernel_form`).
+        """
+        raise NotImplementedError(f"feature={self.name!r} has no fused kernel form")
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.has_kernel_form = cls.kernel_form is not FeatureMap.kernel_form
 
     def num_samples(self, w: torch.Tensor) -> int:
         """The Monte Carlo sample count the estimate averages over (M by default)."""
@@ -437,28 +462,33 @@ class StatsFeature(FeatureMap):
             )
         return self.stats
 
+    def uses_batch_moments(self, causal: bool, update: bool = True) -> bool:
+        """Whether a call needs this sequence's moments: global mode, or a running-mode update
+        in training (a caller with a faster reduction, the fused stats pass, gives them)."""
+        mode = self.mode(causal)
+        return mode == "global" or (mode == "running" and update and self.training)
+
     def moments(
-        self, xq, xk, key_padding_mask, causal: bool, update: bool, batch=None
+        self, xq, xk, key_padding_mask, causal: bool, update: bool, given: Moments | None = None
     ) -> Moments | None:
         """The moments this call uses: ``[B, H, 2, D]`` (global), ``[1, 1, 2, D]`` (running),
         or None (fixed). A running-mode call in training updates the buffers afterwards.
 
-        ``batch``: optional callable returning this call's detached per-(b, h) moments (the
-        fused stats kernel); by default they are reduced here from ``xq``, ``xk`` (which may then
-        be empty stand-ins giving only dtype, device and D)."""
+        ``given``: this call's detached per-(b, h) moments when the caller reduced them (the
+        fused stats pass; see :meth:`uses_batch_moments`); then ``xq``, ``xk`` may be empty
+        stand-ins giving only dtype, device and D. Otherwise they are reduced here."""
         mode = self.mode(causal)
         if mode == "fixed":
             return None
-        if batch is None or (mode == "global" and self.stats_grad):
-            grad = mode == "global" and self.stats_grad
-            xq_, xk_ = (xq, xk) if grad else (xq.detach(), xk.detach())
-
-            def batch():
-                return sequence_moments(xq_, xk_, key_padding_mask)
-
+        if given is None or (mode == "global" and self.stats_grad):
+            given = None
+            if self.uses_batch_moments(causal, update):
+                grad = mode == "global" and self.stats_grad
+                xq_, xk_ = (xq, xk) if grad else (xq.detach(), xk.detach())
+                given = sequence_moments(xq_, xk_, key_padding_mask)
         if mode == "global":
-            return batch()
+            return given
         cur = Moments(*(t.detach().clone().to(xq.dtype)[None, None] for t in running_moments(self)))
         if update and self.training:
-            update_running(self, batch(), self.momentum)
+            update_running(self, given, self.momentum)
         return cur

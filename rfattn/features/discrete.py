@@ -127,8 +127,8 @@ class _DIRF(StatsFeature):
     def _rate_from_moments(self, m):
         raise NotImplementedError
 
-    def params(self, xq, xk, key_padding_mask=None, causal=False, update=True):
-        m = self.moments(xq, xk, key_padding_mask, causal, update)
+    def params(self, xq, xk, key_padding_mask=None, causal=False, update=True, moments=None):
+        m = self.moments(xq, xk, key_padding_mask, causal, update, moments)
         out = {}
         if m is None:
             rate = xq.new_full((1, 1), self.fixed_rate)

@@ -24,10 +24,12 @@ from rfattn.features.base import (
     StatsFeature,
     check_choice,
     check_number,
+    component_weights,
     project,
     row_sq_norms,
     sq_norm,
 )
+from rfattn.features.form import KernelForm, coefficient_table
 from rfattn.stats import gerf_real_constants, oprf_A, pair_sq_norm, saderf_psi
 
 __all__ = ["PosRF", "HypRF", "GERF", "OPRF", "SADERF", "gerf_real_logits"]
@@ -42,6 +44,37 @@ def gerf_real_logits(x, w, a, b, log_d) -> torch.Tensor:
     return a * row_sq_norms(w, x.dtype) + b * project(x, w) - 0.5 * sq_norm(x) + log_d
 
 
+def real_gerf_form(rows: torch.Tensor, a: float, params: dict | None) -> KernelForm:
+    """The kernel form of :func:`gerf_real_logits` with one real A for every (b, h) on the
+    projection rows ``rows`` ``[F, D]``: the "gerf" kind, or the "table" kind when the owner
+    gives per-row weights (``params["component_weight"]``, sgq's; they scale the key side)."""
+    d = rows.shape[-1]
+    b, log_d = math.sqrt(1.0 - 4.0 * a), 0.25 * d * math.log(1.0 - 4.0 * a)
+    c = component_weights(params, rows.shape[0])
+    if c is None:
+        coeffs = None if a == 0.0 else torch.tensor([a, b, log_d], dtype=torch.float64)
+        return KernelForm("gerf", rows, coeffs=coeffs)
+    c = c.to(rows.device, torch.float64)
+    table = coefficient_table(
+        rows.shape[0], rows.device, cu=b, ch=-0.5, cw=a, bias=log_d, ga=(1.0, c)
+    )
+    return KernelForm("table", rows, table=table)
+
+
+def stats_form(w: torch.Tensor, params: dict, name: str) -> KernelForm:
+    """The "gerf" kind with the per-(b, h) ``A, B, log D`` (and saderf's ``psi``) of
+    :meth:`OPRF.params` / :meth:`SADERF.params` (held constant: no gradient)."""
+    if params.get("component_weight") is not None:
+        raise NotImplementedError(
+            f"feature={name!r}: the fused kernels do not apply per-row weights (sgq) together "
+            "with per-(b, h) parameters"
+        )
+    coeffs = torch.cat((params["A"], params["B"], params["log_D"]), dim=-1).flatten(-2)
+    psi = params.get("psi")
+    psi = None if psi is None else psi.squeeze(-2).detach()
+    return KernelForm("gerf", w, coeffs=coeffs.detach(), psi=psi)
+
+
 class PosRF(FeatureMap):
     """FAVOR+ positive random features (spec §2.4, PosRF-B, Eq 32).
 
@@ -54,6 +87,9 @@ class PosRF(FeatureMap):
 
     def logits(self, x, w, side, params=None):
         return project(x, w) - 0.5 * sq_norm(x)
+
+    def kernel_form(self, w, params=None):
+        return real_gerf_form(w, 0.0, params)
 
 
 class HypRF(FeatureMap):
@@ -73,6 +109,9 @@ class HypRF(FeatureMap):
 
     def num_samples(self, w):
         return 2 * w.shape[-2]
+
+    def kernel_form(self, w, params=None):  # [exp(w.x), exp(-w.x)]: posrf on the rows [W; -W]
+        return real_gerf_form(torch.cat((w, -w), dim=0), 0.0, params)
 
 
 class GERF(FeatureMap):
@@ -147,6 +186,30 @@ class GERF(FeatureMap):
         sin = torch.sin(im)
         return torch.cat((torch.cos(im), sin if side == "query" else -sin), dim=-1)
 
+    def kernel_form(self, w, params=None):
+        if not self.complex_form:
+            return real_gerf_form(w, self.A.real, params)
+        # u = [Re z, Re z]; g = [cos Im z, +-sin Im z] (keys: -sin), sin = cos(. - pi/2)
+        m, d, dev = w.shape[0], w.shape[1], w.device
+        (bq, log_d), (bk, _) = self.coefficients(d, "query"), self.coefficients(d, "key")
+        half = torch.ones(m, dtype=torch.float64, device=dev)
+        shift = torch.cat((0.0 * half, -0.5 * math.pi * half))
+        c = component_weights(params, 2 * m)
+        ck = 1.0 if c is None else c.to(dev, torch.float64)
+        table = coefficient_table(
+            2 * m,
+            dev,
+            cu=(bq.real, bk.real),
+            ch=-0.5 * self.s,
+            cw=self.A.real,
+            bias=log_d.real,
+            ct=(bq.imag, bk.imag),
+            tw=self.A.imag,
+            tb=log_d.imag + shift,
+            gb=(1.0, torch.cat((half, -half)) * ck),
+        )
+        return KernelForm("table", torch.cat((w, w), dim=0), table=table)
+
 
 class OPRF(StatsFeature):
     """FAVOR++ optimal positive random features (CRT Theorem 3.3; spec §2.5, §1.8).
@@ -173,9 +236,9 @@ class OPRF(StatsFeature):
             None if A is None else check_number(self.name, "A", A, high=0.125, high_open=True)
         )
 
-    def params(self, xq, xk, key_padding_mask=None, causal=False, update=True, batch=None):
+    def params(self, xq, xk, key_padding_mask=None, causal=False, update=True, moments=None):
         d = xq.shape[-1]
-        m = self.moments(xq, xk, key_padding_mask, causal, update, batch)
+        m = self.moments(xq, xk, key_padding_mask, causal, update, moments)
         if m is None:
             a = xq.new_full((1, 1), self.fixed_A)
         else:
@@ -186,6 +249,9 @@ class OPRF(StatsFeature):
     def logits(self, x, w, side, params=None):
         p = params
         return gerf_real_logits(x, w, p["A"], p["B"], p["log_D"])
+
+    def kernel_form(self, w, params=None):
+        return stats_form(w, params, self.name)
 
 
 class SADERF(StatsFeature):
@@ -228,9 +294,9 @@ class SADERF(StatsFeature):
                 )
             self.fixed_psi = t
 
-    def params(self, xq, xk, key_padding_mask=None, causal=False, update=True, batch=None):
+    def params(self, xq, xk, key_padding_mask=None, causal=False, update=True, moments=None):
         d = xq.shape[-1]
-        m = self.moments(xq, xk, key_padding_mask, causal, update, batch)
+        m = self.moments(xq, xk, key_padding_mask, causal, update, moments)
         if m is None:
             psi = self.fixed_psi.to(device=xq.device, dtype=xq.dtype)[None, None]
             a = xq.new_full((1, 1), self.fixed_A)
@@ -249,3 +315,6 @@ class SADERF(StatsFeature):
         p = params
         x = x * p["psi"] if side == "query" else x / p["psi"]
         return gerf_real_logits(x, w, p["A"], p["B"], p["log_D"])
+
+    def kernel_form(self, w, params=None):
+        return stats_form(w, params, self.name)

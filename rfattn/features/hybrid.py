@@ -35,6 +35,7 @@ import math
 import torch
 
 from rfattn.features.base import FeatureMap, check_number, project, sq_norm
+from rfattn.features.form import KernelForm, coefficient_table
 
 __all__ = ["HRF"]
 
@@ -129,3 +130,34 @@ class HRF(FeatureMap):
 
     def amplitude(self, x, w, side, params=None):
         return self._blocks(x, w, side, params)[1]
+
+    def kernel_form(self, w, params=None):
+        """The "table" kind over the blocks of :meth:`_blocks`, in their order: P blocks
+        ``u = +-z_p - |x|^2/2 + log``, T blocks ``u = |x|^2/2 + log``, ``g = [sin z_t, cos z_t]``;
+        the lambda blocks add ``lr`` to the logits and the sign ``s_r`` (``lam_f = r``; queries
+        carry ``-s_r`` on the P blocks); the first two blocks have no sign (``lam_f = -1``)."""
+        wp, wt = self._split(w)
+        mp, mt, n, dev = wp.shape[0], wt.shape[0], self.n, w.device
+        lp, lt, lr = self.log_constants(mp, mt)
+        f64 = dict(dtype=torch.float64, device=dev)
+        pm = torch.cat((torch.ones(mp, **f64), -torch.ones(mp, **f64)))  # [exp(z_p), exp(-z_p)]
+        sc = torch.cat((torch.full((mt,), -0.5 * math.pi, **f64), torch.zeros(mt, **f64)))
+        p_blk, t_blk = dict(cu=pm, ch=-0.5), dict(ch=0.5, ct=1.0, tb=sc, gb=1.0)
+        tables = [
+            coefficient_table(2 * mp, dev, bias=lp, ga=1.0, **p_blk),
+            coefficient_table(2 * mt, dev, bias=lt, **t_blk),
+        ]
+        tables += [coefficient_table(2 * mp, dev, bias=lp + lr, ga=(-1.0, 1.0), **p_blk)] * n
+        tables += [coefficient_table(2 * mt, dev, bias=lt + lr, **t_blk)] * n
+        lam = [torch.full((2 * mp + 2 * mt,), -1)]
+        lam += [torch.full((2 * mp,), r) for r in range(n)]
+        lam += [torch.full((2 * mt,), r) for r in range(n)]
+        rows = [wp, wp, wt, wt] + [wp, wp] * n + [wt, wt] * n
+        tau = (params or self.drawn())["hrf_tau"]
+        return KernelForm(
+            "table",
+            torch.cat(rows, dim=0),
+            table=torch.cat(tables, dim=-1),
+            tau=tau.detach(),
+            lam=torch.cat(lam).to(dev),
+        )

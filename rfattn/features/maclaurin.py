@@ -51,7 +51,14 @@ import math
 
 import torch
 
-from rfattn.features.base import FeatureMap, check_choice, check_number, project
+from rfattn.features.base import (
+    FeatureMap,
+    check_choice,
+    check_number,
+    component_weights,
+    project,
+)
+from rfattn.features.form import KernelForm
 
 __all__ = ["RMF", "DOT_KERNELS", "maclaurin_coefficients", "dot_kernel_fn"]
 
@@ -184,6 +191,27 @@ class RMF(FeatureMap):
         for s in range(1, top):
             prod = prod * torch.where(degree > s, project(x, proj[..., s - 1, :, :]), one)
         return scale * prod
+
+    def kernel_form(self, w, params=None):
+        """The "rmf" kind: feature f's projection rows (stage 0 = W's row, then the drawn
+        stages) stacked feature-major, so one projection covers every stage."""
+        p = params or self.drawn()
+        m, dev = w.shape[0], w.device
+        deg = p["rmf_degree"].to(dev)
+        stages = torch.cat((w.detach()[None], p["rmf_proj"].to(dev, w.dtype)), dim=0)
+        starts = torch.cat((deg.new_zeros(1), deg.cumsum(0)))  # feature f: rows starts[f]..
+        owner = torch.repeat_interleave(torch.arange(m, device=dev), deg)
+        rows = stages[torch.arange(owner.shape[0], device=dev) - starts[owner], owner]
+        cq = p["rmf_scale"].to(dev, torch.float64)
+        c = component_weights(p, m)
+        ck = cq if c is None else cq * c.to(dev, torch.float64)
+        return KernelForm(
+            "rmf",
+            w.detach(),
+            table=torch.stack((cq, ck))[:, None],
+            rows=rows,
+            segments=torch.cat((starts, owner)),
+        )
 
     def target_kernel(self, xq, xk):
         """The truncated series ``sum_{n <= max_degree} a_n t^n`` at ``t = x_q . x_k`` (Horner)."""

@@ -13,9 +13,12 @@ where the kernel does, which is why Spectraformer leaves it out of its experimen
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from rfattn.features.base import FeatureMap, project, sq_norm
+from rfattn.features.base import FeatureMap, component_weights, project, sq_norm
+from rfattn.features.form import KernelForm, coefficient_table
 
 __all__ = ["TrigRF"]
 
@@ -34,3 +37,17 @@ class TrigRF(FeatureMap):
     def amplitude(self, x, w, side, params=None):
         z = project(x, w)
         return torch.cat((torch.cos(z), torch.sin(z)), dim=-1)
+
+    def kernel_form(self, w, params=None):  # u = |x|^2 / 2, g = [cos z, sin z] = cos(z - [0, pi/2])
+        m, dev = w.shape[0], w.device
+        half = torch.ones(m, dtype=torch.float64, device=dev)
+        c = component_weights(params, 2 * m)
+        table = coefficient_table(
+            2 * m,
+            dev,
+            ch=0.5,
+            ct=1.0,
+            tb=torch.cat((0.0 * half, -0.5 * math.pi * half)),
+            gb=(1.0, 1.0 if c is None else c.to(dev, torch.float64)),
+        )
+        return KernelForm("table", torch.cat((w, w), dim=0), table=table)

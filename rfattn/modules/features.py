@@ -169,11 +169,12 @@ class RandomFeatures(nn.Module):
         key_padding_mask: torch.Tensor | None = None,
         causal: bool = False,
         update: bool = True,
+        moments=None,
     ) -> dict:
         """The feature map's per-call parameters (:meth:`FeatureMap.params` on pre-scaled
         inputs) plus this module's ``component_weight`` where the weights carry one (sgq)."""
         params = dict(self.feature_map.params(xq, xk, key_padding_mask, causal=causal,
-                                              update=update))  # fmt: skip
+                                              update=update, moments=moments))  # fmt: skip
         if self.weights in WEIGHTED_WEIGHTS:
             params["component_weight"] = self.component_weight.to(xq.device, xq.dtype)
         return params
