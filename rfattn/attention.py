@@ -206,20 +206,23 @@ def fused_kernel_available(rf, causal: bool = False) -> bool:
 
 def _kernel_form(rf, q, k, key_padding_mask, scale: float, causal: bool):
     """The feature's kernel form for this call: its per-call parameters, with the statistics of
-    oprf/saderf from the fused stats pass (``rfattn.kernels.stats``) where the call needs them
-    (held constant: ``stats_grad=False``)."""
+    oprf/saderf from the fused stats pass (``rfattn.kernels.stats``; in torch where the operators
+    run their torch kernels) where the call needs them (held constant: ``stats_grad=False``)."""
+    from rfattn import autograd as ops
+
     fm = rf.feature_map
+    # empty stand-ins give the parameters dtype, device and D, never a copy of q, k
+    xq = xk = q.new_empty((1, 1, 0, q.shape[-1]), dtype=compute_dtype(q.dtype))
     moments = None
     if getattr(fm, "uses_batch_moments", None) and fm.uses_batch_moments(causal):
-        from rfattn.kernels.stats import sequence_moments_fused
+        if ops._on_torch(q):
+            xq, xk = prescale(q, scale), prescale(k, scale)
+        else:
+            from rfattn.kernels.stats import sequence_moments_fused
 
-        moments = Moments(*sequence_moments_fused(q, k, scale, key_padding_mask))
-    # empty stand-ins give the parameters dtype, device and D, never a copy of q, k
-    stand_in = q.new_empty((1, 1, 0, q.shape[-1]), dtype=compute_dtype(q.dtype))
+            moments = Moments(*sequence_moments_fused(q, k, scale, key_padding_mask))
     with torch.no_grad():
-        params = rf.feature_params(
-            stand_in, stand_in, key_padding_mask, causal=causal, moments=moments
-        )
+        params = rf.feature_params(xq, xk, key_padding_mask, causal=causal, moments=moments)
     return fm.kernel_form(rf.weight.to(q.device), params)
 
 
@@ -282,7 +285,8 @@ def rf_attention(
             denominator. A query with no valid key gets output 0.
         scale: softmax temperature, default ``D ** -0.5``.
         backend: "auto" (Triton on CUDA where a fused kernel exists, else torch), "torch",
-            or "triton" (CPU tensors need ``TRITON_INTERPRET=1``; float64 runs there too).
+            or "triton" (the fused operators; CPU tensors run the Triton kernels under
+            ``TRITON_INTERPRET=1``, else the operators' torch kernels; float64 runs too).
         initial_state: causal only: the :class:`RFState` returned by a previous call, to continue
             that sequence (split/resume equals one shot).
         return_state: causal only: also return the final :class:`RFState`.

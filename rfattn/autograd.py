@@ -23,11 +23,20 @@ launch wrapped in ``wrap_triton`` and the launchers' host logic (split counts fr
 count, autotuning with config pruning) traceable, and can only be checked on a GPU; as an opaque
 operator the kernels run exactly as in eager mode.
 
+On CPU tensors without the Triton interpreter, each operator runs its torch kernel instead: the
+kernel form evaluated in torch (:meth:`KernelForm.evaluate`) through the torch path's attention
+(``rfattn.attention._causal_torch`` for the causal forms), its backward by autograd over that
+recomputation, with the kernels' conventions (offsets held fixed, states in ``RFState``'s form).
+So the operators work on any CPU, under ``torch.compile`` too; the interpreter (CI) runs the
+Triton kernels themselves, and tests hold the two to each other.
+
 The per-form parameters (coefficients, tables, tau, rmf's rows) are held constant: no gradient.
 Importing this module imports Triton (``rfattn.attention`` imports it on first fused call).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch.library import custom_op
@@ -36,6 +45,7 @@ from rfattn.features.form import KernelForm
 from rfattn.kernels import rf_chunk as rf_chunk_kernels
 from rfattn.kernels import rf_parallel as rf_parallel_kernels
 from rfattn.kernels import rf_recurrent as rf_recurrent_kernels
+from rfattn.kernels.common import INTERPRET
 
 __all__ = ["rf_parallel", "rf_chunk", "rf_decode"]
 
@@ -86,6 +96,86 @@ def _state_like(q, v, w) -> tuple:
     )
 
 
+#: CPU tensors take the operators' torch kernels (below) unless the Triton interpreter is on
+TORCH_ON_CPU = not INTERPRET
+
+
+def _on_torch(q: torch.Tensor) -> bool:
+    return TORCH_ON_CPU and q.device.type == "cpu"
+
+
+# ------------------------------------------------------------------------------------------------
+# torch kernels (CPU without the interpreter)
+
+
+def _torch_features(q, k, form, scale):
+    """(phi_q, u_k, g_k): stabilised query features, key logits (None: plain) and amplitudes."""
+    from rfattn.features.base import query_features
+
+    acc = _acc(q)
+    xq, xk = (x.to(acc) * scale**0.5 for x in (q, k))
+    u_q, g_q = form.evaluate(xq, "query")
+    u_k, g_k = form.evaluate(xk, "key")
+    if form.plain:
+        return g_q, None, g_k
+    return query_features(u_q, g_q), u_k, g_k
+
+
+def _torch_parallel(q, k, v, form, scale, mask):
+    """``(out, S, z, m_K, m_q, den)`` of the non-causal form in torch, in the kernels' layout
+    (m_q, the per-row query offsets, as 0: only the Triton backward reads them)."""
+    from rfattn.features.base import key_features, key_offset
+    from rfattn.reference import safe_denominator
+
+    phi_q, u_k, g_k = _torch_features(q, k, form, scale)
+    B, H, Tq = q.shape[:3]
+    vc = v.to(phi_q.dtype)
+    if mask is not None:
+        vc = vc.masked_fill(mask[:, None, :, None], 0.0)
+    if u_k is None:  # plain features: no offsets
+        phi_k = g_k if mask is None else g_k.masked_fill(mask[:, None, :, None], 0.0)
+        m_k = phi_q.new_zeros(B, H)
+    else:
+        phi_k, m_k = key_features(u_k, mask, g_k), key_offset(u_k, mask)
+    S, z = phi_k.transpose(-1, -2) @ vc, phi_k.sum(-2)
+    den = (phi_q @ z[..., None]).squeeze(-1)
+    out = (phi_q @ S) / safe_denominator(den)[..., None]
+    aux = (S.flatten(0, 1), z.flatten(0, 1), m_k.flatten(), phi_q.new_zeros(B * H, Tq),
+           den.flatten(0, 1))  # fmt: skip
+    return (out.to(q.dtype), *aux)
+
+
+def _torch_chunk(q, k, v, form, scale, mask, state):
+    """``(out, S, z, offset)`` of the causal forms in torch (the torch path's chunked scan)."""
+    from rfattn.attention import RFState, _causal_torch
+
+    phi_q, u_k, g_k = _torch_features(q, k, form, scale)
+    if state is not None:
+        state = RFState(*(x.to(phi_q.dtype) for x in state))
+    out, st = _causal_torch(phi_q, u_k, g_k, v.to(phi_q.dtype), mask, state)
+    # an operator's outputs never alias its inputs (a plain feature keeps the given offset)
+    given = () if state is None else tuple(state)
+    return out.to(q.dtype), *(x.clone() if any(x is y for y in given) else x for x in st)
+
+
+def _torch_grads(fn, inputs, need, cotangents):
+    """Gradients of ``fn(*inputs)`` (a tuple of outputs) for the inputs flagged in ``need`` with
+    the given cotangents (None: zero), by autograd over the torch kernel; None where not needed."""
+    with torch.enable_grad():
+        xs = [x.detach().requires_grad_(n) if x is not None else None
+              for x, n in zip(inputs, need, strict=True)]  # fmt: skip
+        outs = fn(*xs)
+        pairs = [(o, c) for o, c in zip(outs, cotangents, strict=True) if c is not None]
+        wrt = [x for x, n in zip(xs, need, strict=True) if n]
+        grads = torch.autograd.grad([o for o, _ in pairs], wrt, [c for _, c in pairs],
+                                    allow_unused=True)  # fmt: skip
+    it = iter(grads)
+    return [
+        (torch.zeros_like(x) if (g := next(it)) is None else g) if n else None
+        for x, n in zip(inputs, need, strict=True)
+    ]
+
+
 # ------------------------------------------------------------------------------------------------
 # non-causal
 
@@ -97,6 +187,8 @@ def _state_like(q, v, w) -> tuple:
 )
 def _parallel(q, k, v, *args):
     form, (scale, mask, precision, gpu_tiles) = _form(args)
+    if _on_torch(q):
+        return _torch_parallel(q, k, v, form, scale, mask)
     out, aux = rf_parallel_kernels.rf_parallel_fwd(
         q, k, v, form, scale, mask, precision, return_aux=True, gpu_tiles=gpu_tiles
     )
@@ -140,6 +232,16 @@ def _parallel_backward(ctx, d_out, *_aux):
     q, k, v, *form, mask, out, s, z, mk, mq, den = ctx.saved_tensors
     need_dw = ctx.needs_input_grad[4]
     d_out = torch.zeros_like(out) if d_out is None else d_out
+    if _on_torch(q):  # autograd over the torch kernel (an operator's body records no graph)
+        form_ = _form((ctx.kind, *form))[0]
+
+        def fwd(q, k, v, w):
+            return _torch_parallel(q, k, v, dataclasses.replace(form_, w=w), ctx.scale, mask)[:1]
+
+        dq, dk, dv, dw = _torch_grads(
+            fwd, (q, k, v, form_.w), (True, True, True, need_dw), (d_out,)
+        )
+        return dq, dk, dv, None, dw, *([None] * 9)
     dq, dk, dv, dw = _parallel_bwd(
         d_out, q, k, v, ctx.kind, *form, ctx.scale, mask, out, s, z, mk, mq, den, *ctx.opts,
         need_dw,
@@ -169,6 +271,10 @@ def rf_parallel(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, 
 )
 def _chunk(q, k, v, *args):
     form, (scale, mask, s0, z0, off0, precision, gpu_tiles) = _form(args)
+    if _on_torch(q):  # the saved m_q, den are only read by the Triton backward
+        BH, T, acc = q.shape[0] * q.shape[1], q.shape[2], _acc(q)
+        return (*_torch_chunk(q, k, v, form, scale, mask, _state(s0, z0, off0)),
+                q.new_zeros(BH, T, dtype=acc), q.new_zeros(BH, T, dtype=acc))  # fmt: skip
     out, state, aux = rf_chunk_kernels.rf_chunk_fwd(
         q, k, v, form, scale, mask, _state(s0, z0, off0), precision, return_aux=True,
         gpu_tiles=gpu_tiles,
@@ -221,11 +327,20 @@ def _chunk_backward(ctx, d_out, d_s, d_z, *_rest):
         s, z, _ = _state_like(q, v, form[0])
         d_s = torch.zeros_like(s) if d_s is None else d_s
         d_z = torch.zeros_like(z) if d_z is None else d_z
+    init = s0 is not None
+    if _on_torch(q):  # autograd over the torch kernel (an operator's body records no graph)
+        form_ = _form((ctx.kind, *form))[0]
+
+        def fwd(q, k, v, s0, z0):
+            return _torch_chunk(q, k, v, form_, ctx.scale, mask, _state(s0, z0, off0))[:3]
+
+        dq, dk, dv, ds0, dz0 = _torch_grads(fwd, (q, k, v, s0, z0), (True, True, True, init, init),
+                                            (d_out, d_s, d_z))  # fmt: skip
+        return dq, dk, dv, *([None] * 9), ds0, dz0, None, None, None
     dq, dk, dv, ds0, dz0 = _chunk_bwd(
         d_out, d_s, d_z, q, k, v, ctx.kind, *form, ctx.scale, mask, s0, z0, off0, out, mq, den,
         *ctx.opts,
     )  # fmt: skip
-    init = s0 is not None
     return (dq, dk, dv, *([None] * 9), (ds0 if init else None), (dz0 if init else None),
             None, None, None)  # fmt: skip
 
@@ -250,6 +365,8 @@ def rf_chunk(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, ini
 @_op("decode", f"{_QKV}, {_FORM}, {_CALL}, {_STATE}, {_OPTS}", "(Tensor, Tensor, Tensor, Tensor)")
 def _decode(q, k, v, *args):
     form, (scale, mask, s0, z0, off0, precision, gpu_tiles) = _form(args)
+    if _on_torch(q):
+        return _torch_chunk(q, k, v, form, scale, mask, _state(s0, z0, off0))
     out, state = rf_recurrent_kernels.rf_recurrent_fwd(
         q, k, v, form, scale, mask, _state(s0, z0, off0), precision, gpu_tiles=gpu_tiles
     )
@@ -267,6 +384,11 @@ _DECODE_ = f"{_QKV}, {_FORM}, {_CALL}, Tensor(a!) s, Tensor(b!) z, Tensor(c!) of
 @_op("decode_", _DECODE_, "Tensor", mutates=("s", "z", "off"))
 def _decode_(q, k, v, *args):
     form, (scale, mask, s, z, off, precision, gpu_tiles) = _form(args)
+    if _on_torch(q):
+        out, *new = _torch_chunk(q, k, v, form, scale, mask, (s, z, off))
+        for old_, new_ in zip((s, z, off), new, strict=True):
+            old_.copy_(new_)
+        return out
     out, _ = rf_recurrent_kernels.rf_recurrent_fwd(
         q, k, v, form, scale, mask, (s, z, off), precision, inplace=True, gpu_tiles=gpu_tiles
     )

@@ -4,6 +4,8 @@ and autograd registration checked by ``torch.library.opcheck``, and ``torch.comp
 
 On CPU the kernels run under the Triton interpreter; shapes are tiny."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -79,3 +81,54 @@ def test_compile_fullgraph_sees_the_operators(kernel_device):
     torch.testing.assert_close(out, ref)
     for a, b in zip(args, ref_args, strict=True):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+FORMS = [
+    ("posrf", "orf", {}),
+    ("gerf", "orf", {"A": -0.1}),
+    ("hrf", "gaussian", {"lambda_features": 1}),
+    ("rmf", "rademacher", {}),
+]
+
+
+@pytest.mark.parametrize("feature,weights,opts", FORMS)
+def test_torch_kernels_equal_the_triton_kernels(feature, weights, opts, kernel_device, monkeypatch):
+    """The operators' torch kernels (CPU without the interpreter) against the Triton kernels on
+    the same inputs: outputs, final states and gradients of every form, decode in place too."""
+    import rfattn.autograd as ops
+
+    q, k, v, form = _inputs(kernel_device, feature, weights, **opts)
+    mask = torch.tensor([[True, False, False, True, False]], device=kernel_device)
+    s0 = torch.rand(B, H, form.w.shape[0], E, dtype=f64, device=kernel_device)
+    z0 = torch.rand(B, H, form.w.shape[0], dtype=f64, device=kernel_device) + 0.5
+    off0 = torch.zeros(B, H, dtype=f64, device=kernel_device) + (0.0 if form.plain else 0.3)
+    do = torch.randn(B, H, T, E, dtype=f64, generator=torch.Generator().manual_seed(1))
+
+    def run(device):
+        moved = [x.detach().to(device).requires_grad_() for x in (q, k, v, s0, z0)]
+        a, b, c, s, z = moved
+        fields = ("w", "coeffs", "table", "tau", "lam", "rows", "segments")
+        moved_form = {
+            n: getattr(form, n).to(device) for n in fields if getattr(form, n) is not None
+        }
+        f = dataclasses.replace(form, **moved_form)
+        m, o = mask.to(device), off0.to(device)
+        out_p = ops.rf_parallel(a, b, c, f, D**-0.5, m)
+        out_c, s1, z1, off1 = ops.rf_chunk(a, b, c, f, D**-0.5, m, (s, z, o))
+        loss = (out_p * do.to(device)).sum() + (out_c * do.to(device)).sum()
+        (loss + (s1 * o.exp()[..., None, None]).sum() + z1.sum()).backward()
+        with torch.no_grad():
+            st = (s.detach().clone(), z.detach().clone(), o.clone())
+            dec = ops.rf_decode(a[:, :, :2], b[:, :, :2], c[:, :, :2], f, D**-0.5, None, st)
+            dec_ = ops.rf_decode(a[:, :, :2], b[:, :, :2], c[:, :, :2], f, D**-0.5, None, st,
+                                 inplace=True)  # fmt: skip
+            assert all(x is y for x, y in zip(dec_[1:], st, strict=True))
+        results = [out_p, out_c, s1, z1, off1, *dec, *dec_, *(x.grad for x in moved)]
+        return [x.detach().cpu() for x in results]
+
+    monkeypatch.setattr(ops, "TORCH_ON_CPU", False)
+    triton_results = run(kernel_device)
+    monkeypatch.setattr(ops, "TORCH_ON_CPU", True)
+    torch_results = run("cpu")
+    for i, (a, b) in enumerate(zip(triton_results, torch_results, strict=True)):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11, msg=lambda m, i=i: f"#{i}: {m}")
