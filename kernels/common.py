@@ -165,6 +165,17 @@ def _safe_den(b_den, TINY: tl.constexpr):
 
 
 @triton.jit
+def _ratio(b_num, b_den, TINY: tl.constexpr):
+    """(out, the den to save for the backward) of a query tile, ``rfattn.reference.
+    attention_ratio``'s policy: a row with ``den == 0`` and ``num == 0`` exactly (no valid key)
+    gives 0 and saves ``den = inf``, so that its backward cotangents ``do / den`` are 0 rather
+    than ``do / tiny`` (which overflows, then meets a 0: NaN)."""
+    b_empty = (b_den == 0) & (tl.max(tl.abs(b_num), axis=1) == 0)
+    b_den = _safe_den(b_den, TINY)
+    return b_num / b_den[:, None], tl.where(b_empty, float("inf"), b_den)
+
+
+@triton.jit
 def _load_offset(ptr, PLAIN: tl.constexpr, HAS_INIT: tl.constexpr, ACC: tl.constexpr):
     """A carried key offset (``rfattn.RFState``: -inf before any valid key) as the kernels' finite
     sentinel; without a state, the empty one's: the sentinel, or 0 for plain features."""

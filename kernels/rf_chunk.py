@@ -65,7 +65,7 @@ from .common import (
     _load_w,
     _next_pow2,
     _query_cotangents,
-    _safe_den,
+    _ratio,
     _Setup,
     _setup,
     _store_offset,
@@ -240,8 +240,7 @@ def _chunk_out_kernel(
     b_v = tl.load(p_v, mask=m_k[:, None] & m_e[None, :], other=0.0).to(ACC)  # [BT, BE]
     b_num += tl.dot(b_A, b_v, input_precision=PRECISION, out_dtype=ACC)
     b_den += tl.sum(b_A, axis=1)
-    b_den = _safe_den(b_den, TINY)
-    b_o = b_num / b_den[:, None]
+    b_o, b_den = _ratio(b_num, b_den, TINY)
     _store_tile(o_ptr, i_b, i_h, o_t, o_e, stride_ob, stride_oh, stride_ot, stride_oe,
                 b_o, m_q, m_e)  # fmt: skip
     tl.store(mq_ptr + i_bh * T + o_t, b_mx, mask=m_q)

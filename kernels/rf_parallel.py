@@ -69,7 +69,7 @@ from .common import (
     _load_w,
     _next_pow2,
     _query_cotangents,
-    _safe_den,
+    _ratio,
     _setup,
     _splits,
     _store_tile,
@@ -217,8 +217,7 @@ def _fwd_q_kernel(
         )
         b_den = b_den * b_alpha + tl.sum(b_p * b_z[None, :], axis=1)
         b_mx = b_mx_new
-    b_den = _safe_den(b_den, TINY)
-    b_o = b_num / b_den[:, None]
+    b_o, b_den = _ratio(b_num, b_den, TINY)
     _store_tile(o_ptr, i_b, i_h, o_t, o_e, stride_ob, stride_oh, stride_ot, stride_oe,
                 b_o, m_t, m_e)  # fmt: skip
     tl.store(mq_ptr + i_bh * T + o_t, b_mx, mask=m_t)

@@ -31,7 +31,7 @@ from .common import (
     _load_offset,
     _load_rows,
     _load_w,
-    _safe_den,
+    _ratio,
     _setup,
     _store_offset,
     _valid_keys,
@@ -133,8 +133,7 @@ def _recurrent_kernel(
                                                      out_dtype=ACC)  # fmt: skip
             b_den = b_den * b_beta + tl.sum(b_a * b_z[None, :], axis=1)
             b_mx = b_mx_new
-        b_den = _safe_den(b_den, TINY)
-        b_o = b_num / b_den[:, None]
+        b_o, b_den = _ratio(b_num, b_den, TINY)
         p_o = o_ptr + i_b * stride_ob + i_h * stride_oh + t * stride_ot + o_e[None, :] * stride_oe
         tl.store(p_o + o_r[:, None] * 0, b_o.to(o_ptr.dtype.element_ty),
                  mask=m_row[:, None] & m_e[None, :])  # fmt: skip

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from rfattn.features import compute_dtype, prescale, query_features
-from rfattn.reference import linear_attention, safe_denominator
+from rfattn.reference import attention_ratio, linear_attention
 from rfattn.stats import Moments
 from rfattn.weights import WEIGHTED_WEIGHTS
 
@@ -177,7 +177,7 @@ def _causal_torch(
         intra = (pq @ pk.transpose(-1, -2)).tril()  # [B, H, C, C]
         num = pq @ s + intra @ vc
         den = (pq @ z[..., None]).squeeze(-1) + intra.sum(-1)
-        outs.append(num / safe_denominator(den)[..., None])
+        outs.append(attention_ratio(num, den))
         s = s + pk.transpose(-1, -2) @ vc
         z = z + pk.sum(dim=-2)
     out = torch.cat(outs, dim=2) if outs else v.new_zeros(B, H, 0, E)

@@ -125,7 +125,7 @@ def _torch_parallel(q, k, v, form, scale, mask):
     """``(out, S, z, m_K, m_q, den)`` of the non-causal form in torch, in the kernels' layout
     (m_q, the per-row query offsets, as 0: only the Triton backward reads them)."""
     from rfattn.features.base import key_features, key_offset
-    from rfattn.reference import safe_denominator
+    from rfattn.reference import attention_ratio
 
     phi_q, u_k, g_k = _torch_features(q, k, form, scale)
     B, H, Tq = q.shape[:3]
@@ -139,7 +139,7 @@ def _torch_parallel(q, k, v, form, scale, mask):
         phi_k, m_k = key_features(u_k, mask, g_k), key_offset(u_k, mask)
     S, z = phi_k.transpose(-1, -2) @ vc, phi_k.sum(-2)
     den = (phi_q @ z[..., None]).squeeze(-1)
-    out = (phi_q @ S) / safe_denominator(den)[..., None]
+    out = attention_ratio(phi_q @ S, den)
     aux = (S.flatten(0, 1), z.flatten(0, 1), m_k.flatten(), phi_q.new_zeros(B * H, Tq),
            den.flatten(0, 1))  # fmt: skip
     return (out.to(q.dtype), *aux)

@@ -14,8 +14,8 @@ Conventions shared with the torch path and the kernels (DESIGN §2-§3):
 * ``causal=True`` needs ``Tq == Tk``; query i sees keys j <= i;
 * denominator policy (:func:`safe_denominator`): ``|den| < tiny`` becomes ``sign(den) * tiny``
   (``tiny = torch.finfo(dtype).tiny``, sign of 0 taken as +). A query with no valid key therefore
-  gets output 0 (numerator 0), in every reference, the torch path and the kernels alike. NaN in the
-  denominator stays NaN.
+  gets output 0 (numerator 0), in every reference, the torch path and the kernels alike, with zero
+  gradient (:func:`attention_ratio`). NaN in the denominator stays NaN.
 """
 
 from __future__ import annotations
@@ -24,7 +24,13 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["softmax_attention", "kernel_attention", "linear_attention", "safe_denominator"]
+__all__ = [
+    "softmax_attention",
+    "kernel_attention",
+    "linear_attention",
+    "safe_denominator",
+    "attention_ratio",
+]
 
 
 def safe_denominator(den: torch.Tensor) -> torch.Tensor:
@@ -33,6 +39,16 @@ def safe_denominator(den: torch.Tensor) -> torch.Tensor:
     small = den.abs() < tiny
     floor = torch.full_like(den, tiny)
     return torch.where(small, torch.where(den < 0, -floor, floor), den)
+
+
+def attention_ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """``num / den`` per query row (``num`` ``[..., T, E]``, ``den`` ``[..., T]``) with the
+    denominator policy of :func:`safe_denominator`. A row with ``den == 0`` and ``num == 0``
+    exactly, a query with no valid key, gives exactly 0 with zero gradient (dividing by tiny
+    would overflow ``do / tiny`` and meet a 0 in the backward: NaN)."""
+    empty = (den == 0) & (num == 0).all(dim=-1)
+    den = torch.where(empty, torch.ones_like(den), safe_denominator(den))
+    return torch.where(empty[..., None], torch.zeros_like(num), num / den[..., None])
 
 
 def _allowed(
@@ -89,7 +105,7 @@ def softmax_attention(
     row_max = scores.amax(dim=-1, keepdim=True)
     row_max = torch.where(row_max == float("-inf"), torch.zeros_like(row_max), row_max)
     p = torch.exp(scores - row_max)
-    return (p @ _masked_values(v, key_padding_mask)) / safe_denominator(p.sum(-1, keepdim=True))
+    return attention_ratio(p @ _masked_values(v, key_padding_mask), p.sum(-1))
 
 
 def kernel_attention(
@@ -115,8 +131,7 @@ def kernel_attention(
     allowed = _allowed(q.shape[-2], k.shape[-2], causal, key_padding_mask, q.device)
     if allowed is not None:
         kmat = kmat.masked_fill(~allowed, 0.0)
-    num = kmat @ _masked_values(v, key_padding_mask)
-    return num / safe_denominator(kmat.sum(-1, keepdim=True))
+    return attention_ratio(kmat @ _masked_values(v, key_padding_mask), kmat.sum(-1))
 
 
 def linear_attention(
@@ -147,5 +162,4 @@ def linear_attention(
         return kernel_attention(phi_q, phi_k, v, lambda a, b: a @ b.transpose(-1, -2), causal=True)
     s = phi_k.transpose(-1, -2) @ v  # [B, H, F, E]
     z = phi_k.sum(dim=-2)  # [B, H, F]
-    den = (phi_q @ z[..., None]).squeeze(-1)
-    return (phi_q @ s) / safe_denominator(den)[..., None]
+    return attention_ratio(phi_q @ s, (phi_q @ z[..., None]).squeeze(-1))

@@ -77,12 +77,14 @@ def _side_moments(x: torch.Tensor, valid: torch.Tensor | None):
     """Moments of ``x`` ``[B, H, T, D]`` over its valid tokens (``valid`` ``[B, T]`` bool)."""
     if valid is None:
         valid = torch.ones(x.shape[0], x.shape[2], dtype=torch.bool, device=x.device)
-    wgt = valid[:, None, :, None].to(x.dtype)  # [B, 1, T, 1]
-    count = wgt.sum(dim=-2).clamp_min(1.0)  # [B, 1, 1]
-    mean = (x * wgt).sum(dim=-2) / count
-    sq = (x * x * wgt).sum(dim=-2) / count
-    ab = (x.abs() * wgt).sum(dim=-2) / count
-    mn = x.masked_fill(~valid[:, None, :, None], float("inf"))
+    pad = ~valid[:, None, :, None]  # [B, 1, T, 1]
+    count = valid.sum(dim=-1).to(x.dtype).clamp_min(1.0)[:, None, None]  # [B, 1, 1]
+    # padded tokens replaced, not multiplied by 0: junk there (NaN, inf) never reaches a moment
+    x0 = x.masked_fill(pad, 0.0)
+    mean = x0.sum(dim=-2) / count
+    sq = (x0 * x0).sum(dim=-2) / count
+    ab = x0.abs().sum(dim=-2) / count
+    mn = x.masked_fill(pad, float("inf"))
     mn = mn.amin(dim=-2) if x.shape[-2] > 0 else x.new_full(x.shape[:2] + x.shape[3:], math.inf)
     mn = torch.where(torch.isinf(mn) & (mn > 0), torch.zeros_like(mn), mn)
     return mean, sq, ab, mn
