@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from rfattn.features import compute_dtype, prescale, query_features
+from rfattn.features import compute_dtype, prescale, python_scalar, query_features
 from rfattn.reference import attention_ratio, linear_attention
 from rfattn.stats import Moments
 from rfattn.weights import WEIGHTED_WEIGHTS
@@ -77,7 +77,7 @@ def _validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_sta
             f"rf was built for head_dim={rf.head_dim}, but q has head_dim {q.shape[3]}"
         )
     if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
     if causal and q.shape[2] != k.shape[2]:
         raise ValueError(f"causal=True needs Tq == Tk, got Tq={q.shape[2]}, Tk={k.shape[2]}")
     if key_padding_mask is not None:
@@ -120,6 +120,8 @@ def _check_state(state, q, v, rf) -> None:
             )
         if x.device != q.device:
             raise ValueError(f"initial_state.{name} is on {x.device}, expected {q.device}")
+        if not x.dtype.is_floating_point:  # (other float dtypes are cast to fp32/fp64)
+            raise TypeError(f"initial_state.{name} must be floating point, got dtype {x.dtype}")
 
 
 def _causal_torch(
@@ -180,7 +182,9 @@ def _causal_torch(
         outs.append(attention_ratio(num, den))
         s = s + pk.transpose(-1, -2) @ vc
         z = z + pk.sum(dim=-2)
-    out = torch.cat(outs, dim=2) if outs else v.new_zeros(B, H, 0, E)
+    # T = 0: phi_q @ S is [B, H, 0, E] and keeps the graph (an output without grad_fn would
+    # break a caller's backward)
+    out = torch.cat(outs, dim=2) if outs else phi_q @ s
     return out, RFState(s, z, off)
 
 
@@ -294,6 +298,7 @@ def rf_attention(
     Returns:
         ``out`` ``[B, H, Tq, E]`` in the input dtype, or ``(out, state)`` with ``return_state``.
     """
+    causal, scale = python_scalar(causal), python_scalar(scale)  # numpy scalars, 0-d tensors
     _validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_state, return_state)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     use_triton = backend == "triton" or (backend == "auto" and _use_triton(q, rf, causal))

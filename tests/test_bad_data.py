@@ -76,3 +76,83 @@ def test_queries_without_a_valid_key_have_zero_gradient(causal, feature, weights
         for a, b in zip(*grads, strict=True):
             assert a.isfinite().all(), backend
             torch.testing.assert_close(a, b, msg=backend)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_empty_sequences_keep_shape_and_graph(causal):
+    """T = 0 (and Tk = 0) on the torch path: every feature returns [B, H, Tq, E] with a grad_fn
+    when the inputs require grad (before: hrf raised on a reshape, causal T = 0 lost the graph)."""
+    from rfattn.features import ALL_FEATURES, VALID_WEIGHTS
+
+    shapes = [(0, 0)] if causal else [(0, 0), (3, 0), (0, 4)]
+    for feature in ALL_FEATURES:
+        weights = "rademacher" if feature == "rmf" else VALID_WEIGHTS[feature][0]
+        rf = rfattn.RandomFeatures(8, 12, feature, weights=weights, seed=0).eval()
+        for tq, tk in shapes:
+            q = torch.randn(1, 2, tq, 8, requires_grad=True)
+            k, v = torch.randn(1, 2, tk, 8), torch.randn(1, 2, tk, 4)
+            out = rfattn.rf_attention(q, k, v, rf, causal=causal, backend="torch")
+            assert out.shape == (1, 2, tq, 4) and out.grad_fn is not None, (feature, tq, tk)
+
+
+def test_fused_hrf_is_float64_accurate(kernel_device):
+    """Every coefficient of hrf's kernel form in float64 (before: its phase constant was built in
+    float32, 1e-7 against 1e-15 for the other features)."""
+    from rfattn.testing import rel_rms
+
+    q, k, v = (0.5 * rand(1, 2, 20, 8, seed=s, dtype=f64).to(kernel_device) for s in (1, 2, 3))
+    rf = rfattn.RandomFeatures(8, 12, "hrf", weights="gaussian", seed=0).double().to(kernel_device)
+    for causal in (False, True):
+        ref = rfattn.rf_attention(q, k, v, rf, causal=causal, backend="torch")
+        out = rfattn.rf_attention(q, k, v, rf, causal=causal, backend="triton")
+        assert rel_rms(out, ref) <= 1e-12
+
+
+def test_initial_state_dtype():
+    """An integer state is a TypeError naming the field; other float dtypes are cast to the
+    accumulation dtype on both backends (before: fp16 crashed the Triton path)."""
+    rf = rfattn.RandomFeatures(8, 16, "posrf", seed=0)
+    q = rand(1, 1, 6, 8, seed=1)
+    for backend in backends(rf, causal=True):
+        _, st = rfattn.rf_attention(q, q, q, rf, causal=True, return_state=True, backend=backend)
+        ref = rfattn.rf_attention(q, q, q, rf, causal=True, initial_state=st, backend=backend)
+        half = rfattn.RFState(*(x.half() for x in st))
+        out = rfattn.rf_attention(q, q, q, rf, causal=True, initial_state=half, backend=backend)
+        torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
+        bad = rfattn.RFState(st.s.long(), st.z, st.offset)
+        with pytest.raises(TypeError, match=r"initial_state\.s must be floating point"):
+            rfattn.rf_attention(q, q, q, rf, causal=True, initial_state=bad, backend=backend)
+
+
+def test_rmf_options_do_not_overflow():
+    """rmf's degree distribution in log space and 1/n! through lgamma (before: p=1e300 and
+    max_degree=1000 raised OverflowError); max_degree is capped, overflowing poly coefficients
+    are a ValueError naming the options."""
+    q = 0.3 * rand(1, 1, 4, 8, seed=1)
+    rf = rfattn.RandomFeatures(8, 16, "rmf", weights="rademacher", seed=0, p=1e300)
+    assert rfattn.rf_attention(q, q, q, rf, backend="torch").isfinite().all()
+    assert abs(sum(rf.feature_map.pmf) - 1.0) < 1e-12
+    with pytest.raises(ValueError, match="max_degree"):
+        rfattn.RandomFeatures(8, 16, "rmf", weights="rademacher", max_degree=1000)
+    with pytest.raises(ValueError, match="poly_degree=500"):
+        rfattn.RandomFeatures(8, 16, "rmf", weights="rademacher", dot_kernel="poly",
+                              poly_degree=500, poly_c=10.0)  # fmt: skip
+    rf = rfattn.RandomFeatures(8, 16, "rmf", weights="rademacher", seed=0, max_degree=64)
+    assert rf.feature_map.coef[64] == pytest.approx(1.0 / __import__("math").factorial(64))
+
+
+def test_numpy_scalars_and_0d_tensors_are_numbers():
+    """What PyTorch users pass for a number (before: rejected, 'got bool' for np.bool_)."""
+    import numpy as np
+
+    rf = rfattn.RandomFeatures(np.int64(8), np.int64(16), "posrf", seed=np.int64(3))
+    assert rf.weight.shape == (16, 8)
+    q = rand(1, 1, 4, 8, seed=1)
+    ref = rfattn.rf_attention(q, q, q, rf, causal=True, scale=0.125)
+    for causal, scale in ((np.bool_(True), np.float32(0.125)), (True, torch.tensor(0.125))):
+        out = rfattn.rf_attention(q, q, q, rf, causal=causal, scale=scale)
+        assert torch.equal(out, ref)
+    with pytest.raises(TypeError, match="causal must be a bool, got float"):
+        rfattn.rf_attention(q, q, q, rf, causal=np.float32(1.0))
+    opt = rfattn.RandomFeatures(8, 16, "gerf", A=np.float32(-0.1), seed=0)
+    assert opt.feature_map.A == complex(np.float32(-0.1))

@@ -27,6 +27,7 @@ from rfattn.features.base import (
     key_features,
     key_offset,
     prescale,
+    python_scalar,
     query_features,
 )
 from rfattn.features.discrete import GeomRF, PoisRF
@@ -59,6 +60,7 @@ __all__ = [
     "key_features",
     "compute_dtype",
     "prescale",
+    "python_scalar",
 ]
 
 #: name -> FeatureMap class, for every component function (DESIGN §2 order).

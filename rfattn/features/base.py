@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 
+import numpy
 import torch
 from torch import nn
 
@@ -52,6 +53,7 @@ __all__ = [
     "StatsFeature",
     "check_choice",
     "check_number",
+    "python_scalar",
     "query_features",
     "component_weights",
     "key_offset",
@@ -362,6 +364,15 @@ class FeatureMap(nn.Module):
         return torch.exp(xq @ xk.transpose(-1, -2))
 
 
+def python_scalar(value):
+    """A numpy scalar or a 0-d tensor as the Python bool, int or float it holds (what PyTorch
+    users pass for a number: ``np.float32(0.1)``, ``torch.tensor(0.125)``, ``np.int64(64)``);
+    anything else unchanged, for the caller's check to name."""
+    if isinstance(value, numpy.generic) or (torch.is_tensor(value) and value.dim() == 0):
+        return value.item()
+    return value
+
+
 def check_choice(feature: str, option: str, value, choices) -> None:
     """Raise ValueError naming ``option`` when ``value`` is not one of ``choices``."""
     if value not in choices:
@@ -381,7 +392,9 @@ def check_number(
     low_open: bool = False,
     high_open: bool = False,
 ) -> float:
-    """Validate a numeric option (bounds inclusive unless ``*_open``); returns it as float/int."""
+    """Validate a numeric option (bounds inclusive unless ``*_open``); returns it as float/int
+    (numpy scalars and 0-d tensors taken as their value)."""
+    value = python_scalar(value)
     kind = "an int" if integer else "a real number"
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if integer:

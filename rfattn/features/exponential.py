@@ -26,6 +26,7 @@ from rfattn.features.base import (
     check_number,
     component_weights,
     project,
+    python_scalar,
     row_sq_norms,
     sq_norm,
 )
@@ -138,6 +139,7 @@ class GERF(FeatureMap):
 
     def __init__(self, num_rows=None, head_dim=None, A=0.0, s=1):
         super().__init__(num_rows, head_dim)
+        A = python_scalar(A)
         if isinstance(A, bool) or not isinstance(A, (int, float, complex)):
             raise ValueError(
                 f"feature='gerf': option A must be a real or complex number, got {A!r}"

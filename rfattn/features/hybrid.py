@@ -104,13 +104,13 @@ class HRF(FeatureMap):
         s = torch.where(project(x, params["hrf_tau"]) >= 0, 1.0, -1.0).to(x.dtype)  # [..., T, n]
         lp, lt, lr = self.log_constants(mp, mt)
         sign_p = -1.0 if side == "query" else 1.0
-        lead = u_p.shape[:-1]
+        lead = u_p.shape[:-1]  # explicit widths below: -1 cannot be inferred when T = 0
         u = torch.cat(
             (
                 u_p + lp,
                 u_t + lt,
-                (u_p + lp + lr).unsqueeze(-2).expand(*lead, n, 2 * mp).reshape(*lead, -1),
-                (u_t + lt + lr).unsqueeze(-2).expand(*lead, n, 2 * mt).reshape(*lead, -1),
+                (u_p + lp + lr).unsqueeze(-2).expand(*lead, n, 2 * mp).reshape(*lead, 2 * n * mp),
+                (u_t + lt + lr).unsqueeze(-2).expand(*lead, n, 2 * mt).reshape(*lead, 2 * n * mt),
             ),
             dim=-1,
         )
@@ -118,8 +118,8 @@ class HRF(FeatureMap):
             (
                 torch.ones_like(u_p),
                 g_t,
-                (sign_p * s).unsqueeze(-1).expand(*lead, n, 2 * mp).reshape(*lead, -1),
-                (s.unsqueeze(-1) * g_t.unsqueeze(-2)).reshape(*lead, -1),
+                (sign_p * s).unsqueeze(-1).expand(*lead, n, 2 * mp).reshape(*lead, 2 * n * mp),
+                (s.unsqueeze(-1) * g_t.unsqueeze(-2)).reshape(*lead, 2 * n * mt),
             ),
             dim=-1,
         )

@@ -64,6 +64,8 @@ __all__ = ["RMF", "DOT_KERNELS", "maclaurin_coefficients", "dot_kernel_fn"]
 
 DOT_KERNELS = ("exp", "inverse", "log", "trigh", "sqrt", "poly")
 RMF_MODES = ("h0", "paper")
+#: the largest max_degree accepted
+MAX_DEGREE = 64
 
 
 def maclaurin_coefficients(kernel: str, max_degree: int, poly_degree=2, poly_c=1.0) -> list:
@@ -71,7 +73,7 @@ def maclaurin_coefficients(kernel: str, max_degree: int, poly_degree=2, poly_c=1
     a = []
     for n in range(max_degree + 1):
         if kernel in ("exp", "trigh"):
-            a.append(1.0 / math.factorial(n))
+            a.append(1.0 / math.factorial(n) if n <= 170 else 0.0)  # 171! is beyond a float
         elif kernel == "inverse":
             a.append(1.0)
         elif kernel == "log":
@@ -80,11 +82,25 @@ def maclaurin_coefficients(kernel: str, max_degree: int, poly_degree=2, poly_c=1
             # a_1 = 1/2, a_{n+1} = a_n (2n - 1) / (2 (n + 1)): (2n-3)!!/(2^n n!) without overflow
             a.append(1.0 if n == 0 else 0.5 if n == 1 else a[-1] * (2 * n - 3) / (2 * n))
         elif kernel == "poly":
-            a.append(
-                math.comb(poly_degree, n) * poly_c ** (poly_degree - n) if n <= poly_degree else 0.0
-            )
+            a.append(_poly_coefficient(poly_degree, poly_c, n))
         else:
             raise ValueError(f"unknown dot_kernel={kernel!r}; valid: {list(DOT_KERNELS)}")
+    return a
+
+
+def _poly_coefficient(degree: int, c: float, n: int) -> float:
+    """``C(P, n) c^(P - n)`` (0 for n > P), or ValueError when it overflows a float."""
+    if n > degree:
+        return 0.0
+    try:
+        a = math.comb(degree, n) * c ** (degree - n)
+    except OverflowError:
+        a = math.inf
+    if math.isinf(a):
+        raise ValueError(
+            f"feature='rmf': dot_kernel='poly' with poly_degree={degree}, poly_c={c} has a "
+            f"coefficient C({degree}, {n}) c^{degree - n} beyond float range"
+        )
     return a
 
 
@@ -133,7 +149,10 @@ class RMF(FeatureMap):
         self.poly_degree = check_number(self.name, "poly_degree", poly_degree, integer=True, low=0)
         self.poly_c = check_number(self.name, "poly_c", poly_c, low=0.0)
         self.p = check_number(self.name, "p", p, low=1.0, low_open=True)
-        self.max_degree = check_number(self.name, "max_degree", max_degree, integer=True, low=1)
+        # the drawn projections are [max_degree - 1, M, D]; degree 64 has probability below
+        # 2^-64 at p = 2 already
+        self.max_degree = check_number(self.name, "max_degree", max_degree, integer=True, low=1,
+                                       high=MAX_DEGREE)  # fmt: skip
         self.dot_kernel, self.mode = dot_kernel, mode
         if not isinstance(head_dim, int) or not isinstance(num_rows, int):
             raise ValueError("feature='rmf' needs num_rows and head_dim")
@@ -147,7 +166,10 @@ class RMF(FeatureMap):
                 f"feature='rmf': dot_kernel={dot_kernel!r} has no positive coefficient in degrees "
                 f"{low}..{self.max_degree} (check poly_degree, poly_c, max_degree, mode)"
             )
-        weights = [(self.p - 1.0) / self.p ** (n + 1) for n in support]
+        # q_n ∝ (p - 1) / p^(n + 1), normalised in log space: no overflow for any p > 1
+        logw = [-(n + 1) * math.log(self.p) for n in support]
+        top = max(logw)
+        weights = [math.exp(lw - top) for lw in logw]
         total = sum(weights)
         #: the sampled degrees and their probabilities q_n
         self.support = support

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rfattn.features import python_scalar
 from rfattn.modules.features import RandomFeatures
 from rfattn.modules.flt import FourierRPE
 
@@ -147,6 +148,7 @@ def _dropout_out(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
 
 
 def _check_dropout(dropout) -> float:
+    dropout = python_scalar(dropout)
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
         raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
     return float(dropout)

@@ -10,6 +10,7 @@ from rfattn.features import (
     compute_dtype,
     make_feature_map,
     prescale,
+    python_scalar,
 )
 from rfattn.weights import (
     LEARNABLE_WEIGHTS,
@@ -56,6 +57,7 @@ class RandomFeatures(nn.Module):
         **feature_options,
     ) -> None:
         super().__init__()
+        head_dim, num_features, seed = map(python_scalar, (head_dim, num_features, seed))
         for name, val in (("head_dim", head_dim), ("num_features", num_features)):
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {val!r}")
@@ -97,6 +99,7 @@ class RandomFeatures(nn.Module):
                 module's generator stream (deterministic given the construction seed).
         """
         if seed is not None:
+            seed = python_scalar(seed)
             if not isinstance(seed, int) or isinstance(seed, bool):
                 raise TypeError(f"seed must be an int or None, got {seed!r}")
             self._generator.manual_seed(seed)
@@ -241,6 +244,7 @@ class PPSBN(nn.Module):
 
     def __init__(self, value_dim: int, power: str = "none") -> None:
         super().__init__()
+        value_dim = python_scalar(value_dim)
         if not isinstance(value_dim, int) or isinstance(value_dim, bool) or value_dim < 1:
             raise ValueError(f"value_dim must be an int >= 1, got {value_dim!r}")
         if power not in ("none", "signed"):

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rfattn.features import python_scalar
+
 __all__ = ["FourierRPE", "PARAMETERISATIONS", "PROPOSALS"]
 
 #: spectral parameterisations of g (spec B.1.6)
@@ -34,11 +36,13 @@ PROPOSALS = ("gaussian", "grid")
 
 
 def _check_int(name: str, val, low: int = 1) -> None:
+    val = python_scalar(val)
     if not isinstance(val, int) or isinstance(val, bool) or val < low:
         raise ValueError(f"{name} must be an int >= {low}, got {val!r}")
 
 
 def _check_positive(name: str, val) -> None:
+    val = python_scalar(val)
     if isinstance(val, bool) or not isinstance(val, (int, float)) or not val > 0:
         raise ValueError(f"{name} must be a number > 0, got {val!r}")
 
@@ -128,6 +132,7 @@ class FourierRPE(nn.Module):
         if proposal not in PROPOSALS:
             raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
         _check_positive("proposal_scale", proposal_scale)
+        split_eps = python_scalar(split_eps)
         if isinstance(split_eps, bool) or not isinstance(split_eps, (int, float)) or split_eps < 0:
             raise ValueError(f"split_eps must be a number >= 0, got {split_eps!r}")
         _check_positive("init_scale", init_scale)
