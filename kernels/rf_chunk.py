@@ -238,7 +238,13 @@ def _chunk_out_kernel(
         + o_e[None, :] * stride_ve
     )
     b_v = tl.load(p_v, mask=m_k[:, None] & m_e[None, :], other=0.0).to(ACC)  # [BT, BE]
-    b_num += tl.dot(b_A, b_v, input_precision=PRECISION, out_dtype=ACC)
+    # a non-finite value poisons its own and later rows, never earlier ones: zero in the
+    # product (0 * NaN would reach every row), NaN from its position on (0/1 counts: exact)
+    b_bad = (b_v != b_v) | (tl.abs(b_v) == float("inf"))
+    b_tril = (o_t[:, None] >= o_t[None, :]).to(ACC)
+    b_poison = tl.dot(b_tril, b_bad.to(ACC), input_precision="ieee", out_dtype=ACC) > 0
+    b_num += tl.dot(b_A, tl.where(b_bad, 0.0, b_v), input_precision=PRECISION, out_dtype=ACC)
+    b_num = tl.where(b_poison, float("nan"), b_num)
     b_den += tl.sum(b_A, axis=1)
     b_o, b_den = _ratio(b_num, b_den, TINY)
     _store_tile(o_ptr, i_b, i_h, o_t, o_e, stride_ob, stride_oh, stride_ot, stride_oe,

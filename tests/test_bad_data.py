@@ -156,3 +156,48 @@ def test_numpy_scalars_and_0d_tensors_are_numbers():
         rfattn.rf_attention(q, q, q, rf, causal=np.float32(1.0))
     opt = rfattn.RandomFeatures(8, 16, "gerf", A=np.float32(-0.1), seed=0)
     assert opt.feature_map.A == complex(np.float32(-0.1))
+
+
+@pytest.mark.parametrize(
+    "feature,weights",
+    [("posrf", "orf"), ("trigrf", "orf"), ("rmf", "rademacher"), ("hrf", "gaussian")],
+)
+def test_causal_nan_stays_at_and_after_its_position(feature, weights, kernel_device):
+    """A NaN in k or v at position j (inside a chunk, not at its start) leaves every output before
+    j unchanged and finite; outputs from j on are NaN (before: the whole torch chunk of 128
+    tokens, and in the Triton chunk kernel the chunk before j for a NaN in v)."""
+    rf = rfattn.RandomFeatures(8, 16, feature, weights=weights, seed=0).to(kernel_device)
+    q, k, v = (0.5 * rand(1, 2, 40, 8, seed=s).to(kernel_device) for s in (1, 2, 3))
+    for backend in backends(rf, causal=True):
+        clean = rfattn.rf_attention(q, k, v, rf, causal=True, backend=backend)
+        for j in (17, 33):
+            for which in ("k", "v"):
+                kk, vv = k.clone(), v.clone()
+                (kk if which == "k" else vv)[:, :, j, 1] = NAN
+                out = rfattn.rf_attention(q, kk, vv, rf, causal=True, backend=backend)
+                torch.testing.assert_close(out[:, :, :j], clean[:, :, :j], msg=(backend, which, j))
+                assert out[:, :, j:].isnan().any(dim=-1).all(), (backend, which, j)
+
+
+@pytest.mark.parametrize(
+    "feature,weights", [("posrf", "orf"), ("trigrf", "orf"), ("hrf", "gaussian")]
+)
+def test_causal_outputs_do_not_depend_on_later_keys(feature, weights):
+    """The torch path's per-row key offsets: with the first 20 keys at norm 50 and the later ones
+    at norm 60 (much larger logits), the first 20 outputs equal those of the first 20 tokens
+    alone (before: the offset shared across a 128-token chunk made them underflow to 0) and
+    split/resume at any cut equals one shot."""
+    rf = rfattn.RandomFeatures(8, 16, feature, weights=weights, seed=0).double()
+    q, k, v = (rand(1, 1, 32, 8, seed=s, dtype=f64) for s in (1, 2, 3))
+    k = torch.cat((50 * torch.nn.functional.normalize(k[:, :, :20], dim=-1),
+                   60 * torch.nn.functional.normalize(k[:, :, 20:], dim=-1)), dim=2)  # fmt: skip
+    full, st = rfattn.rf_attention(q, k, v, rf, causal=True, backend="torch", return_state=True)
+    head = rfattn.rf_attention(q[:, :, :20], k[:, :, :20], v[:, :, :20], rf, causal=True)
+    assert head.abs().sum() > 1.0  # not underflowed
+    torch.testing.assert_close(full[:, :, :20], head, rtol=1e-12, atol=1e-12)
+    for cut in (1, 7, 20, 31):
+        a, s1 = rfattn.rf_attention(q[:, :, :cut], k[:, :, :cut], v[:, :, :cut], rf, causal=True,
+                                    return_state=True)  # fmt: skip
+        b = rfattn.rf_attention(q[:, :, cut:], k[:, :, cut:], v[:, :, cut:], rf, causal=True,
+                                initial_state=s1)  # fmt: skip
+        torch.testing.assert_close(torch.cat((a, b), dim=2), full, rtol=1e-10, atol=1e-12)
