@@ -347,7 +347,7 @@ def rf_attention(
     w = rf.weight.to(device=q.device, dtype=cdt)
     vc = v.to(cdt)
     fm = rf.feature_map
-    xq, xk = prescale(q, scale), prescale(k, scale)
+    xq, xk = prescale(q, scale), prescale(k, scale, key_padding_mask)
     # statistics (global ones raise when causal) and the feature's own draws, once per call
     params = rf.feature_params(xq, xk, key_padding_mask, causal=causal)
     if not causal:

@@ -201,3 +201,30 @@ def test_causal_outputs_do_not_depend_on_later_keys(feature, weights):
         b = rfattn.rf_attention(q[:, :, cut:], k[:, :, cut:], v[:, :, cut:], rf, causal=True,
                                 initial_state=s1)  # fmt: skip
         torch.testing.assert_close(torch.cat((a, b), dim=2), full, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("feature", ["poisrf", "geomrf"])
+def test_discrete_features_propagate_nan(feature):
+    """A NaN input gives NaN outputs (before: poisrf raised 'cannot convert float NaN to
+    integer' while drawing its integer rows)."""
+    rf = rfattn.RandomFeatures(8, 16, feature, seed=0)
+    q = rand(1, 1, 6, 8, seed=1)
+    k = q.clone()
+    k[0, 0, 2, 3] = NAN
+    assert rfattn.rf_attention(q, k, q, rf, backend="torch").isnan().any()
+
+
+def test_nan_in_a_padded_key_gives_no_nan_gradient(kernel_device):
+    """Learnable weights (fastfoodl) and the padded key's own dk stay finite, 0 for that key, on
+    both backends (before: NaN on the torch path, 0 under Triton)."""
+    rf = rfattn.RandomFeatures(8, 16, "posrf", weights="fastfoodl", seed=0).to(kernel_device)
+    q, k, v = (rand(1, 1, 6, 8, seed=s).to(kernel_device) for s in (1, 2, 3))
+    k[0, 0, 5] = NAN
+    mask = torch.tensor([[False] * 5 + [True]], device=kernel_device)
+    for backend in backends(rf):
+        rf.zero_grad()
+        kk = k.clone().requires_grad_()
+        rfattn.rf_attention(q, kk, v, rf, key_padding_mask=mask, backend=backend).sum().backward()
+        grads = [p.grad for p in rf.parameters() if p.grad is not None]
+        assert grads and all(g.isfinite().all() for g in grads), backend
+        assert kk.grad.isfinite().all() and not kk.grad[0, 0, 5].any(), backend

@@ -71,9 +71,17 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def prescale(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """``sqrt(scale) * x`` in the compute dtype: ``exp(x_q . x_k) = exp(scale * q . k)``."""
-    return x.to(compute_dtype(x.dtype)) * math.sqrt(scale)
+def prescale(
+    x: torch.Tensor, scale: float, padding_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``sqrt(scale) * x`` in the compute dtype: ``exp(x_q . x_k) = exp(scale * q . k)``.
+
+    ``padding_mask`` (``[B, T]`` bool, True = padding): padded rows become 0, so junk there
+    (NaN, inf) reaches no feature and no gradient (its features are masked out later anyway)."""
+    x = x.to(compute_dtype(x.dtype)) * math.sqrt(scale)
+    if padding_mask is not None:
+        x = x.masked_fill(padding_mask[:, None, :, None], 0.0)
+    return x
 
 
 def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -75,14 +75,18 @@ def poisson_rows(w: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
     lead, w, lam = _broadcast_rows(w, lam)
     m, d = w.shape[-2:]
     lam = lam.to(torch.float64).reshape(-1, 1)
-    lmax = float(lam.max()) if lam.numel() else 1.0
+    # a non-finite rate (NaN statistics from NaN inputs) gives NaN rows, never an exception
+    ok = torch.isfinite(lam) & (lam >= 0)
+    lmax = float(lam[ok].max()) if bool(ok.any()) else 1.0
+    lam = torch.where(ok, lam, torch.ones_like(lam))
     kmax = int(math.ceil(lmax + 12.0 * math.sqrt(lmax) + 25.0))
     k = torch.arange(kmax + 1, dtype=torch.float64, device=w.device)
     logpmf = -lam + k * torch.log(lam) - torch.lgamma(k + 1.0)
     cdf = torch.cumsum(torch.exp(logpmf), dim=-1)  # [N, K]
     u = 1.0 - gaussian_to_uniform_tail(w).reshape(-1, m * d)
     omega = torch.searchsorted(cdf.contiguous(), u.contiguous())  # #{k : cdf(k) < u}
-    return omega.clamp_max(kmax).to(torch.float64).reshape(*lead, m, d)
+    omega = torch.where(ok, omega.clamp_max(kmax).to(torch.float64), float("nan"))
+    return omega.reshape(*lead, m, d)
 
 
 def geometric_rows(w: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

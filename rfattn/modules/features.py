@@ -158,12 +158,12 @@ class RandomFeatures(nn.Module):
                 f"key_padding_mask must be a bool tensor [B, Tk] = {(k.shape[0], k.shape[2])}"
             )
 
-    def _inputs(self, q, k, scale):
+    def _inputs(self, q, k, scale, key_padding_mask=None):
         scale = self.head_dim**-0.5 if scale is None else float(scale)
         if not scale > 0:
             raise ValueError(f"scale must be > 0, got {scale}")
         w = self.weight.to(device=q.device, dtype=compute_dtype(q.dtype))
-        return prescale(q, scale), prescale(k, scale), w
+        return prescale(q, scale), prescale(k, scale, key_padding_mask), w
 
     def feature_params(
         self,
@@ -201,7 +201,7 @@ class RandomFeatures(nn.Module):
             ``(phi_q [B, H, Tq, F], phi_k [B, H, Tk, F])`` in fp32 (fp64 for fp64 inputs).
         """
         self._check(q, k, key_padding_mask)
-        xq, xk, w = self._inputs(q, k, scale)
+        xq, xk, w = self._inputs(q, k, scale, key_padding_mask)
         params = self.feature_params(xq, xk, key_padding_mask)
         return self.feature_map.features(xq, xk, w, key_padding_mask, params)
 
