@@ -21,10 +21,18 @@ attention mask; the mask builder hands the attention function the key-padding ma
 stride-0 ``[B, 1, Tq, Tk]`` view (no quadratic tensor). Other patterns (sliding windows, packed
 sequences, custom 4-D masks) are checked against "causal/bidirectional + key padding" and raise
 NotImplementedError when they differ. Attention dropout acts on the attention output (no weight
-matrix exists) and ``output_attentions`` returns None weights.
+matrix exists) and ``output_attentions`` returns None weights, with a warning (once), as sdpa.
+
+Save/load: a model saved after :func:`attach_random_features` carries ``config.rfattn``; importing
+this module hooks ``PreTrainedModel.post_init`` so that such a model builds its layers' features
+when it is constructed, and ``from_pretrained(path, attn_implementation="rfattn")`` loads the
+saved ones (trained fastfoodl parameters, running statistics) instead of dropping them as
+unexpected keys; features the checkpoint lacks are drawn again from ``config.rfattn``.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -102,14 +110,20 @@ def attach_random_features(model: torch.nn.Module, **options) -> int:
         The number of layers equipped. Layers without a ``layer_idx`` are numbered in module
         order. The features follow the model's device (``.to`` moves them later too).
     """
-    config = model.config
-    config.rfattn = {**_options(config), **options}
+    model.config.rfattn = {**_options(model.config), **options}
+    ref = next(model.parameters(), None)
+    return _attach(model, None if ref is None else ref.device)
+
+
+def _attach(model: torch.nn.Module, device) -> int:
+    """Layer features from ``model.config.rfattn`` on ``device`` (None: where they are drawn)."""
     count = 0
     for mod, head_dim in _attention_layers(model):
         idx = getattr(mod, "layer_idx", None)
-        rf = random_features_from_config(config, count if idx is None else idx, head_dim)
-        ref = next(model.parameters(), None)
-        mod.rfattn_features = rf.to(ref.device) if ref is not None else rf
+        idx = count if idx is None else idx
+        rf = random_features_from_config(model.config, idx, head_dim)
+        rf._rfattn_layer = (idx, head_dim)  # to redraw the same features (_init_weights hook)
+        mod.rfattn_features = rf if device is None else rf.to(device)
         count += 1
     return count
 
@@ -189,6 +203,15 @@ def _split_mask(mask: torch.Tensor, causal: bool, tq: int, tk: int):
     )
 
 
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
 def rfattn_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -214,6 +237,12 @@ def rfattn_attention_forward(
     Returns:
         ``(out [B, Tq, H, D], None)``.
     """
+    if kwargs.get("output_attentions", False):
+        _warn_once(
+            "rfattn: random-feature attention has no attention-weight matrix, so "
+            "output_attentions=True returns None weights; use attn_implementation='eager' to "
+            "inspect softmax weights"
+        )
     H, tq, tk = query.shape[1], query.shape[2], key.shape[2]
     if key.shape[1] != H:  # grouped-query attention: one feature map, heads repeated
         rep = H // key.shape[1]
@@ -238,10 +267,58 @@ def rfattn_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+def _attach_on_init(model) -> None:
+    """``PreTrainedModel.post_init`` hook: a model whose config carries ``rfattn`` options (one
+    saved after :func:`attach_random_features`) gets its layers' :class:`RandomFeatures` when it
+    is built, before ``from_pretrained`` loads the checkpoint, so the saved ``rfattn_features``
+    (trained fastfoodl parameters, running statistics, redrawn W) load into them instead of being
+    dropped as unexpected keys. They are drawn on the CPU even inside transformers' meta-device
+    construction: a checkpoint without them keeps these draws (transformers' own initialisation
+    does not know them)."""
+    if not isinstance(getattr(model.config, "rfattn", None), dict):
+        return
+    if any(hasattr(mod, "rfattn_features") for mod, _ in _attention_layers(model)):
+        return
+    with torch.device("cpu"):
+        _attach(model, None)
+    # features the checkpoint lacks come back from transformers as uninitialised memory, and
+    # its _init_weights does not know them: draw them again, as attach_random_features did
+    init_weights = model._init_weights
+
+    def _init_weights(module):
+        layer = getattr(module, "_rfattn_layer", None)
+        if layer is None:
+            return init_weights(module)
+        with torch.device("cpu"):
+            fresh = random_features_from_config(model.config, *layer).state_dict()
+        with torch.no_grad():  # only what the checkpoint did not hold
+            for name, t in module.state_dict(keep_vars=True).items():
+                if not getattr(t, "_is_hf_initialized", False):
+                    t.copy_(fresh[name])
+
+    model._init_weights = _init_weights
+
+
+def _post_init_with_rfattn(original):
+    def post_init(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        _attach_on_init(self)
+        return result
+
+    post_init._rfattn_original = original
+    return post_init
+
+
 def register() -> None:
-    """Register ``"rfattn"`` in transformers' attention and mask interfaces (idempotent)."""
+    """Register ``"rfattn"`` in transformers' attention and mask interfaces and the
+    ``post_init`` hook that builds saved random features before a checkpoint loads
+    (idempotent)."""
     AttentionInterface.register(NAME, rfattn_attention_forward)
     AttentionMaskInterface.register(NAME, rfattn_mask)
+    from transformers import PreTrainedModel
+
+    if not hasattr(PreTrainedModel.post_init, "_rfattn_original"):
+        PreTrainedModel.post_init = _post_init_with_rfattn(PreTrainedModel.post_init)
 
 
 register()

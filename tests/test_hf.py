@@ -144,3 +144,54 @@ def test_lazy_features_from_config_and_register_idempotent():
     assert [f.num_features for f in feats] == [24, 24] and feats[0].feature == "oprf"
     rf = rfhf.random_features_from_config(model.config, 1, 8)
     assert torch.equal(rf.weight, feats[1].weight)
+
+
+@pytest.mark.parametrize("drop_features", [False, True])
+def test_save_and_load_keep_trained_features(tmp_path, drop_features):
+    """save_pretrained -> from_pretrained(attn_implementation="rfattn") keeps trained fastfoodl
+    parameters and running statistics (before: reported as unexpected keys and rebuilt fresh from
+    config.rfattn, outputs off by ~1); a checkpoint without them draws them from config.rfattn."""
+    from safetensors.torch import load_file, save_file
+
+    model = _bert()
+    rfhf.attach_random_features(model, num_features=16, feature="oprf", weights="fastfoodl",
+                                stats="running", seed=0)  # fmt: skip
+    model.set_attn_implementation("rfattn")
+    ids = _ids()
+    model.train()
+    model(ids)  # running statistics move off their initial values
+    with torch.no_grad():
+        for mod in model.modules():
+            for p in getattr(mod, "rfattn_features", torch.nn.Module()).parameters():
+                p.add_(0.1)  # "trained"
+    model.eval()
+    with torch.no_grad():
+        ref = model(ids).last_hidden_state
+    model.save_pretrained(tmp_path)
+    if drop_features:  # a checkpoint that holds config.rfattn but not the features
+        for f in tmp_path.glob("*.safetensors"):
+            sd = {k: v for k, v in load_file(f).items() if "rfattn_features" not in k}
+            save_file(sd, f, metadata={"format": "pt"})
+    loaded = transformers.BertModel.from_pretrained(tmp_path, attn_implementation="rfattn").eval()
+    with torch.no_grad():
+        out = loaded(ids).last_hidden_state
+    if drop_features:
+        fresh = _bert()
+        fresh.load_state_dict(loaded.state_dict(), strict=False)
+        rfhf.attach_random_features(fresh, **loaded.config.rfattn)
+        fresh.set_attn_implementation("rfattn")
+        with torch.no_grad():
+            expected = fresh.eval()(ids).last_hidden_state
+        assert out.isfinite().all()
+        torch.testing.assert_close(out, expected)
+    else:
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_output_attentions_warns():
+    model = _bert()
+    model.set_attn_implementation("rfattn")
+    rfhf._WARNED.clear()
+    with pytest.warns(UserWarning, match="output_attentions"):
+        out = model(_ids(), output_attentions=True)
+    assert all(a is None for a in (out.attentions or ()))
