@@ -13,7 +13,7 @@ py=$tmp/env/bin/python
 "$py" -m pip install -q --upgrade pip
 # torch==2.13.0 is the CPU build on disk: plain `torch` would pull the multi-GB CUDA build.
 "$py" -m pip install -q torch==2.13.0 triton numpy setuptools \
-    pytest scipy pytest-benchmark matplotlib "transformers>=5.0"
+    pytest scipy pytest-benchmark matplotlib "transformers>=5.0" hypothesis
 "$py" -m pip freeze --exclude-editable >"$tmp/before.txt"
 
 had_venv=0
