@@ -138,16 +138,15 @@ def sequence_moments_fused(
     k: torch.Tensor,
     scale: float,
     key_padding_mask: torch.Tensor | None = None,
+    query_padding_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused equivalent of ``rfattn.stats.sequence_moments(sqrt(scale) q, sqrt(scale) k,
-    key_padding_mask)`` on raw q ``[B, H, Tq, D]``, k ``[B, H, Tk, D]``: the key padding mask
-    also applies to the queries when ``Tq == Tk`` (self-attention).
+    key_padding_mask, query_padding_mask)`` on raw q ``[B, H, Tq, D]``, k ``[B, H, Tk, D]``.
 
     Returns:
         ``(mean, sq, abs, min)``, each ``[B, H, 2, D]`` (row 0 queries, row 1 keys), the fields
         of ``rfattn.stats.Moments``.
     """
-    mask_q = key_padding_mask if q.shape[2] == k.shape[2] else None
-    mq = token_moments(q, scale, mask_q)
+    mq = token_moments(q, scale, query_padding_mask)
     mk = token_moments(k, scale, key_padding_mask)
     return tuple(torch.stack((a, b), dim=-2) for a, b in zip(mq, mk, strict=True))

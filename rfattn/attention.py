@@ -81,18 +81,7 @@ def _validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_sta
     if causal and q.shape[2] != k.shape[2]:
         raise ValueError(f"causal=True needs Tq == Tk, got Tq={q.shape[2]}, Tk={k.shape[2]}")
     if key_padding_mask is not None:
-        _check_tensor("key_padding_mask", key_padding_mask, 2, "B, Tk")
-        if key_padding_mask.dtype != torch.bool:
-            raise TypeError(f"key_padding_mask must be bool, got dtype {key_padding_mask.dtype}")
-        if tuple(key_padding_mask.shape) != (k.shape[0], k.shape[2]):
-            raise ValueError(
-                f"key_padding_mask must have shape [B, Tk] = {(k.shape[0], k.shape[2])}, "
-                f"got {tuple(key_padding_mask.shape)}"
-            )
-        if key_padding_mask.device != q.device:
-            raise ValueError(
-                f"key_padding_mask is on device {key_padding_mask.device}, expected {q.device}"
-            )
+        _check_mask("key_padding_mask", key_padding_mask, (k.shape[0], k.shape[2]), q.device)
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
@@ -104,6 +93,16 @@ def _validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_sta
         raise ValueError("initial_state and return_state need causal=True")
     if initial_state is not None:
         _check_state(initial_state, q, v, rf)
+
+
+def _check_mask(name: str, mask, shape: tuple, device) -> None:
+    _check_tensor(name, mask, 2, "B, T")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"{name} must be bool, got dtype {mask.dtype}")
+    if tuple(mask.shape) != shape:
+        raise ValueError(f"{name} must have shape [B, T] = {shape}, got {tuple(mask.shape)}")
+    if mask.device != device:
+        raise ValueError(f"{name} is on device {mask.device}, expected {device}")
 
 
 def _check_state(state, q, v, rf) -> None:
@@ -244,7 +243,8 @@ def fused_kernel_available(rf, causal: bool = False) -> bool:
     return _no_kernel_reason(rf, causal) is None
 
 
-def _kernel_form(rf, q, k, key_padding_mask, scale: float, causal: bool):
+def _kernel_form(rf, q, k, key_padding_mask, scale: float, causal: bool,
+                 query_padding_mask=None):  # fmt: skip
     """The feature's kernel form for this call: its per-call parameters, with the statistics of
     oprf/saderf from the fused stats pass (``rfattn.kernels.stats``; in torch where the operators
     run their torch kernels) where the call needs them (held constant: ``stats_grad=False``)."""
@@ -260,15 +260,16 @@ def _kernel_form(rf, q, k, key_padding_mask, scale: float, causal: bool):
         else:
             from rfattn.kernels.stats import sequence_moments_fused
 
-            moments = Moments(*sequence_moments_fused(q, k, scale, key_padding_mask))
+            moments = Moments(*sequence_moments_fused(q, k, scale, key_padding_mask,
+                                                      query_padding_mask))  # fmt: skip
     with torch.no_grad():
-        params = rf.feature_params(xq, xk, key_padding_mask, causal=causal, moments=moments)
+        params = rf.feature_params(xq, xk, key_padding_mask, causal=causal, moments=moments,
+                                   query_padding_mask=query_padding_mask)  # fmt: skip
     return fm.kernel_form(rf.weight.to(q.device), params)
 
 
-def _triton_attention(
-    q, k, v, rf, causal, key_padding_mask, scale, initial_state, return_state, gpu_tiles=None
-):
+def _triton_attention(q, k, v, rf, causal, key_padding_mask, scale, initial_state, return_state,
+                      gpu_tiles=None, query_padding_mask=None):  # fmt: skip
     """The fused path of :func:`rf_attention` (arguments validated). Causal calls of at most
     ``rf_recurrent.MAX_TOKENS`` tokens without gradient run the decode step, others the chunked
     form; states keep the torch path's conventions (the kernel forms' offsets are the torch
@@ -278,7 +279,7 @@ def _triton_attention(
     reason = _no_kernel_reason(rf, causal)
     if reason is not None:
         raise NotImplementedError(f"{reason}; use backend='torch'")
-    form = _kernel_form(rf, q, k, key_padding_mask, scale, causal)
+    form = _kernel_form(rf, q, k, key_padding_mask, scale, causal, query_padding_mask)
     kw = dict(key_padding_mask=key_padding_mask, gpu_tiles=gpu_tiles)
     if not causal:
         return ops.rf_parallel(q, k, v, form, scale, **kw)
@@ -310,6 +311,7 @@ def rf_attention(
     backend: str = "auto",
     initial_state: RFState | None = None,
     return_state: bool = False,
+    query_padding_mask: torch.Tensor | None = None,
 ):
     """Random-feature linear attention, a drop-in for softmax attention in SDPA's layout.
 
@@ -330,18 +332,26 @@ def rf_attention(
         initial_state: causal only: the :class:`RFState` returned by a previous call, to continue
             that sequence (split/resume equals one shot).
         return_state: causal only: also return the final :class:`RFState`.
+        query_padding_mask: ``[B, Tq]`` bool, True = padded queries, left out of the data
+            statistics (oprf, saderf, poisrf, geomrf); their outputs are computed as any other
+            row. Default: ``key_padding_mask`` when causal (self-attention), else none (every
+            query counts; pass it for non-causal self-attention with padding, as the layers and
+            the Hugging Face integration do).
 
     Returns:
         ``out`` ``[B, H, Tq, E]`` in the input dtype, or ``(out, state)`` with ``return_state``.
     """
     causal, scale = python_scalar(causal), python_scalar(scale)  # numpy scalars, 0-d tensors
     _validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_state, return_state)
+    if query_padding_mask is not None:
+        _check_mask("query_padding_mask", query_padding_mask, (q.shape[0], q.shape[2]), q.device)
+    elif causal:
+        query_padding_mask = key_padding_mask
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     use_triton = backend == "triton" or (backend == "auto" and _use_triton(q, rf, causal))
     if use_triton:
-        return _triton_attention(
-            q, k, v, rf, causal, key_padding_mask, scale, initial_state, return_state
-        )
+        return _triton_attention(q, k, v, rf, causal, key_padding_mask, scale, initial_state,
+                                 return_state, query_padding_mask=query_padding_mask)  # fmt: skip
 
     cdt = compute_dtype(q.dtype)
     w = rf.weight.to(device=q.device, dtype=cdt)
@@ -349,7 +359,8 @@ def rf_attention(
     fm = rf.feature_map
     xq, xk = prescale(q, scale), prescale(k, scale, key_padding_mask)
     # statistics (global ones raise when causal) and the feature's own draws, once per call
-    params = rf.feature_params(xq, xk, key_padding_mask, causal=causal)
+    params = rf.feature_params(xq, xk, key_padding_mask, causal=causal,
+                               query_padding_mask=query_padding_mask)  # fmt: skip
     if not causal:
         phi_q, phi_k = fm.features(xq, xk, w, key_padding_mask, params)
         return linear_attention(phi_q, phi_k, vc, key_padding_mask=key_padding_mask).to(q.dtype)

@@ -260,8 +260,14 @@ def rfattn_attention_forward(
         out = rf_attention(torch.cat((front, query), dim=2), key, value, rf, causal=True,
                            key_padding_mask=pad, scale=scaling)[:, :, tk - tq :]  # fmt: skip
     else:
+        # self-attention: padded queries stay out of the statistics too (cross-attention's
+        # mask is the keys' alone)
+        cross = (
+            getattr(module, "is_cross_attention", False) or "cross" in type(module).__name__.lower()
+        )
+        qpad = pad if pad is not None and tq == tk and not cross else None
         out = rf_attention(query, key, value, rf, causal=causal, key_padding_mask=pad,
-                           scale=scaling)  # fmt: skip
+                           scale=scaling, query_padding_mask=qpad)  # fmt: skip
     if dropout > 0 and module.training:
         out = torch.nn.functional.dropout(out, dropout, training=True)
     return out.transpose(1, 2).contiguous(), None

@@ -91,20 +91,23 @@ def _side_moments(x: torch.Tensor, valid: torch.Tensor | None):
 
 
 def sequence_moments(
-    xq: torch.Tensor, xk: torch.Tensor, key_padding_mask: torch.Tensor | None = None
+    xq: torch.Tensor,
+    xk: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+    query_padding_mask: torch.Tensor | None = None,
 ) -> Moments:
     """Per-(b, h) moments over valid tokens (``global`` mode).
 
     Args:
         xq: pre-scaled queries ``[B, H, Tq, D]``; xk: keys ``[B, H, Tk, D]``.
-        key_padding_mask: ``[B, Tk]`` bool, True = padding; also applied to queries when
-            ``Tq == Tk`` (self-attention).
+        key_padding_mask: ``[B, Tk]`` bool, True = padding (keys).
+        query_padding_mask: ``[B, Tq]`` bool, True = padding (queries; None: every query counts).
 
     Returns:
         :class:`Moments` with fields ``[B, H, 2, D]``.
     """
     valid_k = None if key_padding_mask is None else ~key_padding_mask
-    valid_q = valid_k if valid_k is not None and xq.shape[-2] == xk.shape[-2] else None
+    valid_q = None if query_padding_mask is None else ~query_padding_mask
     q = _side_moments(xq, valid_q)
     k = _side_moments(xk, valid_k)
     return Moments(*(torch.stack((a, b), dim=-2) for a, b in zip(q, k, strict=True)))

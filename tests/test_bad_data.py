@@ -228,3 +228,48 @@ def test_nan_in_a_padded_key_gives_no_nan_gradient(kernel_device):
         grads = [p.grad for p in rf.parameters() if p.grad is not None]
         assert grads and all(g.isfinite().all() for g in grads), backend
         assert kk.grad.isfinite().all() and not kk.grad[0, 0, 5].any(), backend
+
+
+@pytest.mark.parametrize("feature", ["oprf", "saderf"])
+def test_query_statistics_follow_the_query_mask(feature, kernel_device):
+    """Equal-length cross-attention: the query statistics see every query, so permuting the keys
+    (with their mask) changes nothing (before: Tq == Tk took the key mask as the queries' too).
+    Self-attention passes query_padding_mask: junk in padded query rows changes no other row."""
+    rf = rfattn.RandomFeatures(8, 16, feature, seed=0).to(kernel_device).eval()
+    q, k, v = (rand(2, 2, 7, 8, seed=s).to(kernel_device) for s in (1, 2, 3))
+    v = v[..., :4]
+    mask = torch.zeros(2, 7, dtype=torch.bool, device=kernel_device)
+    mask[0, 5:], mask[1, :2] = True, True
+    perm = torch.tensor([3, 6, 0, 5, 1, 4, 2], device=kernel_device)
+    for backend in backends(rf):
+        out = rfattn.rf_attention(q, k, v, rf, key_padding_mask=mask, backend=backend)
+        shuffled = rfattn.rf_attention(q, k[:, :, perm], v[:, :, perm], rf,
+                                       key_padding_mask=mask[:, perm], backend=backend)  # fmt: skip
+        torch.testing.assert_close(shuffled, out, msg=backend)
+        phi_q, phi_k = rf.features(q, k, mask)  # every query in the statistics
+        ref = rfattn.reference.linear_attention(phi_q, phi_k, v.to(phi_q.dtype),
+                                                key_padding_mask=mask)  # fmt: skip
+        torch.testing.assert_close(out, ref.to(out.dtype), msg=backend)
+        # self-attention with junk in the padded positions of q, k and v
+        x = q.clone()
+        clean = rfattn.rf_attention(x, x, v, rf, key_padding_mask=mask, query_padding_mask=mask,
+                                    backend=backend)  # fmt: skip
+        junk = x.masked_fill(mask[:, None, :, None], NAN)
+        out = rfattn.rf_attention(junk, junk, v, rf, key_padding_mask=mask,
+                                  query_padding_mask=mask, backend=backend)  # fmt: skip
+        keep = ~mask[:, None, :, None].expand_as(out)
+        torch.testing.assert_close(out[keep], clean[keep], msg=backend)
+
+
+def test_layers_and_hf_pass_the_query_mask():
+    """RFMultiheadAttention in self-attention leaves its padded queries out of the statistics:
+    NaN in padded input positions changes no valid output."""
+    layer = rfattn.RFMultiheadAttention(16, 2, batch_first=True, feature="oprf",
+                                        num_features=16, seed=0).eval()  # fmt: skip
+    x = rand(2, 6, 16, seed=1)
+    mask = torch.zeros(2, 6, dtype=torch.bool)
+    mask[0, 4:] = True
+    clean, _ = layer(x, x, x, key_padding_mask=mask, need_weights=False)
+    junk = x.masked_fill(mask[..., None], NAN)
+    out, _ = layer(junk, junk, junk, key_padding_mask=mask, need_weights=False)
+    torch.testing.assert_close(out[~mask], clean[~mask])

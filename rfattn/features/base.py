@@ -243,12 +243,14 @@ class FeatureMap(nn.Module):
         causal: bool = False,
         update: bool = True,
         moments: Moments | None = None,
+        query_padding_mask: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Everything beyond (x, W) one call needs: statistics-derived parameters and draws.
 
         Args:
             xq: pre-scaled queries ``[B, H, Tq, D]``; xk: keys ``[B, H, Tk, D]``.
             key_padding_mask: ``[B, Tk]`` bool, True = padding (excluded from statistics).
+            query_padding_mask: ``[B, Tq]`` bool, True = padded queries (excluded likewise).
             causal: the call is causal (global statistics would leak the future: they raise).
             update: allow a running-statistics update (training mode only).
             moments: this call's per-(b, h) moments when the caller has them (see
@@ -490,7 +492,14 @@ class StatsFeature(FeatureMap):
         return mode == "global" or (mode == "running" and update and self.training)
 
     def moments(
-        self, xq, xk, key_padding_mask, causal: bool, update: bool, given: Moments | None = None
+        self,
+        xq,
+        xk,
+        key_padding_mask,
+        causal: bool,
+        update: bool,
+        given: Moments | None = None,
+        query_padding_mask=None,
     ) -> Moments | None:
         """The moments this call uses: ``[B, H, 2, D]`` (global), ``[1, 1, 2, D]`` (running),
         or None (fixed). A running-mode call in training updates the buffers afterwards.
@@ -506,7 +515,7 @@ class StatsFeature(FeatureMap):
             if self.uses_batch_moments(causal, update):
                 grad = mode == "global" and self.stats_grad
                 xq_, xk_ = (xq, xk) if grad else (xq.detach(), xk.detach())
-                given = sequence_moments(xq_, xk_, key_padding_mask)
+                given = sequence_moments(xq_, xk_, key_padding_mask, query_padding_mask)
         if mode == "global":
             return given
         cur = Moments(*(t.detach().clone().to(xq.dtype)[None, None] for t in running_moments(self)))

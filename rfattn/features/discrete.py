@@ -131,8 +131,9 @@ class _DIRF(StatsFeature):
     def _rate_from_moments(self, m):
         raise NotImplementedError
 
-    def params(self, xq, xk, key_padding_mask=None, causal=False, update=True, moments=None):
-        m = self.moments(xq, xk, key_padding_mask, causal, update, moments)
+    def params(self, xq, xk, key_padding_mask=None, causal=False, update=True, moments=None,
+               query_padding_mask=None):  # fmt: skip
+        m = self.moments(xq, xk, key_padding_mask, causal, update, moments, query_padding_mask)
         out = {}
         if m is None:
             rate = xq.new_full((1, 1), self.fixed_rate)

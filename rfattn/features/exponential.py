@@ -238,9 +238,10 @@ class OPRF(StatsFeature):
             None if A is None else check_number(self.name, "A", A, high=0.125, high_open=True)
         )
 
-    def params(self, xq, xk, key_padding_mask=None, causal=False, update=True, moments=None):
+    def params(self, xq, xk, key_padding_mask=None, causal=False, update=True, moments=None,
+               query_padding_mask=None):  # fmt: skip
         d = xq.shape[-1]
-        m = self.moments(xq, xk, key_padding_mask, causal, update, moments)
+        m = self.moments(xq, xk, key_padding_mask, causal, update, moments, query_padding_mask)
         if m is None:
             a = xq.new_full((1, 1), self.fixed_A)
         else:
@@ -296,9 +297,10 @@ class SADERF(StatsFeature):
                 )
             self.fixed_psi = t
 
-    def params(self, xq, xk, key_padding_mask=None, causal=False, update=True, moments=None):
+    def params(self, xq, xk, key_padding_mask=None, causal=False, update=True, moments=None,
+               query_padding_mask=None):  # fmt: skip
         d = xq.shape[-1]
-        m = self.moments(xq, xk, key_padding_mask, causal, update, moments)
+        m = self.moments(xq, xk, key_padding_mask, causal, update, moments, query_padding_mask)
         if m is None:
             psi = self.fixed_psi.to(device=xq.device, dtype=xq.dtype)[None, None]
             a = xq.new_full((1, 1), self.fixed_A)

@@ -126,11 +126,14 @@ class _RandomFeatureLayer(nn.Module):
         self.steps_since_redraw += 1
 
     def _attend(self, q, k, v, key_padding_mask, causal, positions, key_positions, center,
-                initial_state, return_state):  # fmt: skip
-        """rf_attention (through the RPE when set) on ``[B, H, T, D]`` views."""
+                initial_state, return_state, self_attention=False):  # fmt: skip
+        """rf_attention (through the RPE when set) on ``[B, H, T, D]`` views; self-attention
+        leaves its padded queries out of the statistics too."""
         from rfattn.attention import rf_attention
 
         kwargs = dict(causal=causal, key_padding_mask=key_padding_mask, backend=self.backend)
+        if self_attention and key_padding_mask is not None and self.rpe is None:
+            kwargs["query_padding_mask"] = key_padding_mask
         if causal and (initial_state is not None or return_state):
             kwargs.update(initial_state=initial_state, return_state=return_state)
         elif initial_state is not None or return_state:
@@ -263,6 +266,7 @@ class RFAttention(_RandomFeatureLayer):
             ``[B, Tq, E]`` (same layout as ``query``), or ``(out, state)`` with ``return_state``.
         """
         causal = self.causal if causal is None else causal
+        self_attention = key is None or key is query
         key = query if key is None else key
         value = key if value is None else value
         for name, x in (("query", query), ("key", key), ("value", value)):
@@ -275,7 +279,7 @@ class RFAttention(_RandomFeatureLayer):
         k = self._heads(self.k_proj(key))
         v = self._heads(self.v_proj(value))
         res = self._attend(q, k, v, key_padding_mask, causal, positions, key_positions, center,
-                           initial_state, return_state)  # fmt: skip
+                           initial_state, return_state, self_attention)  # fmt: skip
         out, state = res if isinstance(res, tuple) else (res, None)
         B, H, T, Dv = out.shape
         out = _dropout_out(out.transpose(1, 2).reshape(B, T, H * Dv), self.dropout, self.training)
@@ -503,6 +507,7 @@ class RFMultiheadAttention(_RandomFeatureLayer):
                 "need_weights=True is not supported: random-feature attention never forms the "
                 "attention-weight matrix; call with need_weights=False"
             )
+        same = query is key  # self-attention: the key mask is also the query mask (statistics)
         unbatched = query.dim() == 2
         for name, x in (("query", query), ("key", key), ("value", value)):
             if not isinstance(x, torch.Tensor) or x.dim() != (2 if unbatched else 3):
@@ -547,7 +552,8 @@ class RFMultiheadAttention(_RandomFeatureLayer):
             key_padding_mask = F.pad(key_padding_mask, (0, extra), value=False)
         H = self.num_heads
         q, k, v = (x.reshape(x.shape[0], N, H, -1).permute(1, 2, 0, 3) for x in (q, k, v))
-        out = self._attend(q, k, v, key_padding_mask, causal, None, None, None, None, False)
+        out = self._attend(q, k, v, key_padding_mask, causal, None, None, None, None, False,
+                           same and not extra)  # fmt: skip
         out = out.permute(2, 0, 1, 3).reshape(L, N, E)  # [L, N, E]
         out = self.out_proj(_dropout_out(out, self.dropout, self.training))
         if unbatched:

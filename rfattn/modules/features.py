@@ -173,11 +173,13 @@ class RandomFeatures(nn.Module):
         causal: bool = False,
         update: bool = True,
         moments=None,
+        query_padding_mask: torch.Tensor | None = None,
     ) -> dict:
         """The feature map's per-call parameters (:meth:`FeatureMap.params` on pre-scaled
         inputs) plus this module's ``component_weight`` where the weights carry one (sgq)."""
         params = dict(self.feature_map.params(xq, xk, key_padding_mask, causal=causal,
-                                              update=update, moments=moments))  # fmt: skip
+                                              update=update, moments=moments,
+                                              query_padding_mask=query_padding_mask))  # fmt: skip
         if self.weights in WEIGHTED_WEIGHTS:
             params["component_weight"] = self.component_weight.to(xq.device, xq.dtype)
         return params
@@ -189,6 +191,7 @@ class RandomFeatures(nn.Module):
         key_padding_mask: torch.Tensor | None = None,
         *,
         scale: float | None = None,
+        query_padding_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Reference feature maps with the stabilisers of DESIGN §3.
 
@@ -196,13 +199,15 @@ class RandomFeatures(nn.Module):
             q: ``[B, H, Tq, D]``; k: ``[B, H, Tk, D]``.
             key_padding_mask: ``[B, Tk]`` bool, True = padding (those keys get phi = 0).
             scale: softmax temperature (default ``D ** -0.5``).
+            query_padding_mask: ``[B, Tq]`` bool, True = queries left out of the statistics.
 
         Returns:
             ``(phi_q [B, H, Tq, F], phi_k [B, H, Tk, F])`` in fp32 (fp64 for fp64 inputs).
         """
         self._check(q, k, key_padding_mask)
         xq, xk, w = self._inputs(q, k, scale, key_padding_mask)
-        params = self.feature_params(xq, xk, key_padding_mask)
+        params = self.feature_params(xq, xk, key_padding_mask,
+                                     query_padding_mask=query_padding_mask)  # fmt: skip
         return self.feature_map.features(xq, xk, w, key_padding_mask, params)
 
     def estimate_kernel(self, q: torch.Tensor, k: torch.Tensor, *, scale=None) -> torch.Tensor:
