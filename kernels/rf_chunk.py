@@ -3,31 +3,37 @@
 Tokens are cut into chunks of C = BT. Features are ``phi = g exp(u - offset)`` in every form
 of ``rf_parallel`` (``common._feature_tile``'s epilogue: the real positive GERF family, the signed
 table form -- trigrf, hrf, complex gerf, sgq row weights -- and rmf's plain products, u = 0).
-With the running key offset R_c = max of the key logits u over all valid keys of chunks <= c
-and all features:
+R_c is the running key offset after chunk c (the max of the key logits u over all valid keys of
+chunks <= c and all features); the forward reads every row at its own offset
+``r_i = max(R_{c-1}, m_j for j <= i in chunk c)``, with m_j key j's max logit over features:
 
-    a_i = g_q(i) exp(u_q(i) - m_i)          (m_i: per-row max of u over features, exact)
-    b_j = g_k(j) exp(u_k(j) - R_c)          (j in chunk c; R_c never looks past chunk c)
-    S_c = sum_{j in chunks < c} b_j v_j^T   z_c = sum_{j in chunks < c} b_j     (at offset R_c)
-    out_i = (a_i S_c + sum_{j in c, j <= i} (a_i . b_j) v_j)
-            / (a_i z_c + sum_{j in c, j <= i} a_i . b_j)
+    a_i = g_q(i) exp(u_q(i) - mq_i)         (mq_i: per-row max of u over features, exact)
+    b_j = g_k(j) exp(u_k(j) - m_j)          (key j at its own max)
+    S'_c = sum_{j in chunks < c} phi_j v_j^T at offset R_{c-1}, z'_c likewise
+    out_i = (exp(R_{c-1} - r_i) a_i S'_c + sum_{j in c, j <= i} exp(m_j - r_i) (a_i . b_j) v_j)
+            / (exp(R_{c-1} - r_i) a_i z'_c + sum_{j in c, j <= i} exp(m_j - r_i) a_i . b_j)
 
-The offsets cancel exactly; because R_c includes the whole chunk c, a later token of the same
-chunk can move the offset used by an earlier one: causal outputs are unchanged by future tokens
-to fp32 rounding within a chunk, and bitwise across chunks (DESIGN §3: no global key max).
+Every factor is <= 1 and no row reads a later key's offset, so no output depends on a later
+token, not even through underflow, and where chunks fall changes only rounding (DESIGN §3).
 
 Forward, three launches (features never touch HBM; chunk states do, transiently):
 
 1. ``_chunk_local_kernel``, grid (M tiles, chunks, B*H): each chunk's own sum h_c = sum_j
    exp(u_k(j) - l_c) v_j^T with its local max l_c (fully parallel over chunks);
-2. ``_chunk_scan_kernel``, grid (M tiles, B*H): the running offset R_c and the prefix states
-   S_c, z_c, rescaled flash-style (sequential over chunks), plus the final state;
-3. ``_chunk_out_kernel``, grid (chunks, B*H): inter-chunk ``a S_c`` plus the masked intra-chunk
-   ``(a b^T ⊙ tril) V`` on ``tl.dot``, online per-row max over M tiles, ``out = num / den`` with
-   ``rfattn.reference.safe_denominator``'s policy; saves m_i and den_i.
+2. ``_chunk_scan_kernel``, grid (M tiles, B*H): the running offset and the prefix states,
+   rescaled flash-style (sequential over chunks), plus the final state; the forward stores each
+   chunk's prefix at R_{c-1}, the backward at R_c (``PREFIX``);
+3. ``_chunk_out_kernel``, grid (chunks, B*H): a pass over the key features for m_j, then the
+   inter-chunk ``a S'`` plus the masked intra-chunk ``(a b^T ⊙ decay ⊙ tril) V`` on ``tl.dot``,
+   online per-row max over M tiles, ``out = num / den`` with ``rfattn.reference.attention_ratio``'s
+   policy; saves mq_i and den_i at the backward's chunk offset R_c. A non-finite value poisons
+   its own and later rows only.
 
 Backward (states recomputed by 1-2, never kept from the forward; no reverse-subtraction of
-prefix sums). With g_i = do_i / den_i, c_i = -(do_i . out_i) / den_i, dK_ij = v_j . g_i + c_i:
+prefix sums), with keys and prefix states at the chunk offset R_c (mathematically the same
+function: offsets cancel; with logits spread far beyond the accumulator's exponent range inside a
+chunk, these gradients can still underflow where the forward does not). With g_i = do_i / den_i,
+c_i = -(do_i . out_i) / den_i, dK_ij = v_j . g_i + c_i:
 
 4. ``_chunk_local_grad_kernel``, grid (M tiles, chunks, B*H): L_c = sum_{i in c} a_i g_i^T,
    l_c = sum_{i in c} c_i a_i;
@@ -130,9 +136,11 @@ def _chunk_scan_kernel(
     h_ptr, hz_ptr, hm_ptr, s0_ptr, z0_ptr, r0_ptr, s_ptr, z_ptr, r_ptr, sT_ptr, zT_ptr, rT_ptr,
     NC,
     M: tl.constexpr, E: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr,
-    HAS_INIT: tl.constexpr, PLAIN: tl.constexpr, ACC: tl.constexpr,
+    HAS_INIT: tl.constexpr, PLAIN: tl.constexpr, ACC: tl.constexpr, PREFIX: tl.constexpr,
 ):  # fmt: skip
-    """Prefix states S_c, z_c at the running offset R_c for one M tile, and the final state."""
+    """Prefix states S_c, z_c for one M tile, and the final state: at the running offset R_c
+    (chunk c's keys included; the backward's convention), or with PREFIX at R_{c-1}, the offset
+    before chunk c (the forward's per-row offsets start there)."""
     i_m, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     NMT: tl.constexpr = (M + BM - 1) // BM
     o_f, o_e, o_p = i_m * BM + tl.arange(0, BM), tl.arange(0, BE), tl.arange(0, BP)
@@ -150,11 +158,17 @@ def _chunk_scan_kernel(
         b_lall = tl.load(hm_ptr + i_blk * NMT + o_p, mask=o_p < NMT, other=_NEG)  # [BP]
         b_rn = tl.maximum(b_r, tl.max(b_lall, axis=0))
         b_alpha = tl.exp(b_r - b_rn)
+        if PREFIX:
+            tl.store(s_ptr + i_blk * M * E + o_fe, b_s, mask=m_fe)
+            tl.store(z_ptr + i_blk * M + o_f, b_z, mask=m_f)
+            if i_m == 0:
+                tl.store(r_ptr + i_blk, b_r)
         b_s, b_z = b_s * b_alpha, b_z * b_alpha
-        tl.store(s_ptr + i_blk * M * E + o_fe, b_s, mask=m_fe)
-        tl.store(z_ptr + i_blk * M + o_f, b_z, mask=m_f)
-        if i_m == 0:
-            tl.store(r_ptr + i_blk, b_rn)
+        if not PREFIX:
+            tl.store(s_ptr + i_blk * M * E + o_fe, b_s, mask=m_fe)
+            tl.store(z_ptr + i_blk * M + o_f, b_z, mask=m_f)
+            if i_m == 0:
+                tl.store(r_ptr + i_blk, b_rn)
         b_beta = tl.exp(tl.load(hm_ptr + i_blk * NMT + i_m) - b_rn)
         b_s += b_beta * tl.load(h_ptr + i_blk * M * E + o_fe, mask=m_fe, other=0.0)
         b_z += b_beta * tl.load(hz_ptr + i_blk * M + o_f, mask=m_f, other=0.0)
@@ -196,7 +210,22 @@ def _chunk_out_kernel(
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
     b_xq = _load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, ACC) * b_scq[None, :]
     b_xk = _load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, ACC) * b_sck[None, :]
-    b_r = tl.load(r_ptr + i_blk)
+    b_rp = tl.load(r_ptr + i_blk)  # R_{c-1}: the prefix state's offset
+    # per-row offsets: key j's own max logit m_j over features, then r_i = max(R_{c-1}, m_j for
+    # j <= i), so no row reads a later key's offset (one more pass over the key features)
+    b_mk = tl.full([BT], _NEG, dtype=ACC)
+    for i_m in range(0, NMT):
+        o_f = i_m * BM + tl.arange(0, BM)
+        m_f = o_f < M
+        b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
+        b_uk, b_gk, b_g1, b_g2 = _feature_tile(
+            b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
+            M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # fmt: skip
+        b_uk = tl.where(m_k[:, None] & m_f[None, :], b_uk, _NEG)
+        b_mk = tl.maximum(b_mk, tl.max(b_uk, axis=1))
+    m_tril = o_t[:, None] >= o_t[None, :]  # [BT(i), BT(j)]
+    b_ri = tl.maximum(b_rp, tl.max(tl.where(m_tril, b_mk[None, :], _NEG), axis=1))  # [BT]
+    b_rc = tl.maximum(b_rp, tl.max(b_mk, axis=0))  # R_c, the backward's chunk offset
 
     b_mx = tl.full([BT], _NEG, dtype=ACC)
     b_num = tl.zeros([BT, BE], dtype=ACC)
@@ -216,7 +245,7 @@ def _chunk_out_kernel(
         b_uk, b_gk, b_g1, b_g2 = _feature_tile(
             b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
             M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # fmt: skip
-        b_b = b_gk * tl.where(m_k[:, None] & m_f[None, :], tl.exp(b_uk - b_r), 0.0)  # [BT, BM]
+        b_b = b_gk * tl.where(m_k[:, None] & m_f[None, :], tl.exp(b_uk - b_mk[:, None]), 0.0)
         b_s = tl.load(s_ptr + i_blk * M * E + o_f[:, None] * E + o_e[None, :],
                       mask=m_f[:, None] & m_e[None, :], other=0.0)  # [BM, BE]  # fmt: skip
         b_z = tl.load(z_ptr + i_blk * M + o_f, mask=m_f, other=0.0)  # [BM]
@@ -229,7 +258,12 @@ def _chunk_out_kernel(
             b_a, tl.trans(b_b), input_precision=PRECISION, out_dtype=ACC
         )
         b_mx = b_mx_new
-    b_A = tl.where(o_t[:, None] >= o_t[None, :], b_A, 0.0)  # causal inside the chunk
+    # rows at their own offsets: the prefix times exp(R_{c-1} - r_i), key j <= i times
+    # exp(m_j - r_i) (both <= 1); later keys never enter (selection, not a product with 0)
+    b_inter = tl.exp(b_rp - b_ri)
+    b_num, b_den = b_num * b_inter[:, None], b_den * b_inter
+    b_decay = tl.exp(tl.minimum(b_mk[None, :] - b_ri[:, None], 0.0))
+    b_A = tl.where(m_tril & m_k[None, :], b_A * b_decay, 0.0)  # causal inside the chunk
     p_v = (
         v_ptr
         + i_b * stride_vb
@@ -250,6 +284,9 @@ def _chunk_out_kernel(
     _store_tile(o_ptr, i_b, i_h, o_t, o_e, stride_ob, stride_oh, stride_ot, stride_oe,
                 b_o, m_q, m_e)  # fmt: skip
     tl.store(mq_ptr + i_bh * T + o_t, b_mx, mask=m_q)
+    # the backward recomputes keys at the chunk offset R_c: its denominator is this one times
+    # exp(r_i - R_c) (an empty row keeps inf: zero cotangents)
+    b_den = tl.where(b_den == float("inf"), b_den, b_den * tl.exp(b_ri - b_rc))
     tl.store(den_ptr + i_bh * T + o_t, b_den, mask=m_q)
 
 
@@ -434,8 +471,9 @@ def _chunk_bwd_kernel(
 # launchers
 
 
-def _states(c: _Setup, k, v, initial_state):
-    """Launch the local and scan kernels: prefix states per chunk and the final state."""
+def _states(c: _Setup, k, v, initial_state, prefix: bool):
+    """Launch the local and scan kernels: prefix states per chunk (at R_{c-1} with ``prefix``,
+    for the forward; else at R_c, for the backward) and the final state."""
     B, H, T, M, E, NMT, bt = c.B, c.H, c.Tk, c.M, c.E, c.NMT, c.BT
     NC = max(triton.cdiv(T, bt), 1)
     h = c.acc_empty(B * H * NC, M, E)
@@ -458,7 +496,7 @@ def _states(c: _Setup, k, v, initial_state):
     _chunk_scan_kernel[(NMT, B * H)](
         h, hz, hm, s0, z0, r0, s, z, r, sT, zT, rT, NC,
         M=M, E=E, BM=c.BM, BE=c.BE, BP=_next_pow2(NMT), HAS_INIT=initial_state is not None,
-        PLAIN=c.plain, ACC=c.ACC, **c.launch_options(),
+        PLAIN=c.plain, ACC=c.ACC, PREFIX=prefix, **c.launch_options(),
     )  # fmt: skip
     return NC, (s, z, r), (sT, zT, rT)
 
@@ -500,7 +538,7 @@ def rf_chunk_fwd(
         state = (c.acc_empty(B, H, c.M, E), c.acc_empty(B, H, c.M),
                  c.acc_empty(B, H))  # fmt: skip
         return (out, state, (mq, den)) if return_aux else (out, state)
-    NC, (s, z, r), state = _states(c, k, v, initial_state)
+    NC, (s, z, r), state = _states(c, k, v, initial_state, prefix=True)
     if T:
         _chunk_out_kernel[(NC, B * H)](
             q, k, v, c.w, c.pad[0], *c.form_ptrs, s, z, r, out, mq, den,
@@ -545,7 +583,7 @@ def rf_chunk_bwd(
     dz0 = c.acc_empty(B, H, M) if has_init else None
     if B * H == 0:
         return dq, dk, dv, ds0, dz0
-    NC, (s, z, r), _ = _states(c, k, v, initial_state)
+    NC, (s, z, r), _ = _states(c, k, v, initial_state, prefix=False)
     meta = dict(**c.launch_options(), BT=bt, **c.meta)
     L = c.acc_empty(B * H * NC, M, E)
     l_ = c.acc_empty(B * H * NC, M)
