@@ -37,12 +37,27 @@ def _configs():
 @triton.autotune(configs=_configs(), key=["D", "ACC"])
 @triton.jit
 def _moments_kernel(
-    x_ptr, pad_ptr, scale_ptr, part_ptr, cnt_ptr,
-    T, H, NUM_SPLITS, t_per_split,
-    stride_xb, stride_xh, stride_xt, stride_xd, stride_pb, stride_pt,
-    D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, HAS_PAD: tl.constexpr,
+    x_ptr,
+    pad_ptr,
+    scale_ptr,
+    part_ptr,
+    cnt_ptr,
+    T,
+    H,
+    NUM_SPLITS,
+    t_per_split,
+    stride_xb,
+    stride_xh,
+    stride_xt,
+    stride_xd,
+    stride_pb,
+    stride_pt,
+    D: tl.constexpr,
+    BD: tl.constexpr,
+    BT: tl.constexpr,
+    HAS_PAD: tl.constexpr,
     ACC: tl.constexpr,
-):  # fmt: skip
+):
     """Partial (sum, sum of squares, sum of |.|, min) [4, D] and count of one T split."""
     i_s, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
@@ -119,10 +134,23 @@ def token_moments(
     else:
         pad_args = (sc, 0, 0)  # never read
     _moments_kernel[(splits, B * H)](
-        x, pad_args[0], sc, part, cnt, T, H, splits, per, *x.stride(), pad_args[1], pad_args[2],
-        D=D, BD=_next_pow2(D), HAS_PAD=key_padding_mask is not None,
+        x,
+        pad_args[0],
+        sc,
+        part,
+        cnt,
+        T,
+        H,
+        splits,
+        per,
+        *x.stride(),
+        pad_args[1],
+        pad_args[2],
+        D=D,
+        BD=_next_pow2(D),
+        HAS_PAD=key_padding_mask is not None,
         ACC=tl.float64 if acc == torch.float64 else tl.float32,
-    )  # fmt: skip
+    )
     # fixed-order reductions over the splits: deterministic
     sums = part.sum(dim=1)  # [B*H, 4, D]
     n = cnt.sum(dim=1)  # [B*H]

@@ -164,8 +164,18 @@ def rfattn_mask(
             return None
         return keep[:, None, None, :].expand(batch_size, 1, q_length, kv_length)
     kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
-    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
-                     attention_mask, local_size, device=device, **kwargs)  # fmt: skip
+    return sdpa_mask(
+        batch_size,
+        q_length,
+        kv_length,
+        q_offset,
+        kv_offset,
+        mask_function,
+        attention_mask,
+        local_size,
+        device=device,
+        **kwargs,
+    )
 
 
 def _keep(mask: torch.Tensor) -> torch.Tensor:
@@ -257,8 +267,15 @@ def rfattn_attention_forward(
     if causal and tq != tk:
         # queries are the last Tq of Tk positions (a cache): run causal over Tk, keep the tail
         front = query.new_zeros(*query.shape[:2], tk - tq, query.shape[-1])
-        out = rf_attention(torch.cat((front, query), dim=2), key, value, rf, causal=True,
-                           key_padding_mask=pad, scale=scaling)[:, :, tk - tq :]  # fmt: skip
+        out = rf_attention(
+            torch.cat((front, query), dim=2),
+            key,
+            value,
+            rf,
+            causal=True,
+            key_padding_mask=pad,
+            scale=scaling,
+        )[:, :, tk - tq :]
     else:
         # self-attention: padded queries stay out of the statistics too (cross-attention's
         # mask is the keys' alone)
@@ -266,8 +283,16 @@ def rfattn_attention_forward(
             getattr(module, "is_cross_attention", False) or "cross" in type(module).__name__.lower()
         )
         qpad = pad if pad is not None and tq == tk and not cross else None
-        out = rf_attention(query, key, value, rf, causal=causal, key_padding_mask=pad,
-                           scale=scaling, query_padding_mask=qpad)  # fmt: skip
+        out = rf_attention(
+            query,
+            key,
+            value,
+            rf,
+            causal=causal,
+            key_padding_mask=pad,
+            scale=scaling,
+            query_padding_mask=qpad,
+        )
     if dropout > 0 and module.training:
         out = torch.nn.functional.dropout(out, dropout, training=True)
     return out.transpose(1, 2).contiguous(), None

@@ -39,8 +39,9 @@ def test_junk_in_padded_keys_never_reaches_statistics(feature, kernel_device):
         torch.testing.assert_close(out, clean, msg=backend)
         rf.train()
         if feature in ("oprf", "saderf"):  # running statistics: a causal training call
-            rfattn.rf_attention(junk_k, junk_k, junk_v, rf, causal=True, key_padding_mask=mask,
-                                backend=backend)  # fmt: skip
+            rfattn.rf_attention(
+                junk_k, junk_k, junk_v, rf, causal=True, key_padding_mask=mask, backend=backend
+            )
             assert all(b.isfinite().all() for b in rf.feature_map.buffers()), backend
 
 
@@ -68,8 +69,9 @@ def test_queries_without_a_valid_key_have_zero_gradient(causal, feature, weights
         grads = []
         for cot in (do, do.masked_fill(empty, 0.0)):
             args = [x.clone().requires_grad_() for x in (q, k, v)]
-            out = rfattn.rf_attention(*args, rf, causal=causal, key_padding_mask=mask,
-                                      backend=backend)  # fmt: skip
+            out = rfattn.rf_attention(
+                *args, rf, causal=causal, key_padding_mask=mask, backend=backend
+            )
             out.backward(cot)
             assert torch.equal(out.masked_select(empty), torch.zeros_like(out.masked_select(empty)))
             grads.append([x.grad for x in args])
@@ -135,8 +137,9 @@ def test_rmf_options_do_not_overflow():
     with pytest.raises(ValueError, match="max_degree"):
         rfattn.RandomFeatures(8, 16, "rmf", weights="rademacher", max_degree=1000)
     with pytest.raises(ValueError, match="poly_degree=500"):
-        rfattn.RandomFeatures(8, 16, "rmf", weights="rademacher", dot_kernel="poly",
-                              poly_degree=500, poly_c=10.0)  # fmt: skip
+        rfattn.RandomFeatures(
+            8, 16, "rmf", weights="rademacher", dot_kernel="poly", poly_degree=500, poly_c=10.0
+        )
     rf = rfattn.RandomFeatures(8, 16, "rmf", weights="rademacher", seed=0, max_degree=64)
     assert rf.feature_map.coef[64] == pytest.approx(1.0 / __import__("math").factorial(64))
 
@@ -198,13 +201,16 @@ def test_causal_outputs_do_not_depend_on_later_keys(feature, weights, kernel_dev
         assert head.abs().sum() > 1.0, backend  # not underflowed
         torch.testing.assert_close(full[:, :, :20], head, rtol=1e-4, atol=1e-4, msg=backend)
         for cut in (1, 7, 20, 31):
-            a, s1 = rfattn.rf_attention(q[:, :, :cut], k[:, :, :cut], v[:, :, :cut], rf,
-                                        return_state=True, **kw)  # fmt: skip
-            b = rfattn.rf_attention(q[:, :, cut:], k[:, :, cut:], v[:, :, cut:], rf,
-                                    initial_state=s1, **kw)  # fmt: skip
+            a, s1 = rfattn.rf_attention(
+                q[:, :, :cut], k[:, :, :cut], v[:, :, :cut], rf, return_state=True, **kw
+            )
+            b = rfattn.rf_attention(
+                q[:, :, cut:], k[:, :, cut:], v[:, :, cut:], rf, initial_state=s1, **kw
+            )
             # fp32 with logits near -440: the exponent's rounding is ~440 * 2^-24 relative
-            torch.testing.assert_close(torch.cat((a, b), dim=2), full, rtol=1e-4, atol=1e-4,
-                                       msg=(backend, cut))  # fmt: skip
+            torch.testing.assert_close(
+                torch.cat((a, b), dim=2), full, rtol=1e-4, atol=1e-4, msg=(backend, cut)
+            )
 
 
 @pytest.mark.parametrize("feature", ["poisrf", "geomrf"])
@@ -247,20 +253,24 @@ def test_query_statistics_follow_the_query_mask(feature, kernel_device):
     perm = torch.tensor([3, 6, 0, 5, 1, 4, 2], device=kernel_device)
     for backend in backends(rf):
         out = rfattn.rf_attention(q, k, v, rf, key_padding_mask=mask, backend=backend)
-        shuffled = rfattn.rf_attention(q, k[:, :, perm], v[:, :, perm], rf,
-                                       key_padding_mask=mask[:, perm], backend=backend)  # fmt: skip
+        shuffled = rfattn.rf_attention(
+            q, k[:, :, perm], v[:, :, perm], rf, key_padding_mask=mask[:, perm], backend=backend
+        )
         torch.testing.assert_close(shuffled, out, msg=backend)
         phi_q, phi_k = rf.features(q, k, mask)  # every query in the statistics
-        ref = rfattn.reference.linear_attention(phi_q, phi_k, v.to(phi_q.dtype),
-                                                key_padding_mask=mask)  # fmt: skip
+        ref = rfattn.reference.linear_attention(
+            phi_q, phi_k, v.to(phi_q.dtype), key_padding_mask=mask
+        )
         torch.testing.assert_close(out, ref.to(out.dtype), msg=backend)
         # self-attention with junk in the padded positions of q, k and v
         x = q.clone()
-        clean = rfattn.rf_attention(x, x, v, rf, key_padding_mask=mask, query_padding_mask=mask,
-                                    backend=backend)  # fmt: skip
+        clean = rfattn.rf_attention(
+            x, x, v, rf, key_padding_mask=mask, query_padding_mask=mask, backend=backend
+        )
         junk = x.masked_fill(mask[:, None, :, None], NAN)
-        out = rfattn.rf_attention(junk, junk, v, rf, key_padding_mask=mask,
-                                  query_padding_mask=mask, backend=backend)  # fmt: skip
+        out = rfattn.rf_attention(
+            junk, junk, v, rf, key_padding_mask=mask, query_padding_mask=mask, backend=backend
+        )
         keep = ~mask[:, None, :, None].expand_as(out)
         torch.testing.assert_close(out[keep], clean[keep], msg=backend)
 
@@ -268,8 +278,9 @@ def test_query_statistics_follow_the_query_mask(feature, kernel_device):
 def test_layers_and_hf_pass_the_query_mask():
     """RFMultiheadAttention in self-attention leaves its padded queries out of the statistics:
     NaN in padded input positions changes no valid output."""
-    layer = rfattn.RFMultiheadAttention(16, 2, batch_first=True, feature="oprf",
-                                        num_features=16, seed=0).eval()  # fmt: skip
+    layer = rfattn.RFMultiheadAttention(
+        16, 2, batch_first=True, feature="oprf", num_features=16, seed=0
+    ).eval()
     x = rand(2, 6, 16, seed=1)
     mask = torch.zeros(2, 6, dtype=torch.bool)
     mask[0, 4:] = True

@@ -9,21 +9,20 @@ rfhf = pytest.importorskip("rfattn.hf")
 V, T = 64, 24
 
 
+#: the tiny configuration both architectures share
+SMALL = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4)  # fmt: skip
+
+
 def _llama(seed=0):
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-    )  # fmt: skip
+    cfg = transformers.LlamaConfig(**SMALL, num_key_value_heads=2, max_position_embeddings=128)
     return transformers.LlamaForCausalLM(cfg)
 
 
 def _bert(seed=0):
     torch.manual_seed(seed)
-    cfg = transformers.BertConfig(
-        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=64,
-    )  # fmt: skip
+    cfg = transformers.BertConfig(**SMALL, max_position_embeddings=64)
     return transformers.BertModel(cfg)
 
 
@@ -154,8 +153,9 @@ def test_save_and_load_keep_trained_features(tmp_path, drop_features):
     from safetensors.torch import load_file, save_file
 
     model = _bert()
-    rfhf.attach_random_features(model, num_features=16, feature="oprf", weights="fastfoodl",
-                                stats="running", seed=0)  # fmt: skip
+    rfhf.attach_random_features(
+        model, num_features=16, feature="oprf", weights="fastfoodl", stats="running", seed=0
+    )
     model.set_attn_implementation("rfattn")
     ids = _ids()
     model.train()

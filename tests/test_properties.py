@@ -12,8 +12,12 @@ import rfattn
 hypothesis = pytest.importorskip("hypothesis")
 pytestmark = pytest.mark.slow
 st = hypothesis.strategies
-settings = hypothesis.settings(max_examples=12, deadline=None, derandomize=True,
-                               suppress_health_check=list(hypothesis.HealthCheck))  # fmt: skip
+settings = hypothesis.settings(
+    max_examples=12,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=list(hypothesis.HealthCheck),
+)
 
 f64 = torch.float64
 JUNK = [float("nan"), float("inf"), float("-inf"), 1e30]
@@ -45,8 +49,9 @@ def calls(draw, causal=None):
 
 
 def run(q, k, v, mask, rf, causal, backend, **kw):
-    return rfattn.rf_attention(q, k, v, rf, causal=causal, key_padding_mask=mask, backend=backend,
-                               **kw)  # fmt: skip
+    return rfattn.rf_attention(
+        q, k, v, rf, causal=causal, key_padding_mask=mask, backend=backend, **kw
+    )
 
 
 @settings
@@ -81,10 +86,26 @@ def test_split_resume_equals_one_shot(call, data):
     T = q.shape[2]
     cut = data.draw(st.integers(0, T))
     full = run(q, k, v, mask, rf, True, backend)
-    a, s = run(q[:, :, :cut], k[:, :, :cut], v[:, :, :cut], mask[:, :cut], rf, True, backend,
-               return_state=True)  # fmt: skip
-    b = run(q[:, :, cut:], k[:, :, cut:], v[:, :, cut:], mask[:, cut:], rf, True, backend,
-            initial_state=s)  # fmt: skip
+    a, s = run(
+        q[:, :, :cut],
+        k[:, :, :cut],
+        v[:, :, :cut],
+        mask[:, :cut],
+        rf,
+        True,
+        backend,
+        return_state=True,
+    )
+    b = run(
+        q[:, :, cut:],
+        k[:, :, cut:],
+        v[:, :, cut:],
+        mask[:, cut:],
+        rf,
+        True,
+        backend,
+        initial_state=s,
+    )
     torch.testing.assert_close(torch.cat((a, b), dim=2), full, rtol=1e-9, atol=1e-11)
 
 

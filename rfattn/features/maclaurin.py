@@ -151,8 +151,9 @@ class RMF(FeatureMap):
         self.p = check_number(self.name, "p", p, low=1.0, low_open=True)
         # the drawn projections are [max_degree - 1, M, D]; degree 64 has probability below
         # 2^-64 at p = 2 already
-        self.max_degree = check_number(self.name, "max_degree", max_degree, integer=True, low=1,
-                                       high=MAX_DEGREE)  # fmt: skip
+        self.max_degree = check_number(
+            self.name, "max_degree", max_degree, integer=True, low=1, high=MAX_DEGREE
+        )
         self.dot_kernel, self.mode = dot_kernel, mode
         if not isinstance(head_dim, int) or not isinstance(num_rows, int):
             raise ValueError("feature='rmf' needs num_rows and head_dim")

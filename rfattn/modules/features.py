@@ -177,9 +177,17 @@ class RandomFeatures(nn.Module):
     ) -> dict:
         """The feature map's per-call parameters (:meth:`FeatureMap.params` on pre-scaled
         inputs) plus this module's ``component_weight`` where the weights carry one (sgq)."""
-        params = dict(self.feature_map.params(xq, xk, key_padding_mask, causal=causal,
-                                              update=update, moments=moments,
-                                              query_padding_mask=query_padding_mask))  # fmt: skip
+        params = dict(
+            self.feature_map.params(
+                xq,
+                xk,
+                key_padding_mask,
+                causal=causal,
+                update=update,
+                moments=moments,
+                query_padding_mask=query_padding_mask,
+            )
+        )
         if self.weights in WEIGHTED_WEIGHTS:
             params["component_weight"] = self.component_weight.to(xq.device, xq.dtype)
         return params
@@ -206,8 +214,9 @@ class RandomFeatures(nn.Module):
         """
         self._check(q, k, key_padding_mask)
         xq, xk, w = self._inputs(q, k, scale, key_padding_mask)
-        params = self.feature_params(xq, xk, key_padding_mask,
-                                     query_padding_mask=query_padding_mask)  # fmt: skip
+        params = self.feature_params(
+            xq, xk, key_padding_mask, query_padding_mask=query_padding_mask
+        )
         return self.feature_map.features(xq, xk, w, key_padding_mask, params)
 
     def estimate_kernel(self, q: torch.Tensor, k: torch.Tensor, *, scale=None) -> torch.Tensor:
