@@ -184,6 +184,12 @@ def rf_recurrent_fwd(
     s, z, r = (s0, z0, r0) if inplace else (c.acc_empty(B, H, M, E), c.acc_empty(B, H, M),
                                             c.acc_empty(B, H))  # fmt: skip
     out = torch.empty(B, H, T, E, device=q.device, dtype=q.dtype)
+    if T == 0:  # no token: the state passes through (the kernel would write nothing)
+        if initial_state is None:
+            s.zero_(), z.zero_(), r.fill_(0.0 if c.plain else float("-inf"))
+        elif not inplace:
+            s.copy_(s0), z.copy_(z0), r.copy_(r0)
+        return out, (s, z, r)
     if B * H:
         _recurrent_kernel[(B * H,)](
             q, k, v, c.w, c.pad[0], *c.form_ptrs, s0, z0, r0, s, z, r, out,

@@ -288,3 +288,25 @@ def test_layers_and_hf_pass_the_query_mask():
     junk = x.masked_fill(mask[..., None], NAN)
     out, _ = layer(junk, junk, junk, key_padding_mask=mask, need_weights=False)
     torch.testing.assert_close(out[~mask], clean[~mask])
+
+
+def test_an_empty_call_passes_the_state_through(kernel_device):
+    """T = 0 returns the given state (or the empty one) exactly, decode step and chunked form
+    alike (before: the decode step returned uninitialised memory as S and z; found by
+    tests/test_properties.py)."""
+    rf = rfattn.RandomFeatures(8, 12, "posrf", seed=0).double().to(kernel_device)
+    q, k, v = (
+        rand(1, 2, 5, d, seed=s, dtype=f64).to(kernel_device) for s, d in ((1, 8), (2, 8), (3, 4))
+    )
+    empty = (q[:, :, :0], k[:, :, :0], v[:, :, :0])
+    for backend in backends(rf, causal=True):
+        kw = dict(causal=True, backend=backend, return_state=True)
+        _, given = rfattn.rf_attention(q, k, v, rf, **kw)
+        for grad in (False, True):  # decode step / chunked form
+            with torch.set_grad_enabled(grad):
+                args = [x.clone().requires_grad_(grad) for x in empty]
+                _, none = rfattn.rf_attention(*args, rf, **kw)
+                _, same = rfattn.rf_attention(*args, rf, initial_state=given, **kw)
+            assert not none.s.any() and not none.z.any() and none.offset.isneginf().all(), backend
+            for a, b in zip(same, given, strict=True):
+                assert torch.equal(a.detach(), b), (backend, grad)
