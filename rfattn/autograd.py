@@ -41,6 +41,7 @@ import dataclasses
 import torch
 from torch.library import custom_op
 
+from rfattn.features.base import compute_dtype, prescale, query_features
 from rfattn.features.form import KernelForm
 from rfattn.kernels import rf_chunk as rf_chunk_kernels
 from rfattn.kernels import rf_parallel as rf_parallel_kernels
@@ -78,17 +79,13 @@ def _form(args: tuple) -> tuple[KernelForm, tuple]:
     return KernelForm(kind, w, coeffs, psi, table, **named), args[_NFORM:]
 
 
-def _acc(q: torch.Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
 def _state(s0, z0, off0):
     return None if s0 is None else (s0, z0, off0)
 
 
 def _state_like(q, v, w) -> tuple:
     """Empty ``(S [B, H, F, E], z [B, H, F], offset [B, H])`` in the accumulation dtype."""
-    B, H, F, E, acc = q.shape[0], q.shape[1], w.shape[0], v.shape[3], _acc(q)
+    B, H, F, E, acc = q.shape[0], q.shape[1], w.shape[0], v.shape[3], compute_dtype(q.dtype)
     return (
         q.new_empty(B, H, F, E, dtype=acc),
         q.new_empty(B, H, F, dtype=acc),
@@ -110,10 +107,7 @@ def _on_torch(q: torch.Tensor) -> bool:
 
 def _torch_features(q, k, form, scale):
     """(phi_q, u_k, g_k): stabilised query features, key logits (None: plain) and amplitudes."""
-    from rfattn.features.base import query_features
-
-    acc = _acc(q)
-    xq, xk = (x.to(acc) * scale**0.5 for x in (q, k))
+    xq, xk = prescale(q, scale), prescale(k, scale)
     u_q, g_q = form.evaluate(xq, "query")
     u_k, g_k = form.evaluate(xk, "key")
     if form.plain:
@@ -197,7 +191,7 @@ def _parallel(q, k, v, *args):
 
 @_parallel.register_fake
 def _(q, k, v, *args):
-    BH, Tq, F, acc = q.shape[0] * q.shape[1], q.shape[2], args[1].shape[0], _acc(q)
+    BH, Tq, F, acc = q.shape[0] * q.shape[1], q.shape[2], args[1].shape[0], compute_dtype(q.dtype)
     aux = [(BH, F, v.shape[3]), (BH, F), (BH,), (BH, Tq), (BH, Tq)]
     return (q.new_empty(*q.shape[:3], v.shape[3]), *(q.new_empty(s, dtype=acc) for s in aux))
 
@@ -272,7 +266,7 @@ def rf_parallel(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, 
 def _chunk(q, k, v, *args):
     form, (scale, mask, s0, z0, off0, precision, gpu_tiles) = _form(args)
     if _on_torch(q):  # the saved m_q, den are only read by the Triton backward
-        BH, T, acc = q.shape[0] * q.shape[1], q.shape[2], _acc(q)
+        BH, T, acc = q.shape[0] * q.shape[1], q.shape[2], compute_dtype(q.dtype)
         return (*_torch_chunk(q, k, v, form, scale, mask, _state(s0, z0, off0)),
                 q.new_zeros(BH, T, dtype=acc), q.new_zeros(BH, T, dtype=acc))  # fmt: skip
     out, state, aux = rf_chunk_kernels.rf_chunk_fwd(
@@ -284,7 +278,7 @@ def _chunk(q, k, v, *args):
 
 @_chunk.register_fake
 def _(q, k, v, *args):
-    BH, T, acc = q.shape[0] * q.shape[1], q.shape[2], _acc(q)
+    BH, T, acc = q.shape[0] * q.shape[1], q.shape[2], compute_dtype(q.dtype)
     return (q.new_empty(*q.shape[:3], v.shape[3]), *_state_like(q, v, args[1]),
             q.new_empty(BH, T, dtype=acc), q.new_empty(BH, T, dtype=acc))  # fmt: skip
 
