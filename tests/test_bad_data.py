@@ -310,3 +310,16 @@ def test_an_empty_call_passes_the_state_through(kernel_device):
             assert not none.s.any() and not none.z.any() and none.offset.isneginf().all(), backend
             for a, b in zip(same, given, strict=True):
                 assert torch.equal(a.detach(), b), (backend, grad)
+
+
+def test_query_padding_mask_is_checked():
+    """The new argument gets the key mask's checks, each error naming it."""
+    rf = rfattn.RandomFeatures(8, 16, "oprf", seed=0)
+    q, k = rand(2, 1, 5, 8, seed=1), rand(2, 1, 7, 8, seed=2)
+    v = rand(2, 1, 7, 4, seed=3)
+    with pytest.raises(ValueError, match=r"query_padding_mask must have shape \[B, T\] = \(2, 5\)"):
+        rfattn.rf_attention(q, k, v, rf, query_padding_mask=torch.zeros(2, 7, dtype=torch.bool))
+    with pytest.raises(TypeError, match="query_padding_mask must be bool"):
+        rfattn.rf_attention(q, k, v, rf, query_padding_mask=torch.zeros(2, 5))
+    with pytest.raises(TypeError, match="query_padding_mask must be a torch.Tensor"):
+        rfattn.rf_attention(q, k, v, rf, query_padding_mask=[[False] * 5] * 2)
