@@ -2,22 +2,26 @@
 
     x~ = sqrt(scale) * q (or k)                                  [T, D]
     phi_f(x~) = g_f(x~) exp(u_f(x~) - offset)                    [T, F]   (feature form below)
-    a_i = phi(q~_i) with offset m_i (per-row max of u over features)
-    b_j = phi(k~_j) with offset m_K (one per (b, h), over valid keys and features)
+    b_j = phi(k~_j) with offsets m_K,f (per (b, h) and feature f, the max over valid keys)
+    a_i = g exp(u(q~_i) + m_K - m_i) (the key offsets move to the query side, m_i its row max)
     S = sum_j b_j v_j^T   z = sum_j b_j                          [F, E], [F]   (accumulator dtype)
     out_i = a_i S / a_i z                                        [T, E]
 
 Forward, three launches (phi never touches HBM):
 
 1. key pass ``_fwd_kv_kernel``, grid (F tiles, T splits, B*H): projection on ``tl.dot``, feature
-   epilogue, running max ``m`` of the logits over the program's keys and features with
-   flash-style rescaling of the partial (S, z); writes the partial (m, S, z);
-2. merge ``_fwd_merge_kernel``, grid (F tiles, B*H): ``m_K`` = max of the partial maxima of the
-   (b, h); partials rescaled by ``exp(m - m_K)`` and summed in a fixed order (deterministic);
-3. query pass ``_fwd_q_kernel``, grid (Tq tiles, B*H): features per F tile with an online
-   per-row max, ``out = num / den`` with the denominator policy of
+   epilogue, running max ``m_f`` of each feature's logits over the program's keys with
+   flash-style rescaling of the partial (S, z) rows; writes the partial (m, S, z);
+2. merge ``_fwd_merge_kernel``, grid (F tiles, B*H): ``m_K,f`` = max of the partial maxima;
+   partials rescaled by ``exp(m_f - m_K,f)`` and summed in a fixed order (deterministic);
+3. query pass ``_fwd_q_kernel``, grid (Tq tiles, B*H): features (logits plus ``m_K``) per F
+   tile with an online per-row max, ``out = num / den`` with the denominator policy of
    ``rfattn.reference.safe_denominator`` (``|den| < tiny`` -> ``sign(den) tiny``, sign of 0 +);
    saves the row max m_i and den_i for the backward.
+
+Per-feature key offsets keep the largest term ``exp(u_q,if + u_k,jf)`` of every row exactly 1
+after stabilisation, whatever the spread of the logits across features (oprf/saderf at large
+norms spread them by hundreds; one offset per (b, h) made whole rows underflow to 0).
 
 Backward (features recomputed, never stored; same offsets m_i, m_K as the forward). With
 ``g_i = do_i / den_i`` and ``c_i = -(do_i . out_i) / den_i``:
@@ -67,7 +71,6 @@ from .common import (
     _input_scale,
     _load_rows,
     _load_w,
-    _next_pow2,
     _query_cotangents,
     _ratio,
     _setup,
@@ -96,7 +99,6 @@ def _fwd_kv_kernel(
     """Partial (m, S, z) of one feature tile over one T split of one (b, h)."""
     i_m, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
-    NMT: tl.constexpr = (M + BM - 1) // BM
     o_d, o_e, o_f = tl.arange(0, BD), tl.arange(0, BE), i_m * BM + tl.arange(0, BM)
     m_d, m_e, m_f = o_d < D, o_e < E, o_f < M
     b_ca, b_cb, b_cd = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
@@ -107,7 +109,7 @@ def _fwd_kv_kernel(
 
     b_s = tl.zeros([BM, BE], dtype=ACC)
     b_z = tl.zeros([BM], dtype=ACC)
-    b_mx = tl.full([], _NEG, dtype=ACC)
+    b_mx = tl.full([BM], _NEG, dtype=ACC)  # per feature
     t0 = i_s.to(tl.int64) * t_per_split
     for t in range(0, t_per_split, BT):
         o_t = t0 + t + tl.arange(0, BT)
@@ -117,14 +119,14 @@ def _fwd_kv_kernel(
             b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
             M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
         b_u = tl.where(m_t[:, None] & m_f[None, :], b_u, float("-inf"))
-        b_mx_new = tl.maximum(b_mx, tl.max(tl.max(b_u, axis=1), axis=0))
+        b_mx_new = tl.maximum(b_mx, tl.max(b_u, axis=0))  # [BM]
         b_alpha = tl.exp(b_mx - b_mx_new)
-        b_p = b_g * tl.exp(b_u - b_mx_new)  # [BT, BM], 0 on invalid rows / features
+        b_p = b_g * tl.exp(b_u - b_mx_new[None, :])  # [BT, BM], 0 on invalid rows / features
         p_v = v_base + o_t[:, None] * stride_vt + o_e[None, :] * stride_ve
         b_v = tl.load(p_v, mask=m_t[:, None] & m_e[None, :], other=0.0)  # padded values unread
         # [BM, BT] @ [BT, BE] -> [BM, BE]
         b_pv = tl.dot(tl.trans(b_p), b_v.to(ACC), input_precision=PRECISION, out_dtype=ACC)
-        b_s = b_s * b_alpha + b_pv
+        b_s = b_s * b_alpha[:, None] + b_pv
         b_z = b_z * b_alpha + tl.sum(b_p, axis=0)
         b_mx = b_mx_new
 
@@ -132,48 +134,43 @@ def _fwd_kv_kernel(
     p_s = sp_ptr + i_part * M * E + o_f[:, None] * E + o_e[None, :]
     tl.store(p_s, b_s, mask=m_f[:, None] & m_e[None, :])
     tl.store(zp_ptr + i_part * M + o_f, b_z, mask=m_f)
-    tl.store(mp_ptr + i_part * NMT + i_m, b_mx)
+    tl.store(mp_ptr + i_part * M + o_f, b_mx, mask=m_f)
 
 
 @triton.jit
 def _fwd_merge_kernel(
     sp_ptr, zp_ptr, mp_ptr, s_ptr, z_ptr, mk_ptr,
     NUM_SPLITS,
-    M: tl.constexpr, E: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr,
-    ACC: tl.constexpr,
+    M: tl.constexpr, E: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    """S, z of one feature tile of one (b, h): partials rescaled to the common key offset."""
+    """S, z of one feature tile of one (b, h): partials rescaled to the per-feature offsets."""
     i_m, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    NMT: tl.constexpr = (M + BM - 1) // BM
-    # the (b, h) offset m_K: max over every partial (all splits, all feature tiles)
-    b_off = tl.full([], _NEG, dtype=ACC)
-    n_part = NUM_SPLITS * NMT
-    for i_p in range(0, n_part, BP):
-        o_p = i_p + tl.arange(0, BP)
-        b_mp = tl.load(mp_ptr + i_bh * n_part + o_p, mask=o_p < n_part, other=_NEG)
-        b_off = tl.maximum(b_off, tl.max(b_mp, axis=0))
     o_f, o_e = i_m * BM + tl.arange(0, BM), tl.arange(0, BE)
     m_f, m_e = o_f < M, o_e < E
+    # the offsets m_K,f: max over the splits' partial maxima
+    b_off = tl.full([BM], _NEG, dtype=ACC)
+    for i_s in range(0, NUM_SPLITS):
+        i_part = i_bh * NUM_SPLITS + i_s
+        b_off = tl.maximum(b_off, tl.load(mp_ptr + i_part * M + o_f, mask=m_f, other=_NEG))
     b_s = tl.zeros([BM, BE], dtype=ACC)
     b_z = tl.zeros([BM], dtype=ACC)
     for i_s in range(0, NUM_SPLITS):
         i_part = i_bh * NUM_SPLITS + i_s
-        b_alpha = tl.exp(tl.load(mp_ptr + i_part * NMT + i_m) - b_off)
+        b_alpha = tl.exp(tl.load(mp_ptr + i_part * M + o_f, mask=m_f, other=_NEG) - b_off)
         p_s = sp_ptr + i_part * M * E + o_f[:, None] * E + o_e[None, :]
-        b_s += b_alpha * tl.load(p_s, mask=m_f[:, None] & m_e[None, :], other=0.0)
+        b_s += b_alpha[:, None] * tl.load(p_s, mask=m_f[:, None] & m_e[None, :], other=0.0)
         b_z += b_alpha * tl.load(zp_ptr + i_part * M + o_f, mask=m_f, other=0.0)
     p_s = s_ptr + i_bh * M * E + o_f[:, None] * E + o_e[None, :]
     tl.store(p_s, b_s, mask=m_f[:, None] & m_e[None, :])
     tl.store(z_ptr + i_bh * M + o_f, b_z, mask=m_f)
-    if i_m == 0:
-        tl.store(mk_ptr + i_bh, b_off)
+    tl.store(mk_ptr + i_bh * M + o_f, b_off, mask=m_f)
 
 
 @triton.autotune(configs=_configs(), key=_KEY, prune_configs_by=PRUNE)
 @triton.jit
 def _fwd_q_kernel(
     q_ptr, w_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
-    s_ptr, z_ptr, o_ptr, mq_ptr, den_ptr,
+    s_ptr, z_ptr, mk_ptr, o_ptr, mq_ptr, den_ptr,
     T, H,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_wm, stride_wd,
@@ -204,7 +201,8 @@ def _fwd_q_kernel(
         b_u, b_g, b_g1, b_g2 = _feature_tile(
             b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
             M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
-        b_u = tl.where(m_f[None, :], b_u, float("-inf"))
+        b_mk = tl.load(mk_ptr + i_bh * M + o_f, mask=m_f, other=0.0)  # key offsets
+        b_u = tl.where(m_f[None, :], b_u + b_mk[None, :], float("-inf"))
         b_mx_new = tl.maximum(b_mx, tl.max(b_u, axis=1))  # [BT]
         b_alpha = tl.exp(b_mx - b_mx_new)
         b_p = b_g * tl.exp(b_u - b_mx_new[:, None])  # [BT, BM]
@@ -228,7 +226,7 @@ def _fwd_q_kernel(
 @triton.jit
 def _bwd_ds_kernel(
     q_ptr, w_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
-    s_ptr, z_ptr, o_ptr, do_ptr, mq_ptr, den_ptr, dsp_ptr, dzp_ptr, dwp_ptr,
+    s_ptr, z_ptr, mk_ptr, o_ptr, do_ptr, mq_ptr, den_ptr, dsp_ptr, dzp_ptr, dwp_ptr,
     T, H, NUM_SPLITS, t_per_split,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_wm, stride_wd,
@@ -251,6 +249,7 @@ def _bwd_ds_kernel(
     b_s = tl.load(s_ptr + i_bh * M * E + o_f[:, None] * E + o_e[None, :],
                   mask=m_f[:, None] & m_e[None, :], other=0.0)  # [BM, BE]  # fmt: skip
     b_z = tl.load(z_ptr + i_bh * M + o_f, mask=m_f, other=0.0)  # [BM]
+    b_mk = tl.load(mk_ptr + i_bh * M + o_f, mask=m_f, other=0.0)  # [BM] key offsets
     q_base = q_ptr + i_b * stride_qb + i_h * stride_qh
     o_base = o_ptr + i_b * stride_ob + i_h * stride_oh
     do_base = do_ptr + i_b * stride_dob + i_h * stride_doh
@@ -267,7 +266,8 @@ def _bwd_ds_kernel(
         b_u, b_g, b_g1, b_g2 = _feature_tile(
             b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
             M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
-        b_e = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_u - b_mq[:, None]), 0.0)
+        b_e = tl.where(m_t[:, None] & m_f[None, :],
+                       tl.exp(b_u + b_mk[None, :] - b_mq[:, None]), 0.0)  # fmt: skip
         b_a = b_g * b_e
         b_gq, b_c = _query_cotangents(do_base, o_base, den_ptr, i_bh, o_t, o_e, T, m_t, m_e,
                                       stride_dot, stride_doe, stride_ot, stride_oe,
@@ -298,7 +298,7 @@ def _bwd_ds_kernel(
 @triton.jit
 def _bwd_dq_kernel(
     q_ptr, w_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
-    s_ptr, z_ptr, o_ptr, do_ptr, mq_ptr, den_ptr, dq_ptr,
+    s_ptr, z_ptr, mk_ptr, o_ptr, do_ptr, mq_ptr, den_ptr, dq_ptr,
     T, H,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_wm, stride_wd,
@@ -334,10 +334,12 @@ def _bwd_dq_kernel(
         b_s = tl.load(s_ptr + i_bh * M * E + o_f[:, None] * E + o_e[None, :],
                       mask=m_f[:, None] & m_e[None, :], other=0.0)  # [BM, BE]  # fmt: skip
         b_z = tl.load(z_ptr + i_bh * M + o_f, mask=m_f, other=0.0)  # [BM]
+        b_mk = tl.load(mk_ptr + i_bh * M + o_f, mask=m_f, other=0.0)  # [BM] key offsets
         b_u, b_g, b_g1, b_g2 = _feature_tile(
             b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
             M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
-        b_e = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_u - b_mq[:, None]), 0.0)
+        b_e = tl.where(m_t[:, None] & m_f[None, :],
+                       tl.exp(b_u + b_mk[None, :] - b_mq[:, None]), 0.0)  # fmt: skip
         # da = g S^T + c z: [BT, BE] @ [BE, BM] -> [BT, BM]
         b_da = (
             tl.dot(b_gq, tl.trans(b_s), input_precision=PRECISION, out_dtype=ACC)
@@ -376,7 +378,6 @@ def _bwd_dkv_kernel(
     m_t = _valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
     b_ca, b_cb, b_cd = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
     b_sc = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
-    b_mk = tl.load(mk_ptr + i_bh)
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
     b_xs = _load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, ACC) * b_sc[None, :]
     b_v = _load_rows(v_ptr + i_b * stride_vb + i_h * stride_vh, o_t, o_e, stride_vt, stride_ve,
@@ -390,10 +391,11 @@ def _bwd_dkv_kernel(
         b_ds = tl.load(ds_ptr + i_bh * M * E + o_f[:, None] * E + o_e[None, :],
                        mask=m_f[:, None] & m_e[None, :], other=0.0)  # [BM, BE]  # fmt: skip
         b_dz = tl.load(dz_ptr + i_bh * M + o_f, mask=m_f, other=0.0)  # [BM]
+        b_mk = tl.load(mk_ptr + i_bh * M + o_f, mask=m_f, other=0.0)  # [BM]
         b_u, b_g, b_g1, b_g2 = _feature_tile(
             b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
             M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
-        b_e = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_u - b_mk), 0.0)
+        b_e = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_u - b_mk[None, :]), 0.0)
         b_b = b_g * b_e
         # db = v dS^T + dz: [BT, BE] @ [BE, BM] -> [BT, BM]
         b_db = tl.dot(b_v, tl.trans(b_ds), input_precision=PRECISION, out_dtype=ACC) + b_dz[None, :]
@@ -429,7 +431,7 @@ def _bwd_dwk_kernel(
     m_d, m_e, m_f = o_d < D, o_e < E, o_f < M
     b_ca, b_cb, b_cd = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
     b_sc = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
-    b_mk = tl.load(mk_ptr + i_bh)
+    b_mk = tl.load(mk_ptr + i_bh * M + o_f, mask=m_f, other=0.0)  # [BM]
     b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
     b_ds = tl.load(ds_ptr + i_bh * M * E + o_f[:, None] * E + o_e[None, :],
                    mask=m_f[:, None] & m_e[None, :], other=0.0)  # [BM, BE]  # fmt: skip
@@ -446,7 +448,7 @@ def _bwd_dwk_kernel(
         b_u, b_g, b_g1, b_g2 = _feature_tile(
             b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
             M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
-        b_e = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_u - b_mk), 0.0)
+        b_e = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_u - b_mk[None, :]), 0.0)
         b_db = tl.dot(b_v, tl.trans(b_ds), input_precision=PRECISION, out_dtype=ACC) + b_dz[None, :]
         # [BM, BT] @ [BT, BD] -> [BM, BD]
         b_dw += _feature_dw(b_g * b_e * b_db, b_e * b_db, b_g1, b_xs, b_w, o_f, m_f, b_ca, b_cb,
@@ -488,7 +490,7 @@ def rf_parallel_fwd(
 
     Returns:
         ``out [B, H, Tq, E]`` in the input dtype; with ``return_aux`` also
-        ``(S [B*H, M, E], z [B*H, M], m_K [B*H], m_q [B*H, Tq], den [B*H, Tq])``.
+        ``(S [B*H, M, E], z [B*H, M], m_K [B*H, M], m_q [B*H, Tq], den [B*H, Tq])``.
     """
     c = _setup(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles=gpu_tiles)
     B, H, Tq, Tk, M, E, NMT, dev = c.B, c.H, c.Tq, c.Tk, c.M, c.E, c.NMT, q.device
@@ -496,25 +498,24 @@ def rf_parallel_fwd(
     s, z, mk = c.acc_empty(B * H, M, E), c.acc_empty(B * H, M), None
     mq, den = c.acc_empty(B * H, Tq), c.acc_empty(B * H, Tq)
     if B * H == 0:
-        return (out, (s, z, c.acc_empty(0), mq, den)) if return_aux else out
+        return (out, (s, z, c.acc_empty(0, M), mq, den)) if return_aux else out
     splits, per = _splits(Tk, B * H * NMT, dev, num_splits)
     s_part = c.acc_empty(B * H * splits, M, E)
     z_part = c.acc_empty(B * H * splits, M)
-    m_part = c.acc_empty(B * H * splits, NMT)
+    m_part = c.acc_empty(B * H * splits, M)
     _fwd_kv_kernel[(NMT, splits, B * H)](
         k, v, c.w, c.pad[0], *c.form_ptrs, s_part, z_part, m_part,
         Tk, H, splits, per if Tk else 0,
         *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
         HAS_PAD=c.has_pad, **c.meta,
     )  # fmt: skip
-    mk = c.acc_empty(B * H)
+    mk = c.acc_empty(B * H, M)
     _fwd_merge_kernel[(NMT, B * H)](
-        s_part, z_part, m_part, s, z, mk, splits,
-        M=M, E=E, BM=c.BM, BE=c.BE, BP=_next_pow2(min(splits * NMT, 1024)), ACC=c.ACC,
-    )  # fmt: skip
+        s_part, z_part, m_part, s, z, mk, splits, M=M, E=E, BM=c.BM, BE=c.BE, ACC=c.ACC
+    )
     if Tq:
         _fwd_q_kernel[lambda meta: (triton.cdiv(Tq, meta["BT"]), B * H)](
-            q, c.w, *c.form_ptrs, s, z, out, mq, den,
+            q, c.w, *c.form_ptrs, s, z, mk, out, mq, den,
             Tq, H, *q.stride(), *c.w.stride(), *out.stride(),
             **c.meta,
         )  # fmt: skip
@@ -562,7 +563,7 @@ def rf_parallel_bwd(
     dz_part = c.acc_empty(B * H * splits, M)
     dw_part = c.acc_empty(B * H * splits, M, D) if need_dw else ds_part
     _bwd_ds_kernel[(NMT, splits, B * H)](
-        q, c.w, *c.form_ptrs, s, z, out, do, mq, den,
+        q, c.w, *c.form_ptrs, s, z, mk, out, do, mq, den,
         ds_part, dz_part, dw_part,
         Tq, H, splits, per if Tq else 0,
         *q.stride(), *c.w.stride(), *out.stride(), *do.stride(),
@@ -575,7 +576,7 @@ def rf_parallel_bwd(
         dw += dw_part.view(B * H * splits, M, D).sum(0)
     if Tq:
         _bwd_dq_kernel[lambda meta: (triton.cdiv(Tq, meta["BT"]), B * H)](
-            q, c.w, *c.form_ptrs, s, z, out, do, mq, den, dq,
+            q, c.w, *c.form_ptrs, s, z, mk, out, do, mq, den, dq,
             Tq, H, *q.stride(), *c.w.stride(), *out.stride(), *do.stride(), *dq.stride(),
             **c.meta,
         )  # fmt: skip

@@ -12,6 +12,7 @@ import math
 from typing import NamedTuple
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from rfattn.features import compute_dtype, prescale, python_scalar, query_features
 from rfattn.reference import attention_ratio, linear_attention
@@ -105,9 +106,30 @@ def _check_mask(name: str, mask, shape: tuple, device) -> None:
         raise ValueError(f"{name} is on device {mask.device}, expected {device}")
 
 
+#: the draw (``RandomFeatures.draw_id``) that made each returned state, keyed by its S tensor:
+#: a state continues only the features that made it. States built or moved by hand (a new S)
+#: are not known here and are taken as given.
+_STATE_DRAW = WeakIdKeyDictionary()
+
+
+def _returned_state(out: torch.Tensor, state: RFState, rf, return_state: bool):
+    """``(out, state)`` with the state's maker recorded, or ``out``."""
+    if not return_state:
+        return out
+    if not torch.compiler.is_compiling():
+        _STATE_DRAW[state.s] = getattr(rf, "draw_id", None)
+    return out, state
+
+
 def _check_state(state, q, v, rf) -> None:
     if not (isinstance(state, tuple) and len(state) == 3):
         raise TypeError("initial_state must be an RFState (s, z, offset)")
+    made_by = None if torch.compiler.is_compiling() else _STATE_DRAW.get(state[0])
+    if made_by is not None and made_by != getattr(rf, "draw_id", None):
+        raise ValueError(
+            "initial_state was returned by a call with another RandomFeatures, or with this one "
+            "before rf.redraw(): a state only continues the features that made it"
+        )
     B, H, E = q.shape[0], q.shape[1], v.shape[3]
     F = rf.feature_map.width(rf.num_features)
     expected = {"s": (B, H, F, E), "z": (B, H, F), "offset": (B, H)}
@@ -291,7 +313,7 @@ def _triton_attention(q, k, v, rf, causal, key_padding_mask, scale, initial_stat
         out, s, z, off = ops.rf_decode(q, k, v, form, scale, initial_state=initial_state, **kw)
     else:
         out, s, z, off = ops.rf_chunk(q, k, v, form, scale, initial_state=initial_state, **kw)
-    return (out, RFState(s, z, off)) if return_state else out
+    return _returned_state(out, RFState(s, z, off), rf, return_state)
 
 
 def _use_triton(q, rf, causal) -> bool:
@@ -375,5 +397,4 @@ def rf_attention(
         c_k = fm.key_amplitude(xk, w, params)  # component weights, if any
         g_k = g_k if c_k is None else g_k * c_k
     out, state = _causal_torch(phi_q, u_k, g_k, vc, key_padding_mask, initial_state)
-    out = out.to(q.dtype)
-    return (out, state) if return_state else out
+    return _returned_state(out.to(q.dtype), state, rf, return_state)

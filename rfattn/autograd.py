@@ -117,24 +117,28 @@ def _torch_features(q, k, form, scale):
 
 def _torch_parallel(q, k, v, form, scale, mask):
     """``(out, S, z, m_K, m_q, den)`` of the non-causal form in torch, in the kernels' layout
-    (m_q, the per-row query offsets, as 0: only the Triton backward reads them)."""
+    (``m_K`` the per-feature key offsets ``[B*H, F]``; m_q, the per-row query offsets, as 0:
+    only the Triton backward reads them)."""
     from rfattn.features.base import key_features, key_offset
     from rfattn.reference import attention_ratio
 
-    phi_q, u_k, g_k = _torch_features(q, k, form, scale)
+    xq, xk = prescale(q, scale), prescale(k, scale)
+    u_q, g_q = form.evaluate(xq, "query")
+    u_k, g_k = form.evaluate(xk, "key")
     B, H, Tq = q.shape[:3]
-    vc = v.to(phi_q.dtype)
+    vc = v.to(u_q.dtype)
     if mask is not None:
         vc = vc.masked_fill(mask[:, None, :, None], 0.0)
-    if u_k is None:  # plain features: no offsets
-        phi_k = g_k if mask is None else g_k.masked_fill(mask[:, None, :, None], 0.0)
-        m_k = phi_q.new_zeros(B, H)
+    if form.plain:  # no offsets
+        phi_q, phi_k = g_q, g_k if mask is None else g_k.masked_fill(mask[:, None, :, None], 0.0)
+        m_k = u_q.new_zeros(B, H, form.w.shape[0])
     else:
-        phi_k, m_k = key_features(u_k, mask, g_k), key_offset(u_k, mask)
+        m_k = key_offset(u_k, mask)
+        phi_q, phi_k = query_features(u_q, g_q, m_k), key_features(u_k, mask, g_k, m_k)
     S, z = phi_k.transpose(-1, -2) @ vc, phi_k.sum(-2)
     den = (phi_q @ z[..., None]).squeeze(-1)
     out = attention_ratio(phi_q @ S, den)
-    aux = (S.flatten(0, 1), z.flatten(0, 1), m_k.flatten(), phi_q.new_zeros(B * H, Tq),
+    aux = (S.flatten(0, 1), z.flatten(0, 1), m_k.flatten(0, 1), phi_q.new_zeros(B * H, Tq),
            den.flatten(0, 1))  # fmt: skip
     return (out.to(q.dtype), *aux)
 
@@ -192,7 +196,7 @@ def _parallel(q, k, v, *args):
 @_parallel.register_fake
 def _(q, k, v, *args):
     BH, Tq, F, acc = q.shape[0] * q.shape[1], q.shape[2], args[1].shape[0], compute_dtype(q.dtype)
-    aux = [(BH, F, v.shape[3]), (BH, F), (BH,), (BH, Tq), (BH, Tq)]
+    aux = [(BH, F, v.shape[3]), (BH, F), (BH, F), (BH, Tq), (BH, Tq)]
     return (q.new_empty(*q.shape[:3], v.shape[3]), *(q.new_empty(s, dtype=acc) for s in aux))
 
 

@@ -2,6 +2,8 @@
 key, empty sequences, bad states and options. Each test failed before its fix; both backends where
 the case applies (the Triton kernels under the interpreter on CPU)."""
 
+import copy
+
 import pytest
 import torch
 
@@ -124,6 +126,26 @@ def test_initial_state_dtype():
         bad = rfattn.RFState(st.s.long(), st.z, st.offset)
         with pytest.raises(TypeError, match=r"initial_state\.s must be floating point"):
             rfattn.rf_attention(q, q, q, rf, causal=True, initial_state=bad, backend=backend)
+
+
+def test_a_state_continues_only_the_features_that_made_it(kernel_device):
+    """A state from another RandomFeatures of the same width, or from this one before a redraw,
+    is a ValueError (before: accepted, silently mixing two feature maps); the maker itself and
+    a copy of it (same draw) continue it, on both backends."""
+    rf = rfattn.RandomFeatures(8, 16, "posrf", seed=0).to(kernel_device)
+    other = rfattn.RandomFeatures(8, 16, "posrf", seed=1).to(kernel_device)
+    q = rand(1, 1, 6, 8, seed=1).to(kernel_device)
+    for backend in backends(rf, causal=True):
+        kw = dict(causal=True, backend=backend)
+        _, st = rfattn.rf_attention(q, q, q, rf, return_state=True, **kw)
+        _, st2 = rfattn.rf_attention(q, q, q, rf, initial_state=st, return_state=True, **kw)
+        rfattn.rf_attention(q, q, q, copy.deepcopy(rf), initial_state=st2, **kw)
+        with pytest.raises(ValueError, match="another RandomFeatures"):
+            rfattn.rf_attention(q, q, q, other, initial_state=st2, **kw)
+        _, st = rfattn.rf_attention(q, q, q, rf, return_state=True, **kw)
+        rf.redraw(5)
+        with pytest.raises(ValueError, match=r"before rf\.redraw"):
+            rfattn.rf_attention(q, q, q, rf, initial_state=st, **kw)
 
 
 def test_rmf_options_do_not_overflow():
@@ -323,3 +345,27 @@ def test_query_padding_mask_is_checked():
         rfattn.rf_attention(q, k, v, rf, query_padding_mask=torch.zeros(2, 5))
     with pytest.raises(TypeError, match="query_padding_mask must be a torch.Tensor"):
         rfattn.rf_attention(q, k, v, rf, query_padding_mask=[[False] * 5] * 2)
+
+
+@pytest.mark.parametrize("feature", ["oprf", "saderf", "posrf", "hyprf"])
+@pytest.mark.parametrize("head_dim", [8, 16])
+def test_large_norms_match_float64_in_float32(feature, head_dim, kernel_device):
+    """|q| = |k| = 30 (DESIGN §3's large-norm case), non-causal: fp32 equals fp64 of the same
+    estimator to fp32 rounding, no zero row, finite gradients. Before: oprf/saderf logits spread
+    by hundreds across features, and one key offset per (b, h) let whole rows underflow to 0 (up
+    to 32 of 64) with NaN dq/dk; keys now sit at per-feature offsets moved to the queries."""
+    rf = rfattn.RandomFeatures(head_dim, 64, feature, seed=0).to(kernel_device).eval()
+    q, k = rand(1, 2, 64, head_dim, seed=1, dtype=f64), rand(1, 2, 64, head_dim, seed=2, dtype=f64)
+    q, k = 30 * q / q.norm(dim=-1, keepdim=True), 30 * k / k.norm(dim=-1, keepdim=True)
+    v = rand(1, 2, 64, 8, seed=3, dtype=f64)
+    q, k, v = (x.to(kernel_device) for x in (q, k, v))
+    for backend in backends(rf):
+        ref = rfattn.rf_attention(q, k, v, rf, backend=backend)  # stats from the batch
+        q32, k32, v32 = (x.float().requires_grad_() for x in (q, k, v))
+        out = rfattn.rf_attention(q32, k32, v32, rf, backend=backend)
+        out.square().sum().backward()
+        assert (out.abs().sum(-1) > 0).all(), backend
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        assert err <= 2e-5, (backend, err)
+        for x in (q32, k32, v32):
+            assert x.grad.isfinite().all(), backend

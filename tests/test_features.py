@@ -49,15 +49,17 @@ def test_estimate_kernel_matches_feature_inner_products():
     direct = torch.exp(u_q[..., :, None, :] + u_k[..., None, :, :]).mean(-1)
     assert torch.allclose(est, direct, rtol=1e-12, atol=0)
     phi_q, phi_k = rf.features(q, k)
-    off_q = u_q.amax(-1, keepdim=True)
-    off_k = u_k.amax(dim=(-2, -1), keepdim=True)
-    assert torch.allclose(phi_q, torch.exp(u_q - off_q), rtol=1e-12, atol=0)
+    off_k = u_k.amax(dim=-2, keepdim=True)  # per (b, h) and feature, over keys
+    off_q = (u_q + off_k).amax(-1, keepdim=True)  # per row, with the key offsets moved over
+    assert torch.allclose(phi_q, torch.exp(u_q + off_k - off_q), rtol=1e-12, atol=0)
     assert torch.allclose(phi_k, torch.exp(u_k - off_k), rtol=1e-12, atol=0)
+    # the products are the estimate's terms up to one factor per query row
+    prod = (phi_q[..., :, None, :] * phi_k[..., None, :, :]).mean(-1)
+    assert torch.allclose(prod * torch.exp(off_q), est, rtol=1e-12, atol=0)
     # query max is per row: each row has a feature equal to 1
     assert torch.allclose(phi_q.amax(-1), torch.ones(2, 2, 5, dtype=f64))
-    # key max is one per (b, h): exactly one 1 per (b, h), not one per key
-    assert torch.allclose(phi_k.amax(dim=(-2, -1)), torch.ones(2, 2, dtype=f64))
-    assert (phi_k.amax(-1) < 1 - 1e-9).any()
+    # key max is one per (b, h, feature): each feature column has a 1, not each key
+    assert torch.allclose(phi_k.amax(dim=-2), torch.ones(2, 2, M, dtype=f64))
 
 
 def test_key_offset_ignores_padding_and_empty_heads():
@@ -67,8 +69,8 @@ def test_key_offset_ignores_padding_and_empty_heads():
     mask[0, 2] = True
     mask[1, :] = True  # no valid key at all
     off = key_offset(u, mask)
-    assert torch.equal(off[0], u[0, :, [0, 1, 3]].amax(dim=(-2, -1)))
-    assert torch.equal(off[1], torch.zeros(3, dtype=f64))
+    assert torch.equal(off[0], u[0, :, [0, 1, 3]].amax(dim=-2))
+    assert torch.equal(off[1], torch.zeros(3, 5, dtype=f64))
     phi = key_features(u, mask)
     assert torch.equal(phi[0, :, 2], torch.zeros(3, 5, dtype=f64))
     assert torch.equal(phi[1], torch.zeros(3, 4, 5, dtype=f64))

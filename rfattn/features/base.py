@@ -14,10 +14,17 @@ Every feature is one of three forms (the attributes ``exponential`` and ``positi
 Exponential features are stabilised through their logits ``u`` with the offsets of DESIGN §3,
 applied identically by the torch path, the references and the kernels:
 
-* queries: per row, the max of ``u`` over features (it cancels exactly in the attention ratio);
-* keys: one offset per (b, h), the max of ``u`` over all valid keys and all features (a per-key
-  max would re-weight keys and bias the kernel; a max across the batch would couple batch
-  elements). Padded keys get ``phi = 0``; a (b, h) with no valid key gets offset 0.
+* non-causal keys: one offset ``c_f`` per (b, h, feature), the max of ``u`` over the valid keys
+  (:func:`key_offset`), added to the query logits so that each product ``phi_q,f phi_k,f`` is
+  unchanged; then queries per row, the max over features (:func:`query_features`). Every row's
+  largest term is then exactly 1 (DESIGN §3 has one key offset per (b, h); at large norms the
+  logits of oprf/saderf spread by hundreds across features and whole rows underflowed, so the
+  non-causal offsets became per feature);
+* causal keys (the torch path's scan, ``rfattn.attention``): one running offset per (b, h), the
+  max over valid keys and features so far, per query row as in DESIGN §3.
+
+A per-key max would re-weight keys and bias the kernel; a max across the batch would couple batch
+elements. Padded keys get ``phi = 0``; a (b, h) with no valid key gets offset 0.
 
 The amplitude never enters the offsets, so the stabilised ``phi`` is ``g * exp(u - offset)``.
 
@@ -100,8 +107,14 @@ def sq_norm(x: torch.Tensor) -> torch.Tensor:
     return (x * x).sum(dim=-1, keepdim=True)
 
 
-def query_features(u_q: torch.Tensor, g_q: torch.Tensor | None = None) -> torch.Tensor:
-    """Stabilised query features ``g * exp(u - max_f u)`` (per-row max, exact in the ratio)."""
+def query_features(
+    u_q: torch.Tensor, g_q: torch.Tensor | None = None, key_offsets: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Stabilised query features ``g * exp(u + c - max_f (u + c))`` (per-row max, exact in the
+    ratio). ``key_offsets`` ``c`` ``[B, H, F]`` (None = 0): the per-feature key offsets of
+    :func:`key_offset`, moved to the query side so that the pair products stay exact."""
+    if key_offsets is not None:
+        u_q = u_q + key_offsets[:, :, None, :]
     phi = torch.exp(u_q - u_q.amax(dim=-1, keepdim=True).detach())
     return phi if g_q is None else g_q * phi
 
@@ -121,20 +134,25 @@ def component_weights(params: dict | None, width: int) -> torch.Tensor | None:
 
 
 def key_offset(u_k: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The key stabiliser: max of ``u_k`` over valid keys and all features, per (b, h).
+    """The non-causal key stabilisers: per feature, the max of ``u_k`` over the valid keys.
+
+    One offset per (b, h, feature), compensated on the query side (:func:`query_features`), so
+    the largest product ``exp(u_q,if + u_k,jf)`` of every query row is computed without underflow
+    whatever the spread of the logits across features and keys (a single offset per (b, h) let
+    oprf/saderf rows at large norms underflow to 0).
 
     Args:
         u_k: key logits ``[B, H, T, F]``.
         key_padding_mask: ``[B, T]`` bool, True = padding.
 
     Returns:
-        ``[B, H]`` offsets (detached: they cancel exactly); 0 where a (b, h) has no valid key.
+        ``[B, H, F]`` offsets (detached: they cancel exactly); 0 where a (b, h) has no valid key.
     """
     if key_padding_mask is not None:
         u_k = u_k.masked_fill(key_padding_mask[:, None, :, None], float("-inf"))
-    if u_k.shape[-2] == 0 or u_k.shape[-1] == 0:
-        return u_k.new_zeros(u_k.shape[:2])
-    off = u_k.detach().amax(dim=(-2, -1))
+    if u_k.shape[-2] == 0:
+        return u_k.new_zeros(*u_k.shape[:2], u_k.shape[-1])
+    off = u_k.detach().amax(dim=-2)
     return torch.where(off == float("-inf"), torch.zeros_like(off), off)
 
 
@@ -142,10 +160,12 @@ def key_features(
     u_k: torch.Tensor,
     key_padding_mask: torch.Tensor | None = None,
     g_k: torch.Tensor | None = None,
+    key_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Stabilised key features ``g * exp(u - offset(b, h))``, zero for padded keys."""
-    off = key_offset(u_k, key_padding_mask)
-    phi = torch.exp(u_k - off[:, :, None, None])
+    """Stabilised key features ``g * exp(u - c_f)``, zero for padded keys; ``key_offsets`` ``c``
+    ``[B, H, F]`` default to :func:`key_offset` (give the same to :func:`query_features`)."""
+    off = key_offset(u_k, key_padding_mask) if key_offsets is None else key_offsets
+    phi = torch.exp(u_k - off[:, :, None, :])
     if g_k is not None:
         phi = g_k * phi
     if key_padding_mask is not None:
@@ -326,7 +346,9 @@ class FeatureMap(nn.Module):
         key_padding_mask: torch.Tensor | None = None,
         params: dict | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stabilised ``(phi_q, phi_k)``, each ``[B, H, T, F]``; padded keys give 0.
+        """Stabilised ``(phi_q, phi_k)``, each ``[B, H, T, F]``; padded keys give 0. Keys sit at
+        per-feature offsets (:func:`key_offset`) carried over to the queries: their products,
+        not each side alone, are the estimate's terms.
 
         ``params`` default to :meth:`params` on these inputs (non-causal).
         """
@@ -343,7 +365,8 @@ class FeatureMap(nn.Module):
         u_q = self.logits(xq, w, "query", params)
         u_k = self.logits(xk, w, "key", params)
         g_q = self.amplitude(xq, w, "query", params)
-        return query_features(u_q, g_q), key_features(u_k, key_padding_mask, g_k)
+        c = key_offset(u_k, key_padding_mask)
+        return query_features(u_q, g_q, c), key_features(u_k, key_padding_mask, g_k, c)
 
     def estimate_kernel(
         self, xq: torch.Tensor, xk: torch.Tensor, w: torch.Tensor, params: dict | None = None

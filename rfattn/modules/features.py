@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -20,6 +22,9 @@ from rfattn.weights import (
 )
 
 __all__ = ["RandomFeatures", "PPSBN", "ppSBN"]
+
+#: one number per draw of W (construction or redraw), process-wide: ``RandomFeatures.draw_id``
+_DRAW_IDS = itertools.count()
 
 
 class RandomFeatures(nn.Module):
@@ -103,6 +108,8 @@ class RandomFeatures(nn.Module):
             if not isinstance(seed, int) or isinstance(seed, bool):
                 raise TypeError(f"seed must be an int or None, got {seed!r}")
             self._generator.manual_seed(seed)
+        # which draw this is: a causal state is only continued by the draw that made it
+        self.draw_id = next(_DRAW_IDS)
         # the component function's own draws (hrf's lambda projections, rmf's degrees), if any
         self.feature_map.redraw(self._generator)
         if self.learner is not None:
