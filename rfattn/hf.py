@@ -35,12 +35,14 @@ from __future__ import annotations
 import warnings
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
-from rfattn.attention import rf_attention
+from rfattn.attention import RFState, rf_attention
 from rfattn.modules import RandomFeatures, layer_seed
 
 try:
     from transformers import AttentionInterface
+    from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
     from transformers.masking_utils import (
         AttentionMaskInterface,
         bidirectional_mask_function,
@@ -60,6 +62,8 @@ __all__ = [
     "rfattn_mask",
     "attach_random_features",
     "random_features_from_config",
+    "RFCache",
+    "RFCacheLayer",
 ]
 
 #: the ``attn_implementation`` name
@@ -253,6 +257,10 @@ def rfattn_attention_forward(
             "output_attentions=True returns None weights; use attn_implementation='eager' to "
             "inspect softmax weights"
         )
+    layer = _PENDING.pop(key, None)
+    if layer is not None:  # an RFCache layer: new tokens only, on its state
+        return _cached_attention(module, layer, query, key, value, attention_mask, dropout,
+                                 scaling), None  # fmt: skip
     H, tq, tk = query.shape[1], query.shape[2], key.shape[2]
     if key.shape[1] != H:  # grouped-query attention: one feature map, heads repeated
         rep = H // key.shape[1]
@@ -296,6 +304,181 @@ def rfattn_attention_forward(
     if dropout > 0 and module.training:
         out = torch.nn.functional.dropout(out, dropout, training=True)
     return out.transpose(1, 2).contiguous(), None
+
+
+# ------------------------------------------------------------------------------------------------
+# generation on a fixed-size state
+
+
+#: keys returned by RFCacheLayer.update -> the layer, read (and dropped) by the attention function
+_PENDING = WeakIdKeyDictionary()
+
+
+class RFCacheLayer(CacheLayerMixin):
+    """One decoder layer's generation state: the causal :class:`rfattn.RFState` of every token
+    so far (``S [B, H, F, E]``, ``z``, ``offset``) and their count, instead of keys and values.
+
+    :meth:`update` keeps nothing: it hands the new keys and values to the attention function,
+    which runs them on the state and stores the new one (:func:`rfattn_attention_forward`).
+    """
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.state: RFState | None = None
+        self.seen = 0
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        _PENDING[key_states] = self
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def _map(self, fn) -> None:
+        if self.state is not None:
+            self.state = RFState(*(fn(x) for x in self.state))
+
+    def reset(self) -> None:
+        self.state, self.seen = None, 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map(lambda x: x.index_select(0, beam_idx.to(x.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map(lambda x: x.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map(lambda x: x[indices])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove != 0:
+            raise NotImplementedError(
+                "RFCache cannot crop: its state is a sum over every token seen, and a sum cannot "
+                "forget its last terms (assisted decoding and other crop users need a KV cache)"
+            )
+
+    def offload(self) -> None:
+        self._map(lambda x: x.to("cpu", non_blocking=True))
+
+    def prefetch(self) -> None:
+        if self.is_initialized:
+            self._map(lambda x: x.to(self.device, non_blocking=True))
+
+
+class RFCache(Cache):
+    """A transformers ``Cache`` for ``attn_implementation="rfattn"``: one fixed-size causal state
+    per layer (:class:`RFCacheLayer`), so each generated token costs the same whatever the context
+    and memory does not grow (``O(H F E)`` numbers per layer, not ``O(T H D)``).
+
+    ``generate()`` on a model with ``attn_implementation="rfattn"`` makes one when it is given no
+    ``past_key_values`` (greedy, sampling, beam search: states are reordered with the beams);
+    pass one explicitly to reuse or inspect it::
+
+        cache = rfattn.hf.RFCache()
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=64)
+        cache.nbytes()                     # constant in the context length
+
+    The prompt runs the chunked causal path with ``return_state=True``; each new token one
+    decode step on the state. ``crop`` (assisted decoding) has no meaning for a sum and raises.
+    Grouped-query models repeat their key/value heads, so the state is ``[B, H, F, E]``.
+    """
+
+    def __init__(self, num_layers: int | None = None, **kwargs):
+        if num_layers is None:
+            super().__init__(layer_class_to_replicate=RFCacheLayer)
+        else:
+            super().__init__(layers=[RFCacheLayer() for _ in range(num_layers)])
+
+    def to(self, *args, **kwargs) -> RFCache:
+        """Move (or cast) every state like ``Tensor.to``; returns self."""
+        for layer in self.layers:
+            layer._map(lambda x: x.to(*args, **kwargs))
+            if layer.state is not None:
+                layer.device = layer.state.s.device
+        return self
+
+    def nbytes(self) -> int:
+        """Bytes held by the states of every layer."""
+        return sum(x.numel() * x.element_size() for layer in self.layers
+                   if layer.state is not None for x in layer.state)  # fmt: skip
+
+    def state_dict(self) -> dict:
+        """The states and token counts as a dict of tensors (``torch.save`` it)."""
+        out = {}
+        for i, layer in enumerate(self.layers):
+            out[f"{i}.seen"] = torch.tensor(layer.seen)
+            if layer.state is not None:
+                fields = zip(RFState._fields, layer.state, strict=True)
+                out.update({f"{i}.{name}": x for name, x in fields})
+        return out
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> RFCache:
+        """The cache saved by :meth:`state_dict`."""
+        n = 1 + max((int(k.split(".")[0]) for k in state), default=-1)
+        cache = cls(num_layers=n)
+        for i, layer in enumerate(cache.layers):
+            layer.seen = int(state[f"{i}.seen"])
+            if f"{i}.s" in state:
+                layer.state = RFState(*(state[f"{i}.{n}"] for n in RFState._fields))
+                layer.dtype, layer.device = layer.state.s.dtype, layer.state.s.device
+                layer.is_initialized = True
+        return cache
+
+
+def _cached_attention(module, layer, query, key, value, attention_mask, dropout, scaling):
+    """The attention of the new tokens on an :class:`RFCacheLayer`'s state; ``[B, Tq, H, E]``."""
+    H, tq = query.shape[1], query.shape[2]
+    if key.shape[1] != H:
+        rep = H // key.shape[1]
+        key = key.repeat_interleave(rep, dim=1)
+        value = value.repeat_interleave(rep, dim=1)
+    pad = None
+    if attention_mask is not None:  # [B, 1, Tq, seen + Tq]: the new tokens' columns
+        pad, _ = _split_mask(attention_mask[..., -tq:], True, tq, tq)
+    rf = _layer_features(module, query.shape[-1], query.device)
+    out, layer.state = rf_attention(query, key, value, rf, causal=True, key_padding_mask=pad,
+                                    scale=scaling, initial_state=layer.state,
+                                    return_state=True)  # fmt: skip
+    layer.seen += tq
+    if dropout > 0 and module.training:
+        out = torch.nn.functional.dropout(out, dropout, training=True)
+    return out.transpose(1, 2).contiguous()
+
+
+def _prepare_cache_with_rfcache(original):
+    """``GenerationMixin._prepare_cache_for_generation`` giving an ``"rfattn"`` decoder an
+    :class:`RFCache` where transformers would make its default ``DynamicCache``."""
+
+    def prepare(self, generation_config, model_kwargs, *args, **kwargs):
+        result = original(self, generation_config, model_kwargs, *args, **kwargs)
+        cache = model_kwargs.get("past_key_values")
+        if (
+            type(cache) is DynamicCache
+            and not getattr(cache, "_is_user_defined", False)
+            and getattr(self.config, "_attn_implementation", None) == NAME
+            and not self.config.is_encoder_decoder
+        ):
+            model_kwargs["past_key_values"] = RFCache()
+        return result
+
+    prepare._rfattn_original = original
+    return prepare
 
 
 def _attach_on_init(model) -> None:
@@ -350,6 +533,12 @@ def register() -> None:
 
     if not hasattr(PreTrainedModel.post_init, "_rfattn_original"):
         PreTrainedModel.post_init = _post_init_with_rfattn(PreTrainedModel.post_init)
+    from transformers.generation.utils import GenerationMixin
+
+    if not hasattr(GenerationMixin._prepare_cache_for_generation, "_rfattn_original"):
+        GenerationMixin._prepare_cache_for_generation = _prepare_cache_with_rfcache(
+            GenerationMixin._prepare_cache_for_generation
+        )
 
 
 register()
