@@ -206,3 +206,21 @@ def test_dropout_only_in_training():
     torch.testing.assert_close(layer(x), layer(x))
     layer.train()
     assert not torch.equal(layer(x), layer(x))
+
+
+def test_layer_decodes_token_by_token_on_its_state():
+    """Issue 16: prefill then one token at a time through RFAttention equals one call on the whole
+    sequence; after a redraw the old state is refused."""
+    E, H = 16, 4
+    layer = rfattn.RFAttention(E, H, num_features=32, causal=True, seed=3).double().eval()
+    x = torch.randn(2, 11, E, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    full = layer(x)
+    out, state = layer(x[:, :4], return_state=True)
+    outs = [out]
+    for t in range(4, 11):
+        y, state = layer(x[:, t : t + 1], initial_state=state, return_state=True)
+        outs.append(y)
+    torch.testing.assert_close(torch.cat(outs, dim=1), full, rtol=1e-12, atol=1e-12)
+    layer.redraw_features()
+    with pytest.raises(ValueError, match="another RandomFeatures"):
+        layer(x[:, :1], initial_state=state)

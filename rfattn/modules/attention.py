@@ -5,6 +5,18 @@ Both hold one :class:`RandomFeatures` (``.rf``) shared by the heads, redraw it e
 ``feature_redraw_interval`` training forwards (seeds derived from the layer seed and the redraw
 count, both saved in ``state_dict``, so a reloaded layer continues identically) until
 :meth:`fix_projection`, and accept a :class:`FourierRPE` (``rpe=``) for FLT positional encodings.
+
+Incremental decoding: a causal layer takes and returns the :class:`rfattn.RFState` of the tokens
+so far, so each new token costs ``O(M E)`` per head whatever the position::
+
+    layer = RFAttention(dim, heads, causal=True).eval()
+    out, state = layer(prompt, return_state=True)              # prefill, [B, T0, dim]
+    for _ in range(steps):
+        y, state = layer(x_new, initial_state=state, return_state=True)  # [B, 1, dim]
+
+Continuing equals one call on the whole sequence (to rounding). The state belongs to this layer's
+current feature draw: a redraw (``feature_redraw_interval`` in training, :meth:`redraw_features`)
+makes it invalid, and passing it on raises.
 """
 
 from __future__ import annotations
