@@ -41,7 +41,13 @@ import dataclasses
 import torch
 from torch.library import custom_op
 
-from rfattn.features.base import compute_dtype, prescale, query_features
+from rfattn.features.base import (
+    compute_dtype,
+    key_features,
+    key_offset,
+    prescale,
+    query_features,
+)
 from rfattn.features.form import KernelForm
 from rfattn.kernels import rf_chunk as rf_chunk_kernels
 from rfattn.kernels import rf_parallel as rf_parallel_kernels
@@ -105,11 +111,15 @@ def _on_torch(q: torch.Tensor) -> bool:
 # torch kernels (CPU without the interpreter)
 
 
+def _torch_logits(q, k, form, scale):
+    """``(u_q, g_q, u_k, g_k)``: the form's logits and amplitudes of the pre-scaled inputs."""
+    xq, xk = prescale(q, scale), prescale(k, scale)
+    return *form.evaluate(xq, "query"), *form.evaluate(xk, "key")
+
+
 def _torch_features(q, k, form, scale):
     """(phi_q, u_k, g_k): stabilised query features, key logits (None: plain) and amplitudes."""
-    xq, xk = prescale(q, scale), prescale(k, scale)
-    u_q, g_q = form.evaluate(xq, "query")
-    u_k, g_k = form.evaluate(xk, "key")
+    u_q, g_q, u_k, g_k = _torch_logits(q, k, form, scale)
     if form.plain:
         return g_q, None, g_k
     return query_features(u_q, g_q), u_k, g_k
@@ -119,12 +129,9 @@ def _torch_parallel(q, k, v, form, scale, mask):
     """``(out, S, z, m_K, m_q, den)`` of the non-causal form in torch, in the kernels' layout
     (``m_K`` the per-feature key offsets ``[B*H, F]``; m_q, the per-row query offsets, as 0:
     only the Triton backward reads them)."""
-    from rfattn.features.base import key_features, key_offset
     from rfattn.reference import attention_ratio
 
-    xq, xk = prescale(q, scale), prescale(k, scale)
-    u_q, g_q = form.evaluate(xq, "query")
-    u_k, g_k = form.evaluate(xk, "key")
+    u_q, g_q, u_k, g_k = _torch_logits(q, k, form, scale)
     B, H, Tq = q.shape[:3]
     vc = v.to(u_q.dtype)
     if mask is not None:

@@ -257,25 +257,35 @@ def rfattn_attention_forward(
             "output_attentions=True returns None weights; use attn_implementation='eager' to "
             "inspect softmax weights"
         )
-    layer = _PENDING.pop(key, None)
-    if layer is not None:  # an RFCache layer: new tokens only, on its state
-        return _cached_attention(module, layer, query, key, value, attention_mask, dropout,
-                                 scaling), None  # fmt: skip
-    H, tq, tk = query.shape[1], query.shape[2], key.shape[2]
+    layer = _PENDING.pop(key, None)  # an RFCacheLayer's new keys, or None
+    H = query.shape[1]
     if key.shape[1] != H:  # grouped-query attention: one feature map, heads repeated
         rep = H // key.shape[1]
         key = key.repeat_interleave(rep, dim=1)
         value = value.repeat_interleave(rep, dim=1)
+    rf = _layer_features(module, query.shape[-1], query.device)
+    if layer is not None:
+        out = _cached_attention(layer, rf, query, key, value, attention_mask, scaling)
+    else:
+        out = _mask_attention(module, rf, query, key, value, attention_mask, scaling, is_causal)
+    if dropout > 0 and module.training:
+        out = torch.nn.functional.dropout(out, dropout, training=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _mask_attention(module, rf, query, key, value, attention_mask, scaling, is_causal):
+    """The attention ``[B, H, Tq, E]`` of queries on keys/values (heads already matched) with the
+    causal structure and padding read from the layer and the 4-D mask."""
+    tq, tk = query.shape[2], key.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     pad = None
     if attention_mask is not None:
         pad, causal = _split_mask(attention_mask, bool(causal), tq, tk)
     causal = bool(causal) and tq > 1  # a single query (decoding) sees every cached key
-    rf = _layer_features(module, query.shape[-1], query.device)
     if causal and tq != tk:
         # queries are the last Tq of Tk positions (a cache): run causal over Tk, keep the tail
         front = query.new_zeros(*query.shape[:2], tk - tq, query.shape[-1])
-        out = rf_attention(
+        return rf_attention(
             torch.cat((front, query), dim=2),
             key,
             value,
@@ -284,26 +294,12 @@ def rfattn_attention_forward(
             key_padding_mask=pad,
             scale=scaling,
         )[:, :, tk - tq :]
-    else:
-        # self-attention: padded queries stay out of the statistics too (cross-attention's
-        # mask is the keys' alone)
-        cross = (
-            getattr(module, "is_cross_attention", False) or "cross" in type(module).__name__.lower()
-        )
-        qpad = pad if pad is not None and tq == tk and not cross else None
-        out = rf_attention(
-            query,
-            key,
-            value,
-            rf,
-            causal=causal,
-            key_padding_mask=pad,
-            scale=scaling,
-            query_padding_mask=qpad,
-        )
-    if dropout > 0 and module.training:
-        out = torch.nn.functional.dropout(out, dropout, training=True)
-    return out.transpose(1, 2).contiguous(), None
+    # self-attention: padded queries stay out of the statistics too (cross-attention's mask is
+    # the keys' alone)
+    cross = getattr(module, "is_cross_attention", False) or "cross" in type(module).__name__.lower()
+    qpad = pad if pad is not None and tq == tk and not cross else None
+    return rf_attention(query, key, value, rf, causal=causal, key_padding_mask=pad,
+                        scale=scaling, query_padding_mask=qpad)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------
@@ -441,24 +437,18 @@ class RFCache(Cache):
         return cache
 
 
-def _cached_attention(module, layer, query, key, value, attention_mask, dropout, scaling):
-    """The attention of the new tokens on an :class:`RFCacheLayer`'s state; ``[B, Tq, H, E]``."""
-    H, tq = query.shape[1], query.shape[2]
-    if key.shape[1] != H:
-        rep = H // key.shape[1]
-        key = key.repeat_interleave(rep, dim=1)
-        value = value.repeat_interleave(rep, dim=1)
+def _cached_attention(layer, rf, query, key, value, attention_mask, scaling):
+    """The attention ``[B, H, Tq, E]`` of the new tokens (heads already matched) on an
+    :class:`RFCacheLayer`'s state, which it advances."""
+    tq = query.shape[2]
     pad = None
     if attention_mask is not None:  # [B, 1, Tq, seen + Tq]: the new tokens' columns
         pad, _ = _split_mask(attention_mask[..., -tq:], True, tq, tq)
-    rf = _layer_features(module, query.shape[-1], query.device)
     out, layer.state = rf_attention(query, key, value, rf, causal=True, key_padding_mask=pad,
                                     scale=scaling, initial_state=layer.state,
                                     return_state=True)  # fmt: skip
     layer.seen += tq
-    if dropout > 0 and module.training:
-        out = torch.nn.functional.dropout(out, dropout, training=True)
-    return out.transpose(1, 2).contiguous()
+    return out
 
 
 def _prepare_cache_with_rfcache(original):
