@@ -21,27 +21,29 @@ Forward, three launches (features never touch HBM; chunk states do, transiently)
 1. ``_chunk_local_kernel``, grid (M tiles, chunks, B*H): each chunk's own sum h_c = sum_j
    exp(u_k(j) - l_c) v_j^T with its local max l_c (fully parallel over chunks);
 2. ``_chunk_scan_kernel``, grid (M tiles, B*H): the running offset and the prefix states,
-   rescaled flash-style (sequential over chunks), plus the final state; the forward stores each
-   chunk's prefix at R_{c-1}, the backward at R_c (``PREFIX``);
+   rescaled flash-style (sequential over chunks), plus the final state; each chunk's prefix is
+   stored at R_{c-1};
 3. ``_chunk_out_kernel``, grid (chunks, B*H): a pass over the key features for m_j, then the
    inter-chunk ``a S'`` plus the masked intra-chunk ``(a b^T ⊙ decay ⊙ tril) V`` on ``tl.dot``,
    online per-row max over M tiles, ``out = num / den`` with ``rfattn.reference.attention_ratio``'s
-   policy; saves mq_i and den_i at the backward's chunk offset R_c. A non-finite value poisons
-   its own and later rows only.
+   policy; saves mq_i, den_i (at r_i) and m_j. A non-finite value poisons its own and later rows
+   only.
 
 Backward (states recomputed by 1-2, never kept from the forward; no reverse-subtraction of
-prefix sums), with keys and prefix states at the chunk offset R_c (mathematically the same
-function: offsets cancel; with logits spread far beyond the accumulator's exponent range inside a
-chunk, these gradients can still underflow where the forward does not). With g_i = do_i / den_i,
-c_i = -(do_i . out_i) / den_i, dK_ij = v_j . g_i + c_i:
+prefix sums), every row and key at the forward's own offsets, so its gradients underflow only
+where the forward's terms do. With g_i = do_i / den_i, c_i = -(do_i . out_i) / den_i, w_i =
+exp(R_{c-1} - r_i), decay_ij = exp(m_j - r_i), kf_j = exp(m_j - R_c) (all <= 1) and
+dK_ij = (v_j . g_i + c_i) decay_ij:
 
-4. ``_chunk_local_grad_kernel``, grid (M tiles, chunks, B*H): L_c = sum_{i in c} a_i g_i^T,
-   l_c = sum_{i in c} c_i a_i;
-5. ``_chunk_rscan_kernel``, grid (M tiles, B*H): dS_c = sum_{c' > c} exp(R_c - R_c') L_c'
-   (+ the final state's cotangent), the reverse scan, and the initial state's gradient;
+4. ``_chunk_local_grad_kernel``, grid (M tiles, chunks, B*H): L_c = sum_{i in c} w_i a_i g_i^T,
+   l_c = sum_{i in c} w_i c_i a_i;
+5. ``_chunk_rscan_kernel``, grid (M tiles, B*H): D_c = L_{c+1} + exp(R_c - R_{c+1}) D_{c+1},
+   the cotangent of the state after chunk c at R_c (from the final state's), the reverse scan,
+   and the initial state's gradient one step further;
 6. ``_chunk_bwd_kernel``, grid (chunks, B*H):
-   du_q = a ⊙ (g S_c^T + c z_c + (dK ⊙ tril) b),  du_k = b ⊙ ((dK ⊙ tril)^T a + v dS_c^T + dz_c),
-   dv = (a b^T ⊙ tril)^T g + b dS_c; dq, dk through ``common._feature_dx``
+   du_q = a ⊙ (w (g S'_c^T + c z'_c) + (dK ⊙ tril) b),
+   du_k = b ⊙ ((dK ⊙ tril)^T a + kf (v D_c^T + dz_c)),
+   dv = (a b^T ⊙ decay ⊙ tril)^T g + kf b D_c; dq, dk through ``common._feature_dx``
    (``phi = g e``: du = phi * dphi, dg = e * dphi).
 
 State (``rfattn.RFState``): S [B, H, M, E], z [B, H, M] in the accumulation dtype and the offset
@@ -80,6 +82,18 @@ from .common import (
 )
 
 __all__ = ["rf_chunk_fwd", "rf_chunk_bwd"]
+
+
+@triton.jit
+def _row_offsets(b_rp, b_mk, m_tril):
+    """Each row's offset r_i = max(R_{c-1}, m_j for j <= i in the chunk) [BT]: no later key's."""
+    return tl.maximum(b_rp, tl.max(tl.where(m_tril, b_mk[None, :], _NEG), axis=1))
+
+
+@triton.jit
+def _intra_decay(b_mk, b_ri):
+    """exp(m_j - r_i) [BT(i), BT(j)], <= 1 where j <= i (callers select the causal part)."""
+    return tl.exp(tl.minimum(b_mk[None, :] - b_ri[:, None], 0.0))
 
 
 @triton.jit
@@ -136,11 +150,10 @@ def _chunk_scan_kernel(
     h_ptr, hz_ptr, hm_ptr, s0_ptr, z0_ptr, r0_ptr, s_ptr, z_ptr, r_ptr, sT_ptr, zT_ptr, rT_ptr,
     NC,
     M: tl.constexpr, E: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr,
-    HAS_INIT: tl.constexpr, PLAIN: tl.constexpr, ACC: tl.constexpr, PREFIX: tl.constexpr,
+    HAS_INIT: tl.constexpr, PLAIN: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    """Prefix states S_c, z_c for one M tile, and the final state: at the running offset R_c
-    (chunk c's keys included; the backward's convention), or with PREFIX at R_{c-1}, the offset
-    before chunk c (the forward's per-row offsets start there)."""
+    """Prefix states S_c, z_c for one M tile (the keys of chunks < c) at R_{c-1}, the offset
+    before chunk c, where the rows' own offsets start; and the final state."""
     i_m, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     NMT: tl.constexpr = (M + BM - 1) // BM
     o_f, o_e, o_p = i_m * BM + tl.arange(0, BM), tl.arange(0, BE), tl.arange(0, BP)
@@ -158,17 +171,11 @@ def _chunk_scan_kernel(
         b_lall = tl.load(hm_ptr + i_blk * NMT + o_p, mask=o_p < NMT, other=_NEG)  # [BP]
         b_rn = tl.maximum(b_r, tl.max(b_lall, axis=0))
         b_alpha = tl.exp(b_r - b_rn)
-        if PREFIX:
-            tl.store(s_ptr + i_blk * M * E + o_fe, b_s, mask=m_fe)
-            tl.store(z_ptr + i_blk * M + o_f, b_z, mask=m_f)
-            if i_m == 0:
-                tl.store(r_ptr + i_blk, b_r)
+        tl.store(s_ptr + i_blk * M * E + o_fe, b_s, mask=m_fe)
+        tl.store(z_ptr + i_blk * M + o_f, b_z, mask=m_f)
+        if i_m == 0:
+            tl.store(r_ptr + i_blk, b_r)
         b_s, b_z = b_s * b_alpha, b_z * b_alpha
-        if not PREFIX:
-            tl.store(s_ptr + i_blk * M * E + o_fe, b_s, mask=m_fe)
-            tl.store(z_ptr + i_blk * M + o_f, b_z, mask=m_f)
-            if i_m == 0:
-                tl.store(r_ptr + i_blk, b_rn)
         b_beta = tl.exp(tl.load(hm_ptr + i_blk * NMT + i_m) - b_rn)
         b_s += b_beta * tl.load(h_ptr + i_blk * M * E + o_fe, mask=m_fe, other=0.0)
         b_z += b_beta * tl.load(hz_ptr + i_blk * M + o_f, mask=m_f, other=0.0)
@@ -182,7 +189,7 @@ def _chunk_scan_kernel(
 @triton.jit
 def _chunk_out_kernel(
     q_ptr, k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
-    s_ptr, z_ptr, r_ptr, o_ptr, mq_ptr, den_ptr,
+    s_ptr, z_ptr, r_ptr, o_ptr, mq_ptr, den_ptr, mk_ptr,
     T, H, NC,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
@@ -224,8 +231,7 @@ def _chunk_out_kernel(
         b_uk = tl.where(m_k[:, None] & m_f[None, :], b_uk, _NEG)
         b_mk = tl.maximum(b_mk, tl.max(b_uk, axis=1))
     m_tril = o_t[:, None] >= o_t[None, :]  # [BT(i), BT(j)]
-    b_ri = tl.maximum(b_rp, tl.max(tl.where(m_tril, b_mk[None, :], _NEG), axis=1))  # [BT]
-    b_rc = tl.maximum(b_rp, tl.max(b_mk, axis=0))  # R_c, the backward's chunk offset
+    b_ri = _row_offsets(b_rp, b_mk, m_tril)
 
     b_mx = tl.full([BT], _NEG, dtype=ACC)
     b_num = tl.zeros([BT, BE], dtype=ACC)
@@ -262,8 +268,7 @@ def _chunk_out_kernel(
     # exp(m_j - r_i) (both <= 1); later keys never enter (selection, not a product with 0)
     b_inter = tl.exp(b_rp - b_ri)
     b_num, b_den = b_num * b_inter[:, None], b_den * b_inter
-    b_decay = tl.exp(tl.minimum(b_mk[None, :] - b_ri[:, None], 0.0))
-    b_A = tl.where(m_tril & m_k[None, :], b_A * b_decay, 0.0)  # causal inside the chunk
+    b_A = tl.where(m_tril & m_k[None, :], b_A * _intra_decay(b_mk, b_ri), 0.0)  # causal
     p_v = (
         v_ptr
         + i_b * stride_vb
@@ -284,16 +289,14 @@ def _chunk_out_kernel(
     _store_tile(o_ptr, i_b, i_h, o_t, o_e, stride_ob, stride_oh, stride_ot, stride_oe,
                 b_o, m_q, m_e)  # fmt: skip
     tl.store(mq_ptr + i_bh * T + o_t, b_mx, mask=m_q)
-    # the backward recomputes keys at the chunk offset R_c: its denominator is this one times
-    # exp(r_i - R_c) (an empty row keeps inf: zero cotangents)
-    b_den = tl.where(b_den == float("inf"), b_den, b_den * tl.exp(b_ri - b_rc))
+    tl.store(mk_ptr + i_bh * T + o_t, b_mk, mask=m_q)
     tl.store(den_ptr + i_bh * T + o_t, b_den, mask=m_q)
 
 
 @triton.jit
 def _chunk_local_grad_kernel(
     q_ptr, w_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
-    o_ptr, do_ptr, mq_ptr, den_ptr, L_ptr, l_ptr,
+    o_ptr, do_ptr, mq_ptr, den_ptr, mk_ptr, r_ptr, L_ptr, l_ptr,
     T, H, NC,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_wm, stride_wd,
@@ -304,7 +307,8 @@ def _chunk_local_grad_kernel(
     FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
 ):  # fmt: skip
-    """Chunk c's L_c = sum_i a_i g_i^T [BM, E] and l_c = sum_i c_i a_i [BM] for one M tile."""
+    """Chunk c's L_c = sum_i w_i a_i g_i^T [BM, E] and l_c = sum_i w_i c_i a_i [BM] for one M
+    tile, with w_i = exp(R_{c-1} - r_i) <= 1 the factor row i read the prefix state with."""
     i_m, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     o_d, o_e, o_f = tl.arange(0, BD), tl.arange(0, BE), i_m * BM + tl.arange(0, BM)
@@ -326,6 +330,10 @@ def _chunk_local_grad_kernel(
                                  o_e, T, m_q, m_e, stride_dot, stride_doe, stride_ot, stride_oe,
                                  ACC)  # fmt: skip
     i_blk = i_bh * NC + i_c
+    b_rp = tl.load(r_ptr + i_blk)
+    b_mk = tl.load(mk_ptr + i_bh * T + o_t, mask=m_q, other=_NEG)
+    b_wr = tl.exp(b_rp - _row_offsets(b_rp, b_mk, o_t[:, None] >= o_t[None, :]))
+    b_g, b_c = b_g * b_wr[:, None], b_c * b_wr
     # [BM, BT] @ [BT, BE] -> [BM, BE]
     b_L = tl.dot(tl.trans(b_a), b_g, input_precision=PRECISION, out_dtype=ACC)
     tl.store(L_ptr + i_blk * M * E + o_f[:, None] * E + o_e[None, :], b_L,
@@ -335,12 +343,15 @@ def _chunk_local_grad_kernel(
 
 @triton.jit
 def _chunk_rscan_kernel(
-    L_ptr, l_ptr, r_ptr, dsT_ptr, dzT_ptr, r0_ptr, ds_ptr, dz_ptr, ds0_ptr, dz0_ptr,
+    L_ptr, l_ptr, r_ptr, rT_ptr, dsT_ptr, dzT_ptr, ds_ptr, dz_ptr, ds0_ptr, dz0_ptr,
     NC,
     M: tl.constexpr, E: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr,
     HAS_DFINAL: tl.constexpr, HAS_INIT: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    """dS_c = sum_{c' > c} exp(R_c - R_c') L_c' (+ final cotangent), and the initial state's."""
+    """The reverse scan: D_c, the cotangent of the state after chunk c at its offset R_c,
+    D_c = L_{c+1} + exp(R_c - R_{c+1}) D_{c+1} from the final state's cotangent D_{NC-1}; the
+    initial state's (at R_{-1}, its own offset) continues the same recursion one step.
+    ``r_ptr`` holds R_{c-1} per chunk (the forward's prefix offsets), ``rT_ptr`` R_{NC-1}."""
     i_m, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     o_f, o_e = i_m * BM + tl.arange(0, BM), tl.arange(0, BE)
     m_f, m_fe = o_f < M, (o_f < M)[:, None] & (o_e < E)[None, :]
@@ -351,26 +362,26 @@ def _chunk_rscan_kernel(
     else:
         b_ds = tl.zeros([BM, BE], dtype=ACC)
         b_dz = tl.zeros([BM], dtype=ACC)
+    b_rc = _load_offset(rT_ptr + i_bh, False, True, ACC)  # R_c, from c = NC - 1 down
     for i_r in range(0, NC):
         i_c = NC - 1 - i_r
         i_blk = i_bh * NC + i_c
         tl.store(ds_ptr + i_blk * M * E + o_fe, b_ds, mask=m_fe)
         tl.store(dz_ptr + i_blk * M + o_f, b_dz, mask=m_f)
-        b_ds += tl.load(L_ptr + i_blk * M * E + o_fe, mask=m_fe, other=0.0)
-        b_dz += tl.load(l_ptr + i_blk * M + o_f, mask=m_f, other=0.0)
-        if i_c > 0:
-            b_f = tl.exp(tl.load(r_ptr + i_blk - 1) - tl.load(r_ptr + i_blk))
-            b_ds, b_dz = b_ds * b_f, b_dz * b_f
-    if HAS_INIT:  # the initial state entered chunk 0 rescaled by exp(R_init - R_0)
-        b_f = tl.exp(_load_offset(r0_ptr + i_bh, False, True, ACC) - tl.load(r_ptr + i_bh * NC))
-        tl.store(ds0_ptr + i_bh * M * E + o_fe, b_ds * b_f, mask=m_fe)
-        tl.store(dz0_ptr + i_bh * M + o_f, b_dz * b_f, mask=m_f)
+        b_rp = tl.load(r_ptr + i_blk)  # R_{c-1}
+        b_f = tl.exp(b_rp - b_rc)
+        b_ds = b_ds * b_f + tl.load(L_ptr + i_blk * M * E + o_fe, mask=m_fe, other=0.0)
+        b_dz = b_dz * b_f + tl.load(l_ptr + i_blk * M + o_f, mask=m_f, other=0.0)
+        b_rc = b_rp
+    if HAS_INIT:  # at R_{-1}, the initial state's offset
+        tl.store(ds0_ptr + i_bh * M * E + o_fe, b_ds, mask=m_fe)
+        tl.store(dz0_ptr + i_bh * M + o_f, b_dz, mask=m_f)
 
 
 @triton.jit
 def _chunk_bwd_kernel(
     q_ptr, k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
-    s_ptr, z_ptr, r_ptr, ds_ptr, dz_ptr, o_ptr, do_ptr, mq_ptr, den_ptr,
+    s_ptr, z_ptr, r_ptr, ds_ptr, dz_ptr, o_ptr, do_ptr, mq_ptr, den_ptr, mk_ptr,
     dq_ptr, dk_ptr, dv_ptr,
     T, H, NC,
     stride_qb, stride_qh, stride_qt, stride_qd,
@@ -387,7 +398,10 @@ def _chunk_bwd_kernel(
     HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
 ):  # fmt: skip
-    """dq, dk [BT, D] and dv [BT, E] of chunk c (inter-chunk states + masked intra terms)."""
+    """dq, dk [BT, D] and dv [BT, E] of chunk c (inter-chunk states + masked intra terms), every
+    row and key at the forward's offsets: prefix S_c at R_{c-1} read by row i times w_i =
+    exp(R_{c-1} - r_i), pair (i, j) times exp(m_j - r_i), key j's share of the later rows'
+    cotangent D_c (at R_c) times exp(m_j - R_c); every factor <= 1."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     NMT: tl.constexpr = (M + BM - 1) // BM
@@ -407,14 +421,19 @@ def _chunk_bwd_kernel(
     b_xk = _load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, ACC) * b_sck[None, :]
     b_v = _load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_k, m_e, ACC)  # [BT, BE]
     b_mq = tl.load(mq_ptr + i_bh * T + o_t, mask=m_q, other=0.0)
-    b_r = tl.load(r_ptr + i_blk)
+    b_mk = tl.load(mk_ptr + i_bh * T + o_t, mask=m_q, other=_NEG)
+    b_rp = tl.load(r_ptr + i_blk)  # R_{c-1}
+    b_ri = _row_offsets(b_rp, b_mk, m_tril)
+    b_wr = tl.exp(b_rp - b_ri)  # [BT] the prefix's factor per row
+    b_kf = tl.exp(b_mk - tl.maximum(b_rp, tl.max(b_mk, axis=0)))  # [BT] exp(m_j - R_c)
+    b_decay = tl.where(m_tril & m_k[None, :], _intra_decay(b_mk, b_ri), 0.0)
     b_g, b_c = _query_cotangents(do_ptr + i_b * stride_dob + i_h * stride_doh,
                                  o_ptr + i_b * stride_ob + i_h * stride_oh, den_ptr, i_bh, o_t,
                                  o_e, T, m_q, m_e, stride_dot, stride_doe, stride_ot, stride_oe,
                                  ACC)  # fmt: skip
-    # dK_ij = v_j . g_i + c_i, causal inside the chunk: [BT, BE] @ [BE, BT] -> [BT, BT]
+    # dK_ij = (v_j . g_i + c_i) exp(m_j - r_i), causal: [BT, BE] @ [BE, BT] -> [BT, BT]
     b_dK = tl.dot(b_g, tl.trans(b_v), input_precision=PRECISION, out_dtype=ACC) + b_c[:, None]
-    b_dK = tl.where(m_tril, b_dK, 0.0)
+    b_dK = tl.where(m_tril, b_dK * b_decay, 0.0)
 
     b_dxq = tl.zeros([BT, BD], dtype=ACC)
     b_dxk = tl.zeros([BT, BD], dtype=ACC)
@@ -434,30 +453,30 @@ def _chunk_bwd_kernel(
         b_uk, b_gk, b_g1k, b_g2k = _feature_tile(
             b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
             M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # fmt: skip
-        b_ek = tl.where(m_k[:, None] & m_f[None, :], tl.exp(b_uk - b_r), 0.0)
+        b_ek = tl.where(m_k[:, None] & m_f[None, :], tl.exp(b_uk - b_mk[:, None]), 0.0)
         b_b = b_gk * b_ek  # [BT, BM]
         b_s = tl.load(s_ptr + i_blk * M * E + o_fe, mask=m_fe, other=0.0)  # [BM, BE]
         b_z = tl.load(z_ptr + i_blk * M + o_f, mask=m_f, other=0.0)
         b_ds = tl.load(ds_ptr + i_blk * M * E + o_fe, mask=m_fe, other=0.0)
         b_dz = tl.load(dz_ptr + i_blk * M + o_f, mask=m_f, other=0.0)
-        # da = g S^T + c z + dK b:  [BT, BE] @ [BE, BM] and [BT, BT] @ [BT, BM] -> [BT, BM]
+        # da = w (g S^T + c z) + dK b:  [BT, BE] @ [BE, BM] and [BT, BT] @ [BT, BM]
         b_da = tl.dot(b_g, tl.trans(b_s), input_precision=PRECISION, out_dtype=ACC)
-        b_da += b_c[:, None] * b_z[None, :]
+        b_da = (b_da + b_c[:, None] * b_z[None, :]) * b_wr[:, None]
         b_da += tl.dot(b_dK, b_b, input_precision=PRECISION, out_dtype=ACC)
         b_dxq += _feature_dx(b_a * b_da, b_eq * b_da, b_g1q, b_g2q, b_xq, b_w, o_f, m_f, o_d,
                              m_d, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM, FEATURE, False,
                              PRECISION, TINY)  # fmt: skip
-        # db = dK^T a + v dS^T + dz:  [BT, BT] @ [BT, BM] and [BT, BE] @ [BE, BM] -> [BT, BM]
-        b_db = tl.dot(tl.trans(b_dK), b_a, input_precision=PRECISION, out_dtype=ACC)
-        b_db += tl.dot(b_v, tl.trans(b_ds), input_precision=PRECISION, out_dtype=ACC)
-        b_db += b_dz[None, :]
+        # db = dK^T a + kf (v dS^T + dz):  [BT, BT] @ [BT, BM] and [BT, BE] @ [BE, BM]
+        b_dbs = tl.dot(b_v, tl.trans(b_ds), input_precision=PRECISION, out_dtype=ACC)
+        b_db = (b_dbs + b_dz[None, :]) * b_kf[:, None]
+        b_db += tl.dot(tl.trans(b_dK), b_a, input_precision=PRECISION, out_dtype=ACC)
         b_dxk += _feature_dx(b_b * b_db, b_ek * b_db, b_g1k, b_g2k, b_xk, b_w, o_f, m_f, o_d,
                              m_d, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM, FEATURE, True,
                              PRECISION, TINY)  # fmt: skip
-        # inter-chunk dv = b dS: [BT, BM] @ [BM, BE]; intra needs A = a b^T over all features
-        b_dv += tl.dot(b_b, b_ds, input_precision=PRECISION, out_dtype=ACC)
+        # inter-chunk dv = kf b dS: [BT, BM] @ [BM, BE]; intra needs A = a b^T over all features
+        b_dv += tl.dot(b_b * b_kf[:, None], b_ds, input_precision=PRECISION, out_dtype=ACC)
         b_A += tl.dot(b_a, tl.trans(b_b), input_precision=PRECISION, out_dtype=ACC)
-    b_A = tl.where(m_tril, b_A, 0.0)
+    b_A = tl.where(m_tril & m_k[None, :], b_A * b_decay, 0.0)
     b_dv += tl.dot(tl.trans(b_A), b_g, input_precision=PRECISION, out_dtype=ACC)  # [BT, BE]
     _store_tile(dq_ptr, i_b, i_h, o_t, o_d, stride_dqb, stride_dqh, stride_dqt, stride_dqd,
                 b_dxq * b_scq[None, :], m_q, m_d)  # fmt: skip
@@ -471,9 +490,9 @@ def _chunk_bwd_kernel(
 # launchers
 
 
-def _states(c: _Setup, k, v, initial_state, prefix: bool):
-    """Launch the local and scan kernels: prefix states per chunk (at R_{c-1} with ``prefix``,
-    for the forward; else at R_c, for the backward) and the final state."""
+def _states(c: _Setup, k, v, initial_state):
+    """Launch the local and scan kernels: prefix states per chunk at R_{c-1} with the offsets
+    R_{c-1}, and the final state."""
     B, H, T, M, E, NMT, bt = c.B, c.H, c.Tk, c.M, c.E, c.NMT, c.BT
     NC = max(triton.cdiv(T, bt), 1)
     h = c.acc_empty(B * H * NC, M, E)
@@ -496,7 +515,7 @@ def _states(c: _Setup, k, v, initial_state, prefix: bool):
     _chunk_scan_kernel[(NMT, B * H)](
         h, hz, hm, s0, z0, r0, s, z, r, sT, zT, rT, NC,
         M=M, E=E, BM=c.BM, BE=c.BE, BP=_next_pow2(NMT), HAS_INIT=initial_state is not None,
-        PLAIN=c.plain, ACC=c.ACC, PREFIX=prefix, **c.launch_options(),
+        PLAIN=c.plain, ACC=c.ACC, **c.launch_options(),
     )  # fmt: skip
     return NC, (s, z, r), (sT, zT, rT)
 
@@ -525,7 +544,9 @@ def rf_chunk_fwd(
 
     Returns:
         ``(out [B, H, T, E], (S, z, offset))`` with the final state in the accumulation dtype and
-        ``rfattn.RFState``'s convention; with ``return_aux`` also ``(m_q [B*H, T], den [B*H, T])``.
+        ``rfattn.RFState``'s convention; with ``return_aux`` also ``(m_q, den, m_k)``, each
+        ``[B*H, T]``: the queries' offsets, the denominators at the rows' offsets r_i and the
+        keys' max logits m_j.
     """
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"causal attention needs Tq == Tk, got {q.shape[2]} and {k.shape[2]}")
@@ -533,19 +554,19 @@ def rf_chunk_fwd(
                gpu_tiles=gpu_tiles)  # fmt: skip
     B, H, T, E, bt = c.B, c.H, c.Tq, c.E, c.BT
     out = torch.empty(B, H, T, E, device=q.device, dtype=q.dtype)
-    mq, den = c.acc_empty(B * H, T), c.acc_empty(B * H, T)
+    aux = mq, den, mk = c.acc_empty(B * H, T), c.acc_empty(B * H, T), c.acc_empty(B * H, T)
     if B * H == 0:
         state = (c.acc_empty(B, H, c.M, E), c.acc_empty(B, H, c.M),
                  c.acc_empty(B, H))  # fmt: skip
-        return (out, state, (mq, den)) if return_aux else (out, state)
-    NC, (s, z, r), state = _states(c, k, v, initial_state, prefix=True)
+        return (out, state, aux) if return_aux else (out, state)
+    NC, (s, z, r), state = _states(c, k, v, initial_state)
     if T:
         _chunk_out_kernel[(NC, B * H)](
-            q, k, v, c.w, c.pad[0], *c.form_ptrs, s, z, r, out, mq, den,
+            q, k, v, c.w, c.pad[0], *c.form_ptrs, s, z, r, out, mq, den, mk,
             T, H, NC, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
             *out.stride(), BT=bt, HAS_PAD=c.has_pad, **c.launch_options(), **c.meta,
         )  # fmt: skip
-    return (out, state, (mq, den)) if return_aux else (out, state)
+    return (out, state, aux) if return_aux else (out, state)
 
 
 def rf_chunk_bwd(
@@ -568,7 +589,7 @@ def rf_chunk_bwd(
     Args:
         do: ``[B, H, T, E]`` cotangent of the output.
         dstate: None or ``(dS [B, H, M, E], dz [B, H, M])``, cotangents of the final state.
-        out, aux: the forward's output and ``(m_q, den)``; the rest as given to the forward.
+        out, aux: the forward's output and ``(m_q, den, m_k)``; the rest as given to the forward.
 
     Returns:
         ``(dq, dk, dv, dS0, dz0)``; the last two are None without ``initial_state``.
@@ -576,20 +597,20 @@ def rf_chunk_bwd(
     c = _setup(q, k, v, form, scale, key_padding_mask, precision, causal=True,
                gpu_tiles=gpu_tiles)  # fmt: skip
     B, H, T, M, E, NMT, bt = c.B, c.H, c.Tq, c.M, c.E, c.NMT, c.BT
-    mq, den = aux
+    mq, den, mk = aux
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     has_init = initial_state is not None
     ds0 = c.acc_empty(B, H, M, E) if has_init else None
     dz0 = c.acc_empty(B, H, M) if has_init else None
     if B * H == 0:
         return dq, dk, dv, ds0, dz0
-    NC, (s, z, r), _ = _states(c, k, v, initial_state, prefix=False)
+    NC, (s, z, r), (_, _, rT) = _states(c, k, v, initial_state)
     meta = dict(**c.launch_options(), BT=bt, **c.meta)
     L = c.acc_empty(B * H * NC, M, E)
     l_ = c.acc_empty(B * H * NC, M)
     if T:
         _chunk_local_grad_kernel[(NMT, NC, B * H)](
-            q, c.w, *c.form_ptrs, out, do, mq, den, L, l_,
+            q, c.w, *c.form_ptrs, out, do, mq, den, mk, r, L, l_,
             T, H, NC, *q.stride(), *c.w.stride(), *out.stride(), *do.stride(), **meta,
         )  # fmt: skip
     else:
@@ -601,16 +622,15 @@ def rf_chunk_bwd(
         dsT, dzT = (x.to(c.acc).contiguous() for x in dstate)
     else:
         dsT = dzT = ds  # never read
-    r0 = initial_state[2].to(c.acc).contiguous() if has_init else r
     _chunk_rscan_kernel[(NMT, B * H)](
-        L, l_, r, dsT, dzT, r0, ds, dz, ds0 if has_init else ds, dz0 if has_init else dz, NC,
+        L, l_, r, rT, dsT, dzT, ds, dz, ds0 if has_init else ds, dz0 if has_init else dz, NC,
         M=M, E=E, BM=c.BM, BE=c.BE, HAS_DFINAL=dstate is not None, HAS_INIT=has_init,
         ACC=c.ACC, **c.launch_options(),
     )  # fmt: skip
     if T:
         _chunk_bwd_kernel[(NC, B * H)](
             q, k, v, c.w, c.pad[0], *c.form_ptrs,
-            s, z, r, ds, dz, out, do, mq, den, dq, dk, dv, T, H, NC,
+            s, z, r, ds, dz, out, do, mq, den, mk, dq, dk, dv, T, H, NC,
             *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
             *out.stride(), *do.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
             HAS_PAD=c.has_pad, **meta,

@@ -272,14 +272,14 @@ def rf_parallel(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, 
 @_op(
     "chunk",
     f"{_QKV}, {_FORM}, {_CALL}, {_STATE}, {_OPTS}",
-    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 def _chunk(q, k, v, *args):
     form, (scale, mask, s0, z0, off0, precision, gpu_tiles) = _form(args)
-    if _on_torch(q):  # the saved m_q, den are only read by the Triton backward
+    if _on_torch(q):  # the saved m_q, den, m_k are only read by the Triton backward
         BH, T, acc = q.shape[0] * q.shape[1], q.shape[2], compute_dtype(q.dtype)
         return (*_torch_chunk(q, k, v, form, scale, mask, _state(s0, z0, off0)),
-                q.new_zeros(BH, T, dtype=acc), q.new_zeros(BH, T, dtype=acc))  # fmt: skip
+                *(q.new_zeros(BH, T, dtype=acc) for _ in range(3)))  # fmt: skip
     out, state, aux = rf_chunk_kernels.rf_chunk_fwd(
         q, k, v, form, scale, mask, _state(s0, z0, off0), precision, return_aux=True,
         gpu_tiles=gpu_tiles,
@@ -291,18 +291,18 @@ def _chunk(q, k, v, *args):
 def _(q, k, v, *args):
     BH, T, acc = q.shape[0] * q.shape[1], q.shape[2], compute_dtype(q.dtype)
     return (q.new_empty(*q.shape[:3], v.shape[3]), *_state_like(q, v, args[1]),
-            q.new_empty(BH, T, dtype=acc), q.new_empty(BH, T, dtype=acc))  # fmt: skip
+            *(q.new_empty(BH, T, dtype=acc) for _ in range(3)))  # fmt: skip
 
 
 _CHUNK_BWD = f"Tensor do, Tensor? ds, Tensor? dz, {_QKV}, {_FORM}, {_CALL}, {_STATE}, " \
-    f"Tensor out, Tensor mq, Tensor den, {_OPTS}"  # fmt: skip
+    f"Tensor out, Tensor mq, Tensor den, Tensor mk, {_OPTS}"  # fmt: skip
 
 
 @_op("chunk_bwd", _CHUNK_BWD, "(Tensor, Tensor, Tensor, Tensor, Tensor)")
 def _chunk_bwd(do, ds, dz, q, k, v, *args):
-    form, (scale, mask, s0, z0, off0, out, mq, den, precision, gpu_tiles) = _form(args)
+    form, (scale, mask, s0, z0, off0, out, mq, den, mk, precision, gpu_tiles) = _form(args)
     dq, dk, dv, ds0, dz0 = rf_chunk_kernels.rf_chunk_bwd(
-        do, None if ds is None else (ds, dz), q, k, v, form, scale, out, (mq, den), mask,
+        do, None if ds is None else (ds, dz), q, k, v, form, scale, out, (mq, den, mk), mask,
         _state(s0, z0, off0), precision, gpu_tiles=gpu_tiles,
     )  # fmt: skip
     if ds0 is None:
@@ -320,13 +320,13 @@ def _(do, ds, dz, q, k, v, *args):
 
 
 def _chunk_setup(ctx, inputs, output):
-    out, mq, den = output[0], output[4], output[5]
-    ctx.save_for_backward(*inputs[:3], *inputs[4 : 3 + _NFORM], *inputs[11:15], out, mq, den)
+    out, mq, den, mk = output[0], *output[4:7]
+    ctx.save_for_backward(*inputs[:3], *inputs[4 : 3 + _NFORM], *inputs[11:15], out, mq, den, mk)
     ctx.kind, ctx.scale, ctx.opts = inputs[3], inputs[10], inputs[15:]
 
 
 def _chunk_backward(ctx, d_out, d_s, d_z, *_rest):
-    q, k, v, *form, mask, s0, z0, off0, out, mq, den = ctx.saved_tensors
+    q, k, v, *form, mask, s0, z0, off0, out, mq, den, mk = ctx.saved_tensors
     d_out = torch.zeros_like(out) if d_out is None else d_out
     if d_s is not None or d_z is not None:  # the final state's cotangents, zeros where unused
         s, z, _ = _state_like(q, v, form[0])
@@ -344,7 +344,7 @@ def _chunk_backward(ctx, d_out, d_s, d_z, *_rest):
         return dq, dk, dv, *([None] * 9), ds0, dz0, None, None, None
     dq, dk, dv, ds0, dz0 = _chunk_bwd(
         d_out, d_s, d_z, q, k, v, ctx.kind, *form, ctx.scale, mask, s0, z0, off0, out, mq, den,
-        *ctx.opts,
+        mk, *ctx.opts,
     )  # fmt: skip
     return (dq, dk, dv, *([None] * 9), (ds0 if init else None), (dz0 if init else None),
             None, None, None)  # fmt: skip
@@ -358,7 +358,7 @@ def rf_chunk(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, ini
     """Causal fused attention of the kernel form ``form`` (``rfattn::chunk``); see
     ``rfattn.kernels.rf_chunk.rf_chunk_fwd``. Returns ``(out, S, z, offset)``."""
     s0, z0, off0 = (None, None, None) if initial_state is None else initial_state
-    out, s, z, off, _, _ = _chunk(q, k, v, *_flat(form), scale, key_padding_mask, s0, z0, off0,
+    out, s, z, off, *_ = _chunk(q, k, v, *_flat(form), scale, key_padding_mask, s0, z0, off0,
                                   precision, gpu_tiles)  # fmt: skip
     return out, s, z, off
 

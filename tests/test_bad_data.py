@@ -235,6 +235,29 @@ def test_causal_outputs_do_not_depend_on_later_keys(feature, weights, kernel_dev
             )
 
 
+@pytest.mark.parametrize(
+    "feature,weights", [("posrf", "orf"), ("trigrf", "orf"), ("hrf", "gaussian")]
+)
+def test_causal_gradients_hold_where_the_forward_does(feature, weights, kernel_device):
+    """The same keys as above (logits spread by ~440 inside one chunk): fp32 gradients equal fp64
+    ones. Before, the Triton backward recomputed keys at its chunk's offset: the first 20 keys
+    underflowed there and their rows' cotangents overflowed (NaN dq, dk, dv)."""
+    rf = rfattn.RandomFeatures(8, 16, feature, weights=weights, seed=0).to(kernel_device)
+    q, k, v = (rand(1, 1, 32, 8, seed=s, dtype=f64).to(kernel_device) for s in (1, 2, 3))
+    k[:, :, :20] = 50 * torch.nn.functional.normalize(k[:, :, :20], dim=-1)
+    do = rand(1, 1, 32, 8, seed=4, dtype=f64).to(kernel_device)
+    for backend in backends(rf, causal=True):
+        grads = []
+        for dt in (f64, f32):
+            x = [t.to(dt).requires_grad_() for t in (q, k, v)]
+            out = rfattn.rf_attention(*x, rf, causal=True, backend=backend)
+            grads.append(torch.autograd.grad(out, x, do.to(dt)))
+        for name, g32, g64 in zip("qkv", grads[1], grads[0], strict=True):
+            err = ((g32.double() - g64).norm() / g64.norm()).item()
+            # fp32 logits near -440 carry ~440 * 2^-24 relative error into each exponent
+            assert err <= 5e-3, (backend, name, err)
+
+
 @pytest.mark.parametrize("feature", ["poisrf", "geomrf"])
 def test_discrete_features_propagate_nan(feature):
     """A NaN input gives NaN outputs (before: poisrf raised 'cannot convert float NaN to
