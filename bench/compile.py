@@ -135,9 +135,11 @@ def _call(
     mask=False,
     state=False,
     learn=False,
+    groups=1,
     **options,
 ):
-    """A closure running one fused call (+ backward) on CPU."""
+    """A closure running one fused call (+ backward) on CPU (``groups`` query heads per
+    key/value head)."""
     import torch
 
     import rfattn
@@ -145,7 +147,7 @@ def _call(
     def run():
         g = torch.Generator().manual_seed(0)
         B, H = 1, 2
-        q, k = (0.5 * torch.randn(B, H, T, D, generator=g)).to(dtype), None
+        q = (0.5 * torch.randn(B, H * groups, T, D, generator=g)).to(dtype)
         k = (0.5 * torch.randn(B, H, T, D, generator=g)).to(dtype)
         v = torch.randn(B, H, T, E, generator=g).to(dtype)
         rf = rfattn.RandomFeatures(D, M, feature=feature, weights=weights, seed=1, **options)
@@ -216,12 +218,15 @@ def scenarios(quick: bool = False) -> list[tuple[str, object]]:
                 (f"{name}-noncausal", _call(feature, weights, dtype, D, D, m, False, **opts))
             )
             out.append((f"{name}-causal", _call(feature, weights, dtype, D, D, m, True, **copts)))
-        # flags: key padding, initial/final state with gradients, decode, learnable W (dW)
+        # flags: key padding, initial/final state with gradients, decode, grouped-query heads,
+        # learnable W (dW)
         base = ("posrf", "orf", dtype, D, D, M)
         out += [
             (f"posrf-{dt}-D{D}-mask", _call(*base, False, mask=True)),
             (f"posrf-{dt}-D{D}-causal-mask-state", _call(*base, True, mask=True, state=True)),
             (f"posrf-{dt}-D{D}-decode", _call(*base, True, grad=False, T=1, state=True)),
+            (f"posrf-{dt}-D{D}-causal-gqa", _call(*base, True, groups=3)),
+            (f"posrf-{dt}-D{D}-decode-gqa", _call(*base, True, grad=False, T=2, groups=3)),
             (f"hrf-{dt}-D{D}-decode", _call("hrf", "orf", dtype, D, D, M, True, grad=False, T=4)),
             (
                 f"rmf-{dt}-D{D}-decode",

@@ -414,8 +414,10 @@ def _check_inputs(q, k, v, w, key_padding_mask) -> None:
             raise TypeError(f"{name} has dtype {x.dtype}, q has {q.dtype}")
         if x.device != q.device:
             raise ValueError(f"{name} is on {x.device}, q on {q.device}")
-    if k.shape[:2] != q.shape[:2] or v.shape[:2] != q.shape[:2]:
-        raise ValueError(f"batch/heads differ: q {q.shape}, k {k.shape}, v {v.shape}")
+    hq, hk = q.shape[1], k.shape[1]
+    if k.shape[0] != q.shape[0] or v.shape[:2] != k.shape[:2] or (hq % hk if hk else hq):
+        raise ValueError(f"batch/heads differ (q's heads must be a multiple of k's and v's): "
+                         f"q {q.shape}, k {k.shape}, v {v.shape}")  # fmt: skip
     if k.shape[3] != q.shape[3] or v.shape[2] != k.shape[2]:
         raise ValueError(f"shape mismatch: q {q.shape}, k {k.shape}, v {v.shape}")
     if w.dim() != 2 or w.shape[1] != q.shape[3]:
@@ -514,7 +516,8 @@ class _Setup:
     """
 
     B: int
-    H: int
+    H: int  # key/value heads
+    G: int  # query heads per key/value head (grouped-query attention; 1 otherwise)
     Tq: int
     Tk: int
     D: int
@@ -584,8 +587,9 @@ def _setup(q, k, v, form, scale, key_padding_mask, precision=None, causal=False,
     CPU with True)."""
     _check_inputs(q, k, v, form.w, key_padding_mask)
     gpu = GPU_TILES if gpu_tiles is None else bool(gpu_tiles)
-    B, H, Tq, D = q.shape
-    Tk, E, M = k.shape[2], v.shape[3], form.w.shape[0]
+    B, Hq, Tq, D = q.shape
+    H, Tk, E, M = k.shape[1], k.shape[2], v.shape[3], form.w.shape[0]
+    G = Hq // H if H else 1
     BD, BE, itemsize = _next_pow2(D), _next_pow2(E), q.element_size()
     big = max(BD, BE)
     if causal:
@@ -608,7 +612,7 @@ def _setup(q, k, v, form, scale, key_padding_mask, precision=None, causal=False,
     meta = dict(D=D, M=M, E=E, BD=BD, BM=BM, BE=BE, PRECISION=precision, ACC=ACC,
                 TINY=torch.finfo(acc).tiny, **flags)  # fmt: skip
     return _Setup(
-        B=B, H=H, Tq=Tq, Tk=Tk, D=D, E=E, M=M, BD=BD, BE=BE, BM=BM, BT=bt, itemsize=itemsize,
+        B=B, H=H, G=G, Tq=Tq, Tk=Tk, D=D, E=E, M=M, BD=BD, BE=BE, BM=BM, BT=bt, itemsize=itemsize,
         gpu_tiles=gpu, acc=acc, precision=precision, plain=flags["FEATURE"] == FEATURE_IDS["rmf"],
         # W in the accumulation dtype: rounded to bf16 it would move each logit by ~|u| 2^-9
         w=form.w.detach().to(device=q.device, dtype=acc), pad=pad,

@@ -190,7 +190,7 @@ def _chunk_scan_kernel(
 def _chunk_out_kernel(
     q_ptr, k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
     s_ptr, z_ptr, r_ptr, o_ptr, mq_ptr, den_ptr, mk_ptr,
-    T, H, NC,
+    T, H, NC, G,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
@@ -201,7 +201,8 @@ def _chunk_out_kernel(
     HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
 ):  # fmt: skip
-    """out [BT, E] of chunk c: a S_c plus the masked intra-chunk term, normalised."""
+    """out [BT, E] of chunk c for each of the G query heads of key/value head (b, h): a S_c
+    plus the masked intra-chunk term, normalised."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     NMT: tl.constexpr = (M + BM - 1) // BM
@@ -213,9 +214,7 @@ def _chunk_out_kernel(
     b_ca, b_cb, b_cd = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
     b_scq = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
     b_sck = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)
-    q_base = q_ptr + i_b * stride_qb + i_h * stride_qh
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
-    b_xq = _load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, ACC) * b_scq[None, :]
     b_xk = _load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, ACC) * b_sck[None, :]
     b_rp = tl.load(r_ptr + i_blk)  # R_{c-1}: the prefix state's offset
     # per-row offsets: key j's own max logit m_j over features, then r_i = max(R_{c-1}, m_j for
@@ -230,45 +229,11 @@ def _chunk_out_kernel(
             M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # fmt: skip
         b_uk = tl.where(m_k[:, None] & m_f[None, :], b_uk, _NEG)
         b_mk = tl.maximum(b_mk, tl.max(b_uk, axis=1))
+    tl.store(mk_ptr + i_bh * T + o_t, b_mk, mask=m_q)
     m_tril = o_t[:, None] >= o_t[None, :]  # [BT(i), BT(j)]
     b_ri = _row_offsets(b_rp, b_mk, m_tril)
-
-    b_mx = tl.full([BT], _NEG, dtype=ACC)
-    b_num = tl.zeros([BT, BE], dtype=ACC)
-    b_den = tl.zeros([BT], dtype=ACC)
-    b_A = tl.zeros([BT, BT], dtype=ACC)
-    for i_m in range(0, NMT):
-        o_f = i_m * BM + tl.arange(0, BM)
-        m_f = o_f < M
-        b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
-        b_uq, b_gq, b_g1, b_g2 = _feature_tile(
-            b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
-            M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
-        b_uq = tl.where(m_f[None, :], b_uq, float("-inf"))
-        b_mx_new = tl.maximum(b_mx, tl.max(b_uq, axis=1))
-        b_alpha = tl.exp(b_mx - b_mx_new)
-        b_a = b_gq * tl.exp(b_uq - b_mx_new[:, None])  # [BT, BM]
-        b_uk, b_gk, b_g1, b_g2 = _feature_tile(
-            b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
-            M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # fmt: skip
-        b_b = b_gk * tl.where(m_k[:, None] & m_f[None, :], tl.exp(b_uk - b_mk[:, None]), 0.0)
-        b_s = tl.load(s_ptr + i_blk * M * E + o_f[:, None] * E + o_e[None, :],
-                      mask=m_f[:, None] & m_e[None, :], other=0.0)  # [BM, BE]  # fmt: skip
-        b_z = tl.load(z_ptr + i_blk * M + o_f, mask=m_f, other=0.0)  # [BM]
-        # [BT, BM] @ [BM, BE] -> [BT, BE]; [BT, BM] @ [BM, BT] -> [BT, BT]
-        b_num = b_num * b_alpha[:, None] + tl.dot(
-            b_a, b_s, input_precision=PRECISION, out_dtype=ACC
-        )
-        b_den = b_den * b_alpha + tl.sum(b_a * b_z[None, :], axis=1)
-        b_A = b_A * b_alpha[:, None] + tl.dot(
-            b_a, tl.trans(b_b), input_precision=PRECISION, out_dtype=ACC
-        )
-        b_mx = b_mx_new
-    # rows at their own offsets: the prefix times exp(R_{c-1} - r_i), key j <= i times
-    # exp(m_j - r_i) (both <= 1); later keys never enter (selection, not a product with 0)
     b_inter = tl.exp(b_rp - b_ri)
-    b_num, b_den = b_num * b_inter[:, None], b_den * b_inter
-    b_A = tl.where(m_tril & m_k[None, :], b_A * _intra_decay(b_mk, b_ri), 0.0)  # causal
+    b_decay = _intra_decay(b_mk, b_ri)
     p_v = (
         v_ptr
         + i_b * stride_vb
@@ -282,22 +247,62 @@ def _chunk_out_kernel(
     b_bad = (b_v != b_v) | (tl.abs(b_v) == float("inf"))
     b_tril = (o_t[:, None] >= o_t[None, :]).to(ACC)
     b_poison = tl.dot(b_tril, b_bad.to(ACC), input_precision="ieee", out_dtype=ACC) > 0
-    b_num += tl.dot(b_A, tl.where(b_bad, 0.0, b_v), input_precision=PRECISION, out_dtype=ACC)
-    b_num = tl.where(b_poison, float("nan"), b_num)
-    b_den += tl.sum(b_A, axis=1)
-    b_o, b_den = _ratio(b_num, b_den, TINY)
-    _store_tile(o_ptr, i_b, i_h, o_t, o_e, stride_ob, stride_oh, stride_ot, stride_oe,
-                b_o, m_q, m_e)  # fmt: skip
-    tl.store(mq_ptr + i_bh * T + o_t, b_mx, mask=m_q)
-    tl.store(mk_ptr + i_bh * T + o_t, b_mk, mask=m_q)
-    tl.store(den_ptr + i_bh * T + o_t, b_den, mask=m_q)
+    b_vc = tl.where(b_bad, 0.0, b_v)
+    for g in range(0, G):  # the query heads that read this key/value head
+        i_hq = i_h * G + g
+        q_base = q_ptr + i_b * stride_qb + i_hq * stride_qh
+        b_xq = _load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, ACC) * b_scq[None, :]
+        b_mx = tl.full([BT], _NEG, dtype=ACC)
+        b_num = tl.zeros([BT, BE], dtype=ACC)
+        b_den = tl.zeros([BT], dtype=ACC)
+        b_A = tl.zeros([BT, BT], dtype=ACC)
+        for i_m in range(0, NMT):
+            o_f = i_m * BM + tl.arange(0, BM)
+            m_f = o_f < M
+            b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
+            b_uq, b_gq, b_g1, b_g2 = _feature_tile(
+                b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
+                M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
+            b_uq = tl.where(m_f[None, :], b_uq, float("-inf"))
+            b_mx_new = tl.maximum(b_mx, tl.max(b_uq, axis=1))
+            b_alpha = tl.exp(b_mx - b_mx_new)
+            b_a = b_gq * tl.exp(b_uq - b_mx_new[:, None])  # [BT, BM]
+            b_uk, b_gk, b_g1, b_g2 = _feature_tile(
+                b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
+                M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # fmt: skip
+            b_b = b_gk * tl.where(m_k[:, None] & m_f[None, :], tl.exp(b_uk - b_mk[:, None]), 0.0)
+            b_s = tl.load(s_ptr + i_blk * M * E + o_f[:, None] * E + o_e[None, :],
+                          mask=m_f[:, None] & m_e[None, :], other=0.0)  # [BM, BE]  # fmt: skip
+            b_z = tl.load(z_ptr + i_blk * M + o_f, mask=m_f, other=0.0)  # [BM]
+            # [BT, BM] @ [BM, BE] -> [BT, BE]; [BT, BM] @ [BM, BT] -> [BT, BT]
+            b_num = b_num * b_alpha[:, None] + tl.dot(
+                b_a, b_s, input_precision=PRECISION, out_dtype=ACC
+            )
+            b_den = b_den * b_alpha + tl.sum(b_a * b_z[None, :], axis=1)
+            b_A = b_A * b_alpha[:, None] + tl.dot(
+                b_a, tl.trans(b_b), input_precision=PRECISION, out_dtype=ACC
+            )
+            b_mx = b_mx_new
+        # rows at their own offsets: the prefix times exp(R_{c-1} - r_i), key j <= i times
+        # exp(m_j - r_i) (both <= 1); later keys never enter (selection, not a product with 0)
+        b_num, b_den = b_num * b_inter[:, None], b_den * b_inter
+        b_A = tl.where(m_tril & m_k[None, :], b_A * b_decay, 0.0)  # causal inside the chunk
+        b_num += tl.dot(b_A, b_vc, input_precision=PRECISION, out_dtype=ACC)
+        b_num = tl.where(b_poison, float("nan"), b_num)
+        b_den += tl.sum(b_A, axis=1)
+        b_o, b_den = _ratio(b_num, b_den, TINY)
+        _store_tile(o_ptr, i_b, i_hq, o_t, o_e, stride_ob, stride_oh, stride_ot, stride_oe,
+                    b_o, m_q, m_e)  # fmt: skip
+        i_row = (i_bh * G + g) * T  # the query head's rows of m_q and den
+        tl.store(mq_ptr + i_row + o_t, b_mx, mask=m_q)
+        tl.store(den_ptr + i_row + o_t, b_den, mask=m_q)
 
 
 @triton.jit
 def _chunk_local_grad_kernel(
     q_ptr, w_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
     o_ptr, do_ptr, mq_ptr, den_ptr, mk_ptr, r_ptr, L_ptr, l_ptr,
-    T, H, NC,
+    T, H, NC, G,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_wm, stride_wd,
     stride_ob, stride_oh, stride_ot, stride_oe,
@@ -308,7 +313,8 @@ def _chunk_local_grad_kernel(
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
 ):  # fmt: skip
     """Chunk c's L_c = sum_i w_i a_i g_i^T [BM, E] and l_c = sum_i w_i c_i a_i [BM] for one M
-    tile, with w_i = exp(R_{c-1} - r_i) <= 1 the factor row i read the prefix state with."""
+    tile, with w_i = exp(R_{c-1} - r_i) <= 1 the factor row i read the prefix state with; the
+    rows of the G query heads of key/value head (b, h) together."""
     i_m, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     o_d, o_e, o_f = tl.arange(0, BD), tl.arange(0, BE), i_m * BM + tl.arange(0, BM)
@@ -318,27 +324,33 @@ def _chunk_local_grad_kernel(
     b_ca, b_cb, b_cd = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
     b_sc = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
     b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
-    q_base = q_ptr + i_b * stride_qb + i_h * stride_qh
-    b_xq = _load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, ACC) * b_sc[None, :]
-    b_mq = tl.load(mq_ptr + i_bh * T + o_t, mask=m_q, other=0.0)
-    b_u, b_g, b_g1, b_g2 = _feature_tile(
-        b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
-        M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # fmt: skip
-    b_a = b_g * tl.where(m_q[:, None] & m_f[None, :], tl.exp(b_u - b_mq[:, None]), 0.0)
-    b_g, b_c = _query_cotangents(do_ptr + i_b * stride_dob + i_h * stride_doh,
-                                 o_ptr + i_b * stride_ob + i_h * stride_oh, den_ptr, i_bh, o_t,
-                                 o_e, T, m_q, m_e, stride_dot, stride_doe, stride_ot, stride_oe,
-                                 ACC)  # fmt: skip
     i_blk = i_bh * NC + i_c
     b_rp = tl.load(r_ptr + i_blk)
     b_mk = tl.load(mk_ptr + i_bh * T + o_t, mask=m_q, other=_NEG)
     b_wr = tl.exp(b_rp - _row_offsets(b_rp, b_mk, o_t[:, None] >= o_t[None, :]))
-    b_g, b_c = b_g * b_wr[:, None], b_c * b_wr
-    # [BM, BT] @ [BT, BE] -> [BM, BE]
-    b_L = tl.dot(tl.trans(b_a), b_g, input_precision=PRECISION, out_dtype=ACC)
+    b_L = tl.zeros([BM, BE], dtype=ACC)
+    b_l = tl.zeros([BM], dtype=ACC)
+    for g in range(0, G):
+        i_hq = i_h * G + g
+        i_row = (i_bh * G + g) * T
+        q_base = q_ptr + i_b * stride_qb + i_hq * stride_qh
+        b_xq = _load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, ACC) * b_sc[None, :]
+        b_mq = tl.load(mq_ptr + i_row + o_t, mask=m_q, other=0.0)
+        b_u, b_g, b_g1, b_g2 = _feature_tile(
+            b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
+            M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # fmt: skip
+        b_a = b_g * tl.where(m_q[:, None] & m_f[None, :], tl.exp(b_u - b_mq[:, None]), 0.0)
+        b_g, b_c = _query_cotangents(do_ptr + i_b * stride_dob + i_hq * stride_doh,
+                                     o_ptr + i_b * stride_ob + i_hq * stride_oh, den_ptr,
+                                     i_bh * G + g, o_t, o_e, T, m_q, m_e, stride_dot, stride_doe,
+                                     stride_ot, stride_oe, ACC)  # fmt: skip
+        b_g, b_c = b_g * b_wr[:, None], b_c * b_wr
+        # [BM, BT] @ [BT, BE] -> [BM, BE]
+        b_L += tl.dot(tl.trans(b_a), b_g, input_precision=PRECISION, out_dtype=ACC)
+        b_l += tl.sum(b_a * b_c[:, None], axis=0)
     tl.store(L_ptr + i_blk * M * E + o_f[:, None] * E + o_e[None, :], b_L,
              mask=m_f[:, None] & m_e[None, :])  # fmt: skip
-    tl.store(l_ptr + i_blk * M + o_f, tl.sum(b_a * b_c[:, None], axis=0), mask=m_f)
+    tl.store(l_ptr + i_blk * M + o_f, b_l, mask=m_f)
 
 
 @triton.jit
@@ -383,7 +395,7 @@ def _chunk_bwd_kernel(
     q_ptr, k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
     s_ptr, z_ptr, r_ptr, ds_ptr, dz_ptr, o_ptr, do_ptr, mq_ptr, den_ptr, mk_ptr,
     dq_ptr, dk_ptr, dv_ptr,
-    T, H, NC,
+    T, H, NC, G,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
@@ -398,8 +410,9 @@ def _chunk_bwd_kernel(
     HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
 ):  # fmt: skip
-    """dq, dk [BT, D] and dv [BT, E] of chunk c (inter-chunk states + masked intra terms), every
-    row and key at the forward's offsets: prefix S_c at R_{c-1} read by row i times w_i =
+    """dq [BT, D] of chunk c for each of the G query heads of key/value head (b, h), and dk
+    [BT, D], dv [BT, E] summed over them (inter-chunk states + masked intra terms), every row
+    and key at the forward's offsets: prefix S_c at R_{c-1} read by row i times w_i =
     exp(R_{c-1} - r_i), pair (i, j) times exp(m_j - r_i), key j's share of the later rows'
     cotangent D_c (at R_c) times exp(m_j - R_c); every factor <= 1."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
@@ -414,72 +427,77 @@ def _chunk_bwd_kernel(
     b_ca, b_cb, b_cd = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
     b_scq = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
     b_sck = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)
-    q_base = q_ptr + i_b * stride_qb + i_h * stride_qh
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
     v_base = v_ptr + i_b * stride_vb + i_h * stride_vh
-    b_xq = _load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, ACC) * b_scq[None, :]
     b_xk = _load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, ACC) * b_sck[None, :]
     b_v = _load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_k, m_e, ACC)  # [BT, BE]
-    b_mq = tl.load(mq_ptr + i_bh * T + o_t, mask=m_q, other=0.0)
     b_mk = tl.load(mk_ptr + i_bh * T + o_t, mask=m_q, other=_NEG)
     b_rp = tl.load(r_ptr + i_blk)  # R_{c-1}
     b_ri = _row_offsets(b_rp, b_mk, m_tril)
     b_wr = tl.exp(b_rp - b_ri)  # [BT] the prefix's factor per row
     b_kf = tl.exp(b_mk - tl.maximum(b_rp, tl.max(b_mk, axis=0)))  # [BT] exp(m_j - R_c)
     b_decay = tl.where(m_tril & m_k[None, :], _intra_decay(b_mk, b_ri), 0.0)
-    b_g, b_c = _query_cotangents(do_ptr + i_b * stride_dob + i_h * stride_doh,
-                                 o_ptr + i_b * stride_ob + i_h * stride_oh, den_ptr, i_bh, o_t,
-                                 o_e, T, m_q, m_e, stride_dot, stride_doe, stride_ot, stride_oe,
-                                 ACC)  # fmt: skip
-    # dK_ij = (v_j . g_i + c_i) exp(m_j - r_i), causal: [BT, BE] @ [BE, BT] -> [BT, BT]
-    b_dK = tl.dot(b_g, tl.trans(b_v), input_precision=PRECISION, out_dtype=ACC) + b_c[:, None]
-    b_dK = tl.where(m_tril, b_dK * b_decay, 0.0)
-
-    b_dxq = tl.zeros([BT, BD], dtype=ACC)
     b_dxk = tl.zeros([BT, BD], dtype=ACC)
     b_dv = tl.zeros([BT, BE], dtype=ACC)
-    b_A = tl.zeros([BT, BT], dtype=ACC)
-    for i_m in range(0, NMT):
-        o_f = i_m * BM + tl.arange(0, BM)
-        m_f = o_f < M
-        m_fe = m_f[:, None] & m_e[None, :]
-        o_fe = o_f[:, None] * E + o_e[None, :]
-        b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
-        b_uq, b_gq, b_g1q, b_g2q = _feature_tile(
-            b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
-            M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # fmt: skip
-        b_eq = tl.where(m_q[:, None] & m_f[None, :], tl.exp(b_uq - b_mq[:, None]), 0.0)
-        b_a = b_gq * b_eq  # [BT, BM]
-        b_uk, b_gk, b_g1k, b_g2k = _feature_tile(
-            b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
-            M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # fmt: skip
-        b_ek = tl.where(m_k[:, None] & m_f[None, :], tl.exp(b_uk - b_mk[:, None]), 0.0)
-        b_b = b_gk * b_ek  # [BT, BM]
-        b_s = tl.load(s_ptr + i_blk * M * E + o_fe, mask=m_fe, other=0.0)  # [BM, BE]
-        b_z = tl.load(z_ptr + i_blk * M + o_f, mask=m_f, other=0.0)
-        b_ds = tl.load(ds_ptr + i_blk * M * E + o_fe, mask=m_fe, other=0.0)
-        b_dz = tl.load(dz_ptr + i_blk * M + o_f, mask=m_f, other=0.0)
-        # da = w (g S^T + c z) + dK b:  [BT, BE] @ [BE, BM] and [BT, BT] @ [BT, BM]
-        b_da = tl.dot(b_g, tl.trans(b_s), input_precision=PRECISION, out_dtype=ACC)
-        b_da = (b_da + b_c[:, None] * b_z[None, :]) * b_wr[:, None]
-        b_da += tl.dot(b_dK, b_b, input_precision=PRECISION, out_dtype=ACC)
-        b_dxq += _feature_dx(b_a * b_da, b_eq * b_da, b_g1q, b_g2q, b_xq, b_w, o_f, m_f, o_d,
-                             m_d, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM, FEATURE, False,
-                             PRECISION, TINY)  # fmt: skip
-        # db = dK^T a + kf (v dS^T + dz):  [BT, BT] @ [BT, BM] and [BT, BE] @ [BE, BM]
-        b_dbs = tl.dot(b_v, tl.trans(b_ds), input_precision=PRECISION, out_dtype=ACC)
-        b_db = (b_dbs + b_dz[None, :]) * b_kf[:, None]
-        b_db += tl.dot(tl.trans(b_dK), b_a, input_precision=PRECISION, out_dtype=ACC)
-        b_dxk += _feature_dx(b_b * b_db, b_ek * b_db, b_g1k, b_g2k, b_xk, b_w, o_f, m_f, o_d,
-                             m_d, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM, FEATURE, True,
-                             PRECISION, TINY)  # fmt: skip
-        # inter-chunk dv = kf b dS: [BT, BM] @ [BM, BE]; intra needs A = a b^T over all features
-        b_dv += tl.dot(b_b * b_kf[:, None], b_ds, input_precision=PRECISION, out_dtype=ACC)
-        b_A += tl.dot(b_a, tl.trans(b_b), input_precision=PRECISION, out_dtype=ACC)
-    b_A = tl.where(m_tril & m_k[None, :], b_A * b_decay, 0.0)
-    b_dv += tl.dot(tl.trans(b_A), b_g, input_precision=PRECISION, out_dtype=ACC)  # [BT, BE]
-    _store_tile(dq_ptr, i_b, i_h, o_t, o_d, stride_dqb, stride_dqh, stride_dqt, stride_dqd,
-                b_dxq * b_scq[None, :], m_q, m_d)  # fmt: skip
+    for g in range(0, G):  # each query head of the group: its dq, its share of dk and dv
+        i_hq = i_h * G + g
+        q_base = q_ptr + i_b * stride_qb + i_hq * stride_qh
+        b_xq = _load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, ACC) * b_scq[None, :]
+        b_mq = tl.load(mq_ptr + (i_bh * G + g) * T + o_t, mask=m_q, other=0.0)
+        b_g, b_c = _query_cotangents(do_ptr + i_b * stride_dob + i_hq * stride_doh,
+                                     o_ptr + i_b * stride_ob + i_hq * stride_oh, den_ptr,
+                                     i_bh * G + g, o_t, o_e, T, m_q, m_e, stride_dot, stride_doe,
+                                     stride_ot, stride_oe, ACC)  # fmt: skip
+        # dK_ij = (v_j . g_i + c_i) exp(m_j - r_i), causal: [BT, BE] @ [BE, BT] -> [BT, BT]
+        b_dK = tl.dot(b_g, tl.trans(b_v), input_precision=PRECISION, out_dtype=ACC)
+        b_dK = tl.where(m_tril, (b_dK + b_c[:, None]) * b_decay, 0.0)
+        b_dxq = tl.zeros([BT, BD], dtype=ACC)
+        b_A = tl.zeros([BT, BT], dtype=ACC)
+        for i_m in range(0, NMT):
+            o_f = i_m * BM + tl.arange(0, BM)
+            m_f = o_f < M
+            m_fe = m_f[:, None] & m_e[None, :]
+            o_fe = o_f[:, None] * E + o_e[None, :]
+            b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
+            b_uq, b_gq, b_g1q, b_g2q = _feature_tile(
+                b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
+                M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # fmt: skip
+            b_eq = tl.where(m_q[:, None] & m_f[None, :], tl.exp(b_uq - b_mq[:, None]), 0.0)
+            b_a = b_gq * b_eq  # [BT, BM]
+            b_uk, b_gk, b_g1k, b_g2k = _feature_tile(
+                b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
+                M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # fmt: skip
+            b_ek = tl.where(m_k[:, None] & m_f[None, :], tl.exp(b_uk - b_mk[:, None]), 0.0)
+            b_b = b_gk * b_ek  # [BT, BM]
+            b_s = tl.load(s_ptr + i_blk * M * E + o_fe, mask=m_fe, other=0.0)  # [BM, BE]
+            b_z = tl.load(z_ptr + i_blk * M + o_f, mask=m_f, other=0.0)
+            # da = w (g S^T + c z) + dK b:  [BT, BE] @ [BE, BM] and [BT, BT] @ [BT, BM]
+            b_da = tl.dot(b_g, tl.trans(b_s), input_precision=PRECISION, out_dtype=ACC)
+            b_da = (b_da + b_c[:, None] * b_z[None, :]) * b_wr[:, None]
+            b_da += tl.dot(b_dK, b_b, input_precision=PRECISION, out_dtype=ACC)
+            b_dxq += _feature_dx(b_a * b_da, b_eq * b_da, b_g1q, b_g2q, b_xq, b_w, o_f, m_f,
+                                 o_d, m_d, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM, FEATURE,
+                                 False, PRECISION, TINY)  # fmt: skip
+            # db = dK^T a (+ kf (v D^T + dz), the later chunks' cotangent, once per key and not
+            # once per query head): [BT, BT] @ [BT, BM] and [BT, BE] @ [BE, BM]
+            b_db = tl.dot(tl.trans(b_dK), b_a, input_precision=PRECISION, out_dtype=ACC)
+            if g == 0:
+                b_ds = tl.load(ds_ptr + i_blk * M * E + o_fe, mask=m_fe, other=0.0)  # [BM, BE]
+                b_dz = tl.load(dz_ptr + i_blk * M + o_f, mask=m_f, other=0.0)
+                b_dbs = tl.dot(b_v, tl.trans(b_ds), input_precision=PRECISION, out_dtype=ACC)
+                b_db += (b_dbs + b_dz[None, :]) * b_kf[:, None]
+                # inter-chunk dv = kf b D: [BT, BM] @ [BM, BE]
+                b_dv += tl.dot(b_b * b_kf[:, None], b_ds, input_precision=PRECISION,
+                               out_dtype=ACC)  # fmt: skip
+            b_dxk += _feature_dx(b_b * b_db, b_ek * b_db, b_g1k, b_g2k, b_xk, b_w, o_f, m_f,
+                                 o_d, m_d, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM, FEATURE,
+                                 True, PRECISION, TINY)  # fmt: skip
+            # intra dv needs A = a b^T over all features
+            b_A += tl.dot(b_a, tl.trans(b_b), input_precision=PRECISION, out_dtype=ACC)
+        b_A = tl.where(m_tril & m_k[None, :], b_A * b_decay, 0.0)
+        b_dv += tl.dot(tl.trans(b_A), b_g, input_precision=PRECISION, out_dtype=ACC)  # [BT, BE]
+        _store_tile(dq_ptr, i_b, i_hq, o_t, o_d, stride_dqb, stride_dqh, stride_dqt, stride_dqd,
+                    b_dxq * b_scq[None, :], m_q, m_d)  # fmt: skip
     _store_tile(dk_ptr, i_b, i_h, o_t, o_d, stride_dkb, stride_dkh, stride_dkt, stride_dkd,
                 b_dxk * b_sck[None, :], m_q, m_d)  # fmt: skip
     _store_tile(dv_ptr, i_b, i_h, o_t, o_e, stride_dvb, stride_dvh, stride_dvt, stride_dve,
@@ -535,7 +553,10 @@ def rf_chunk_fwd(
     """Causal fused random-feature attention forward (chunkwise).
 
     Args:
-        q, k: ``[B, H, T, D]``; v: ``[B, H, T, E]`` (any strides, one dtype).
+        q: ``[B, H * G, T, D]``; k: ``[B, H, T, D]``; v: ``[B, H, T, E]`` (any strides, one
+            dtype): G query heads per key/value head (grouped-query attention, query head
+            ``h * G + g`` reads key/value head h; G = 1 otherwise). Key features, chunk states
+            and the returned state are per key/value head.
         form, scale, key_padding_mask, precision, gpu_tiles: as ``rf_parallel.rf_parallel_fwd``
             (every kernel form).
         initial_state: optional ``(S [B, H, M, E], z [B, H, M], offset [B, H])`` to continue, in
@@ -543,18 +564,18 @@ def rf_chunk_fwd(
         return_aux: also return what the backward needs.
 
     Returns:
-        ``(out [B, H, T, E], (S, z, offset))`` with the final state in the accumulation dtype and
-        ``rfattn.RFState``'s convention; with ``return_aux`` also ``(m_q, den, m_k)``, each
-        ``[B*H, T]``: the queries' offsets, the denominators at the rows' offsets r_i and the
-        keys' max logits m_j.
+        ``(out [B, H * G, T, E], (S, z, offset))`` with the final state ``[B, H, ...]`` in the
+        accumulation dtype and ``rfattn.RFState``'s convention; with ``return_aux`` also
+        ``(m_q, den, m_k)``: the queries' offsets and the denominators at the rows' offsets r_i
+        (``[B*H*G, T]``) and the keys' max logits m_j (``[B*H, T]``).
     """
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"causal attention needs Tq == Tk, got {q.shape[2]} and {k.shape[2]}")
     c = _setup(q, k, v, form, scale, key_padding_mask, precision, causal=True,
                gpu_tiles=gpu_tiles)  # fmt: skip
-    B, H, T, E, bt = c.B, c.H, c.Tq, c.E, c.BT
-    out = torch.empty(B, H, T, E, device=q.device, dtype=q.dtype)
-    aux = mq, den, mk = c.acc_empty(B * H, T), c.acc_empty(B * H, T), c.acc_empty(B * H, T)
+    B, H, G, T, E, bt = c.B, c.H, c.G, c.Tq, c.E, c.BT
+    out = torch.empty(B, H * G, T, E, device=q.device, dtype=q.dtype)
+    aux = mq, den, mk = c.acc_empty(B * H * G, T), c.acc_empty(B * H * G, T), c.acc_empty(B * H, T)
     if B * H == 0:
         state = (c.acc_empty(B, H, c.M, E), c.acc_empty(B, H, c.M),
                  c.acc_empty(B, H))  # fmt: skip
@@ -563,7 +584,7 @@ def rf_chunk_fwd(
     if T:
         _chunk_out_kernel[(NC, B * H)](
             q, k, v, c.w, c.pad[0], *c.form_ptrs, s, z, r, out, mq, den, mk,
-            T, H, NC, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
+            T, H, NC, G, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
             *out.stride(), BT=bt, HAS_PAD=c.has_pad, **c.launch_options(), **c.meta,
         )  # fmt: skip
     return (out, state, aux) if return_aux else (out, state)
@@ -611,7 +632,7 @@ def rf_chunk_bwd(
     if T:
         _chunk_local_grad_kernel[(NMT, NC, B * H)](
             q, c.w, *c.form_ptrs, out, do, mq, den, mk, r, L, l_,
-            T, H, NC, *q.stride(), *c.w.stride(), *out.stride(), *do.stride(), **meta,
+            T, H, NC, c.G, *q.stride(), *c.w.stride(), *out.stride(), *do.stride(), **meta,
         )  # fmt: skip
     else:
         L.zero_()
@@ -630,7 +651,7 @@ def rf_chunk_bwd(
     if T:
         _chunk_bwd_kernel[(NC, B * H)](
             q, k, v, c.w, c.pad[0], *c.form_ptrs,
-            s, z, r, ds, dz, out, do, mq, den, mk, dq, dk, dv, T, H, NC,
+            s, z, r, ds, dz, out, do, mq, den, mk, dq, dk, dv, T, H, NC, c.G,
             *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
             *out.stride(), *do.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
             HAS_PAD=c.has_pad, **meta,

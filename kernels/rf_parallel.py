@@ -462,6 +462,15 @@ def _bwd_dwk_kernel(
 # launchers
 
 
+def _one_group(c) -> None:
+    if c.G != 1:
+        raise ValueError(
+            "the non-causal kernel takes as many query heads as key/value heads; for grouped-query "
+            "attention pass the queries of each group as rows ([B, Hkv, G*Tq, D]), as "
+            "rfattn.rf_attention does"
+        )
+
+
 def rf_parallel_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -493,6 +502,7 @@ def rf_parallel_fwd(
         ``(S [B*H, M, E], z [B*H, M], m_K [B*H, M], m_q [B*H, Tq], den [B*H, Tq])``.
     """
     c = _setup(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles=gpu_tiles)
+    _one_group(c)
     B, H, Tq, Tk, M, E, NMT, dev = c.B, c.H, c.Tq, c.Tk, c.M, c.E, c.NMT, q.device
     out = torch.empty(B, H, Tq, E, device=dev, dtype=q.dtype)
     s, z, mk = c.acc_empty(B * H, M, E), c.acc_empty(B * H, M), None
@@ -551,6 +561,7 @@ def rf_parallel_bwd(
     if need_dw and form.plain:
         raise NotImplementedError("kind 'rmf': no gradient for its projection rows")
     c = _setup(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles=gpu_tiles)
+    _one_group(c)
     B, H, Tq, Tk, M, D, E, NMT, dev = c.B, c.H, c.Tq, c.Tk, c.M, c.D, c.E, c.NMT, q.device
     s, z, mk, mq, den = aux
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

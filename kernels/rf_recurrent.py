@@ -31,6 +31,7 @@ from .common import (
     _load_offset,
     _load_rows,
     _load_w,
+    _next_pow2,
     _ratio,
     _setup,
     _store_offset,
@@ -47,7 +48,7 @@ MAX_TOKENS = 16
 def _recurrent_kernel(
     q_ptr, k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
     s0_ptr, z0_ptr, r0_ptr, s_ptr, z_ptr, r_ptr, o_ptr,
-    T, H,
+    T, H, G,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
@@ -57,32 +58,36 @@ def _recurrent_kernel(
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr,
     HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
-    HAS_INIT: tl.constexpr, PLAIN: tl.constexpr,
+    HAS_INIT: tl.constexpr, PLAIN: tl.constexpr, GP: tl.constexpr,
 ):  # fmt: skip
-    """T tokens of one (b, h) against the state (S0, z0, R0) (zeros without HAS_INIT), written
-    to (S, z, R): the first token reads S0, the later ones S (the two may be the same tensors:
-    in place)."""
+    """T tokens of one key/value head (b, h) against the state (S0, z0, R0) (zeros without
+    HAS_INIT), written to (S, z, R): the first token reads S0, the later ones S (the two may be
+    the same tensors: in place). The G query heads that read it are the rows of one [GP, .]
+    tile (GP >= 16, as tl.dot needs)."""
     i_bh = tl.program_id(0).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     NMT: tl.constexpr = (M + BM - 1) // BM
     o_d, o_e = tl.arange(0, BD), tl.arange(0, BE)
     m_d, m_e = o_d < D, o_e < E
-    # one token per step, as a 16-row tile (row 0 live): tl.dot needs >= 16 rows
-    o_r = tl.arange(0, 16)
+    # one token per step: its key as row 0 of a GP-row tile, its G queries as rows 0..G-1
+    o_r = tl.arange(0, GP)
+    m_qr = o_r < G
     b_ca, b_cb, b_cd = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
     b_scq = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
     b_sck = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)
-    q_base = q_ptr + i_b * stride_qb + i_h * stride_qh
+    q_base = q_ptr + i_b * stride_qb + i_h * G * stride_qh  # the group's first query head
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
     v_base = v_ptr + i_b * stride_vb + i_h * stride_vh
     b_r = _load_offset(r0_ptr + i_bh, PLAIN, HAS_INIT, ACC)
     for t in range(0, T):
-        o_t = t + o_r * 0  # [16], all rows point at token t
+        o_t = t + o_r * 0  # [GP], all rows point at token t
         m_row = o_r == 0
         m_k = _valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD) & m_row
-        b_xq = _load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_row, m_d, ACC) * b_scq[None, :]
+        # query row g: head h * G + g at token t
+        b_xq = _load_rows(q_base + t * stride_qt, o_r, o_d, stride_qh, stride_qd, m_qr, m_d,
+                          ACC) * b_scq[None, :]  # fmt: skip
         b_xk = _load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, ACC) * b_sck[None, :]
-        b_v = _load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_k, m_e, ACC)  # [16, BE]
+        b_v = _load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_k, m_e, ACC)  # [GP, BE]
         # pass 1: the key's max logit over all features -> the new running offset
         b_rn = b_r
         for i_m in range(0, NMT):
@@ -96,9 +101,9 @@ def _recurrent_kernel(
             b_rn = tl.maximum(b_rn, tl.max(tl.max(b_uk, axis=1), axis=0))
         b_alpha = tl.exp(b_r - b_rn)
         # pass 2: rescale and update the state tiles, and read the query against them
-        b_mx = tl.full([16], _NEG, dtype=ACC)
-        b_num = tl.zeros([16, BE], dtype=ACC)
-        b_den = tl.zeros([16], dtype=ACC)
+        b_mx = tl.full([GP], _NEG, dtype=ACC)
+        b_num = tl.zeros([GP, BE], dtype=ACC)
+        b_den = tl.zeros([GP], dtype=ACC)
         for i_m in range(0, NMT):
             o_f = i_m * BM + tl.arange(0, BM)
             m_f = o_f < M
@@ -115,7 +120,7 @@ def _recurrent_kernel(
                 b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
                 M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # fmt: skip
             b_b = b_gk * tl.where(m_k[:, None] & m_f[None, :], tl.exp(b_uk - b_rn), 0.0)
-            # [BM, 16] @ [16, BE] -> [BM, BE]
+            # [BM, GP] @ [GP, BE] -> [BM, BE]
             b_s = b_s * b_alpha + tl.dot(tl.trans(b_b), b_v, input_precision=PRECISION,
                                          out_dtype=ACC)  # fmt: skip
             b_z = b_z * b_alpha + tl.sum(b_b, axis=0)
@@ -127,16 +132,16 @@ def _recurrent_kernel(
             b_uq = tl.where(m_f[None, :], b_uq, float("-inf"))
             b_mx_new = tl.maximum(b_mx, tl.max(b_uq, axis=1))
             b_beta = tl.exp(b_mx - b_mx_new)
-            b_a = b_gq * tl.exp(b_uq - b_mx_new[:, None])  # [16, BM]
-            # [16, BM] @ [BM, BE] -> [16, BE]
+            b_a = b_gq * tl.exp(b_uq - b_mx_new[:, None])  # [GP, BM]
+            # [GP, BM] @ [BM, BE] -> [GP, BE]
             b_num = b_num * b_beta[:, None] + tl.dot(b_a, b_s, input_precision=PRECISION,
                                                      out_dtype=ACC)  # fmt: skip
             b_den = b_den * b_beta + tl.sum(b_a * b_z[None, :], axis=1)
             b_mx = b_mx_new
         b_o, b_den = _ratio(b_num, b_den, TINY)
-        p_o = o_ptr + i_b * stride_ob + i_h * stride_oh + t * stride_ot + o_e[None, :] * stride_oe
-        tl.store(p_o + o_r[:, None] * 0, b_o.to(o_ptr.dtype.element_ty),
-                 mask=m_row[:, None] & m_e[None, :])  # fmt: skip
+        p_o = o_ptr + i_b * stride_ob + (i_h * G + o_r[:, None]) * stride_oh + t * stride_ot
+        tl.store(p_o + o_e[None, :] * stride_oe, b_o.to(o_ptr.dtype.element_ty),
+                 mask=m_qr[:, None] & m_e[None, :])  # fmt: skip
         b_r = b_rn
     _store_offset(r_ptr + i_bh, b_r)
 
@@ -156,8 +161,9 @@ def rf_recurrent_fwd(
     """Causal decode step over ``T <= MAX_TOKENS`` tokens (no gradient).
 
     Args:
-        q, k: ``[B, H, T, D]``; v: ``[B, H, T, E]``; form, scale, key_padding_mask, precision,
-            gpu_tiles: as ``rf_parallel.rf_parallel_fwd``.
+        q: ``[B, H * G, T, D]``; k: ``[B, H, T, D]``; v: ``[B, H, T, E]`` (G query heads per
+            key/value head, as ``rf_chunk.rf_chunk_fwd``); form, scale, key_padding_mask,
+            precision, gpu_tiles: as ``rf_parallel.rf_parallel_fwd``.
         initial_state: ``(S [B, H, M, E], z [B, H, M], offset [B, H])`` in ``rfattn.RFState``'s
             convention (None: empty). Read, never written, unless ``inplace``.
         inplace: write the new state into ``initial_state``'s own tensors (they must be
@@ -165,13 +171,13 @@ def rf_recurrent_fwd(
             generation loop) instead of new ones. Either way no copy of the state is made.
 
     Returns:
-        ``(out [B, H, T, E], (S, z, offset))``.
+        ``(out [B, H * G, T, E], (S, z, offset))``, the state per key/value head.
     """
     if q.shape[2] != k.shape[2] or q.shape[2] > MAX_TOKENS:
         raise ValueError(f"the decode step takes Tq == Tk <= {MAX_TOKENS} tokens, got "
                          f"{q.shape[2]} and {k.shape[2]}")  # fmt: skip
     c = _setup(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles=gpu_tiles)
-    B, H, T, M, E = c.B, c.H, c.Tq, c.M, c.E
+    B, H, G, T, M, E = c.B, c.H, c.G, c.Tq, c.M, c.E
     if initial_state is None:
         if inplace:
             raise ValueError("inplace=True needs an initial_state to update")
@@ -183,7 +189,7 @@ def rf_recurrent_fwd(
         s0, z0, r0 = (x.to(c.acc).contiguous() for x in initial_state)
     s, z, r = (s0, z0, r0) if inplace else (c.acc_empty(B, H, M, E), c.acc_empty(B, H, M),
                                             c.acc_empty(B, H))  # fmt: skip
-    out = torch.empty(B, H, T, E, device=q.device, dtype=q.dtype)
+    out = torch.empty(B, H * G, T, E, device=q.device, dtype=q.dtype)
     if T == 0:  # no token: the state passes through (the kernel would write nothing)
         if initial_state is None:
             s.zero_(), z.zero_(), r.fill_(0.0 if c.plain else float("-inf"))
@@ -193,8 +199,8 @@ def rf_recurrent_fwd(
     if B * H:
         _recurrent_kernel[(B * H,)](
             q, k, v, c.w, c.pad[0], *c.form_ptrs, s0, z0, r0, s, z, r, out,
-            T, H, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
+            T, H, G, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
             *out.stride(), HAS_PAD=c.has_pad, HAS_INIT=initial_state is not None,
-            PLAIN=c.plain, **c.launch_options(num_warps=4), **c.meta,
+            PLAIN=c.plain, GP=_next_pow2(G), **c.launch_options(num_warps=4), **c.meta,
         )  # fmt: skip
     return out, (s, z, r)

@@ -29,6 +29,9 @@ _CHUNK = 128
 class RFState(NamedTuple):
     """Causal running state, in fp32 (fp64 for fp64 inputs).
 
+    ``H`` is the number of key/value heads: with grouped-query attention (fewer key/value heads
+    than query heads) one state serves every query head of its group.
+
     Attributes:
         s: ``[B, H, F, E]`` sum over past keys of ``phi_k v^T``, ``phi_k = g_k exp(u_k - offset)``
             (exponential features) or the plain features (rmf).
@@ -63,10 +66,15 @@ def _validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_sta
             raise TypeError(f"{name} has dtype {x.dtype}, expected q's dtype {q.dtype}")
         if x.device != q.device:
             raise ValueError(f"{name} is on device {x.device}, expected q's device {q.device}")
-        if x.shape[:2] != q.shape[:2]:
-            raise ValueError(
-                f"{name} has batch/heads {tuple(x.shape[:2])}, expected q's {tuple(q.shape[:2])}"
-            )
+        if x.shape[0] != q.shape[0]:
+            raise ValueError(f"{name} has batch size {x.shape[0]}, expected q's {q.shape[0]}")
+    if v.shape[1] != k.shape[1]:
+        raise ValueError(f"v has {v.shape[1]} heads, expected k's {k.shape[1]}")
+    if k.shape[1] == 0 and q.shape[1] != 0 or k.shape[1] and q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"q has {q.shape[1]} heads, which must be a multiple of k's and v's {k.shape[1]} "
+            "(grouped-query attention: each key/value head serves q heads // k heads query heads)"
+        )
     if k.shape[3] != q.shape[3]:
         raise ValueError(f"k has head_dim {k.shape[3]}, expected q's head_dim {q.shape[3]}")
     if v.shape[2] != k.shape[2]:
@@ -130,7 +138,7 @@ def _check_state(state, q, v, rf) -> None:
             "initial_state was returned by a call with another RandomFeatures, or with this one "
             "before rf.redraw(): a state only continues the features that made it"
         )
-    B, H, E = q.shape[0], q.shape[1], v.shape[3]
+    B, H, E = q.shape[0], v.shape[1], v.shape[3]  # key/value heads (grouped-query attention)
     F = rf.feature_map.width(rf.num_features)
     expected = {"s": (B, H, F, E), "z": (B, H, F), "offset": (B, H)}
     for name, x in zip(("s", "z", "offset"), state, strict=True):
@@ -157,7 +165,7 @@ def _causal_torch(
     key_padding_mask: torch.Tensor | None,
     state: RFState | None,
 ) -> tuple[torch.Tensor, RFState]:
-    """Chunked causal linear attention; returns (out, final state).
+    """Chunked causal linear attention; returns (out ``[B, H, G, T, E]``, final state).
 
     Exponential features are stabilised per query row: query i reads every key j <= i at the
     offset ``r_i = max(offset before the chunk, m_j for j <= i)``, with ``m_j`` key j's max logit
@@ -169,13 +177,15 @@ def _causal_torch(
     removed by selection (``where``), not by multiplying with 0.
 
     Args:
-        phi_q: stabilised query features ``[B, H, T, F]``.
+        phi_q: stabilised query features ``[B, H, G, T, F]``: the G query heads that share each
+            of the H key/value heads (grouped-query attention; G = 1 otherwise).
         u_k: key logits ``[B, H, T, F]`` of an exponential feature, or None for a plain feature
             (phi_k = g_k, no offset: the state's offset stays 0).
         g_k: key amplitude ``[B, H, T, F]`` (None = 1) or, when ``u_k`` is None, the features.
-        v: ``[B, H, T, E]``; key_padding_mask: ``[B, T]``; state: carried :class:`RFState`.
+        v: ``[B, H, T, E]``; key_padding_mask: ``[B, T]``; state: carried :class:`RFState`
+            (``[B, H, ...]``: one per key/value head).
     """
-    B, H, T, F = phi_q.shape
+    B, H, G, T, F = phi_q.shape
     E = v.shape[-1]
     dt = phi_q.dtype
     ninf = float("-inf")
@@ -208,11 +218,11 @@ def _causal_torch(
         c1 = min(T, c0 + _CHUNK)
         C = c1 - c0
         tril = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
-        pq, vc, pk = phi_q[:, :, c0:c1], v_clean[:, :, c0:c1], pk_all[:, :, c0:c1]
-        raw = pq @ _finite_or_zero(pk).transpose(-1, -2)  # [B, H, C, C]
+        pq, vc, pk = phi_q[:, :, :, c0:c1], v_clean[:, :, None, c0:c1], pk_all[:, :, c0:c1]
+        raw = pq @ _finite_or_zero(pk).transpose(-1, -2)[:, :, None]  # [B, H, G, C, C]
         if u_k is None:  # plain features: no offsets
             intra = torch.where(tril, raw, torch.zeros_like(raw))
-            num, den = pq @ s, (pq @ z[..., None]).squeeze(-1)
+            num, den = pq @ s[:, :, None], (pq @ z[:, :, None, :, None]).squeeze(-1)
         else:
             mc = m[:, :, c0:c1]
             r = torch.maximum(off[..., None], torch.cummax(mc, dim=-1).values)  # [B, H, C]
@@ -220,11 +230,11 @@ def _causal_torch(
             seen = tril & (mc[..., None, :] > ninf)
             decay = torch.exp(torch.where(seen, mc[..., None, :] - r[..., :, None], ninf))
             decay = torch.where(mc[..., None, :].isnan() & tril, mc[..., None, :], decay)
-            intra = torch.where(tril, raw * decay, torch.zeros_like(raw))
+            intra = torch.where(tril, raw * decay[:, :, None], torch.zeros_like(raw))
             carried = torch.where(off[..., None] == ninf, torch.zeros_like(r),
-                                  torch.exp(off[..., None] - r))  # fmt: skip
-            num = (pq @ s) * carried[..., None]
-            den = (pq @ z[..., None]).squeeze(-1) * carried
+                                  torch.exp(off[..., None] - r))[:, :, None]  # fmt: skip
+            num = (pq @ s[:, :, None]) * carried[..., None]
+            den = (pq @ z[:, :, None, :, None]).squeeze(-1) * carried
             new_off = r[..., -1]
             safe_new = torch.where(new_off == ninf, torch.zeros_like(new_off), new_off)
             alpha = torch.where(off == ninf, torch.zeros_like(off), torch.exp(off - safe_new))
@@ -234,15 +244,23 @@ def _causal_torch(
         num = num + intra @ vc
         den = den + intra.sum(-1)
         bad = bad_v[:, :, c0:c1] | bad_k[:, :, c0:c1]
-        poisoned = torch.cumsum(bad.to(torch.int32), dim=-2) > 0
+        poisoned = (torch.cumsum(bad.to(torch.int32), dim=-2) > 0)[:, :, None]
         num = torch.where(poisoned, torch.full_like(num, float("nan")), num)
         outs.append(attention_ratio(num, den))
         s = s + pk.transpose(-1, -2) @ v[:, :, c0:c1]
         z = z + pk.sum(dim=-2)
-    # T = 0: phi_q @ S is [B, H, 0, E] and keeps the graph (an output without grad_fn would
+    # T = 0: phi_q @ S is [B, H, G, 0, E] and keeps the graph (an output without grad_fn would
     # break a caller's backward)
-    out = torch.cat(outs, dim=2) if outs else phi_q @ s
+    out = torch.cat(outs, dim=3) if outs else phi_q @ s[:, :, None]
     return out, RFState(s, z, off)
+
+
+def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Query rows ``[B, Hq, T, D]`` as ``[B, Hkv, G*T, D]``: the G query heads that share each
+    key/value head (``Hq = Hkv * G``, query head ``h`` reads key/value head ``h // G``, as
+    transformers' ``repeat_kv``) become more rows of it (a copy unless the layout allows a
+    view)."""
+    return x.unflatten(1, (kv_heads, x.shape[1] // kv_heads)).flatten(2, 3)
 
 
 def _no_kernel_reason(rf, causal: bool) -> str | None:
@@ -342,7 +360,12 @@ def rf_attention(
 
     Args:
         q: ``[B, H, Tq, D]`` queries (any strides, e.g. a transposed ``[B, T, H, D]`` view).
-        k: ``[B, H, Tk, D]`` keys; v: ``[B, H, Tk, E]`` values. One floating dtype and device.
+        k: ``[B, Hkv, Tk, D]`` keys; v: ``[B, Hkv, Tk, E]`` values. One floating dtype and
+            device. ``Hkv = H`` or, for grouped-query attention, a divisor of H: query head h
+            reads key/value head ``h // (H // Hkv)`` (transformers' ``repeat_kv`` order) without
+            repeating k and v: key features and states are computed once per key/value head, and
+            states are ``[B, Hkv, ...]``. The data statistics of oprf/saderf/poisrf/geomrf
+            (``stats="global"``) are then per key/value head, over the queries of its group.
         rf: an :class:`rfattn.RandomFeatures` built for ``head_dim=D``.
         causal: query i attends to keys j <= i (needs Tq == Tk).
         key_padding_mask: ``[B, Tk]`` bool, True = padding: removed from numerator and
@@ -370,6 +393,13 @@ def rf_attention(
     elif causal:
         query_padding_mask = key_padding_mask
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    Hk, Tq = k.shape[1], q.shape[2]
+    G = q.shape[1] // Hk if Hk else 1
+    if G > 1 and not causal:  # grouped-query: each key/value head's queries are more rows of it
+        qm = None if query_padding_mask is None else query_padding_mask.repeat(1, G)
+        out = rf_attention(_grouped(q, Hk), k, v, rf, key_padding_mask=key_padding_mask,
+                           scale=scale, backend=backend, query_padding_mask=qm)  # fmt: skip
+        return out.unflatten(2, (G, Tq)).flatten(1, 2)
     use_triton = backend == "triton" or (backend == "auto" and _use_triton(q, rf, causal))
     if use_triton:
         return _triton_attention(q, k, v, rf, causal, key_padding_mask, scale, initial_state,
@@ -380,6 +410,9 @@ def rf_attention(
     vc = v.to(cdt)
     fm = rf.feature_map
     xq, xk = prescale(q, scale), prescale(k, scale, key_padding_mask)
+    if G > 1:  # causal grouped-query: features of [B, Hkv, G*T, D] rows, per key/value head
+        xq = _grouped(xq, Hk)
+        query_padding_mask = None if query_padding_mask is None else query_padding_mask.repeat(1, G)
     # statistics (global ones raise when causal) and the feature's own draws, once per call
     params = rf.feature_params(xq, xk, key_padding_mask, causal=causal,
                                query_padding_mask=query_padding_mask)  # fmt: skip
@@ -396,5 +429,6 @@ def rf_attention(
         g_k = fm.values(xk, w, "key", params)
         c_k = fm.key_amplitude(xk, w, params)  # component weights, if any
         g_k = g_k if c_k is None else g_k * c_k
+    phi_q = phi_q.unflatten(2, (G, Tq))  # [B, Hkv, G, T, F]
     out, state = _causal_torch(phi_q, u_k, g_k, vc, key_padding_mask, initial_state)
-    return _returned_state(out.to(q.dtype), state, rf, return_state)
+    return _returned_state(out.flatten(1, 2).to(q.dtype), state, rf, return_state)

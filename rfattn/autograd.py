@@ -90,8 +90,9 @@ def _state(s0, z0, off0):
 
 
 def _state_like(q, v, w) -> tuple:
-    """Empty ``(S [B, H, F, E], z [B, H, F], offset [B, H])`` in the accumulation dtype."""
-    B, H, F, E, acc = q.shape[0], q.shape[1], w.shape[0], v.shape[3], compute_dtype(q.dtype)
+    """Empty ``(S [B, H, F, E], z [B, H, F], offset [B, H])`` in the accumulation dtype, H the
+    key/value heads."""
+    B, H, F, E, acc = q.shape[0], v.shape[1], w.shape[0], v.shape[3], compute_dtype(q.dtype)
     return (
         q.new_empty(B, H, F, E, dtype=acc),
         q.new_empty(B, H, F, dtype=acc),
@@ -151,16 +152,21 @@ def _torch_parallel(q, k, v, form, scale, mask):
 
 
 def _torch_chunk(q, k, v, form, scale, mask, state):
-    """``(out, S, z, offset)`` of the causal forms in torch (the torch path's chunked scan)."""
-    from rfattn.attention import RFState, _causal_torch
+    """``(out, S, z, offset)`` of the causal forms in torch (the torch path's chunked scan);
+    grouped-query inputs (fewer k, v heads) as the kernels take them."""
+    from rfattn.attention import RFState, _causal_torch, _grouped
 
-    phi_q, u_k, g_k = _torch_features(q, k, form, scale)
+    Hk, T = k.shape[1], q.shape[2]
+    G = q.shape[1] // Hk if Hk else 1
+    phi_q, u_k, g_k = _torch_features(_grouped(q, Hk) if Hk else q, k, form, scale)
     if state is not None:
         state = RFState(*(x.to(phi_q.dtype) for x in state))
+    phi_q = phi_q.unflatten(2, (G, T))  # [B, Hk, G, T, F]
     out, st = _causal_torch(phi_q, u_k, g_k, v.to(phi_q.dtype), mask, state)
     # an operator's outputs never alias its inputs (a plain feature keeps the given offset)
     given = () if state is None else tuple(state)
-    return out.to(q.dtype), *(x.clone() if any(x is y for y in given) else x for x in st)
+    return (out.flatten(1, 2).to(q.dtype),
+            *(x.clone() if any(x is y for y in given) else x for x in st))  # fmt: skip
 
 
 def _torch_grads(fn, inputs, need, cotangents):
@@ -277,9 +283,8 @@ def rf_parallel(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, 
 def _chunk(q, k, v, *args):
     form, (scale, mask, s0, z0, off0, precision, gpu_tiles) = _form(args)
     if _on_torch(q):  # the saved m_q, den, m_k are only read by the Triton backward
-        BH, T, acc = q.shape[0] * q.shape[1], q.shape[2], compute_dtype(q.dtype)
         return (*_torch_chunk(q, k, v, form, scale, mask, _state(s0, z0, off0)),
-                *(q.new_zeros(BH, T, dtype=acc) for _ in range(3)))  # fmt: skip
+                *(torch.zeros_like(x) for x in _chunk_aux_like(q, k)))  # fmt: skip
     out, state, aux = rf_chunk_kernels.rf_chunk_fwd(
         q, k, v, form, scale, mask, _state(s0, z0, off0), precision, return_aux=True,
         gpu_tiles=gpu_tiles,
@@ -287,11 +292,17 @@ def _chunk(q, k, v, *args):
     return out, *state, *aux
 
 
+def _chunk_aux_like(q, k) -> tuple:
+    """Empty ``(m_q, den [B*Hq, T], m_k [B*Hk, T])`` in the accumulation dtype."""
+    B, T, acc = q.shape[0], q.shape[2], compute_dtype(q.dtype)
+    rows = (B * q.shape[1], B * q.shape[1], B * k.shape[1])
+    return tuple(q.new_empty(n, T, dtype=acc) for n in rows)
+
+
 @_chunk.register_fake
 def _(q, k, v, *args):
-    BH, T, acc = q.shape[0] * q.shape[1], q.shape[2], compute_dtype(q.dtype)
     return (q.new_empty(*q.shape[:3], v.shape[3]), *_state_like(q, v, args[1]),
-            *(q.new_empty(BH, T, dtype=acc) for _ in range(3)))  # fmt: skip
+            *_chunk_aux_like(q, k))  # fmt: skip
 
 
 _CHUNK_BWD = f"Tensor do, Tensor? ds, Tensor? dz, {_QKV}, {_FORM}, {_CALL}, {_STATE}, " \

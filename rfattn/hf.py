@@ -242,7 +242,9 @@ def rfattn_attention_forward(
     Args:
         module: the calling attention layer (gives ``is_causal``, ``config``, ``layer_idx``
             and holds its ``rfattn_features``).
-        query: ``[B, H, Tq, D]``; key, value: ``[B, Hkv, Tk, D]`` (grouped heads repeated).
+        query: ``[B, H, Tq, D]``; key, value: ``[B, Hkv, Tk, D]`` (grouped-query models: Hkv
+            divides H; :func:`rf_attention` shares each key/value head with its group without
+            repeating it).
         attention_mask: None or a 4-D mask (see the module docstring).
         dropout: dropout probability, applied to the attention output in training.
         scaling: softmax temperature (default ``D ** -0.5``).
@@ -258,11 +260,6 @@ def rfattn_attention_forward(
             "inspect softmax weights"
         )
     layer = _PENDING.pop(key, None)  # an RFCacheLayer's new keys, or None
-    H = query.shape[1]
-    if key.shape[1] != H:  # grouped-query attention: one feature map, heads repeated
-        rep = H // key.shape[1]
-        key = key.repeat_interleave(rep, dim=1)
-        value = value.repeat_interleave(rep, dim=1)
     rf = _layer_features(module, query.shape[-1], query.device)
     if layer is not None:
         out = _cached_attention(layer, rf, query, key, value, attention_mask, scaling)
@@ -274,7 +271,7 @@ def rfattn_attention_forward(
 
 
 def _mask_attention(module, rf, query, key, value, attention_mask, scaling, is_causal):
-    """The attention ``[B, H, Tq, E]`` of queries on keys/values (heads already matched) with the
+    """The attention ``[B, H, Tq, E]`` of queries on keys/values (``Hkv`` heads) with the
     causal structure and padding read from the layer and the 4-D mask."""
     tq, tk = query.shape[2], key.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -312,7 +309,8 @@ _PENDING = WeakIdKeyDictionary()
 
 class RFCacheLayer(CacheLayerMixin):
     """One decoder layer's generation state: the causal :class:`rfattn.RFState` of every token
-    so far (``S [B, H, F, E]``, ``z``, ``offset``) and their count, instead of keys and values.
+    so far (``S [B, Hkv, F, E]``, ``z``, ``offset``; one per key/value head) and their count,
+    instead of keys and values.
 
     :meth:`update` keeps nothing: it hands the new keys and values to the attention function,
     which runs them on the state and stores the new one (:func:`rfattn_attention_forward`).
@@ -391,7 +389,8 @@ class RFCache(Cache):
 
     The prompt runs the chunked causal path with ``return_state=True``; each new token one
     decode step on the state. ``crop`` (assisted decoding) has no meaning for a sum and raises.
-    Grouped-query models repeat their key/value heads, so the state is ``[B, H, F, E]``.
+    Grouped-query models keep one state per key/value head, ``[B, Hkv, F, E]``: the group factor
+    less than repeating the heads would.
     """
 
     def __init__(self, num_layers: int | None = None, **kwargs):
@@ -438,7 +437,7 @@ class RFCache(Cache):
 
 
 def _cached_attention(layer, rf, query, key, value, attention_mask, scaling):
-    """The attention ``[B, H, Tq, E]`` of the new tokens (heads already matched) on an
+    """The attention ``[B, H, Tq, E]`` of the new tokens (``Hkv`` key/value heads) on an
     :class:`RFCacheLayer`'s state, which it advances."""
     tq = query.shape[2]
     pad = None

@@ -35,7 +35,7 @@ def _gen(model, ids, **kw):
 def test_greedy_generation_on_the_state_equals_full_recompute(kv_heads):
     """64 greedy tokens on an RFCache (made by generate itself) are exactly those of recomputing
     the whole sequence at every step (use_cache=False) with the same features; the cache holds
-    states, not keys, and its size does not grow with the context."""
+    states, not keys, one per key/value head, and its size does not grow with the context."""
     model = _llama(kv_heads)
     ids = _ids(1, 12)
     cache = rfhf.RFCache()
@@ -44,7 +44,10 @@ def test_greedy_generation_on_the_state_equals_full_recompute(kv_heads):
     assert torch.equal(gen.sequences, ref)
     assert gen.past_key_values is cache and cache.get_seq_length() == 12 + 63
     size = cache.nbytes()
-    assert size == 2 * (4 * 64 * 8 + 4 * 64 + 4) * 8  # per layer S, z, offset: [1, H, F, E] ...
+    # per layer S, z, offset: [1, Hkv, F, E] ..., one state per key/value head (grouped-query:
+    # the group factor less than repeating the heads), fp64
+    assert size == 2 * kv_heads * (64 * 8 + 64 + 1) * 8
+    assert cache.layers[0].state.s.shape == (1, kv_heads, 64, 8)
     # the automatic cache is an RFCache too, and the same tokens come out
     auto = _gen(model, ids, return_dict_in_generate=True)
     assert isinstance(auto.past_key_values, rfhf.RFCache)
