@@ -249,10 +249,23 @@ def _causal_torch(
         outs.append(attention_ratio(num, den))
         s = s + pk.transpose(-1, -2) @ v[:, :, c0:c1]
         z = z + pk.sum(dim=-2)
-    # T = 0: phi_q @ S is [B, H, G, 0, E] and keeps the graph (an output without grad_fn would
-    # break a caller's backward)
-    out = torch.cat(outs, dim=3) if outs else phi_q @ s[:, :, None]
-    return out, RFState(s, z, off)
+    if not outs:
+        # T = 0: phi_q @ S is [B, H, G, 0, E] and keeps the graph (an output without grad_fn
+        # would break a caller's backward); the state too, through empty sums over the keys
+        s = s + pk_all.transpose(-1, -2) @ v
+        z = z + pk_all.sum(dim=-2)
+        return phi_q @ s[:, :, None], RFState(s, z, off)
+    return torch.cat(outs, dim=3), RFState(s, z, off)
+
+
+def _causal_keys(fm, xk, w, params) -> tuple:
+    """``(u_k, g_k)`` of :func:`_causal_torch` for pre-scaled keys: an exponential feature's
+    logits and amplitude, or (None, the plain features times any component weights)."""
+    if fm.exponential:
+        return fm.logits(xk, w, "key", params), fm.key_amplitude(xk, w, params)
+    g_k = fm.values(xk, w, "key", params)
+    c_k = fm.key_amplitude(xk, w, params)  # component weights, if any
+    return None, g_k if c_k is None else g_k * c_k
 
 
 def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -352,6 +365,7 @@ def rf_attention(
     initial_state: RFState | None = None,
     return_state: bool = False,
     query_padding_mask: torch.Tensor | None = None,
+    group=None,
 ):
     """Random-feature linear attention, a drop-in for softmax attention in SDPA's layout.
 
@@ -382,6 +396,13 @@ def rf_attention(
             row. Default: ``key_padding_mask`` when causal (self-attention), else none (every
             query counts; pass it for non-causal self-attention with padding, as the layers and
             the Hugging Face integration do).
+        group: a ``torch.distributed`` process group over which the sequence is split (context
+            parallelism, :mod:`rfattn.distributed`): q, k, v and the masks hold this rank's
+            contiguous shard (shards in rank order, any lengths) and the output is this rank's
+            shard of the attention over the whole sequence; one all-gather of states (causal)
+            or all-reduce (non-causal) per call, gradients equal to one process's. Causal:
+            ``initial_state`` is the state before the whole sequence (the same on every rank),
+            the returned state the one after it (on every rank). None: one process.
 
     Returns:
         ``out`` ``[B, H, Tq, E]`` in the input dtype, or ``(out, state)`` with ``return_state``.
@@ -398,8 +419,17 @@ def rf_attention(
     if G > 1 and not causal:  # grouped-query: each key/value head's queries are more rows of it
         qm = None if query_padding_mask is None else query_padding_mask.repeat(1, G)
         out = rf_attention(_grouped(q, Hk), k, v, rf, key_padding_mask=key_padding_mask,
-                           scale=scale, backend=backend, query_padding_mask=qm)  # fmt: skip
+                           scale=scale, backend=backend, query_padding_mask=qm,
+                           group=group)  # fmt: skip
         return out.unflatten(2, (G, Tq)).flatten(1, 2)
+    if group is not None:
+        from rfattn import distributed
+
+        distributed.check_group(group)
+        res = distributed.sharded_attention(q, k, v, rf, causal, key_padding_mask, scale,
+                                            backend, initial_state, return_state,
+                                            query_padding_mask, group)  # fmt: skip
+        return _returned_state(*res, rf, True) if return_state else res
     use_triton = backend == "triton" or (backend == "auto" and _use_triton(q, rf, causal))
     if use_triton:
         return _triton_attention(q, k, v, rf, causal, key_padding_mask, scale, initial_state,
@@ -422,13 +452,9 @@ def rf_attention(
     if fm.exponential:
         u_q = fm.logits(xq, w, "query", params)
         phi_q = query_features(u_q, fm.amplitude(xq, w, "query", params))
-        u_k = fm.logits(xk, w, "key", params)
-        g_k = fm.key_amplitude(xk, w, params)
     else:
-        phi_q, u_k = fm.values(xq, w, "query", params), None
-        g_k = fm.values(xk, w, "key", params)
-        c_k = fm.key_amplitude(xk, w, params)  # component weights, if any
-        g_k = g_k if c_k is None else g_k * c_k
+        phi_q = fm.values(xq, w, "query", params)
+    u_k, g_k = _causal_keys(fm, xk, w, params)
     phi_q = phi_q.unflatten(2, (G, Tq))  # [B, Hkv, G, T, F]
     out, state = _causal_torch(phi_q, u_k, g_k, vc, key_padding_mask, initial_state)
     return _returned_state(out.flatten(1, 2).to(q.dtype), state, rf, return_state)

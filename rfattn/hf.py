@@ -61,6 +61,7 @@ __all__ = [
     "rfattn_attention_forward",
     "rfattn_mask",
     "attach_random_features",
+    "set_context_parallel_group",
     "random_features_from_config",
     "RFCache",
     "RFCacheLayer",
@@ -117,6 +118,20 @@ def attach_random_features(model: torch.nn.Module, **options) -> int:
     model.config.rfattn = {**_options(model.config), **options}
     ref = next(model.parameters(), None)
     return _attach(model, None if ref is None else ref.device)
+
+
+def set_context_parallel_group(model: torch.nn.Module, group) -> int:
+    """Split each forward's sequence over ``group`` (a ``torch.distributed`` process group; for a
+    ``DeviceMesh``, ``mesh.get_group("cp")``; None: one process again): every rank feeds its
+    contiguous shard of ``input_ids``, in rank order, with the shard's global ``position_ids``
+    (rotary embeddings) and its slice of the 2-D ``attention_mask``; each attention layer then
+    runs :func:`rfattn.rf_attention` with ``group`` (:mod:`rfattn.distributed`). Training and
+    full-sequence forwards only (a generation cache holds one process's state). Returns the
+    number of attention layers set."""
+    layers = [module for module, _ in _attention_layers(model)]
+    for module in layers:
+        module.rfattn_group = group
+    return len(layers)
 
 
 def _attach(model: torch.nn.Module, device) -> int:
@@ -296,7 +311,8 @@ def _mask_attention(module, rf, query, key, value, attention_mask, scaling, is_c
     cross = getattr(module, "is_cross_attention", False) or "cross" in type(module).__name__.lower()
     qpad = pad if pad is not None and tq == tk and not cross else None
     return rf_attention(query, key, value, rf, causal=causal, key_padding_mask=pad,
-                        scale=scaling, query_padding_mask=qpad)  # fmt: skip
+                        scale=scaling, query_padding_mask=qpad,
+                        group=getattr(module, "rfattn_group", None))  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------

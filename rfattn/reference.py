@@ -140,6 +140,7 @@ def linear_attention(
     v: torch.Tensor,
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
+    reduce=None,
 ) -> torch.Tensor:
     """Linear attention from features: ``phi_q S / phi_q z``, ``S = phi_k^T V``, ``z = phi_k^T 1``.
 
@@ -151,6 +152,8 @@ def linear_attention(
         phi_q: ``[B, H, Tq, F]``; phi_k: ``[B, H, Tk, F]``; v: ``[B, H, Tk, E]``.
         causal: prefix sums (needs Tq == Tk).
         key_padding_mask: ``[B, Tk]`` bool, True = padding (removed from S and z).
+        reduce: non-causal, keys sharded over processes (``rfattn.distributed``): ``(S, z) ->
+            (S, z)`` summed over them.
 
     Returns:
         ``[B, H, Tq, E]``.
@@ -162,4 +165,6 @@ def linear_attention(
         return kernel_attention(phi_q, phi_k, v, lambda a, b: a @ b.transpose(-1, -2), causal=True)
     s = phi_k.transpose(-1, -2) @ v  # [B, H, F, E]
     z = phi_k.sum(dim=-2)  # [B, H, F]
+    if reduce is not None:
+        s, z = reduce(s, z)
     return attention_ratio(phi_q @ s, (phi_q @ z[..., None]).squeeze(-1))

@@ -133,7 +133,9 @@ def component_weights(params: dict | None, width: int) -> torch.Tensor | None:
     return c.repeat(width // c.shape[-1])
 
 
-def key_offset(u_k: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+def key_offset(
+    u_k: torch.Tensor, key_padding_mask: torch.Tensor | None = None, reduce=None
+) -> torch.Tensor:
     """The non-causal key stabilisers: per feature, the max of ``u_k`` over the valid keys.
 
     One offset per (b, h, feature), compensated on the query side (:func:`query_features`), so
@@ -144,6 +146,8 @@ def key_offset(u_k: torch.Tensor, key_padding_mask: torch.Tensor | None = None) 
     Args:
         u_k: key logits ``[B, H, T, F]``.
         key_padding_mask: ``[B, T]`` bool, True = padding.
+        reduce: for keys sharded over processes (``rfattn.distributed``), the in-place max of
+            the local offsets (-inf where a shard has no valid key) across them.
 
     Returns:
         ``[B, H, F]`` offsets (detached: they cancel exactly); 0 where a (b, h) has no valid key.
@@ -151,8 +155,11 @@ def key_offset(u_k: torch.Tensor, key_padding_mask: torch.Tensor | None = None) 
     if key_padding_mask is not None:
         u_k = u_k.masked_fill(key_padding_mask[:, None, :, None], float("-inf"))
     if u_k.shape[-2] == 0:
-        return u_k.new_zeros(*u_k.shape[:2], u_k.shape[-1])
-    off = u_k.detach().amax(dim=-2)
+        off = u_k.new_full((*u_k.shape[:2], u_k.shape[-1]), float("-inf"))
+    else:
+        off = u_k.detach().amax(dim=-2)
+    if reduce is not None:
+        reduce(off)
     return torch.where(off == float("-inf"), torch.zeros_like(off), off)
 
 
@@ -345,12 +352,14 @@ class FeatureMap(nn.Module):
         w: torch.Tensor,
         key_padding_mask: torch.Tensor | None = None,
         params: dict | None = None,
+        reduce=None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Stabilised ``(phi_q, phi_k)``, each ``[B, H, T, F]``; padded keys give 0. Keys sit at
         per-feature offsets (:func:`key_offset`) carried over to the queries: their products,
         not each side alone, are the estimate's terms.
 
-        ``params`` default to :meth:`params` on these inputs (non-causal).
+        ``params`` default to :meth:`params` on these inputs (non-causal); ``reduce``: as
+        :func:`key_offset`'s (keys sharded over processes).
         """
         if params is None:
             params = self.params(xq, xk, key_padding_mask)
@@ -365,7 +374,7 @@ class FeatureMap(nn.Module):
         u_q = self.logits(xq, w, "query", params)
         u_k = self.logits(xk, w, "key", params)
         g_q = self.amplitude(xq, w, "query", params)
-        c = key_offset(u_k, key_padding_mask)
+        c = key_offset(u_k, key_padding_mask, reduce)
         return query_features(u_q, g_q, c), key_features(u_k, key_padding_mask, g_k, c)
 
     def estimate_kernel(

@@ -17,6 +17,13 @@ so far, so each new token costs ``O(M E)`` per head whatever the position::
 Continuing equals one call on the whole sequence (to rounding). The state belongs to this layer's
 current feature draw: a redraw (``feature_redraw_interval`` in training, :meth:`redraw_features`)
 makes it invalid, and passing it on raises.
+
+Context parallelism: set ``layer.group`` to a ``torch.distributed`` process group (for a
+``DeviceMesh``, ``mesh.get_group("cp")``) and give each rank its contiguous shard of the sequence,
+in rank order; outputs are that rank's shard of the whole-sequence attention, gradients those of
+one process (:mod:`rfattn.distributed`; every rank runs the backward; parameters are replicated,
+so sum their gradients over the group as data parallelism does). With an ``rpe``, pass each
+shard's global ``positions``.
 """
 
 from __future__ import annotations
@@ -101,6 +108,9 @@ class _RandomFeatureLayer(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.backend = backend
+        #: context parallelism: a ``torch.distributed`` process group over which each call's
+        #: sequence is split (see :mod:`rfattn.distributed`; None: one process)
+        self.group = None
         self.feature_redraw_interval = feature_redraw_interval
         self.rpe = rpe
         rf_dim = rpe.augmented_dim(head_dim) if rpe is not None else head_dim
@@ -144,6 +154,8 @@ class _RandomFeatureLayer(nn.Module):
         from rfattn.attention import rf_attention
 
         kwargs = dict(causal=causal, key_padding_mask=key_padding_mask, backend=self.backend)
+        if self.group is not None:
+            kwargs["group"] = self.group
         if self_attention and key_padding_mask is not None and self.rpe is None:
             kwargs["query_padding_mask"] = key_padding_mask
         if causal and (initial_state is not None or return_state):

@@ -1,0 +1,224 @@
+"""Context parallelism: one sequence split across the processes of a ``torch.distributed`` group.
+
+``rf_attention(q, k, v, rf, ..., group=g)`` with q, k, v (and ``key_padding_mask``) holding this
+rank's contiguous shard of the sequence, shards in rank order (any lengths, an empty or
+all-padding shard included), returns this rank's shard of the attention over the whole sequence.
+Random-feature attention needs no ring of key/value blocks: a shard's keys enter every later
+position only through their state ``(S, z, offset)``, ``F E + F + 1`` numbers per (batch, head)
+whatever the shard's length.
+
+* causal (LASP-2's scheme for linear attention): each rank sums its keys into a state, one
+  ``all_gather`` shares the states, each rank combines those of the ranks before it (offsets
+  rescaled to their max, log-sum-exp style) into the prefix state it starts from, then runs the
+  usual chunked pass (either backend) with that prefix as ``initial_state``. ``initial_state``
+  is the state before the whole sequence (give the same on every rank); the returned state is
+  the one after the last rank's shard, on every rank.
+* non-causal: the per-feature key offsets are reduced with one ``all_reduce`` (max), then
+  ``S = sum phi_k v^T`` and ``z`` with one ``all_reduce`` (sum); queries read the total. The
+  global statistics of oprf/saderf/poisrf/geomrf (``stats="global"``) are reduced too, so they
+  are those of the whole sequence; running statistics are updated per module from them.
+  Cross-attention with sharded keys works alike (queries and keys sharded independently). This
+  runs the torch path's feature maps: the fused non-causal kernel has no entry point for an
+  external state.
+
+Backward: each collective's gradient takes the mirror collective (an all-gather's gradients are
+summed over the ranks and each rank keeps its own state's; an all-reduce's are all-reduced), so
+every gradient equals the single-process one; every rank must run the backward. Offsets are
+stabilisers (detached). gloo on CPU, NCCL on GPU; the group is any ``ProcessGroup`` (for a
+``DeviceMesh`` dimension: ``mesh.get_group("cp")``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from rfattn.attention import RFState, _causal_keys, _causal_torch, _grouped, rf_attention
+from rfattn.features import compute_dtype, prescale
+from rfattn.reference import linear_attention
+from rfattn.stats import Moments, sequence_moments
+
+__all__ = ["check_group", "combine_states", "sharded_attention"]
+
+_FALSE = torch.tensor(False)
+
+
+def check_group(group) -> None:
+    """Raise unless ``group`` is a usable ``torch.distributed`` process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("group= needs torch.distributed initialised (dist.init_process_group)")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}"
+        )
+
+
+def combine_states(states, plain: bool = False) -> RFState | None:
+    """The state of consecutive segments from theirs, in order (None for none): each S, z
+    rescaled from its offset to the largest, then summed (a segment with no valid key, offset
+    -inf, adds nothing); ``plain`` features (rmf: offsets carry no scale) are summed and keep
+    the first offset. Exact: what one call over the segments together returns, up to
+    rounding."""
+    states = [s for s in states if s is not None]
+    if not states:
+        return None
+    if len(states) == 1:
+        return RFState(*states[0])
+    if plain:
+        return RFState(sum(st.s for st in states), sum(st.z for st in states), states[0].offset)
+    offs = torch.stack([st.offset for st in states])  # [n, B, H]
+    off = offs.amax(dim=0)
+    safe = torch.where(off == float("-inf"), torch.zeros_like(off), off)
+    scale = torch.where(offs == float("-inf"), torch.zeros_like(offs), torch.exp(offs - safe))
+    s = sum(a[..., None, None] * st.s for a, st in zip(scale, states, strict=True))
+    z = sum(a[..., None] * st.z for a, st in zip(scale, states, strict=True))
+    return RFState(s, z, off)
+
+
+class _AllGather(torch.autograd.Function):
+    """``[world, *x.shape]``: every rank's ``x``; backward: the gradients of rank r's slice,
+    summed over all ranks, reach rank r (an all-reduce of the stacked gradients: gloo has no
+    reduce-scatter, and states are small)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.new_empty(dist.get_world_size(group), *x.shape)
+        dist.all_gather(list(out.unbind(0)), x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[dist.get_rank(ctx.group)], None
+
+
+class _AllReduce(torch.autograd.Function):
+    """The sum of ``x`` over the ranks; backward: the gradients' sum (every rank used it)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _shard_state(q, k, v, rf, key_padding_mask, scale, query_padding_mask) -> RFState:
+    """This shard's own causal state (the torch path's, differentiable in k and v)."""
+    fm = rf.feature_map
+    cdt = compute_dtype(q.dtype)
+    w = rf.weight.to(device=q.device, dtype=cdt)
+    xq, xk = prescale(q, scale), prescale(k, scale, key_padding_mask)
+    G = q.shape[1] // k.shape[1] if k.shape[1] else 1
+    if G > 1:
+        xq = _grouped(xq, k.shape[1])
+        query_padding_mask = None if query_padding_mask is None else query_padding_mask.repeat(1, G)
+    # the local call updates running statistics; this one only reads them
+    params = rf.feature_params(xq, xk, key_padding_mask, causal=True, update=False,
+                               query_padding_mask=query_padding_mask)  # fmt: skip
+    u_k, g_k = _causal_keys(fm, xk, w, params)
+    B, H, T = k.shape[:3]
+    no_queries = xk.new_zeros(B, H, 0, T, fm.width(rf.num_features))
+    return _causal_torch(no_queries, u_k, g_k, v.to(cdt), key_padding_mask, None)[1]
+
+
+def _all_gather_states(state: RFState, group) -> list[RFState]:
+    """Every rank's state, in rank order: S and z as one tensor (one collective forward and one
+    backward: separate ones could meet in different orders on different ranks' backward)."""
+    E = state.s.shape[-1]
+    sz = torch.cat((state.s, state.z[..., None]), dim=-1)  # [B, H, F, E + 1]
+    sz = _AllGather.apply(sz, group)
+    offs = state.offset.new_empty(dist.get_world_size(group), *state.offset.shape)
+    dist.all_gather(list(offs.unbind(0)), state.offset.detach().contiguous(), group=group)
+    return [RFState(x[..., :E], x[..., E], off) for x, off in zip(sz, offs, strict=True)]
+
+
+def _causal(q, k, v, rf, key_padding_mask, scale, backend, initial_state, return_state,
+            query_padding_mask, group):  # fmt: skip
+    rank = dist.get_rank(group)
+    local = _shard_state(q, k, v, rf, key_padding_mask, scale, query_padding_mask)
+    states = _all_gather_states(local, group)
+    before = [] if initial_state is None else [initial_state]
+    # the later ranks' states enter as empty ones, selected (not multiplied) away: every rank's
+    # output then depends on the gathered tensor, so every rank runs its backward collective
+    # (one rank skipping it would leave the others waiting), and a NaN on a later rank stays
+    # there; exponential features' empty states have offset -inf (no later key sets the prefix's
+    # offset), plain ones keep 0
+    exp = rf.feature_map.exponential
+    later = [RFState(torch.where(_FALSE, st.s, 0.0), torch.where(_FALSE, st.z, 0.0),
+                     torch.full_like(st.offset, float("-inf")) if exp else st.offset)
+             for st in states[rank:]]  # fmt: skip
+    prefix = combine_states(before + states[:rank] + later, plain=not exp)
+    out = rf_attention(q, k, v, rf, causal=True, key_padding_mask=key_padding_mask, scale=scale,
+                       backend=backend, initial_state=prefix,
+                       query_padding_mask=query_padding_mask)  # fmt: skip
+    if not return_state:
+        return out
+    return out, combine_states(before + states, plain=not exp)
+
+
+def _global_moments(xq, xk, key_padding_mask, query_padding_mask, group) -> Moments:
+    """Per-(b, h) moments over the valid tokens of every shard (sums and counts all-reduced;
+    no gradient: statistics are held constant)."""
+    local = sequence_moments(xq.detach(), xk.detach(), key_padding_mask, query_padding_mask)
+
+    def count(x, mask):
+        n = torch.full((x.shape[0],), x.shape[2], dtype=x.dtype, device=x.device)
+        return n if mask is None else (~mask).sum(dim=-1).to(x.dtype)
+
+    n = torch.stack((count(xq, query_padding_mask), count(xk, key_padding_mask)), dim=-1)
+    n = n[:, None, :, None]  # [B, 1, 2, 1]
+    sums = torch.stack([m * n for m in local[:3]])
+    dist.all_reduce(sums, group=group)
+    total = n.clone()
+    dist.all_reduce(total, group=group)
+    mn = torch.where(n > 0, local.min.detach(), torch.full_like(local.min, float("inf")))
+    dist.all_reduce(mn, op=dist.ReduceOp.MIN, group=group)
+    mn = torch.where(torch.isinf(mn) & (mn > 0), torch.zeros_like(mn), mn)
+    return Moments(*(sums / total.clamp_min(1.0)).unbind(0), mn)
+
+
+def _noncausal(q, k, v, rf, key_padding_mask, scale, query_padding_mask, group):
+    fm = rf.feature_map
+    if getattr(fm, "stats_grad", False):
+        raise NotImplementedError(
+            "stats_grad=True (gradients through the statistics) with group= is not supported: "
+            "sharded statistics are held constant"
+        )
+    cdt = compute_dtype(q.dtype)
+    w = rf.weight.to(device=q.device, dtype=cdt)
+    xq, xk = prescale(q, scale), prescale(k, scale, key_padding_mask)
+    moments = None
+    if getattr(fm, "uses_batch_moments", None) and fm.uses_batch_moments(False):
+        moments = _global_moments(xq, xk, key_padding_mask, query_padding_mask, group)
+    params = rf.feature_params(xq, xk, key_padding_mask, moments=moments,
+                               query_padding_mask=query_padding_mask)  # fmt: skip
+
+    def max_offsets(off):
+        dist.all_reduce(off, op=dist.ReduceOp.MAX, group=group)
+
+    def sum_states(s, z):  # one collective (and one in the backward)
+        sz = _AllReduce.apply(torch.cat((s, z[..., None]), dim=-1), group)
+        return sz[..., :-1], sz[..., -1]
+
+    phi_q, phi_k = fm.features(xq, xk, w, key_padding_mask, params, reduce=max_offsets)
+    return linear_attention(phi_q, phi_k, v.to(cdt), key_padding_mask=key_padding_mask,
+                            reduce=sum_states).to(q.dtype)  # fmt: skip
+
+
+def sharded_attention(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_state,
+                      return_state, query_padding_mask, group):  # fmt: skip
+    """:func:`rfattn.rf_attention` with ``group`` (arguments validated, heads matched: grouped
+    queries are rows of their key/value head in non-causal calls)."""
+    if causal:
+        return _causal(q, k, v, rf, key_padding_mask, scale, backend, initial_state,
+                       return_state, query_padding_mask, group)  # fmt: skip
+    return _noncausal(q, k, v, rf, key_padding_mask, scale, query_padding_mask, group)
