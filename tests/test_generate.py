@@ -66,6 +66,21 @@ def test_batched_left_padded_generation_equals_one_at_a_time():
     assert torch.equal(together[1, 5:], _gen(model, b, max_new_tokens=32)[0])
 
 
+def test_sampling_on_the_state_equals_sampling_on_recompute():
+    """Sampling draws the same tokens from the RFCache as from full recomputes (same seed, the
+    same distributions to fp64 rounding), on a grouped-query model."""
+    model = _llama(2)
+    ids = _ids(2, 8, seed=5)
+    kw = dict(do_sample=True, top_k=0, temperature=1.0, max_new_tokens=24)
+    torch.manual_seed(7)
+    cached = _gen(model, ids, **kw)
+    torch.manual_seed(7)
+    recomputed = _gen(model, ids, use_cache=False, **kw)
+    assert torch.equal(cached, recomputed)
+    torch.manual_seed(8)
+    assert not torch.equal(_gen(model, ids, **kw), cached)  # the draws do depend on the seed
+
+
 def test_beam_search_reorders_states_and_scores_match_recompute():
     model = _llama(4)
     ids = _ids(1, 10, seed=3)
