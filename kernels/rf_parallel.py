@@ -482,6 +482,7 @@ def rf_parallel_fwd(
     num_splits: int | None = None,
     return_aux: bool = False,
     gpu_tiles: bool | None = None,
+    combine=None,
 ):
     """Non-causal fused random-feature attention forward.
 
@@ -496,6 +497,10 @@ def rf_parallel_fwd(
         num_splits: programs sharing one (b, h)'s keys (default: fill the device).
         return_aux: also return what the backward needs.
         gpu_tiles: pick a GPU's tiles (default: on a GPU; ``bench.compile`` sets it on CPU).
+        combine: keys sharded over processes (``rfattn.distributed``): ``(S, z, m_K) ->
+            (S, z, m_K)`` of every shard together (``[B*H, M, E]``, ``[B*H, M]``, ``[B*H, M]``;
+            m_K is -1e30 where a shard has no valid key), called between the key and query
+            passes.
 
     Returns:
         ``out [B, H, Tq, E]`` in the input dtype; with ``return_aux`` also
@@ -523,6 +528,8 @@ def rf_parallel_fwd(
     _fwd_merge_kernel[(NMT, B * H)](
         s_part, z_part, m_part, s, z, mk, splits, M=M, E=E, BM=c.BM, BE=c.BE, ACC=c.ACC
     )
+    if combine is not None:
+        s, z, mk = (x.contiguous() for x in combine(s, z, mk))
     if Tq:
         _fwd_q_kernel[lambda meta: (triton.cdiv(Tq, meta["BT"]), B * H)](
             q, c.w, *c.form_ptrs, s, z, mk, out, mq, den,
@@ -546,6 +553,7 @@ def rf_parallel_bwd(
     need_dw: bool = False,
     num_splits: int | None = None,
     gpu_tiles: bool | None = None,
+    reduce_ds=None,
 ):
     """Backward of :func:`rf_parallel_fwd`: features recomputed, offsets from the forward.
 
@@ -554,6 +562,9 @@ def rf_parallel_bwd(
         q, k, v, form, scale, key_padding_mask, precision, gpu_tiles: as given to the forward.
         out, aux: the forward's output and auxiliaries (``return_aux=True``).
         need_dw: also compute the gradient of ``form.w`` (not for the "rmf" kind).
+        reduce_ds: keys sharded over processes (the forward's ``combine``): ``(dS, dz) ->
+            (dS, dz)`` summed over every shard's queries, before the key pass. ``dw`` is then
+            this process's share.
 
     Returns:
         ``(dq, dk, dv, dw)``; ``dw`` is None unless ``need_dw`` (then ``[F, D]`` in w's dtype).
@@ -583,6 +594,8 @@ def rf_parallel_bwd(
     # fixed-order sums over splits: deterministic
     ds = ds_part.view(B * H, splits, M, E).sum(1)
     dz = dz_part.view(B * H, splits, M).sum(1)
+    if reduce_ds is not None:
+        ds, dz = (x.contiguous() for x in reduce_ds(ds, dz))
     if need_dw:
         dw += dw_part.view(B * H * splits, M, D).sum(0)
     if Tq:

@@ -297,17 +297,18 @@ def fused_kernel_available(rf, causal: bool = False) -> bool:
 
 
 def _kernel_form(rf, q, k, key_padding_mask, scale: float, causal: bool,
-                 query_padding_mask=None):  # fmt: skip
+                 query_padding_mask=None, moments=None):  # fmt: skip
     """The feature's kernel form for this call: its per-call parameters, with the statistics of
     oprf/saderf from the fused stats pass (``rfattn.kernels.stats``; in torch where the operators
-    run their torch kernels) where the call needs them (held constant: ``stats_grad=False``)."""
+    run their torch kernels) where the call needs them (held constant: ``stats_grad=False``),
+    or from ``moments`` when the caller has them (a sharded call's, over every shard)."""
     from rfattn import autograd as ops
 
     fm = rf.feature_map
     # empty stand-ins give the parameters dtype, device and D, never a copy of q, k
     xq = xk = q.new_empty((1, 1, 0, q.shape[-1]), dtype=compute_dtype(q.dtype))
-    moments = None
-    if getattr(fm, "uses_batch_moments", None) and fm.uses_batch_moments(causal):
+    needs = getattr(fm, "uses_batch_moments", None) and fm.uses_batch_moments(causal)
+    if moments is None and needs:
         if ops._on_torch(q):
             xq, xk = prescale(q, scale), prescale(k, scale)
         else:

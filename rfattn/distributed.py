@@ -17,9 +17,9 @@ whatever the shard's length.
   ``S = sum phi_k v^T`` and ``z`` with one ``all_reduce`` (sum); queries read the total. The
   global statistics of oprf/saderf/poisrf/geomrf (``stats="global"``) are reduced too, so they
   are those of the whole sequence; running statistics are updated per module from them.
-  Cross-attention with sharded keys works alike (queries and keys sharded independently). This
-  runs the torch path's feature maps: the fused non-causal kernel has no entry point for an
-  external state.
+  Cross-attention with sharded keys works alike (queries and keys sharded independently). The
+  fused kernel runs it where the call would run it (``backend``): the states are combined
+  between its key and query passes, the state cotangents summed between its backward passes.
 
 Backward: each collective's gradient takes the mirror collective (an all-gather's gradients are
 summed over the ranks and each rank keeps its own state's; an all-reduce's are all-reduced), so
@@ -33,7 +33,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rfattn.attention import RFState, _causal_keys, _causal_torch, _grouped, rf_attention
+from rfattn.attention import (
+    RFState,
+    _causal_keys,
+    _causal_torch,
+    _grouped,
+    _kernel_form,
+    _no_kernel_reason,
+    _use_triton,
+    rf_attention,
+)
 from rfattn.features import compute_dtype, prescale
 from rfattn.reference import linear_attention
 from rfattn.stats import Moments, sequence_moments
@@ -186,7 +195,54 @@ def _global_moments(xq, xk, key_padding_mask, query_padding_mask, group) -> Mome
     return Moments(*(sums / total.clamp_min(1.0)).unbind(0), mn)
 
 
-def _noncausal(q, k, v, rf, key_padding_mask, scale, query_padding_mask, group):
+def _sum_last(group, *xs):
+    """The tensors (trailing dims ``[..., n_i]`` or ``[...]``) summed over the ranks in one
+    all-reduce."""
+    flat = torch.cat([x.reshape(*x.shape[:2], -1) for x in xs], dim=-1)
+    dist.all_reduce(flat, group=group)
+    out, i = [], 0
+    for x in xs:
+        n = x[0, 0].numel() if x.dim() > 2 else 1
+        out.append(flat[..., i : i + n].reshape(x.shape))
+        i += n
+    return out
+
+
+class _FusedNoncausal(torch.autograd.Function):
+    """The fused non-causal kernel (``rfattn.kernels.rf_parallel``) with the keys sharded: every
+    shard's (S, z) rescaled to the all-reduced per-feature offsets and summed between the key
+    and query passes; in the backward, the state cotangents summed before the key pass."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, form, scale, mask, group):
+        from rfattn.kernels import rf_parallel as kernels
+
+        def combine(s, z, mk):
+            top = mk.clone()
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            a = torch.exp(mk - top)
+            s, z = _sum_last(group, s * a[..., None], z * a)
+            return s, z, top
+
+        out, aux = kernels.rf_parallel_fwd(q, k, v, form, scale, mask, return_aux=True,
+                                           combine=combine)  # fmt: skip
+        ctx.save_for_backward(q, k, v, out, *aux)
+        ctx.form, ctx.scale, ctx.mask, ctx.group = form, scale, mask, group
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        from rfattn.kernels import rf_parallel as kernels
+
+        q, k, v, out, *aux = ctx.saved_tensors
+        dq, dk, dv, _ = kernels.rf_parallel_bwd(
+            do.contiguous(), q, k, v, ctx.form, ctx.scale, out, tuple(aux), ctx.mask,
+            reduce_ds=lambda ds, dz: _sum_last(ctx.group, ds, dz),
+        )  # fmt: skip
+        return dq, dk, dv, None, None, None, None
+
+
+def _noncausal(q, k, v, rf, key_padding_mask, scale, backend, query_padding_mask, group):
     fm = rf.feature_map
     if getattr(fm, "stats_grad", False):
         raise NotImplementedError(
@@ -199,6 +255,18 @@ def _noncausal(q, k, v, rf, key_padding_mask, scale, query_padding_mask, group):
     moments = None
     if getattr(fm, "uses_batch_moments", None) and fm.uses_batch_moments(False):
         moments = _global_moments(xq, xk, key_padding_mask, query_padding_mask, group)
+    from rfattn.autograd import _on_torch
+
+    fused = backend == "triton" or (backend == "auto" and _use_triton(q, rf, False))
+    if fused and not _on_torch(q):
+        reason = _no_kernel_reason(rf, False) or (
+            "learnable weights need the torch path here" if rf.weight.requires_grad else None
+        )
+        if reason is not None:
+            raise NotImplementedError(f"{reason}; use backend='torch'")
+        form = _kernel_form(rf, q, k, key_padding_mask, scale, False, query_padding_mask,
+                            moments=moments)  # fmt: skip
+        return _FusedNoncausal.apply(q, k, v, form, scale, key_padding_mask, group)
     params = rf.feature_params(xq, xk, key_padding_mask, moments=moments,
                                query_padding_mask=query_padding_mask)  # fmt: skip
 
@@ -221,4 +289,4 @@ def sharded_attention(q, k, v, rf, causal, key_padding_mask, scale, backend, ini
     if causal:
         return _causal(q, k, v, rf, key_padding_mask, scale, backend, initial_state,
                        return_state, query_padding_mask, group)  # fmt: skip
-    return _noncausal(q, k, v, rf, key_padding_mask, scale, query_padding_mask, group)
+    return _noncausal(q, k, v, rf, key_padding_mask, scale, backend, query_padding_mask, group)

@@ -157,10 +157,16 @@ def test_sharded_sequence_equals_one_process(world, tmp_path):
 
 
 @pytest.mark.slow
-def test_sharded_causal_on_the_fused_kernels(tmp_path):
-    """The causal scheme on the Triton chunk kernel (the interpreter on CPU) for the local
-    pass: the prefix state enters as its initial_state, gradients come back through it."""
-    cases = {"causal-posrf-triton": dict(feature="posrf", causal=True, backend="triton")}
+def test_sharded_calls_on_the_fused_kernels(tmp_path):
+    """The Triton kernels (the interpreter on CPU): causal, the chunk kernel's local pass with
+    the prefix state as its initial_state; non-causal, the parallel kernel with the states
+    combined between its passes (global oprf statistics, cross-attention, padding)."""
+    cases = {
+        "causal-posrf-triton": dict(feature="posrf", causal=True, backend="triton"),
+        "noncausal-oprf-triton": dict(feature="oprf", causal=False, backend="triton"),
+        "noncausal-cross-padded-triton": dict(feature="posrf", causal=False, backend="triton",
+                                              tq=17, pad=[(6, 12)]),
+    }  # fmt: skip
     _check_cases(cases, 2, tmp_path)
 
 
