@@ -12,7 +12,8 @@ the same inputs:
 Reported per case: the returned state's bytes, the peak memory of the call above its inputs
 (``bench.memory``'s CPU method: a fresh worker process per measurement, glibc's mmap threshold
 lowered so freed tensors leave the resident set, peak RSS mark reset before the call) and the
-median time of 3 calls after a warm-up (torch path on CPU; the fused kernels on a GPU).
+median time of 3 calls after a warm-up (``bench.timing``: torch path on CPU; the fused kernels
+and ``do_bench`` on a GPU).
 
     python -m bench.gqa                       # T = 4096, CPU, about 2 minutes
     python -m bench.gqa --T 1024 --out plots/out
@@ -23,10 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -58,6 +57,7 @@ def measure(spec: dict) -> dict:
     """One case (worker side): state bytes, peak bytes above the inputs, median seconds."""
     import rfattn
     from bench.memory import configure_malloc, cpu_peak_bytes, gpu_peak_bytes
+    from bench.timing import time_fn
 
     device = torch.device(spec["device"])
     if device.type == "cpu":
@@ -77,19 +77,10 @@ def measure(spec: dict) -> dict:
     run = _call(*x, rf, spec["way"], backward)
     peak = (gpu_peak_bytes if device.type == "cuda" else cpu_peak_bytes)(run, x)
     state = run()
-    times = []
-    for _ in range(3):
-        for t in x:
-            t.grad = None
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+    # CPU: the median of 3 (the calls above were the warm-up); GPU: triton's do_bench
+    ms = time_fn(run, device, grad_to_none=x, warmup=0, min_reps=3, max_reps=3)[0]
     return dict(spec, state_bytes=sum(t.numel() * t.element_size() for t in state),
-                peak_bytes=peak, ms_median=1e3 * statistics.median(times))  # fmt: skip
+                peak_bytes=peak, ms_median=ms)  # fmt: skip
 
 
 def main(argv=None) -> int:

@@ -268,12 +268,40 @@ def _causal_keys(fm, xk, w, params) -> tuple:
     return None, g_k if c_k is None else g_k * c_k
 
 
+def _group_size(q: torch.Tensor, k: torch.Tensor) -> int:
+    """G, the query heads per key/value head (grouped-query attention; 1 otherwise)."""
+    return q.shape[1] // k.shape[1] if k.shape[1] else 1
+
+
 def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """Query rows ``[B, Hq, T, D]`` as ``[B, Hkv, G*T, D]``: the G query heads that share each
     key/value head (``Hq = Hkv * G``, query head ``h`` reads key/value head ``h // G``, as
     transformers' ``repeat_kv``) become more rows of it (a copy unless the layout allows a
     view)."""
     return x.unflatten(1, (kv_heads, x.shape[1] // kv_heads)).flatten(2, 3)
+
+
+def _grouped_mask(mask: torch.Tensor | None, groups: int) -> torch.Tensor | None:
+    """A query mask ``[B, Tq]`` for the rows of :func:`_grouped`, ``[B, G*Tq]``."""
+    return None if mask is None else mask.repeat(1, groups)
+
+
+def _torch_inputs(q, k, rf, key_padding_mask, scale: float, causal: bool, query_padding_mask,
+                  update: bool = True) -> tuple:  # fmt: skip
+    """``(w, xq, xk, params)`` of the torch path: W and the pre-scaled inputs in the compute
+    dtype (grouped-query queries as rows of their key/value head, :func:`_grouped`) and the
+    call's feature parameters (statistics, the feature's own draws; ``update``: running
+    statistics may be updated)."""
+    w = rf.weight.to(device=q.device, dtype=compute_dtype(q.dtype))
+    xq, xk = prescale(q, scale), prescale(k, scale, key_padding_mask)
+    G = _group_size(q, k)
+    if G > 1:
+        xq = _grouped(xq, k.shape[1])
+        query_padding_mask = _grouped_mask(query_padding_mask, G)
+    # statistics (global ones raise when causal) and the feature's own draws, once per call
+    params = rf.feature_params(xq, xk, key_padding_mask, causal=causal, update=update,
+                               query_padding_mask=query_padding_mask)  # fmt: skip
+    return w, xq, xk, params
 
 
 def _no_kernel_reason(rf, causal: bool) -> str | None:
@@ -416,9 +444,9 @@ def rf_attention(
         query_padding_mask = key_padding_mask
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     Hk, Tq = k.shape[1], q.shape[2]
-    G = q.shape[1] // Hk if Hk else 1
+    G = _group_size(q, k)
     if G > 1 and not causal:  # grouped-query: each key/value head's queries are more rows of it
-        qm = None if query_padding_mask is None else query_padding_mask.repeat(1, G)
+        qm = _grouped_mask(query_padding_mask, G)
         out = rf_attention(_grouped(q, Hk), k, v, rf, key_padding_mask=key_padding_mask,
                            scale=scale, backend=backend, query_padding_mask=qm,
                            group=group)  # fmt: skip
@@ -436,17 +464,11 @@ def rf_attention(
         return _triton_attention(q, k, v, rf, causal, key_padding_mask, scale, initial_state,
                                  return_state, query_padding_mask=query_padding_mask)  # fmt: skip
 
-    cdt = compute_dtype(q.dtype)
-    w = rf.weight.to(device=q.device, dtype=cdt)
-    vc = v.to(cdt)
     fm = rf.feature_map
-    xq, xk = prescale(q, scale), prescale(k, scale, key_padding_mask)
-    if G > 1:  # causal grouped-query: features of [B, Hkv, G*T, D] rows, per key/value head
-        xq = _grouped(xq, Hk)
-        query_padding_mask = None if query_padding_mask is None else query_padding_mask.repeat(1, G)
-    # statistics (global ones raise when causal) and the feature's own draws, once per call
-    params = rf.feature_params(xq, xk, key_padding_mask, causal=causal,
-                               query_padding_mask=query_padding_mask)  # fmt: skip
+    # causal grouped-query: features of [B, Hkv, G*T, D] rows, per key/value head
+    w, xq, xk, params = _torch_inputs(q, k, rf, key_padding_mask, scale, causal,
+                                      query_padding_mask)  # fmt: skip
+    vc = v.to(w.dtype)
     if not causal:
         phi_q, phi_k = fm.features(xq, xk, w, key_padding_mask, params)
         return linear_attention(phi_q, phi_k, vc, key_padding_mask=key_padding_mask).to(q.dtype)

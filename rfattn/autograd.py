@@ -154,10 +154,9 @@ def _torch_parallel(q, k, v, form, scale, mask):
 def _torch_chunk(q, k, v, form, scale, mask, state):
     """``(out, S, z, offset)`` of the causal forms in torch (the torch path's chunked scan);
     grouped-query inputs (fewer k, v heads) as the kernels take them."""
-    from rfattn.attention import RFState, _causal_torch, _grouped
+    from rfattn.attention import RFState, _causal_torch, _group_size, _grouped
 
-    Hk, T = k.shape[1], q.shape[2]
-    G = q.shape[1] // Hk if Hk else 1
+    Hk, T, G = k.shape[1], q.shape[2], _group_size(q, k)
     phi_q, u_k, g_k = _torch_features(_grouped(q, Hk) if Hk else q, k, form, scale)
     if state is not None:
         state = RFState(*(x.to(phi_q.dtype) for x in state))

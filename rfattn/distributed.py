@@ -37,9 +37,9 @@ from rfattn.attention import (
     RFState,
     _causal_keys,
     _causal_torch,
-    _grouped,
     _kernel_form,
     _no_kernel_reason,
+    _torch_inputs,
     _use_triton,
     rf_attention,
 )
@@ -120,34 +120,35 @@ class _AllReduce(torch.autograd.Function):
         return grad, None
 
 
+def _pack(s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """S ``[..., F, E]`` and z ``[..., F]`` as one ``[..., F, E + 1]`` tensor: one collective
+    (and one in the backward: separate ones could meet in different orders on different
+    ranks)."""
+    return torch.cat((s, z[..., None]), dim=-1)
+
+
+def _unpack(sz: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return sz[..., :-1], sz[..., -1]
+
+
 def _shard_state(q, k, v, rf, key_padding_mask, scale, query_padding_mask) -> RFState:
     """This shard's own causal state (the torch path's, differentiable in k and v)."""
     fm = rf.feature_map
-    cdt = compute_dtype(q.dtype)
-    w = rf.weight.to(device=q.device, dtype=cdt)
-    xq, xk = prescale(q, scale), prescale(k, scale, key_padding_mask)
-    G = q.shape[1] // k.shape[1] if k.shape[1] else 1
-    if G > 1:
-        xq = _grouped(xq, k.shape[1])
-        query_padding_mask = None if query_padding_mask is None else query_padding_mask.repeat(1, G)
     # the local call updates running statistics; this one only reads them
-    params = rf.feature_params(xq, xk, key_padding_mask, causal=True, update=False,
-                               query_padding_mask=query_padding_mask)  # fmt: skip
+    w, _, xk, params = _torch_inputs(q, k, rf, key_padding_mask, scale, True, query_padding_mask,
+                                     update=False)  # fmt: skip
     u_k, g_k = _causal_keys(fm, xk, w, params)
     B, H, T = k.shape[:3]
     no_queries = xk.new_zeros(B, H, 0, T, fm.width(rf.num_features))
-    return _causal_torch(no_queries, u_k, g_k, v.to(cdt), key_padding_mask, None)[1]
+    return _causal_torch(no_queries, u_k, g_k, v.to(w.dtype), key_padding_mask, None)[1]
 
 
 def _all_gather_states(state: RFState, group) -> list[RFState]:
-    """Every rank's state, in rank order: S and z as one tensor (one collective forward and one
-    backward: separate ones could meet in different orders on different ranks' backward)."""
-    E = state.s.shape[-1]
-    sz = torch.cat((state.s, state.z[..., None]), dim=-1)  # [B, H, F, E + 1]
-    sz = _AllGather.apply(sz, group)
+    """Every rank's state, in rank order (S and z packed: :func:`_pack`)."""
+    sz = _AllGather.apply(_pack(state.s, state.z), group)
     offs = state.offset.new_empty(dist.get_world_size(group), *state.offset.shape)
     dist.all_gather(list(offs.unbind(0)), state.offset.detach().contiguous(), group=group)
-    return [RFState(x[..., :E], x[..., E], off) for x, off in zip(sz, offs, strict=True)]
+    return [RFState(*_unpack(x), off) for x, off in zip(sz, offs, strict=True)]
 
 
 def _causal(q, k, v, rf, key_padding_mask, scale, backend, initial_state, return_state,
@@ -195,17 +196,12 @@ def _global_moments(xq, xk, key_padding_mask, query_padding_mask, group) -> Mome
     return Moments(*(sums / total.clamp_min(1.0)).unbind(0), mn)
 
 
-def _sum_last(group, *xs):
-    """The tensors (trailing dims ``[..., n_i]`` or ``[...]``) summed over the ranks in one
-    all-reduce."""
-    flat = torch.cat([x.reshape(*x.shape[:2], -1) for x in xs], dim=-1)
-    dist.all_reduce(flat, group=group)
-    out, i = [], 0
-    for x in xs:
-        n = x[0, 0].numel() if x.dim() > 2 else 1
-        out.append(flat[..., i : i + n].reshape(x.shape))
-        i += n
-    return out
+def _summed(s: torch.Tensor, z: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """S and z summed over the ranks, in one all-reduce (no autograd: the fused kernel's
+    hooks)."""
+    sz = _pack(s, z)
+    dist.all_reduce(sz, group=group)
+    return _unpack(sz)
 
 
 class _FusedNoncausal(torch.autograd.Function):
@@ -221,7 +217,7 @@ class _FusedNoncausal(torch.autograd.Function):
             top = mk.clone()
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
             a = torch.exp(mk - top)
-            s, z = _sum_last(group, s * a[..., None], z * a)
+            s, z = _summed(s * a[..., None], z * a, group)
             return s, z, top
 
         out, aux = kernels.rf_parallel_fwd(q, k, v, form, scale, mask, return_aux=True,
@@ -237,7 +233,7 @@ class _FusedNoncausal(torch.autograd.Function):
         q, k, v, out, *aux = ctx.saved_tensors
         dq, dk, dv, _ = kernels.rf_parallel_bwd(
             do.contiguous(), q, k, v, ctx.form, ctx.scale, out, tuple(aux), ctx.mask,
-            reduce_ds=lambda ds, dz: _sum_last(ctx.group, ds, dz),
+            reduce_ds=lambda ds, dz: _summed(ds, dz, ctx.group),
         )  # fmt: skip
         return dq, dk, dv, None, None, None, None
 
@@ -273,9 +269,8 @@ def _noncausal(q, k, v, rf, key_padding_mask, scale, backend, query_padding_mask
     def max_offsets(off):
         dist.all_reduce(off, op=dist.ReduceOp.MAX, group=group)
 
-    def sum_states(s, z):  # one collective (and one in the backward)
-        sz = _AllReduce.apply(torch.cat((s, z[..., None]), dim=-1), group)
-        return sz[..., :-1], sz[..., -1]
+    def sum_states(s, z):
+        return _unpack(_AllReduce.apply(_pack(s, z), group))
 
     phi_q, phi_k = fm.features(xq, xk, w, key_padding_mask, params, reduce=max_offsets)
     return linear_attention(phi_q, phi_k, v.to(cdt), key_padding_mask=key_padding_mask,

@@ -88,6 +88,15 @@ def cuts(n, world, seed):
     return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
+def case_shards(case, i, world):
+    """(key shards, query shards) of case number i: its own, or uneven random ones (queries cut
+    apart from keys in cross-attention)."""
+    if "shards" in case:
+        return case["shards"][world], case["shards"][world]
+    ck = cuts(T, world, seed=i)
+    return ck, ck if "tq" not in case else cuts(case["tq"], world, seed=100 + i)
+
+
 def _worker(rank, world, init_file, out_dir, cases):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -96,11 +105,8 @@ def _worker(rank, world, init_file, out_dir, cases):
         results = []
         for i, case in enumerate(cases):
             x = make_inputs(case)
-            ck = cuts(T, world, seed=i)[rank]
-            cq = ck if "tq" not in case else cuts(case["tq"], world, seed=100 + i)[rank]
-            if "shards" in case:
-                ck = cq = case["shards"][world][rank]
-            results.append(run(case, x, ck, cq, group=dist.group.WORLD, rank=rank))
+            ck, cq = case_shards(case, i, world)
+            results.append(run(case, x, ck[rank], cq[rank], group=dist.group.WORLD, rank=rank))
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -178,10 +184,7 @@ def _check_cases(CASES, world, tmp_path):
     for i, (name, case) in enumerate(CASES.items()):
         x = make_inputs(case)
         full = run(case, x)
-        ck = cuts(T, world, seed=i)
-        cq = ck if "tq" not in case else cuts(case["tq"], world, seed=100 + i)
-        if "shards" in case:
-            ck = cq = case["shards"][world]
+        _, cq = case_shards(case, i, world)
         parts = [dict(ranks[r][i], _cut_q=cq[r]) for r in range(world)]
         try:
             _compare(case, full, parts, world)
