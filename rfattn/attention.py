@@ -14,7 +14,8 @@ from typing import NamedTuple
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from rfattn.features import compute_dtype, prescale, python_scalar, query_features
+from rfattn import blocked
+from rfattn.features import compute_dtype, prescale, python_scalar
 from rfattn.reference import attention_ratio, linear_attention
 from rfattn.stats import Moments
 from rfattn.weights import WEIGHTED_WEIGHTS
@@ -304,6 +305,32 @@ def _torch_inputs(q, k, rf, key_padding_mask, scale: float, causal: bool, query_
     return w, xq, xk, params
 
 
+def _needs_grad(q, k, v, rf) -> bool:
+    """Whether autograd records this call (an input or the weights or a feature parameter
+    requires grad)."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(x.requires_grad for x in (q, k, v, rf.weight)) or any(
+        p.requires_grad for p in rf.parameters()
+    )
+
+
+def _call_params(q, k, rf, key_padding_mask, scale: float, causal: bool,
+                 query_padding_mask) -> tuple:  # fmt: skip
+    """``(w, params)`` of a torch-path call, without pre-scaled copies of q and k where the
+    feature's parameters do not need this sequence's moments (empty stand-ins give dtype,
+    device and D; grouped-query queries are not regrouped: only their moments would be)."""
+    fm = rf.feature_map
+    needs = getattr(fm, "uses_batch_moments", None) and fm.uses_batch_moments(causal)
+    if needs or getattr(fm, "stats_grad", False):
+        w, _, _, params = _torch_inputs(q, k, rf, key_padding_mask, scale, causal,
+                                        query_padding_mask)  # fmt: skip
+        return w, params
+    w = rf.weight.to(device=q.device, dtype=compute_dtype(q.dtype))
+    x = q.new_empty((1, 1, 0, q.shape[-1]), dtype=w.dtype)
+    return w, rf.feature_params(x, x, None, causal=causal, query_padding_mask=None)
+
+
 def _no_kernel_reason(rf, causal: bool) -> str | None:
     """Why no fused kernel can run this call, or None when one can."""
     fm = rf.feature_map
@@ -465,19 +492,17 @@ def rf_attention(
                                  return_state, query_padding_mask=query_padding_mask)  # fmt: skip
 
     fm = rf.feature_map
-    # causal grouped-query: features of [B, Hkv, G*T, D] rows, per key/value head
+    if causal:
+        w, params = _call_params(q, k, rf, key_padding_mask, scale, True, query_padding_mask)
+        out, state = blocked.causal_attention(fm, q, k, v, w, params, scale, key_padding_mask,
+                                              initial_state)  # fmt: skip
+        return _returned_state(out.flatten(1, 2).to(q.dtype), RFState(*state), rf, return_state)
+    if not _needs_grad(q, k, v, rf):  # inference: one block of features at a time
+        w, params = _call_params(q, k, rf, key_padding_mask, scale, False, query_padding_mask)
+        out = blocked.noncausal_forward(fm, q, k, v, w, params, scale, key_padding_mask)
+        return out.to(q.dtype)
     w, xq, xk, params = _torch_inputs(q, k, rf, key_padding_mask, scale, causal,
                                       query_padding_mask)  # fmt: skip
-    vc = v.to(w.dtype)
-    if not causal:
-        phi_q, phi_k = fm.features(xq, xk, w, key_padding_mask, params)
-        return linear_attention(phi_q, phi_k, vc, key_padding_mask=key_padding_mask).to(q.dtype)
-    if fm.exponential:
-        u_q = fm.logits(xq, w, "query", params)
-        phi_q = query_features(u_q, fm.amplitude(xq, w, "query", params))
-    else:
-        phi_q = fm.values(xq, w, "query", params)
-    u_k, g_k = _causal_keys(fm, xk, w, params)
-    phi_q = phi_q.unflatten(2, (G, Tq))  # [B, Hkv, G, T, F]
-    out, state = _causal_torch(phi_q, u_k, g_k, vc, key_padding_mask, initial_state)
-    return _returned_state(out.flatten(1, 2).to(q.dtype), state, rf, return_state)
+    phi_q, phi_k = fm.features(xq, xk, w, key_padding_mask, params)
+    return linear_attention(phi_q, phi_k, v.to(w.dtype),
+                            key_padding_mask=key_padding_mask).to(q.dtype)  # fmt: skip

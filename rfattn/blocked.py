@@ -1,0 +1,463 @@
+"""The torch path of :func:`rfattn.rf_attention`: blocked over T, with a hand-written backward.
+
+This is the CPU backend (and the path every feature and option can take), built as the fused
+kernels are: features are computed for one block of tokens at a time and dropped, never
+``[T, F]`` for the whole sequence.
+
+* Causal (:class:`_CausalAttention`): a block of ``T_b`` tokens is ``n`` chunks of ``C``. The
+  chunks' states, the scan that carries them (a ``[n+1, n+1]`` matrix of offset factors times the
+  stacked chunk states: one matrix product, no Python loop over chunks) and the intra-chunk
+  products ``(phi_q phi_k^T ⊙ decay) [V, 1]`` are a few batched products per block. The forward
+  keeps the state at each block start (``F (E+1)`` numbers per (b, h) per block); the backward
+  recomputes each block's features and states from it, runs the reverse scan with the transposed
+  matrix and returns the features' cotangents through autograd over the feature map (so every
+  feature, its parameters and a learnable W get their gradients).
+* Non-causal, no gradient (:func:`noncausal_forward`): keys in blocks with per-feature running
+  offsets (flash-style rescaling of ``S, z``), then queries in blocks.
+
+Offsets are those of DESIGN §3 and of :func:`rfattn.attention._causal_torch`: query row i reads
+key j <= i at ``r_i = max(offset before the chunk, m_l for l <= i in the chunk)``, key j entering
+as ``g_j exp(u_j - m_j) exp(m_j - r_i)`` with ``m_j`` its max logit; so no output depends on a
+later key, not even through underflow. A non-finite key or value poisons the outputs from its
+position on (by selection, never by multiplying with 0).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as nnf
+
+from rfattn.features import prescale, query_features
+from rfattn.reference import attention_ratio, safe_denominator
+
+#: tokens per chunk (the intra-chunk block is [C, C] per (b, h, query head))
+CHUNK = 64
+#: query-feature elements per block (B * H * T_b * F): bounds the working memory of a block
+BLOCK_ELEMENTS = 1 << 20
+
+_NINF = float("-inf")
+
+
+def block_tokens(rows: int, width: int) -> int:
+    """Tokens per block for ``rows`` query rows (B * H) of ``width`` features: a multiple of
+    :data:`CHUNK`, at least one chunk."""
+    return max(CHUNK, BLOCK_ELEMENTS // max(1, rows * width) // CHUNK * CHUNK)
+
+
+def value_width(E: int) -> int:
+    """Columns of ``[V, 1]`` as the blocks hold it: E + 1 padded with zeros to a multiple of 8
+    (CPU matrix products at odd widths run about 1.5x slower)."""
+    return -(-(E + 1) // 8) * 8
+
+
+def _exp_or_zero(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``exp(x)`` where ``keep``, else 0 (``x`` may be NaN or inf there)."""
+    return torch.where(keep, torch.exp(torch.where(keep, x, torch.zeros_like(x))), 0.0)
+
+
+class _Spec:
+    """What a call fixes besides its tensors: the feature map, scale, masks, group size and
+    the names of the feature parameters (tensors, passed to the Function as inputs)."""
+
+    def __init__(self, fm, scale: float, mask, groups: int, names: tuple, consts: dict,
+                 keep_states: bool = True):  # fmt: skip
+        self.fm, self.scale, self.mask, self.groups = fm, scale, mask, groups
+        self.names, self.consts, self.keep_states = names, consts, keep_states
+
+    def params(self, tensors) -> dict:
+        return {**self.consts, **dict(zip(self.names, tensors, strict=True))}
+
+
+def split_params(params: dict) -> tuple[tuple, tuple, dict]:
+    """``(names, tensors, constants)`` of a feature-parameter dict."""
+    names = tuple(n for n, x in params.items() if isinstance(x, torch.Tensor))
+    consts = {n: x for n, x in params.items() if n not in names}
+    return names, tuple(params[n] for n in names), consts
+
+
+# ------------------------------------------------------------------------------------------------
+# one block: inputs, features, offsets
+
+
+def _pad_tokens(x: torch.Tensor, pad: int) -> torch.Tensor:
+    return nnf.pad(x, (0, 0, 0, pad)) if pad else x
+
+
+def _block_inputs(spec: _Spec, q, k, v, mask, chunk: int, dtype):
+    """One block's pre-scaled query rows ``[B, Hk, n*G*C, D]`` (chunk-major, then query head,
+    then token), keys ``[B, Hk, n*C, D]``, values with a ones column ``[B, Hk, n, C, E+1]`` and
+    key mask ``[B, n*C]`` (True = padding, also the tail that fills the last chunk; None when
+    there is none) from its q, k, v and key mask."""
+    B, Hk, T, G = q.shape[0], k.shape[1], k.shape[2], spec.groups
+    n = -(-T // chunk)
+    pad = n * chunk - T
+    if pad:
+        base = mask if mask is not None else torch.zeros(B, T, dtype=torch.bool, device=q.device)
+        mask = torch.cat((base, base.new_ones(B, pad)), dim=1)
+    xq = _pad_tokens(prescale(q, spec.scale), pad)
+    D = xq.shape[-1]
+    xq = xq.unflatten(1, (Hk, G)).unflatten(3, (n, chunk)).transpose(2, 3).reshape(B, Hk, -1, D)
+    xk = _pad_tokens(prescale(k, spec.scale), pad)
+    vb = _pad_tokens(v.to(dtype), pad)
+    E = vb.shape[-1]
+    vh = nnf.pad(vb, (0, value_width(E) - E))
+    vh[..., E] = 1.0
+    if mask is not None:
+        xk = xk.masked_fill(mask[:, None, :, None], 0.0)
+        vh = vh.masked_fill(mask[:, None, :, None], 0.0)
+    return xq, xk, vh.unflatten(2, (n, chunk)), mask
+
+
+def _query_side(fm, xq, w, params) -> torch.Tensor:
+    if not fm.exponential:
+        return fm.values(xq, w, "query", params)
+    return query_features(fm.logits(xq, w, "query", params), fm.amplitude(xq, w, "query", params))
+
+
+def _key_side(fm, xk, w, params, mask):
+    """``(phi_k, m)``: keys at their own max logit ``g exp(u - m)`` (plain features: the
+    features, m = 0) and ``m`` ``[B, H, T]`` (detached; -inf for padded keys, not finite for a
+    key whose features are not), padded keys 0."""
+    pad = None if mask is None else mask[:, None, :, None]
+    if fm.exponential:
+        u = fm.logits(xk, w, "key", params)
+        if pad is not None:
+            u = u.masked_fill(pad, _NINF)
+        m = u.detach().amax(dim=-1) if u.shape[-1] else u.new_full(u.shape[:-1], _NINF)
+        pk = torch.exp(u - torch.where(torch.isfinite(m), m, 0.0)[..., None])
+        g = fm.key_amplitude(xk, w, params)
+        pk = pk if g is None else g * pk
+    else:
+        pk = fm.values(xk, w, "key", params)
+        c = fm.key_amplitude(xk, w, params)
+        pk = pk if c is None else pk * c
+        # a sum is finite only where every term is (one pass, no [T, F] flags)
+        m = torch.where(torch.isfinite(pk.detach().sum(dim=-1)), 0.0, float("nan"))
+        if pad is not None:
+            m = m.masked_fill(pad[..., 0], _NINF)
+    if pad is not None:
+        pk = pk.masked_fill(pad, 0.0)
+    return pk, m
+
+
+class _Offsets:
+    """The offsets and factors of one block's chunks (all detached, ``[B, H, ...]``).
+
+    ``R``: ``[n+1]`` the state's offset before the block (index 0) and after each chunk;
+    ``a``: ``[n, C]`` the factor ``exp(R_{c-1} - r_i)`` of the prefix state for row i;
+    ``decay``: ``[n, C, C]`` ``exp(m_j - r_i)`` for j <= i (0 elsewhere and for empty keys);
+    ``e``: ``[n, C]`` ``exp(m_j - R_c)``, key j's weight in the state after its chunk;
+    ``scan``: ``[n+1, n+1]`` ``exp(R_c' - R_c)`` for c' <= c: states after each chunk (rows)
+    from the block's initial state and the chunks' own sums (columns).
+    """
+
+    def __init__(self, m: torch.Tensor, off: torch.Tensor):
+        n, C = m.shape[-2:]
+        R = torch.cummax(torch.cat((off[..., None], m.amax(dim=-1)), dim=-1), dim=-1).values
+        prev = R[..., :-1, None]  # [B, H, n, 1]
+        r = torch.maximum(prev, torch.cummax(m, dim=-1).values)  # [B, H, n, C]
+        self.R = R
+        self.a = _exp_or_zero(prev - r, prev > _NINF)
+        tril = torch.ones(C, C, dtype=torch.bool, device=m.device).tril()
+        mj = m[..., None, :]
+        self.decay = _exp_or_zero(mj - r[..., :, None], tril & (mj > _NINF))
+        self.e = _exp_or_zero(m - R[..., 1:, None], m > _NINF)
+        tri = torch.ones(n + 1, n + 1, dtype=torch.bool, device=m.device).tril()
+        Rc = R[..., None, :]
+        self.scan = _exp_or_zero(Rc - R[..., :, None], tri & (Rc > _NINF))
+
+
+def _rows(x: torch.Tensor, f: torch.Tensor, groups: int) -> torch.Tensor:
+    """``x`` ``[B, H, n, G*C, K]`` times a per-token factor ``f`` ``[B, H, n, C(, C)]`` shared by
+    the G query heads."""
+    return (x.unflatten(3, (groups, -1)) * f[:, :, :, None, :, None]).flatten(3, 4)
+
+
+def _decayed(x: torch.Tensor, decay: torch.Tensor, groups: int) -> torch.Tensor:
+    """``x`` ``[B, H, n, G*C, C]`` times the ``[B, H, n, C, C]`` decay, for each query head."""
+    return (x.unflatten(3, (groups, -1)) * decay[:, :, :, None]).flatten(3, 4)
+
+
+class _Block:
+    """One block's forward quantities (detached). ``dirty``: some key or value of the block is
+    not finite; only then are they cleaned and rows poisoned (one flag per block, so a clean
+    block costs no ``[T, F]`` pass for it)."""
+
+    def __init__(self, pq, pk, m, vh, s_in, off_in, groups: int, values: int):
+        B, H, n, C, E1 = vh.shape
+        F = pq.shape[-1]
+        self.E, self.groups = values, groups
+        self.pq = pq.unflatten(2, (n, -1))  # [B, H, n, G*C, F]
+        m = m.unflatten(2, (n, C))
+        pk = pk.unflatten(2, (n, C))
+        bad_k = torch.isnan(m) | (m == float("inf"))  # [B, H, n, C]: features not finite
+        bad = ~torch.isfinite(vh) | bad_k[..., None]  # [B, H, n, C, E+1]
+        self.dirty = bool(bad.any())
+        if self.dirty:  # non-finite terms are removed by selection, their rows poisoned
+            pk = torch.where(bad_k[..., None], 0.0, pk)
+            vh = torch.where(bad, 0.0, vh)
+            m = torch.where(bad_k, _NINF, m)
+        self.pk, self.vh, self.bad = pk, vh, bad
+        self.o = o = _Offsets(m, off_in)
+        own = pk.transpose(-1, -2) @ (vh * o.e[..., None])  # [B, H, n, F, E+1]
+        stack = torch.cat((s_in[:, :, None], own), dim=2).flatten(3)
+        states = (o.scan @ stack).unflatten(3, (F, E1))  # [B, H, n+1, F, E+1]
+        self.prefix = states[:, :, :-1]
+        s_out = states[:, :, -1].clone()  # kept per block for the backward: not a view
+        if self.dirty:
+            s_out = torch.where(bad.any(dim=(2, 3))[:, :, None], float("nan"), s_out)
+        self.s_out, self.off_out = s_out, o.R[..., -1]
+        self.A = _decayed(self.pq @ pk.transpose(-1, -2), o.decay, groups)
+
+    def poisoned(self) -> torch.Tensor | None:
+        """Where a non-finite key or value at or before a row poisons it: ``[B, H, n, G*C,
+        E+1]`` (per column of ``[V, 1]``); None for a clean block."""
+        if not self.dirty:
+            return None
+        n, C = self.vh.shape[2:4]
+        seen = torch.cumsum(self.bad.flatten(2, 3).to(torch.int32), dim=2) > 0
+        seen = seen.unflatten(2, (n, C))[:, :, :, None]
+        return seen.expand(-1, -1, -1, self.groups, -1, -1).flatten(3, 4)
+
+    def num_den(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(num, den)``: ``[B, H, n, G*C, E]`` and ``[..., G*C]``."""
+        nh = torch.baddbmm(_rows(self.pq @ self.prefix, self.o.a, self.groups).flatten(0, 2),
+                           self.A.flatten(0, 2), self.vh.flatten(0, 2)).view(
+                               *self.A.shape[:-1], -1)  # fmt: skip
+        poisoned = self.poisoned()
+        if poisoned is not None:
+            nh = torch.where(poisoned, float("nan"), nh)
+        return nh[..., : self.E], nh[..., self.E]
+
+    def backward(self, dnh: torch.Tensor, ds_out: torch.Tensor):
+        """Cotangents ``(d phi_q, d phi_k, d [V, 1], d state in)`` from those of ``[num, den]``
+        (``[B, H, n, G*C, E+1]``) and of the state after the block."""
+        G, o = self.groups, self.o
+        F, E1 = self.pk.shape[-1], self.vh.shape[-1]
+        dnh_a = _rows(dnh, o.a, G)
+        dP = self.pq.transpose(-1, -2) @ dnh_a  # [B, H, n, F, E+1]
+        dA = _decayed(dnh @ self.vh.transpose(-1, -2), o.decay, G)  # [B, H, n, G*C, C]
+        dpq = dA @ self.pk + dnh_a @ self.prefix.transpose(-1, -2)
+        cot = torch.cat((dP, ds_out[:, :, None]), dim=2).flatten(3)
+        dstates = (o.scan.transpose(-1, -2) @ cot).unflatten(3, (F, E1))  # [B, H, n+1, F, E+1]
+        d_own = dstates[:, :, 1:]
+        dpk = dA.transpose(-1, -2) @ self.pq + (self.vh * o.e[..., None]) @ d_own.transpose(-1, -2)
+        dvh = self.A.transpose(-1, -2) @ dnh + (self.pk @ d_own) * o.e[..., None]
+        return dpq.flatten(2, 3), dpk.flatten(2, 3), dvh, dstates[:, :, 0]
+
+
+def _ratio_grad(dout, out, den, poisoned, width: int):
+    """Cotangent of ``[num, den, 0...]`` (the block's ``[V, 1]`` columns) from that of
+    ``attention_ratio(num, den)``."""
+    den_s = safe_denominator(den)
+    empty = (den == 0) & (out == 0).all(dim=-1)
+    live = ~empty & (den.abs() >= torch.finfo(den.dtype).tiny)
+    dnum = torch.where(empty[..., None], 0.0, dout / den_s[..., None])
+    dden = torch.where(live, -(dout * out).sum(dim=-1) / den_s, 0.0)
+    dnh = torch.cat((dnum, dden[..., None]), dim=-1)
+    dnh = nnf.pad(dnh, (0, width - dnh.shape[-1]))
+    return dnh if poisoned is None else torch.where(poisoned, 0.0, dnh)
+
+
+def _to_rows(x: torch.Tensor, n: int, groups: int) -> torch.Tensor:
+    """``[B, Hk, G, T_b, K]`` as chunk rows ``[B, Hk, n, G*C, K]``."""
+    return x.unflatten(3, (n, -1)).transpose(2, 3).flatten(3, 4)
+
+
+def _from_rows(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """Chunk rows ``[B, Hk, n, G*C, K]`` as ``[B, Hk, G, n*C, K]``."""
+    return x.unflatten(3, (groups, -1)).transpose(2, 3).flatten(3, 4)
+
+
+def _block_rows(x: torch.Tensor, t0: int, t1: int, n: int) -> torch.Tensor:
+    """Tokens ``t0:t1`` of ``[B, Hk, G, T, K]`` as the chunk rows of their block."""
+    xb = x[:, :, :, t0:t1]
+    return _to_rows(_pad_tokens(xb, n * CHUNK - xb.shape[3]), n, x.shape[2])
+
+
+class _CausalAttention(torch.autograd.Function):
+    """Causal random-feature attention over blocks of T (see the module docstring).
+
+    Inputs: ``spec``, q ``[B, Hk*G, T, D]``, k ``[B, Hk, T, D]``, v ``[B, Hk, T, E]``, W, the
+    initial ``[S, z]`` ``[B, Hk, F, E+1]`` and offset ``[B, Hk]`` (compute dtype), the block
+    length, then the feature parameters. Outputs: out ``[B, Hk, G, T, E]`` (compute dtype),
+    the final ``[S, z]`` and offset.
+    """
+
+    @staticmethod
+    def forward(ctx, spec, q, k, v, w, s0, off0, block, *ptensors):
+        params = spec.params(ptensors)
+        B, Hk, T, G, E = k.shape[0], k.shape[1], k.shape[2], spec.groups, v.shape[-1]
+        dt = w.dtype
+        out = torch.empty(B, Hk, G, T, E, dtype=dt, device=q.device)
+        den = torch.empty(B, Hk, G, T, dtype=dt, device=q.device)
+        s, off = s0, off0
+        starts, offs = [], []
+        for t0 in range(0, T, block):
+            t1 = min(T, t0 + block)
+            if spec.keep_states:
+                starts.append(s)
+                offs.append(off)
+            blk = _forward_block(spec, q[:, :, t0:t1], k[:, :, t0:t1], v[:, :, t0:t1], w, params,
+                                 _mask(spec, t0, t1), s, off)  # fmt: skip
+            num, d = blk.num_den()
+            out[:, :, :, t0:t1] = _from_rows(attention_ratio(num, d), G)[:, :, :, : t1 - t0]
+            den[:, :, :, t0:t1] = _from_rows(d[..., None], G)[:, :, :, : t1 - t0, 0]
+            s, off = blk.s_out, blk.off_out
+            del blk, num, d  # before the next block's features
+        if s is s0:  # no block: outputs never alias inputs
+            s, off = s0.clone(), off0.clone()
+        ctx.spec, ctx.block, ctx.n_blocks = spec, block, len(starts)
+        ctx.save_for_backward(q, k, v, w, out, den, *starts, *offs, *ptensors)
+        ctx.mark_non_differentiable(off)
+        return out, s, off
+
+    @staticmethod
+    def backward(ctx, dout, ds, _doff):
+        spec, block, nb = ctx.spec, ctx.block, ctx.n_blocks
+        q, k, v, w, out, den, *rest = ctx.saved_tensors
+        starts, offs, ptensors = rest[:nb], rest[nb : 2 * nb], rest[2 * nb :]
+        need = ctx.needs_input_grad
+        need_q, need_k, need_v, need_w, need_s = need[1:6]
+        need_p = need[8:]
+        T = k.shape[2]
+        dq = torch.zeros_like(q) if need_q else None
+        dk = torch.zeros_like(k) if need_k else None
+        dv = torch.zeros_like(v) if need_v else None
+        dw = torch.zeros_like(w) if need_w else None
+        dps = [torch.zeros_like(p) if n else None for p, n in zip(ptensors, need_p, strict=True)]
+        dout = torch.zeros_like(out) if dout is None else dout.to(out.dtype)
+        dstate = ds if ds is not None or not nb else torch.zeros_like(starts[0])
+        flags = (need_q, need_k, need_w, *need_p)
+        for i in reversed(range(nb)):
+            t0, t1 = i * block, min(T, (i + 1) * block)
+            with torch.enable_grad():
+                qb = q[:, :, t0:t1].detach().requires_grad_(need_q)
+                kb = k[:, :, t0:t1].detach().requires_grad_(need_k)
+                wl = w.detach().requires_grad_(need_w)
+                pl = [p.detach().requires_grad_(n) for p, n in zip(ptensors, need_p, strict=True)]
+                blk, pq, pk = _forward_block(spec, qb, kb, v[:, :, t0:t1], wl, spec.params(pl),
+                                             _mask(spec, t0, t1), starts[i], offs[i],
+                                             keep=True)  # fmt: skip
+            n = blk.vh.shape[2]
+            rows = [_block_rows(x, t0, t1, n) for x in (out, dout, den[..., None])]
+            dnh = _ratio_grad(rows[1], rows[0], rows[2][..., 0], blk.poisoned(), blk.vh.shape[-1])
+            dpq, dpk, dvh, dstate = blk.backward(dnh, dstate)
+            if need_v:
+                dvb = dvh.flatten(2, 3)[:, :, : t1 - t0, : v.shape[-1]]
+                dv[:, :, t0:t1] = torch.where(torch.isfinite(v[:, :, t0:t1]), dvb, 0.0)
+            wrt = [x for x, n in zip((qb, kb, wl, *pl), flags, strict=True) if n]
+            if not wrt:
+                continue
+            grads = iter(torch.autograd.grad((pq, pk), wrt, (dpq, dpk), allow_unused=True))
+            for j, (acc, n) in enumerate(zip((dq, dk, dw, *dps), flags, strict=True)):
+                g = next(grads) if n else None
+                if g is None:
+                    continue
+                if j < 2:
+                    acc[:, :, t0:t1] += g
+                else:
+                    acc += g
+        return (None, dq, dk, dv, dw, dstate if need_s else None, None, None, *dps)
+
+
+def _mask(spec: _Spec, t0: int, t1: int):
+    return None if spec.mask is None else spec.mask[:, t0:t1]
+
+
+def _forward_block(spec, q, k, v, w, params, mask, s, off, keep: bool = False):
+    """The :class:`_Block` of one block's q, k, v and key mask (with ``keep``: also the
+    features, with the graph to the inputs, ``(block, phi_q, phi_k)``)."""
+    xq, xk, vh, mask = _block_inputs(spec, q, k, v, mask, CHUNK, w.dtype)
+    pq = _query_side(spec.fm, xq, w, params)
+    pk, m = _key_side(spec.fm, xk, w, params, mask)
+    blk = _Block(pq.detach(), pk.detach(), m, vh, s, off, spec.groups, v.shape[-1])
+    return (blk, pq, pk) if keep else blk
+
+
+def causal_attention(fm, q, k, v, w, params: dict, scale: float, mask, state):
+    """Causal attention on the torch path: ``(out [B, Hk, G, T, E], (S, z, offset))`` in the
+    compute dtype (``w.dtype``), differentiable in q, k, v, W, the state's S and z and the
+    feature parameters. ``state``: an :class:`rfattn.RFState` or None."""
+    B, Hk, G = k.shape[0], k.shape[1], q.shape[1] // max(1, k.shape[1])
+    E, dt = v.shape[-1], w.dtype
+    names, ptensors, consts = split_params(params)
+    grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, w, *ptensors, *(state or ()))
+    )
+    spec = _Spec(fm, scale, mask, G, names, consts, keep_states=grad)
+    F = fm.width(w.shape[-2])
+    if state is None:
+        s0 = torch.zeros(B, Hk, F, value_width(E), dtype=dt, device=q.device)
+        off0 = torch.full((B, Hk), _NINF if fm.exponential else 0.0, dtype=dt, device=q.device)
+    else:
+        s0 = nnf.pad(torch.cat((state[0].to(dt), state[1].to(dt)[..., None]), dim=-1),
+                     (0, value_width(E) - E - 1))  # fmt: skip
+        off0 = state[2].to(dt)
+    given = off0
+    if not fm.exponential:  # plain features have no offsets: the state's is passed through
+        off0 = torch.zeros_like(off0)
+    block = block_tokens(B * Hk * max(G, 1), F)
+    out, s, off = _CausalAttention.apply(spec, q, k, v, w, s0, off0, block, *ptensors)
+    return out, (s[..., :E], s[..., E], off if fm.exponential else given.clone())
+
+
+# ------------------------------------------------------------------------------------------------
+# non-causal, no gradient
+
+
+def noncausal_forward(fm, q, k, v, w, params: dict, scale: float, mask) -> torch.Tensor:
+    """Non-causal attention without autograd, in blocks: ``out`` ``[B, H, Tq, E]`` in the compute
+    dtype (``w.dtype``) for query rows q ``[B, H, Tq, D]`` (grouped-query rows already regrouped
+    by the caller) and keys k ``[B, H, Tk, D]``, v ``[B, H, Tk, E]``.
+
+    Keys pass first: each block's per-feature max logit raises the running offsets ``c``
+    (:func:`rfattn.features.key_offset`'s, reached online: ``S, z`` are rescaled by
+    ``exp(c_old - c_new)`` per feature), then query blocks read ``[S, z]`` with the offsets moved
+    to their side (:func:`rfattn.features.query_features`). Only one block's features live at a
+    time; the result equals the whole-sequence features' up to rounding.
+    """
+    B, H, Tk, E = k.shape[0], k.shape[1], k.shape[2], v.shape[-1]
+    F, dt = fm.width(w.shape[-2]), w.dtype
+    block = block_tokens(B * H, F)
+    s = torch.zeros(B, H, F, value_width(E), dtype=dt, device=q.device)
+    c = torch.full((B, H, F), _NINF, dtype=dt, device=q.device)
+    for t0 in range(0, Tk, block):
+        t1 = min(Tk, t0 + block)
+        mb = None if mask is None else mask[:, t0:t1]
+        pad = None if mb is None else mb[:, None, :, None]
+        xk = prescale(k[:, :, t0:t1], scale, mb)
+        vb = v[:, :, t0:t1].to(dt)
+        vh = nnf.pad(vb, (0, s.shape[-1] - E))
+        vh[..., E] = 1.0
+        g = fm.key_amplitude(xk, w, params)
+        if fm.exponential:
+            u = fm.logits(xk, w, "key", params)
+            if pad is not None:
+                u = u.masked_fill(pad, _NINF)
+            new = torch.maximum(c, u.amax(dim=-2))
+            safe = torch.where(new == _NINF, 0.0, new)
+            s = s * _exp_or_zero(c - safe, c > _NINF)[..., None]
+            c = new
+            pk = torch.exp(u.sub_(safe[:, :, None]))
+        else:
+            pk = fm.values(xk, w, "key", params)
+        pk = pk if g is None else pk * g
+        if pad is not None:
+            pk = pk.masked_fill(pad, 0.0)
+            vh = vh.masked_fill(pad, 0.0)
+        s = torch.baddbmm(s.flatten(0, 1), pk.flatten(0, 1).transpose(-1, -2),
+                          vh.flatten(0, 1)).view_as(s)  # fmt: skip
+    off = torch.where(c == _NINF, 0.0, c)  # no valid key: offset 0 (key_offset's rule)
+    out = torch.empty(*q.shape[:3], E, dtype=dt, device=q.device)
+    for r0 in range(0, q.shape[2], block):
+        r1 = min(q.shape[2], r0 + block)
+        xq = prescale(q[:, :, r0:r1], scale)
+        if fm.exponential:
+            u = fm.logits(xq, w, "query", params)
+            pq = query_features(u, fm.amplitude(xq, w, "query", params), off)
+        else:
+            pq = fm.values(xq, w, "query", params)
+        nh = pq @ s
+        out[:, :, r0:r1] = attention_ratio(nh[..., :E], nh[..., E])
+    return out

@@ -1,0 +1,162 @@
+"""The torch path's blocked forms (``rfattn.blocked``) against the reference of record.
+
+Blocks and chunks are made tiny here (a few tokens), so every call crosses block and chunk
+boundaries, ends in a partial chunk and carries states between blocks; the reference is
+``rfattn.reference.linear_attention`` on the feature map's own features, in float64, with
+gradients by autograd through it."""
+
+import pytest
+import torch
+
+import rfattn
+from rfattn import blocked
+from rfattn.attention import _torch_inputs
+from rfattn.reference import linear_attention
+from rfattn.testing import rel_rms, tolerance
+
+f64 = torch.float64
+OUT, GRAD = tolerance(f64, "out"), tolerance(f64, "grad")
+
+CASES = [("posrf", "orf"), ("oprf", "orf"), ("saderf", "orf"), ("trigrf", "orf"),
+         ("hrf", "orf"), ("rmf", "rademacher"), ("gerf", "gaussian")]  # fmt: skip
+
+
+@pytest.fixture
+def tiny_blocks(monkeypatch):
+    """Chunks of 4 tokens, blocks of 3 chunks for the shapes below."""
+    monkeypatch.setattr(blocked, "CHUNK", 4)
+    monkeypatch.setattr(blocked, "BLOCK_ELEMENTS", 12 * 2 * 2 * 16)
+
+
+def rand(*shape, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g, dtype=f64) * scale).requires_grad_()
+
+
+def make_rf(feature, weights, D=6, M=16, **opts):
+    if feature == "rmf":
+        opts.setdefault("max_degree", 5)
+    return rfattn.RandomFeatures(D, M, feature=feature, weights=weights, seed=0, **opts).double()
+
+
+def reference(q, k, v, rf, causal, mask, groups=1):
+    """Output of record: the feature map's features (key/value heads repeated) through
+    ``linear_attention``."""
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    qm = mask if causal else None
+    w, xq, xk, params = _torch_inputs(q, k, rf, mask, q.shape[-1] ** -0.5, causal, qm)
+    phi_q, phi_k = rf.feature_map.features(xq, xk, w, mask, params)
+    return linear_attention(phi_q, phi_k, v, causal=causal, key_padding_mask=mask)
+
+
+def grads(out, inputs, seed=9):
+    g = torch.Generator().manual_seed(seed)
+    cot = torch.randn(out.shape, generator=g, dtype=out.dtype)
+    return torch.autograd.grad(out, inputs, cot)
+
+
+@pytest.mark.parametrize("feature, weights", CASES)
+@pytest.mark.parametrize("groups", [1, 2])
+def test_causal_blocks_match_the_reference_with_gradients(feature, weights, groups, tiny_blocks):
+    B, Hk, T, D, E = 2, 2, 29, 6, 3  # 29 tokens: 3 blocks, the last chunk partial
+    rf = make_rf(feature, weights).eval()  # fixed running statistics: one set for both calls
+    q = rand(B, Hk * groups, T, D, seed=1, scale=0.7)
+    k, v = rand(B, Hk, T, D, seed=2, scale=0.7), rand(B, Hk, T, E, seed=3)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask[0, [0, 5, 13]] = True  # the first key of a block padded, one inside a chunk
+    mask[1, 20:] = True
+    out = rfattn.rf_attention(q, k, v, rf, causal=True, key_padding_mask=mask, backend="torch")
+    ref = reference(q, k, v, rf, True, mask, groups)
+    assert rel_rms(out, ref) <= OUT
+    for name, a, b in zip("qkv", grads(out, (q, k, v)), grads(ref, (q, k, v)), strict=True):
+        assert rel_rms(a, b) <= GRAD, name
+
+
+def test_causal_state_in_and_out_match_one_call(tiny_blocks):
+    """A state handed between calls carries its gradient: d(initial S, z) and the gradient
+    through the returned state equal those of one call over both halves."""
+    rf = make_rf("oprf", "orf").eval()
+    B, H, T, D, E = 1, 2, 26, 6, 3
+    q, k, v = (rand(B, H, T, D if i < 2 else E, seed=i, scale=0.8) for i in range(3))
+    full, st_full = rfattn.rf_attention(q, k, v, rf, causal=True, return_state=True)
+    cut = 11
+    a, st = rfattn.rf_attention(q[:, :, :cut], k[:, :, :cut], v[:, :, :cut], rf, causal=True,
+                                return_state=True)  # fmt: skip
+    b, st2 = rfattn.rf_attention(q[:, :, cut:], k[:, :, cut:], v[:, :, cut:], rf, causal=True,
+                                 initial_state=st, return_state=True)  # fmt: skip
+    assert rel_rms(torch.cat((a, b), dim=2), full) <= OUT
+    assert rel_rms(st2.s, st_full.s) <= OUT and rel_rms(st2.z, st_full.z) <= OUT
+    g = torch.Generator().manual_seed(5)
+    cs, cz = (torch.randn(x.shape, generator=g, dtype=f64) for x in (st_full.s, st_full.z))
+    co = torch.randn(full.shape, generator=g, dtype=f64)
+
+    def loss(o, s):
+        return (o * co).sum() + (s.s * cs).sum() + (s.z * cz).sum()
+
+    one = torch.autograd.grad(loss(full, st_full), (q, k, v))
+    two = torch.autograd.grad(loss(torch.cat((a, b), dim=2), st2), (q, k, v))
+    for name, x, y in zip("qkv", two, one, strict=True):
+        assert rel_rms(x, y) <= GRAD, name
+
+
+@pytest.mark.parametrize("feature, weights", [("posrf", "orf"), ("rmf", "rademacher")])
+def test_causal_gradcheck_across_blocks(feature, weights, monkeypatch):
+    """Finite differences through the hand-written backward: q, k, v and the initial S, z, and
+    the returned state through a second call that continues from it (a state alone is not a
+    function of the keys where its offset, the running max, moves with them; what it feeds
+    is)."""
+    monkeypatch.setattr(blocked, "CHUNK", 2)
+    monkeypatch.setattr(blocked, "BLOCK_ELEMENTS", 2 * 2 * 8)
+    rf = make_rf(feature, weights, D=3, M=4).eval()
+    B, H, T = 1, 1, 7
+    q, k, v = (rand(B, H, T, 3, seed=i, scale=0.6) for i in range(3))
+    q2, k2, v2 = (rand(B, H, 3, 3, seed=4 + i, scale=0.6).detach() for i in range(3))
+    _, st = rfattn.rf_attention(q.detach(), k.detach(), v.detach(), rf, causal=True,
+                                return_state=True)  # fmt: skip
+    s0, z0 = st.s.detach().requires_grad_(), st.z.detach().requires_grad_()
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask[0, 3] = True
+
+    def fn(q, k, v, s0, z0):
+        out, s = rfattn.rf_attention(q, k, v, rf, causal=True, key_padding_mask=mask,
+                                     initial_state=rfattn.RFState(s0, z0, st.offset),
+                                     return_state=True)  # fmt: skip
+        return out, rfattn.rf_attention(q2, k2, v2, rf, causal=True, initial_state=s)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, s0, z0))
+
+
+def test_learnable_weights_get_their_gradient_in_causal_blocks(tiny_blocks):
+    rf = make_rf("posrf", "fastfoodl", D=4, M=16)
+    q, k, v = (rand(2, 2, 21, 4, seed=i, scale=0.7) for i in range(3))
+    out = rfattn.rf_attention(q, k, v, rf, causal=True)
+    ref = reference(q, k, v, rf, True, None)
+    params = [p for p in rf.parameters() if p.requires_grad]
+    assert params
+    for a, b in zip(grads(out, params), grads(ref, params), strict=True):
+        assert a.abs().sum() > 0 and rel_rms(a, b) <= GRAD
+
+
+@pytest.mark.parametrize("feature, weights", CASES + [("hyprf", "orf"), ("poisrf", "orf")])
+def test_noncausal_inference_blocks_match_the_reference(feature, weights, tiny_blocks):
+    """Without autograd, keys and queries run in blocks with online per-feature offsets."""
+    rf = make_rf(feature, weights).eval()
+    q, k = rand(2, 2, 17, 6, seed=1, scale=1.2), rand(2, 2, 30, 6, seed=2, scale=1.2)
+    v = rand(2, 2, 30, 3, seed=3)
+    k.data[1, :, 25, :] = 6.0  # the largest key logit late, in the last block
+    mask = torch.zeros(2, 30, dtype=torch.bool)
+    mask[0, :12] = True  # a whole first block padded
+    with torch.no_grad():
+        out = rfattn.rf_attention(q, k, v, rf, key_padding_mask=mask, backend="torch")
+        ref = reference(q, k, v, rf, False, mask)
+    assert rel_rms(out, ref) <= OUT
+
+
+def test_nan_in_a_later_block_leaves_earlier_blocks(tiny_blocks):
+    rf = make_rf("posrf", "orf")
+    q, k, v = (rand(1, 2, 30, 6 if i < 2 else 3, seed=i).detach() for i in range(3))
+    clean = rfattn.rf_attention(q, k, v, rf, causal=True)
+    v[0, 1, 17, 2] = float("nan")
+    out = rfattn.rf_attention(q, k, v, rf, causal=True)
+    assert torch.equal(out[:, :, :17], clean[:, :, :17])
+    assert out[0, 1, 17:, 2].isnan().all() and torch.equal(out[0, 0], clean[0, 0])
