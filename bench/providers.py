@@ -136,6 +136,30 @@ def available_providers(
     return names, skipped
 
 
+def previous_torch_path(q, k, v, rf, causal: bool) -> torch.Tensor:
+    """``rf_attention``'s torch path before the blocked forms of ``rfattn.blocked`` (as at commit
+    2cde6ad): features of the whole sequence, then ``linear_attention`` (non-causal) or the
+    chunk loop of ``rfattn.attention._causal_torch`` (128 tokens a step), autograd recording
+    every op; no masks. ``bench.cpu_backend``'s baseline, eager and compiled."""
+    from rfattn.attention import _causal_keys, _causal_torch, _torch_inputs
+    from rfattn.features import query_features
+    from rfattn.reference import linear_attention
+
+    fm, scale = rf.feature_map, q.shape[-1] ** -0.5
+    w, xq, xk, params = _torch_inputs(q, k, rf, None, scale, causal, None)
+    if not causal:
+        phi_q, phi_k = fm.features(xq, xk, w, None, params)
+        return linear_attention(phi_q, phi_k, v.to(w.dtype)).to(q.dtype)
+    if fm.exponential:
+        phi_q = query_features(fm.logits(xq, w, "query", params),
+                               fm.amplitude(xq, w, "query", params))  # fmt: skip
+    else:
+        phi_q = fm.values(xq, w, "query", params)
+    u_k, g_k = _causal_keys(fm, xk, w, params)
+    out, _ = _causal_torch(phi_q[:, :, None], u_k, g_k, v.to(w.dtype), None, None)
+    return out[:, :, 0].to(q.dtype)
+
+
 def _forward(provider: str, x: Inputs, rf, causal: bool) -> tuple[Callable, list]:
     """(forward call, leaf tensors whose .grad the backward fills)."""
     q, k, v = x.q, x.k, x.v
@@ -147,6 +171,11 @@ def _forward(provider: str, x: Inputs, rf, causal: bool) -> tuple[Callable, list
             k,
             v,
         ]
+    if provider in ("rfattn-previous", "rfattn-previous-compiled"):
+        fn = previous_torch_path
+        if provider.endswith("-compiled"):
+            fn = torch.compile(previous_torch_path)
+        return (lambda: fn(q, k, v, rf, causal)), [q, k, v]
     if provider == "rfattn-compiled":
         # the unfused torch path under torch.compile (inductor fuses its elementwise work)
         if causal and q.shape[2] > COMPILED_CAUSAL_MAX_T:

@@ -16,7 +16,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from rfattn import blocked
 from rfattn.features import compute_dtype, prescale, python_scalar
-from rfattn.reference import attention_ratio, linear_attention
+from rfattn.reference import attention_ratio
 from rfattn.stats import Moments
 from rfattn.weights import WEIGHTED_WEIGHTS
 
@@ -305,16 +305,6 @@ def _torch_inputs(q, k, rf, key_padding_mask, scale: float, causal: bool, query_
     return w, xq, xk, params
 
 
-def _needs_grad(q, k, v, rf) -> bool:
-    """Whether autograd records this call (an input or the weights or a feature parameter
-    requires grad)."""
-    if not torch.is_grad_enabled():
-        return False
-    return any(x.requires_grad for x in (q, k, v, rf.weight)) or any(
-        p.requires_grad for p in rf.parameters()
-    )
-
-
 def _call_params(q, k, rf, key_padding_mask, scale: float, causal: bool,
                  query_padding_mask) -> tuple:  # fmt: skip
     """``(w, params)`` of a torch-path call, without pre-scaled copies of q and k where the
@@ -497,12 +487,6 @@ def rf_attention(
         out, state = blocked.causal_attention(fm, q, k, v, w, params, scale, key_padding_mask,
                                               initial_state)  # fmt: skip
         return _returned_state(out.flatten(1, 2).to(q.dtype), RFState(*state), rf, return_state)
-    if not _needs_grad(q, k, v, rf):  # inference: one block of features at a time
-        w, params = _call_params(q, k, rf, key_padding_mask, scale, False, query_padding_mask)
-        out = blocked.noncausal_forward(fm, q, k, v, w, params, scale, key_padding_mask)
-        return out.to(q.dtype)
-    w, xq, xk, params = _torch_inputs(q, k, rf, key_padding_mask, scale, causal,
-                                      query_padding_mask)  # fmt: skip
-    phi_q, phi_k = fm.features(xq, xk, w, key_padding_mask, params)
-    return linear_attention(phi_q, phi_k, v.to(w.dtype),
-                            key_padding_mask=key_padding_mask).to(q.dtype)  # fmt: skip
+    w, params = _call_params(q, k, rf, key_padding_mask, scale, False, query_padding_mask)
+    out = blocked.noncausal_attention(fm, q, k, v, w, params, scale, key_padding_mask)
+    return out.to(q.dtype)

@@ -108,25 +108,49 @@ def _block_inputs(spec: _Spec, q, k, v, mask, chunk: int, dtype):
     return xq, xk, vh.unflatten(2, (n, chunk)), mask
 
 
-def _query_side(fm, xq, w, params) -> torch.Tensor:
+def _owned(u: torch.Tensor) -> bool:
+    """Whether ``u`` is a dense tensor of its own (not a view or broadcast), safe to turn into
+    features in place."""
+    return u._base is None and u.is_contiguous()
+
+
+def _query_side(fm, xq, w, params, key_offsets=None) -> torch.Tensor:
+    """Query features: :func:`rfattn.features.query_features` of the feature's logits (``key
+    offsets``: the non-causal per-feature ones), or a plain feature's values. Without autograd
+    the logits are turned into features in place (no further ``[T, F]`` buffers)."""
     if not fm.exponential:
         return fm.values(xq, w, "query", params)
-    return query_features(fm.logits(xq, w, "query", params), fm.amplitude(xq, w, "query", params))
+    u, g = fm.logits(xq, w, "query", params), fm.amplitude(xq, w, "query", params)
+    if torch.is_grad_enabled() or not _owned(u):
+        return query_features(u, g, key_offsets)
+    if key_offsets is not None:
+        u.add_(key_offsets[:, :, None, :])
+    u = u.sub_(u.amax(dim=-1, keepdim=True)).exp_()
+    return u if g is None else u.mul_(g)
 
 
-def _key_side(fm, xk, w, params, mask):
+def _key_side(fm, xk, w, params, mask, offsets=None):
     """``(phi_k, m)``: keys at their own max logit ``g exp(u - m)`` (plain features: the
     features, m = 0) and ``m`` ``[B, H, T]`` (detached; -inf for padded keys, not finite for a
-    key whose features are not), padded keys 0."""
+    key whose features are not), padded keys 0. ``offsets``: a function of the masked logits
+    ``u`` giving the offsets ``[B, H, T, 1]`` or ``[B, H, 1, F]`` to use instead of ``m``
+    (non-causal). Without autograd the logits become the features in place."""
     pad = None if mask is None else mask[:, None, :, None]
+    inplace = False
     if fm.exponential:
         u = fm.logits(xk, w, "key", params)
+        inplace = not torch.is_grad_enabled() and _owned(u)
         if pad is not None:
-            u = u.masked_fill(pad, _NINF)
-        m = u.detach().amax(dim=-1) if u.shape[-1] else u.new_full(u.shape[:-1], _NINF)
-        pk = torch.exp(u - torch.where(torch.isfinite(m), m, 0.0)[..., None])
+            u = u.masked_fill_(pad, _NINF) if inplace else u.masked_fill(pad, _NINF)
+        if offsets is None:
+            m = u.detach().amax(dim=-1) if u.shape[-1] else u.new_full(u.shape[:-1], _NINF)
+            off = torch.where(torch.isfinite(m), m, 0.0)[..., None]
+        else:
+            m, off = None, offsets(u)
+        pk = u.sub_(off).exp_() if inplace else torch.exp(u - off)
         g = fm.key_amplitude(xk, w, params)
-        pk = pk if g is None else g * pk
+        if g is not None:
+            pk = pk.mul_(g) if inplace else g * pk
     else:
         pk = fm.values(xk, w, "key", params)
         c = fm.key_amplitude(xk, w, params)
@@ -136,7 +160,7 @@ def _key_side(fm, xk, w, params, mask):
         if pad is not None:
             m = m.masked_fill(pad[..., 0], _NINF)
     if pad is not None:
-        pk = pk.masked_fill(pad, 0.0)
+        pk = pk.masked_fill_(pad, 0.0) if inplace else pk.masked_fill(pad, 0.0)
     return pk, m
 
 
@@ -176,6 +200,15 @@ def _rows(x: torch.Tensor, f: torch.Tensor, groups: int) -> torch.Tensor:
 def _decayed(x: torch.Tensor, decay: torch.Tensor, groups: int) -> torch.Tensor:
     """``x`` ``[B, H, n, G*C, C]`` times the ``[B, H, n, C, C]`` decay, for each query head."""
     return (x.unflatten(3, (groups, -1)) * decay[:, :, :, None]).flatten(3, 4)
+
+
+def _addmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``c + a @ b`` over the leading dims, in one product writing into ``c``'s values (no
+    extra ``[..., M, N]`` pass); ``c`` must be a fresh tensor."""
+    lead = a.shape[:-2]
+    out = torch.baddbmm(c.reshape(-1, *c.shape[-2:]), a.reshape(-1, *a.shape[-2:]),
+                        b.reshape(-1, *b.shape[-2:]))  # fmt: skip
+    return out.view(*lead, *out.shape[-2:])
 
 
 class _Block:
@@ -221,9 +254,7 @@ class _Block:
 
     def num_den(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(num, den)``: ``[B, H, n, G*C, E]`` and ``[..., G*C]``."""
-        nh = torch.baddbmm(_rows(self.pq @ self.prefix, self.o.a, self.groups).flatten(0, 2),
-                           self.A.flatten(0, 2), self.vh.flatten(0, 2)).view(
-                               *self.A.shape[:-1], -1)  # fmt: skip
+        nh = _addmm(_rows(self.pq @ self.prefix, self.o.a, self.groups), self.A, self.vh)
         poisoned = self.poisoned()
         if poisoned is not None:
             nh = torch.where(poisoned, float("nan"), nh)
@@ -237,11 +268,12 @@ class _Block:
         dnh_a = _rows(dnh, o.a, G)
         dP = self.pq.transpose(-1, -2) @ dnh_a  # [B, H, n, F, E+1]
         dA = _decayed(dnh @ self.vh.transpose(-1, -2), o.decay, G)  # [B, H, n, G*C, C]
-        dpq = dA @ self.pk + dnh_a @ self.prefix.transpose(-1, -2)
+        dpq = _addmm(dnh_a @ self.prefix.transpose(-1, -2), dA, self.pk)
         cot = torch.cat((dP, ds_out[:, :, None]), dim=2).flatten(3)
         dstates = (o.scan.transpose(-1, -2) @ cot).unflatten(3, (F, E1))  # [B, H, n+1, F, E+1]
         d_own = dstates[:, :, 1:]
-        dpk = dA.transpose(-1, -2) @ self.pq + (self.vh * o.e[..., None]) @ d_own.transpose(-1, -2)
+        dpk = _addmm((self.vh * o.e[..., None]) @ d_own.transpose(-1, -2), dA.transpose(-1, -2),
+                     self.pq)  # fmt: skip
         dvh = self.A.transpose(-1, -2) @ dnh + (self.pk @ d_own) * o.e[..., None]
         return dpq.flatten(2, 3), dpk.flatten(2, 3), dvh, dstates[:, :, 0]
 
@@ -328,7 +360,6 @@ class _CausalAttention(torch.autograd.Function):
         dps = [torch.zeros_like(p) if n else None for p, n in zip(ptensors, need_p, strict=True)]
         dout = torch.zeros_like(out) if dout is None else dout.to(out.dtype)
         dstate = ds if ds is not None or not nb else torch.zeros_like(starts[0])
-        flags = (need_q, need_k, need_w, *need_p)
         for i in reversed(range(nb)):
             t0, t1 = i * block, min(T, (i + 1) * block)
             with torch.enable_grad():
@@ -346,18 +377,10 @@ class _CausalAttention(torch.autograd.Function):
             if need_v:
                 dvb = dvh.flatten(2, 3)[:, :, : t1 - t0, : v.shape[-1]]
                 dv[:, :, t0:t1] = torch.where(torch.isfinite(v[:, :, t0:t1]), dvb, 0.0)
-            wrt = [x for x, n in zip((qb, kb, wl, *pl), flags, strict=True) if n]
-            if not wrt:
-                continue
-            grads = iter(torch.autograd.grad((pq, pk), wrt, (dpq, dpk), allow_unused=True))
-            for j, (acc, n) in enumerate(zip((dq, dk, dw, *dps), flags, strict=True)):
-                g = next(grads) if n else None
-                if g is None:
-                    continue
-                if j < 2:
-                    acc[:, :, t0:t1] += g
-                else:
-                    acc += g
+            accs = (dq[:, :, t0:t1] if need_q else None, dk[:, :, t0:t1] if need_k else None,
+                    dw, *dps)  # fmt: skip
+            if any(x is not None for x in accs):
+                _backprop((pq, pk), (dpq, dpk), (qb, kb, wl, *pl), accs)
         return (None, dq, dk, dv, dw, dstate if need_s else None, None, None, *dps)
 
 
@@ -406,17 +429,24 @@ def causal_attention(fm, q, k, v, w, params: dict, scale: float, mask, state):
 # non-causal, no gradient
 
 
-def noncausal_forward(fm, q, k, v, w, params: dict, scale: float, mask) -> torch.Tensor:
-    """Non-causal attention without autograd, in blocks: ``out`` ``[B, H, Tq, E]`` in the compute
-    dtype (``w.dtype``) for query rows q ``[B, H, Tq, D]`` (grouped-query rows already regrouped
-    by the caller) and keys k ``[B, H, Tk, D]``, v ``[B, H, Tk, E]``.
+class _OnlineOffsets:
+    """Non-causal key offsets reached block by block: called with a block's masked logits
+    ``u``, raises the running per-feature max ``c`` and returns the offsets ``[B, H, 1, F]``
+    the block's features use; ``alpha`` rescales the sums so far to them."""
 
-    Keys pass first: each block's per-feature max logit raises the running offsets ``c``
-    (:func:`rfattn.features.key_offset`'s, reached online: ``S, z`` are rescaled by
-    ``exp(c_old - c_new)`` per feature), then query blocks read ``[S, z]`` with the offsets moved
-    to their side (:func:`rfattn.features.query_features`). Only one block's features live at a
-    time; the result equals the whole-sequence features' up to rounding.
-    """
+    def __init__(self, c: torch.Tensor):
+        self.c = c
+
+    def __call__(self, u: torch.Tensor) -> torch.Tensor:
+        old, self.c = self.c, torch.maximum(self.c, u.amax(dim=-2))
+        safe = torch.where(self.c == _NINF, 0.0, self.c)
+        self.alpha = _exp_or_zero(old - safe, old > _NINF)
+        return safe[:, :, None]
+
+
+def _noncausal_forward(spec: _Spec, q, k, v, w, params: dict):
+    """``(out, den, [S, z], offsets)`` of non-causal attention, in blocks (compute dtype)."""
+    fm, scale, mask = spec.fm, spec.scale, spec.mask
     B, H, Tk, E = k.shape[0], k.shape[1], k.shape[2], v.shape[-1]
     F, dt = fm.width(w.shape[-2]), w.dtype
     block = block_tokens(B * H, F)
@@ -425,39 +455,118 @@ def noncausal_forward(fm, q, k, v, w, params: dict, scale: float, mask) -> torch
     for t0 in range(0, Tk, block):
         t1 = min(Tk, t0 + block)
         mb = None if mask is None else mask[:, t0:t1]
-        pad = None if mb is None else mb[:, None, :, None]
-        xk = prescale(k[:, :, t0:t1], scale, mb)
-        vb = v[:, :, t0:t1].to(dt)
-        vh = nnf.pad(vb, (0, s.shape[-1] - E))
-        vh[..., E] = 1.0
-        g = fm.key_amplitude(xk, w, params)
+        vh = _key_values(v[:, :, t0:t1], mb, s.shape[-1], dt)
+        online = _OnlineOffsets(c)
+        pk, _ = _key_side(fm, prescale(k[:, :, t0:t1], scale, mb), w, params, mb, offsets=online)
         if fm.exponential:
-            u = fm.logits(xk, w, "key", params)
-            if pad is not None:
-                u = u.masked_fill(pad, _NINF)
-            new = torch.maximum(c, u.amax(dim=-2))
-            safe = torch.where(new == _NINF, 0.0, new)
-            s = s * _exp_or_zero(c - safe, c > _NINF)[..., None]
-            c = new
-            pk = torch.exp(u.sub_(safe[:, :, None]))
-        else:
-            pk = fm.values(xk, w, "key", params)
-        pk = pk if g is None else pk * g
-        if pad is not None:
-            pk = pk.masked_fill(pad, 0.0)
-            vh = vh.masked_fill(pad, 0.0)
-        s = torch.baddbmm(s.flatten(0, 1), pk.flatten(0, 1).transpose(-1, -2),
-                          vh.flatten(0, 1)).view_as(s)  # fmt: skip
+            c, s = online.c, s * online.alpha[..., None]
+        s = _addmm(s, pk.transpose(-1, -2), vh)
+        del pk
     off = torch.where(c == _NINF, 0.0, c)  # no valid key: offset 0 (key_offset's rule)
     out = torch.empty(*q.shape[:3], E, dtype=dt, device=q.device)
+    den = torch.empty(q.shape[:3], dtype=dt, device=q.device)
     for r0 in range(0, q.shape[2], block):
         r1 = min(q.shape[2], r0 + block)
-        xq = prescale(q[:, :, r0:r1], scale)
-        if fm.exponential:
-            u = fm.logits(xq, w, "query", params)
-            pq = query_features(u, fm.amplitude(xq, w, "query", params), off)
-        else:
-            pq = fm.values(xq, w, "query", params)
-        nh = pq @ s
+        nh = _query_side(fm, prescale(q[:, :, r0:r1], scale), w, params, off) @ s
         out[:, :, r0:r1] = attention_ratio(nh[..., :E], nh[..., E])
-    return out
+        den[:, :, r0:r1] = nh[..., E]
+    return out, den, s, off
+
+
+def _key_values(v, mask, width: int, dtype) -> torch.Tensor:
+    """``[V, 1, 0...]`` ``[B, H, T, width]`` in ``dtype``, zero for padded keys."""
+    E = v.shape[-1]
+    vh = nnf.pad(v.to(dtype), (0, width - E))
+    vh[..., E] = 1.0
+    return vh if mask is None else vh.masked_fill(mask[:, None, :, None], 0.0)
+
+
+def _backprop(feats, d_feats, leaves, accs) -> None:
+    """Add the gradients of ``feats`` (cotangent ``d_feats``) for the ``leaves`` that require
+    grad into their accumulators ``accs`` (None where not needed)."""
+    wrt = [x for x, a in zip(leaves, accs, strict=True) if a is not None]
+    grads = iter(torch.autograd.grad(feats, wrt, d_feats, allow_unused=True))
+    for a in accs:
+        g = next(grads) if a is not None else None
+        if g is not None:
+            a += g
+
+
+class _NoncausalAttention(torch.autograd.Function):
+    """Non-causal random-feature attention over blocks of T. Inputs: ``spec``, query rows q
+    ``[B, H, Tq, D]`` (grouped-query rows already regrouped), k ``[B, H, Tk, D]``, v, W, then
+    the feature parameters; output ``[B, H, Tq, E]`` in the compute dtype.
+
+    The backward recomputes query blocks (``dS += phi_q^T d[num, den]``, ``d phi_q = d[num,
+    den] S^T``) and then key blocks at the forward's offsets (``d phi_k = [V, 1] dS^T``,
+    ``d[V, 1] = phi_k dS``), the features' cotangents going through autograd over the feature
+    map."""
+
+    @staticmethod
+    def forward(ctx, spec, q, k, v, w, *ptensors):
+        out, den, s, off = _noncausal_forward(spec, q, k, v, w, spec.params(ptensors))
+        ctx.spec = spec
+        ctx.save_for_backward(q, k, v, w, out, den, s, off, *ptensors)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        spec = ctx.spec
+        q, k, v, w, out, den, s, off, *ptensors = ctx.saved_tensors
+        need_q, need_k, need_v, need_w = ctx.needs_input_grad[1:5]
+        need_p = ctx.needs_input_grad[5:]
+        dw = torch.zeros_like(w) if need_w else None
+        dps = [torch.zeros_like(p) if n else None for p, n in zip(ptensors, need_p, strict=True)]
+        dq = torch.zeros_like(q) if need_q else None
+        dk = torch.zeros_like(k) if need_k else None
+        dv = torch.zeros_like(v) if need_v else None
+        dout = dout.to(out.dtype)
+        ds = torch.zeros_like(s)
+        block = block_tokens(k.shape[0] * k.shape[1], s.shape[-2])
+
+        for r0 in range(0, q.shape[2], block):
+            r1 = min(q.shape[2], r0 + block)
+            with torch.enable_grad():
+                qb = q[:, :, r0:r1].detach().requires_grad_(need_q)
+                wl = w.detach().requires_grad_(need_w)
+                pl = [p.detach().requires_grad_(n) for p, n in zip(ptensors, need_p, strict=True)]
+                pq = _query_side(spec.fm, prescale(qb, spec.scale), wl, spec.params(pl), off)
+            dnh = _ratio_grad(dout[:, :, r0:r1], out[:, :, r0:r1], den[:, :, r0:r1], None,
+                              s.shape[-1])  # fmt: skip
+            ds = _addmm(ds, pq.detach().transpose(-1, -2), dnh)
+            if need_q or need_w or any(need_p):
+                _backprop(pq, dnh @ s.transpose(-1, -2), (qb, wl, *pl),
+                          (dq[:, :, r0:r1] if need_q else None, dw, *dps))  # fmt: skip
+        for t0 in range(0, k.shape[2], block):
+            t1 = min(k.shape[2], t0 + block)
+            mb = None if spec.mask is None else spec.mask[:, t0:t1]
+            vh = _key_values(v[:, :, t0:t1], mb, s.shape[-1], s.dtype)
+            with torch.enable_grad():
+                kb = k[:, :, t0:t1].detach().requires_grad_(need_k)
+                wl = w.detach().requires_grad_(need_w)
+                pl = [p.detach().requires_grad_(n) for p, n in zip(ptensors, need_p, strict=True)]
+                pk, _ = _key_side(spec.fm, prescale(kb, spec.scale, mb), wl, spec.params(pl), mb,
+                                  offsets=lambda u: off[:, :, None])  # fmt: skip
+            if need_v:
+                dv[:, :, t0:t1] = (pk.detach() @ ds)[..., : v.shape[-1]]
+            if need_k or need_w or any(need_p):
+                _backprop(pk, vh @ ds.transpose(-1, -2), (kb, wl, *pl),
+                          (dk[:, :, t0:t1] if need_k else None, dw, *dps))  # fmt: skip
+        return (None, dq, dk, dv, dw, *dps)
+
+
+def noncausal_attention(fm, q, k, v, w, params: dict, scale: float, mask) -> torch.Tensor:
+    """Non-causal attention on the torch path (:class:`_NoncausalAttention`): ``out`` ``[B, H,
+    Tq, E]`` in the compute dtype (``w.dtype``) for query rows q ``[B, H, Tq, D]`` (grouped-query
+    rows already regrouped by the caller) and keys k ``[B, H, Tk, D]``, v ``[B, H, Tk, E]``;
+    differentiable in q, k, v, W and the feature parameters.
+
+    Keys pass first: each block's per-feature max logit raises the running offsets ``c``
+    (:func:`rfattn.features.key_offset`'s, reached online: ``S, z`` are rescaled by
+    ``exp(c_old - c_new)`` per feature), then query blocks read ``[S, z]`` with the offsets moved
+    to their side (:func:`rfattn.features.query_features`). Only one block's features live at a
+    time; the result equals the whole-sequence features' up to rounding.
+    """
+    names, ptensors, consts = split_params(params)
+    spec = _Spec(fm, scale, mask, 1, names, consts)
+    return _NoncausalAttention.apply(spec, q, k, v, w, *ptensors)

@@ -126,30 +126,45 @@ def test_causal_gradcheck_across_blocks(feature, weights, monkeypatch):
     assert torch.autograd.gradcheck(fn, (q, k, v, s0, z0))
 
 
-def test_learnable_weights_get_their_gradient_in_causal_blocks(tiny_blocks):
-    rf = make_rf("posrf", "fastfoodl", D=4, M=16)
+@pytest.mark.parametrize("feature, weights", CASES + [("hyprf", "orf"), ("poisrf", "orf")])
+def test_noncausal_blocks_match_the_reference_with_gradients(feature, weights, tiny_blocks):
+    """Keys and queries run in blocks with online per-feature offsets; the backward recomputes
+    both. Global statistics (oprf, saderf, poisrf) come from the whole sequence."""
+    rf = make_rf(feature, weights).eval()
+    q, k = rand(2, 2, 17, 6, seed=1, scale=1.2), rand(2, 2, 30, 6, seed=2, scale=1.2)
+    v = rand(2, 2, 30, 3, seed=3)
+    with torch.no_grad():
+        k[1, :, 25, :] = 6.0  # the largest key logit late, in the last block
+    mask = torch.zeros(2, 30, dtype=torch.bool)
+    mask[0, :12] = True  # a whole first block padded
+    out = rfattn.rf_attention(q, k, v, rf, key_padding_mask=mask, backend="torch")
+    ref = reference(q, k, v, rf, False, mask)
+    assert rel_rms(out, ref) <= OUT
+    with torch.no_grad():
+        assert rel_rms(rfattn.rf_attention(q, k, v, rf, key_padding_mask=mask), ref) <= OUT
+    for name, a, b in zip("qkv", grads(out, (q, k, v)), grads(ref, (q, k, v)), strict=True):
+        assert rel_rms(a, b) <= GRAD, name
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_through_statistics_and_learnable_weights(causal, tiny_blocks):
+    """Feature parameters and W are inputs of the blocked Functions: ``stats_grad=True``
+    statistics (non-causal) and fastfoodl's parameters get the reference's gradients."""
     q, k, v = (rand(2, 2, 21, 4, seed=i, scale=0.7) for i in range(3))
-    out = rfattn.rf_attention(q, k, v, rf, causal=True)
-    ref = reference(q, k, v, rf, True, None)
+    rf = make_rf("posrf", "fastfoodl", D=4, M=16)
+    out = rfattn.rf_attention(q, k, v, rf, causal=causal)
+    ref = reference(q, k, v, rf, causal, None)
     params = [p for p in rf.parameters() if p.requires_grad]
     assert params
     for a, b in zip(grads(out, params), grads(ref, params), strict=True):
         assert a.abs().sum() > 0 and rel_rms(a, b) <= GRAD
-
-
-@pytest.mark.parametrize("feature, weights", CASES + [("hyprf", "orf"), ("poisrf", "orf")])
-def test_noncausal_inference_blocks_match_the_reference(feature, weights, tiny_blocks):
-    """Without autograd, keys and queries run in blocks with online per-feature offsets."""
-    rf = make_rf(feature, weights).eval()
-    q, k = rand(2, 2, 17, 6, seed=1, scale=1.2), rand(2, 2, 30, 6, seed=2, scale=1.2)
-    v = rand(2, 2, 30, 3, seed=3)
-    k.data[1, :, 25, :] = 6.0  # the largest key logit late, in the last block
-    mask = torch.zeros(2, 30, dtype=torch.bool)
-    mask[0, :12] = True  # a whole first block padded
-    with torch.no_grad():
-        out = rfattn.rf_attention(q, k, v, rf, key_padding_mask=mask, backend="torch")
-        ref = reference(q, k, v, rf, False, mask)
-    assert rel_rms(out, ref) <= OUT
+    if causal:
+        return
+    rf = make_rf("oprf", "orf", D=4, stats_grad=True)
+    out = rfattn.rf_attention(q, k, v, rf, causal=False)
+    ref = reference(q, k, v, rf, False, None)
+    for name, a, b in zip("qkv", grads(out, (q, k, v)), grads(ref, (q, k, v)), strict=True):
+        assert rel_rms(a, b) <= GRAD, name
 
 
 def test_nan_in_a_later_block_leaves_earlier_blocks(tiny_blocks):
