@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import rfattn
+from rfattn.reference import attention_ratio
 
 #: SDPA backends, by the name used in provider ids (``sdpa-<name>``) -> ``SDPBackend`` member.
 SDPA_BACKENDS = {
@@ -136,12 +137,122 @@ def available_providers(
     return names, skipped
 
 
+#: tokens per chunk of the previous causal torch path
+_PREVIOUS_CHUNK = 128
+
+
+def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+
+
+def _previous_causal(
+    phi_q: torch.Tensor,
+    u_k: torch.Tensor | None,
+    g_k: torch.Tensor | None,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    state=None,
+) -> tuple[torch.Tensor, tuple]:
+    """The previous torch path's chunk loop, as at commit 2cde6ad (frozen here as the baseline of
+    ``bench.cpu_backend``): returns (out ``[B, H, G, T, E]``, final ``(S, z, offset)``).
+
+    Exponential features are stabilised per query row: query i reads every key j <= i at the
+    offset ``r_i = max(offset before the chunk, m_j for j <= i)``, with ``m_j`` key j's max logit
+    over features. Within a chunk, key j enters as ``g_j exp(u_j - m_j)`` times
+    ``exp(m_j - r_i) <= 1``; the carried state sits at the running max of every key so far and
+    enters row i times ``exp(offset - r_i) <= 1``. So no output depends on a later key, not even
+    through underflow, and where chunks fall changes only rounding (DESIGN §3). Non-finite keys
+    or values poison the outputs from their position on, never earlier ones: future keys are
+    removed by selection (``where``), not by multiplying with 0.
+
+    Args:
+        phi_q: stabilised query features ``[B, H, G, T, F]``: the G query heads that share each
+            of the H key/value heads (grouped-query attention; G = 1 otherwise).
+        u_k: key logits ``[B, H, T, F]`` of an exponential feature, or None for a plain feature
+            (phi_k = g_k, no offset: the state's offset stays 0).
+        g_k: key amplitude ``[B, H, T, F]`` (None = 1) or, when ``u_k`` is None, the features.
+        v: ``[B, H, T, E]``; key_padding_mask: ``[B, T]``; state: carried :class:`RFState`
+            (``[B, H, ...]``: one per key/value head).
+    """
+    B, H, G, T, F = phi_q.shape
+    E = v.shape[-1]
+    dt = phi_q.dtype
+    ninf = float("-inf")
+    if key_padding_mask is not None:
+        pad = key_padding_mask[:, None, :, None]
+        if u_k is not None:
+            u_k = u_k.masked_fill(pad, ninf)
+        if g_k is not None:
+            g_k = g_k.masked_fill(pad, 0.0)
+        v = v.masked_fill(pad, 0.0)
+    if state is None:
+        s = phi_q.new_zeros(B, H, F, E)
+        z = phi_q.new_zeros(B, H, F)
+        off = phi_q.new_full((B, H), ninf if u_k is not None else 0.0)
+    else:
+        s, z, off = (x.to(dt) for x in state)
+    if u_k is not None:
+        m = u_k.detach().amax(dim=-1) if F else u_k.new_full((B, H, T), ninf)  # [B, H, T]
+        safe_m = torch.where(m == ninf, torch.zeros_like(m), m)
+        pk_all = torch.exp(u_k - safe_m[..., None])  # key j at its own max: g_j exp(u_j - m_j)
+        pk_all = pk_all if g_k is None else g_k * pk_all
+    else:
+        pk_all = g_k
+    # non-finite values: zero in the products, NaN from their position on (column-wise)
+    bad_v = ~torch.isfinite(v)
+    bad_k = ~torch.isfinite(pk_all).all(dim=-1, keepdim=True)  # [B, H, T, 1]
+    v_clean = _finite_or_zero(v)
+    outs = []
+    for c0 in range(0, T, _PREVIOUS_CHUNK):
+        c1 = min(T, c0 + _PREVIOUS_CHUNK)
+        C = c1 - c0
+        tril = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
+        pq, vc, pk = phi_q[:, :, :, c0:c1], v_clean[:, :, None, c0:c1], pk_all[:, :, c0:c1]
+        raw = pq @ _finite_or_zero(pk).transpose(-1, -2)[:, :, None]  # [B, H, G, C, C]
+        if u_k is None:  # plain features: no offsets
+            intra = torch.where(tril, raw, torch.zeros_like(raw))
+            num, den = pq @ s[:, :, None], (pq @ z[:, :, None, :, None]).squeeze(-1)
+        else:
+            mc = m[:, :, c0:c1]
+            r = torch.maximum(off[..., None], torch.cummax(mc, dim=-1).values)  # [B, H, C]
+            # exp(m_j - r_i) <= 1 for j <= i; keys never seen (-inf) give 0, not NaN
+            seen = tril & (mc[..., None, :] > ninf)
+            decay = torch.exp(torch.where(seen, mc[..., None, :] - r[..., :, None], ninf))
+            decay = torch.where(mc[..., None, :].isnan() & tril, mc[..., None, :], decay)
+            intra = torch.where(tril, raw * decay[:, :, None], torch.zeros_like(raw))
+            carried = torch.where(off[..., None] == ninf, torch.zeros_like(r),
+                                  torch.exp(off[..., None] - r))[:, :, None]  # fmt: skip
+            num = (pq @ s[:, :, None]) * carried[..., None]
+            den = (pq @ z[:, :, None, :, None]).squeeze(-1) * carried
+            new_off = r[..., -1]
+            safe_new = torch.where(new_off == ninf, torch.zeros_like(new_off), new_off)
+            alpha = torch.where(off == ninf, torch.zeros_like(off), torch.exp(off - safe_new))
+            s, z = s * alpha[..., None, None], z * alpha[..., None]
+            pk = pk * torch.exp(torch.where(mc == ninf, mc, mc - safe_new[..., None]))[..., None]
+            off = new_off
+        num = num + intra @ vc
+        den = den + intra.sum(-1)
+        bad = bad_v[:, :, c0:c1] | bad_k[:, :, c0:c1]
+        poisoned = (torch.cumsum(bad.to(torch.int32), dim=-2) > 0)[:, :, None]
+        num = torch.where(poisoned, torch.full_like(num, float("nan")), num)
+        outs.append(attention_ratio(num, den))
+        s = s + pk.transpose(-1, -2) @ v[:, :, c0:c1]
+        z = z + pk.sum(dim=-2)
+    if not outs:
+        # T = 0: phi_q @ S is [B, H, G, 0, E] and keeps the graph (an output without grad_fn
+        # would break a caller's backward); the state too, through empty sums over the keys
+        s = s + pk_all.transpose(-1, -2) @ v
+        z = z + pk_all.sum(dim=-2)
+        return phi_q @ s[:, :, None], (s, z, off)
+    return torch.cat(outs, dim=3), (s, z, off)
+
+
 def previous_torch_path(q, k, v, rf, causal: bool) -> torch.Tensor:
     """``rf_attention``'s torch path before the blocked forms of ``rfattn.blocked`` (as at commit
     2cde6ad): features of the whole sequence, then ``linear_attention`` (non-causal) or the
-    chunk loop of ``rfattn.attention._causal_torch`` (128 tokens a step), autograd recording
+    chunk loop of :func:`_previous_causal` (128 tokens a step), autograd recording
     every op; no masks. ``bench.cpu_backend``'s baseline, eager and compiled."""
-    from rfattn.attention import _causal_keys, _causal_torch, _torch_inputs
+    from rfattn.attention import _causal_keys, _torch_inputs
     from rfattn.features import query_features
     from rfattn.reference import linear_attention
 
@@ -156,7 +267,7 @@ def previous_torch_path(q, k, v, rf, causal: bool) -> torch.Tensor:
     else:
         phi_q = fm.values(xq, w, "query", params)
     u_k, g_k = _causal_keys(fm, xk, w, params)
-    out, _ = _causal_torch(phi_q[:, :, None], u_k, g_k, v.to(w.dtype), None, None)
+    out, _ = _previous_causal(phi_q[:, :, None], u_k, g_k, v.to(w.dtype), None, None)
     return out[:, :, 0].to(q.dtype)
 
 

@@ -1,9 +1,8 @@
 """``rf_attention``: validation and backend dispatch (fused Triton kernels | torch path).
 
-The torch path is the CPU implementation and the reference for streaming: non-causal it builds
-the feature maps and applies :func:`rfattn.reference.linear_attention`; causal it runs a chunked
-prefix sum (never a ``[T, F, E]`` tensor) carrying the state ``(S, z, offset)`` with the running
-key max of DESIGN §3, so a sequence can be split and resumed.
+The torch path is the CPU implementation and the reference for streaming (:mod:`rfattn.blocked`):
+blocks of T, features of one block at a time, hand-written backwards; causal it carries the state
+``(S, z, offset)`` with the running key max of DESIGN §3, so a sequence can be split and resumed.
 """
 
 from __future__ import annotations
@@ -16,15 +15,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from rfattn import blocked
 from rfattn.features import compute_dtype, prescale, python_scalar
-from rfattn.reference import attention_ratio
 from rfattn.stats import Moments
 from rfattn.weights import WEIGHTED_WEIGHTS
 
 __all__ = ["rf_attention", "RFState", "BACKENDS", "fused_kernel_available"]
 
 BACKENDS = ("auto", "torch", "triton")
-#: tokens per chunk of the causal torch path: the intra-chunk block is [C, C] per (b, h).
-_CHUNK = 128
 
 
 class RFState(NamedTuple):
@@ -154,10 +150,6 @@ def _check_state(state, q, v, rf) -> None:
             raise TypeError(f"initial_state.{name} must be floating point, got dtype {x.dtype}")
 
 
-def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
-    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
-
-
 def _causal_torch(
     phi_q: torch.Tensor,
     u_k: torch.Tensor | None,
@@ -166,97 +158,14 @@ def _causal_torch(
     key_padding_mask: torch.Tensor | None,
     state: RFState | None,
 ) -> tuple[torch.Tensor, RFState]:
-    """Chunked causal linear attention; returns (out ``[B, H, G, T, E]``, final state).
+    """Causal linear attention from features (``rfattn.blocked.causal_scan``): ``(out [B, H, G,
+    T, E], final state)`` for query features ``[B, H, G, T, F]``, key logits ``u_k`` (None for
+    a plain feature) and amplitudes or plain features ``g_k`` ``[B, H, T, F]``; the operators'
+    torch kernels and the sharded path's local states use it."""
+    from rfattn import blocked
 
-    Exponential features are stabilised per query row: query i reads every key j <= i at the
-    offset ``r_i = max(offset before the chunk, m_j for j <= i)``, with ``m_j`` key j's max logit
-    over features. Within a chunk, key j enters as ``g_j exp(u_j - m_j)`` times
-    ``exp(m_j - r_i) <= 1``; the carried state sits at the running max of every key so far and
-    enters row i times ``exp(offset - r_i) <= 1``. So no output depends on a later key, not even
-    through underflow, and where chunks fall changes only rounding (DESIGN §3). Non-finite keys
-    or values poison the outputs from their position on, never earlier ones: future keys are
-    removed by selection (``where``), not by multiplying with 0.
-
-    Args:
-        phi_q: stabilised query features ``[B, H, G, T, F]``: the G query heads that share each
-            of the H key/value heads (grouped-query attention; G = 1 otherwise).
-        u_k: key logits ``[B, H, T, F]`` of an exponential feature, or None for a plain feature
-            (phi_k = g_k, no offset: the state's offset stays 0).
-        g_k: key amplitude ``[B, H, T, F]`` (None = 1) or, when ``u_k`` is None, the features.
-        v: ``[B, H, T, E]``; key_padding_mask: ``[B, T]``; state: carried :class:`RFState`
-            (``[B, H, ...]``: one per key/value head).
-    """
-    B, H, G, T, F = phi_q.shape
-    E = v.shape[-1]
-    dt = phi_q.dtype
-    ninf = float("-inf")
-    if key_padding_mask is not None:
-        pad = key_padding_mask[:, None, :, None]
-        if u_k is not None:
-            u_k = u_k.masked_fill(pad, ninf)
-        if g_k is not None:
-            g_k = g_k.masked_fill(pad, 0.0)
-        v = v.masked_fill(pad, 0.0)
-    if state is None:
-        s = phi_q.new_zeros(B, H, F, E)
-        z = phi_q.new_zeros(B, H, F)
-        off = phi_q.new_full((B, H), ninf if u_k is not None else 0.0)
-    else:
-        s, z, off = (x.to(dt) for x in state)
-    if u_k is not None:
-        m = u_k.detach().amax(dim=-1) if F else u_k.new_full((B, H, T), ninf)  # [B, H, T]
-        safe_m = torch.where(m == ninf, torch.zeros_like(m), m)
-        pk_all = torch.exp(u_k - safe_m[..., None])  # key j at its own max: g_j exp(u_j - m_j)
-        pk_all = pk_all if g_k is None else g_k * pk_all
-    else:
-        pk_all = g_k
-    # non-finite values: zero in the products, NaN from their position on (column-wise)
-    bad_v = ~torch.isfinite(v)
-    bad_k = ~torch.isfinite(pk_all).all(dim=-1, keepdim=True)  # [B, H, T, 1]
-    v_clean = _finite_or_zero(v)
-    outs = []
-    for c0 in range(0, T, _CHUNK):
-        c1 = min(T, c0 + _CHUNK)
-        C = c1 - c0
-        tril = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
-        pq, vc, pk = phi_q[:, :, :, c0:c1], v_clean[:, :, None, c0:c1], pk_all[:, :, c0:c1]
-        raw = pq @ _finite_or_zero(pk).transpose(-1, -2)[:, :, None]  # [B, H, G, C, C]
-        if u_k is None:  # plain features: no offsets
-            intra = torch.where(tril, raw, torch.zeros_like(raw))
-            num, den = pq @ s[:, :, None], (pq @ z[:, :, None, :, None]).squeeze(-1)
-        else:
-            mc = m[:, :, c0:c1]
-            r = torch.maximum(off[..., None], torch.cummax(mc, dim=-1).values)  # [B, H, C]
-            # exp(m_j - r_i) <= 1 for j <= i; keys never seen (-inf) give 0, not NaN
-            seen = tril & (mc[..., None, :] > ninf)
-            decay = torch.exp(torch.where(seen, mc[..., None, :] - r[..., :, None], ninf))
-            decay = torch.where(mc[..., None, :].isnan() & tril, mc[..., None, :], decay)
-            intra = torch.where(tril, raw * decay[:, :, None], torch.zeros_like(raw))
-            carried = torch.where(off[..., None] == ninf, torch.zeros_like(r),
-                                  torch.exp(off[..., None] - r))[:, :, None]  # fmt: skip
-            num = (pq @ s[:, :, None]) * carried[..., None]
-            den = (pq @ z[:, :, None, :, None]).squeeze(-1) * carried
-            new_off = r[..., -1]
-            safe_new = torch.where(new_off == ninf, torch.zeros_like(new_off), new_off)
-            alpha = torch.where(off == ninf, torch.zeros_like(off), torch.exp(off - safe_new))
-            s, z = s * alpha[..., None, None], z * alpha[..., None]
-            pk = pk * torch.exp(torch.where(mc == ninf, mc, mc - safe_new[..., None]))[..., None]
-            off = new_off
-        num = num + intra @ vc
-        den = den + intra.sum(-1)
-        bad = bad_v[:, :, c0:c1] | bad_k[:, :, c0:c1]
-        poisoned = (torch.cumsum(bad.to(torch.int32), dim=-2) > 0)[:, :, None]
-        num = torch.where(poisoned, torch.full_like(num, float("nan")), num)
-        outs.append(attention_ratio(num, den))
-        s = s + pk.transpose(-1, -2) @ v[:, :, c0:c1]
-        z = z + pk.sum(dim=-2)
-    if not outs:
-        # T = 0: phi_q @ S is [B, H, G, 0, E] and keeps the graph (an output without grad_fn
-        # would break a caller's backward); the state too, through empty sums over the keys
-        s = s + pk_all.transpose(-1, -2) @ v
-        z = z + pk_all.sum(dim=-2)
-        return phi_q @ s[:, :, None], RFState(s, z, off)
-    return torch.cat(outs, dim=3), RFState(s, z, off)
+    out, state = blocked.causal_scan(phi_q, u_k, g_k, v, key_padding_mask, state)
+    return out, RFState(*state)
 
 
 def _causal_keys(fm, xk, w, params) -> tuple:

@@ -130,16 +130,24 @@ def _query_side(fm, xq, w, params, key_offsets=None) -> torch.Tensor:
 
 
 def _key_side(fm, xk, w, params, mask, offsets=None):
-    """``(phi_k, m)``: keys at their own max logit ``g exp(u - m)`` (plain features: the
-    features, m = 0) and ``m`` ``[B, H, T]`` (detached; -inf for padded keys, not finite for a
-    key whose features are not), padded keys 0. ``offsets``: a function of the masked logits
-    ``u`` giving the offsets ``[B, H, T, 1]`` or ``[B, H, 1, F]`` to use instead of ``m``
-    (non-causal). Without autograd the logits become the features in place."""
-    pad = None if mask is None else mask[:, None, :, None]
-    inplace = False
+    """:func:`_keys` of the feature map's logits and amplitude (or plain features) for pre-scaled
+    keys ``xk``. Without autograd the logits become the features in place."""
     if fm.exponential:
         u = fm.logits(xk, w, "key", params)
         inplace = not torch.is_grad_enabled() and _owned(u)
+        return _keys(u, fm.key_amplitude(xk, w, params), mask, True, inplace, offsets)
+    pk, c = fm.values(xk, w, "key", params), fm.key_amplitude(xk, w, params)
+    return _keys(pk if c is None else pk * c, None, mask, False, False)
+
+
+def _keys(u, g, mask, exponential: bool, inplace: bool = False, offsets=None):
+    """``(phi_k, m)``: keys at their own max logit ``g exp(u - m)`` (plain features: ``u`` is the
+    features, m = 0) and ``m`` ``[B, H, T]`` (detached; -inf for padded keys, not finite for a
+    key whose features are not), padded keys 0. ``offsets``: a function of the masked logits
+    giving the offsets (``[B, H, 1, F]``, non-causal) to use instead of ``m``. ``inplace``: ``u``
+    is a tensor of this call's own, turned into the features."""
+    pad = None if mask is None else mask[:, None, :, None]
+    if exponential:
         if pad is not None:
             u = u.masked_fill_(pad, _NINF) if inplace else u.masked_fill(pad, _NINF)
         if offsets is None:
@@ -148,13 +156,10 @@ def _key_side(fm, xk, w, params, mask, offsets=None):
         else:
             m, off = None, offsets(u)
         pk = u.sub_(off).exp_() if inplace else torch.exp(u - off)
-        g = fm.key_amplitude(xk, w, params)
         if g is not None:
             pk = pk.mul_(g) if inplace else g * pk
     else:
-        pk = fm.values(xk, w, "key", params)
-        c = fm.key_amplitude(xk, w, params)
-        pk = pk if c is None else pk * c
+        pk = u
         # a sum is finite only where every term is (one pass, no [T, F] flags)
         m = torch.where(torch.isfinite(pk.detach().sum(dim=-1)), 0.0, float("nan"))
         if pad is not None:
@@ -192,22 +197,20 @@ class _Offsets:
 
 
 def _rows(x: torch.Tensor, f: torch.Tensor, groups: int) -> torch.Tensor:
-    """``x`` ``[B, H, n, G*C, K]`` times a per-token factor ``f`` ``[B, H, n, C(, C)]`` shared by
-    the G query heads."""
-    return (x.unflatten(3, (groups, -1)) * f[:, :, :, None, :, None]).flatten(3, 4)
+    """``x`` ``[B, H, n, G*C, K]`` times a per-token factor ``f`` ``[B, H, n, C]`` shared by
+    the G query heads (G may be 0)."""
+    return (x.unflatten(3, (groups, f.shape[3])) * f[:, :, :, None, :, None]).flatten(3, 4)
 
 
 def _decayed(x: torch.Tensor, decay: torch.Tensor, groups: int) -> torch.Tensor:
     """``x`` ``[B, H, n, G*C, C]`` times the ``[B, H, n, C, C]`` decay, for each query head."""
-    return (x.unflatten(3, (groups, -1)) * decay[:, :, :, None]).flatten(3, 4)
+    return (x.unflatten(3, (groups, decay.shape[3])) * decay[:, :, :, None]).flatten(3, 4)
 
 
 def _addmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``c + a @ b`` over the leading dims, in one product writing into ``c``'s values (no
-    extra ``[..., M, N]`` pass); ``c`` must be a fresh tensor."""
+    """``c + a @ b`` over the leading dims in one batched product (no separate sum pass)."""
     lead = a.shape[:-2]
-    out = torch.baddbmm(c.reshape(-1, *c.shape[-2:]), a.reshape(-1, *a.shape[-2:]),
-                        b.reshape(-1, *b.shape[-2:]))  # fmt: skip
+    out = torch.baddbmm(*(x.flatten(0, -3) for x in (c, a, b)))
     return out.view(*lead, *out.shape[-2:])
 
 
@@ -220,7 +223,7 @@ class _Block:
         B, H, n, C, E1 = vh.shape
         F = pq.shape[-1]
         self.E, self.groups = values, groups
-        self.pq = pq.unflatten(2, (n, -1))  # [B, H, n, G*C, F]
+        self.pq = pq.unflatten(2, (n, groups * C))  # [B, H, n, G*C, F]
         m = m.unflatten(2, (n, C))
         pk = pk.unflatten(2, (n, C))
         bad_k = torch.isnan(m) | (m == float("inf"))  # [B, H, n, C]: features not finite
@@ -292,13 +295,13 @@ def _ratio_grad(dout, out, den, poisoned, width: int):
 
 
 def _to_rows(x: torch.Tensor, n: int, groups: int) -> torch.Tensor:
-    """``[B, Hk, G, T_b, K]`` as chunk rows ``[B, Hk, n, G*C, K]``."""
-    return x.unflatten(3, (n, -1)).transpose(2, 3).flatten(3, 4)
+    """``[B, Hk, G, n*C, K]`` as chunk rows ``[B, Hk, n, G*C, K]``."""
+    return x.unflatten(3, (n, CHUNK)).transpose(2, 3).flatten(3, 4)
 
 
 def _from_rows(x: torch.Tensor, groups: int) -> torch.Tensor:
     """Chunk rows ``[B, Hk, n, G*C, K]`` as ``[B, Hk, G, n*C, K]``."""
-    return x.unflatten(3, (groups, -1)).transpose(2, 3).flatten(3, 4)
+    return x.unflatten(3, (groups, CHUNK)).transpose(2, 3).flatten(3, 4)
 
 
 def _block_rows(x: torch.Tensor, t0: int, t1: int, n: int) -> torch.Tensor:
@@ -307,36 +310,63 @@ def _block_rows(x: torch.Tensor, t0: int, t1: int, n: int) -> torch.Tensor:
     return _to_rows(_pad_tokens(xb, n * CHUNK - xb.shape[3]), n, x.shape[2])
 
 
+def _scan_forward(make_block, T: int, block: int, out, den, s, off, keep: bool):
+    """Run the causal blocks in order: ``make_block(t0, t1, s, off)`` gives a block's
+    :class:`_Block` from the state before it; fills ``out`` ``[B, H, G, T, E]`` and ``den``
+    ``[B, H, G, T]``; returns the final ``(s, off)`` and, with ``keep``, the states before each
+    block (what the backward starts each block from)."""
+    G = out.shape[2]
+    starts, offs = [], []
+    for t0 in range(0, T, block):
+        t1 = min(T, t0 + block)
+        if keep:
+            starts.append(s)
+            offs.append(off)
+        blk = make_block(t0, t1, s, off)
+        num, d = blk.num_den()
+        out[:, :, :, t0:t1] = _from_rows(attention_ratio(num, d), G)[:, :, :, : t1 - t0]
+        den[:, :, :, t0:t1] = _from_rows(d[..., None], G)[:, :, :, : t1 - t0, 0]
+        s, off = blk.s_out, blk.off_out
+        del blk, num, d  # before the next block's features
+    return s, off, starts, offs
+
+
+def _block_backward(blk: _Block, out, dout, den, t0: int, t1: int, dstate):
+    """``(d phi_q rows, d phi_k, d [V, 1], d state before the block)`` of one block from the
+    cotangents of its outputs (in ``dout``) and of the state after it."""
+    n = blk.vh.shape[2]
+    rows = [_block_rows(x, t0, t1, n) for x in (out, dout, den[..., None])]
+    dnh = _ratio_grad(rows[1], rows[0], rows[2][..., 0], blk.poisoned(), blk.vh.shape[-1])
+    return blk.backward(dnh, dstate)
+
+
+def _finite_values(dvh, v):
+    """``d v`` of a block from ``d [V, 1]``: non-finite values get 0 (they were selected away)."""
+    return torch.where(torch.isfinite(v), dvh.flatten(2, 3)[:, :, : v.shape[2], : v.shape[3]], 0.0)
+
+
 class _CausalAttention(torch.autograd.Function):
     """Causal random-feature attention over blocks of T (see the module docstring).
 
     Inputs: ``spec``, q ``[B, Hk*G, T, D]``, k ``[B, Hk, T, D]``, v ``[B, Hk, T, E]``, W, the
-    initial ``[S, z]`` ``[B, Hk, F, E+1]`` and offset ``[B, Hk]`` (compute dtype), the block
-    length, then the feature parameters. Outputs: out ``[B, Hk, G, T, E]`` (compute dtype),
-    the final ``[S, z]`` and offset.
+    initial ``[S, z, 0...]`` ``[B, Hk, F, value_width(E)]`` and offset ``[B, Hk]`` (compute
+    dtype), the block length, then the feature parameters. Outputs: out ``[B, Hk, G, T, E]``
+    (compute dtype), the final ``[S, z, 0...]`` and offset.
     """
 
     @staticmethod
     def forward(ctx, spec, q, k, v, w, s0, off0, block, *ptensors):
         params = spec.params(ptensors)
         B, Hk, T, G, E = k.shape[0], k.shape[1], k.shape[2], spec.groups, v.shape[-1]
-        dt = w.dtype
-        out = torch.empty(B, Hk, G, T, E, dtype=dt, device=q.device)
-        den = torch.empty(B, Hk, G, T, dtype=dt, device=q.device)
-        s, off = s0, off0
-        starts, offs = [], []
-        for t0 in range(0, T, block):
-            t1 = min(T, t0 + block)
-            if spec.keep_states:
-                starts.append(s)
-                offs.append(off)
-            blk = _forward_block(spec, q[:, :, t0:t1], k[:, :, t0:t1], v[:, :, t0:t1], w, params,
-                                 _mask(spec, t0, t1), s, off)  # fmt: skip
-            num, d = blk.num_den()
-            out[:, :, :, t0:t1] = _from_rows(attention_ratio(num, d), G)[:, :, :, : t1 - t0]
-            den[:, :, :, t0:t1] = _from_rows(d[..., None], G)[:, :, :, : t1 - t0, 0]
-            s, off = blk.s_out, blk.off_out
-            del blk, num, d  # before the next block's features
+        out = torch.empty(B, Hk, G, T, E, dtype=w.dtype, device=q.device)
+        den = torch.empty(B, Hk, G, T, dtype=w.dtype, device=q.device)
+
+        def make_block(t0, t1, s, off):
+            return _forward_block(spec, q[:, :, t0:t1], k[:, :, t0:t1], v[:, :, t0:t1], w,
+                                  params, _mask(spec, t0, t1), s, off)  # fmt: skip
+
+        s, off, starts, offs = _scan_forward(make_block, T, block, out, den, s0, off0,
+                                             spec.keep_states)  # fmt: skip
         if s is s0:  # no block: outputs never alias inputs
             s, off = s0.clone(), off0.clone()
         ctx.spec, ctx.block, ctx.n_blocks = spec, block, len(starts)
@@ -352,7 +382,6 @@ class _CausalAttention(torch.autograd.Function):
         need = ctx.needs_input_grad
         need_q, need_k, need_v, need_w, need_s = need[1:6]
         need_p = need[8:]
-        T = k.shape[2]
         dq = torch.zeros_like(q) if need_q else None
         dk = torch.zeros_like(k) if need_k else None
         dv = torch.zeros_like(v) if need_v else None
@@ -361,7 +390,7 @@ class _CausalAttention(torch.autograd.Function):
         dout = torch.zeros_like(out) if dout is None else dout.to(out.dtype)
         dstate = ds if ds is not None or not nb else torch.zeros_like(starts[0])
         for i in reversed(range(nb)):
-            t0, t1 = i * block, min(T, (i + 1) * block)
+            t0, t1 = i * block, min(k.shape[2], (i + 1) * block)
             with torch.enable_grad():
                 qb = q[:, :, t0:t1].detach().requires_grad_(need_q)
                 kb = k[:, :, t0:t1].detach().requires_grad_(need_k)
@@ -370,13 +399,9 @@ class _CausalAttention(torch.autograd.Function):
                 blk, pq, pk = _forward_block(spec, qb, kb, v[:, :, t0:t1], wl, spec.params(pl),
                                              _mask(spec, t0, t1), starts[i], offs[i],
                                              keep=True)  # fmt: skip
-            n = blk.vh.shape[2]
-            rows = [_block_rows(x, t0, t1, n) for x in (out, dout, den[..., None])]
-            dnh = _ratio_grad(rows[1], rows[0], rows[2][..., 0], blk.poisoned(), blk.vh.shape[-1])
-            dpq, dpk, dvh, dstate = blk.backward(dnh, dstate)
+            dpq, dpk, dvh, dstate = _block_backward(blk, out, dout, den, t0, t1, dstate)
             if need_v:
-                dvb = dvh.flatten(2, 3)[:, :, : t1 - t0, : v.shape[-1]]
-                dv[:, :, t0:t1] = torch.where(torch.isfinite(v[:, :, t0:t1]), dvb, 0.0)
+                dv[:, :, t0:t1] = _finite_values(dvh, v[:, :, t0:t1])
             accs = (dq[:, :, t0:t1] if need_q else None, dk[:, :, t0:t1] if need_k else None,
                     dw, *dps)  # fmt: skip
             if any(x is not None for x in accs):
@@ -398,35 +423,124 @@ def _forward_block(spec, q, k, v, w, params, mask, s, off, keep: bool = False):
     return (blk, pq, pk) if keep else blk
 
 
+def _given_block(pq, pk, m, v, mask, t0: int, t1: int, s, off) -> _Block:
+    """The :class:`_Block` of tokens ``t0:t1`` from given features (:class:`_CausalScan`)."""
+    G, n = pq.shape[2], -(-(t1 - t0) // CHUNK)
+    pad = n * CHUNK - (t1 - t0)
+    mb = None if mask is None else mask[:, t0:t1]
+    if pad:
+        mb = nnf.pad(torch.zeros_like(v[0, 0, t0:t1, 0], dtype=torch.bool) if mb is None else mb,
+                     (0, pad), value=True).expand(v.shape[0], -1)  # fmt: skip
+    vh = _key_values(_pad_tokens(v[:, :, t0:t1], pad), mb, s.shape[-1], s.dtype)
+    rows = _to_rows(_pad_tokens(pq[:, :, :, t0:t1], pad), n, G).flatten(2, 3)
+    mk = nnf.pad(m[:, :, t0:t1], (0, pad), value=_NINF)
+    return _Block(rows, _pad_tokens(pk[:, :, t0:t1], pad), mk, vh.unflatten(2, (n, CHUNK)), s,
+                  off, G, v.shape[-1])  # fmt: skip
+
+
+class _CausalScan(torch.autograd.Function):
+    """The causal scan of :class:`_CausalAttention` on given features (no feature map): inputs
+    phi_q ``[B, H, G, T, F]``, phi_k ``[B, H, T, F]`` at the keys' own max logits ``m`` ``[B, H,
+    T]`` (zero and -inf for padded keys), v ``[B, H, T, E]`` (compute dtype), the initial
+    state, the block length and the key mask; outputs as :class:`_CausalAttention`'s, gradients
+    for phi_q, phi_k, v and the initial ``[S, z]``."""
+
+    @staticmethod
+    def forward(ctx, pq, pk, m, v, s0, off0, block, mask):
+        B, H, G, T = pq.shape[:4]
+        out = torch.empty(B, H, G, T, v.shape[-1], dtype=v.dtype, device=v.device)
+        den = torch.empty(B, H, G, T, dtype=v.dtype, device=v.device)
+
+        def make_block(t0, t1, s, off):
+            return _given_block(pq, pk, m, v, mask, t0, t1, s, off)
+
+        s, off, starts, offs = _scan_forward(make_block, T, block, out, den, s0, off0, True)
+        if s is s0:
+            s, off = s0.clone(), off0.clone()
+        ctx.block, ctx.mask, ctx.n_blocks = block, mask, len(starts)
+        ctx.save_for_backward(pq, pk, m, v, out, den, *starts, *offs)
+        ctx.mark_non_differentiable(off)
+        return out, s, off
+
+    @staticmethod
+    def backward(ctx, dout, ds, _doff):
+        block, mask, nb = ctx.block, ctx.mask, ctx.n_blocks
+        pq, pk, m, v, out, den, *rest = ctx.saved_tensors
+        starts, offs = rest[:nb], rest[nb:]
+        dpq, dpk, dv = torch.zeros_like(pq), torch.zeros_like(pk), torch.zeros_like(v)
+        dout = torch.zeros_like(out) if dout is None else dout
+        dstate = ds if ds is not None or not nb else torch.zeros_like(starts[0])
+        G = pq.shape[2]
+        for i in reversed(range(nb)):
+            t0, t1 = i * block, min(pq.shape[3], (i + 1) * block)
+            blk = _given_block(pq, pk, m, v, mask, t0, t1, starts[i], offs[i])
+            dq_rows, dk_b, dvh, dstate = _block_backward(blk, out, dout, den, t0, t1, dstate)
+            n = blk.vh.shape[2]
+            dq_b = _from_rows(dq_rows.unflatten(2, (n, G * CHUNK)), G)
+            dpq[:, :, :, t0:t1] = dq_b[:, :, :, : t1 - t0]
+            dpk[:, :, t0:t1] = dk_b[:, :, : t1 - t0]
+            dv[:, :, t0:t1] = _finite_values(dvh, v[:, :, t0:t1])
+        return dpq, dpk, None, dv, dstate, None, None, None
+
+
+def _initial(state, B: int, H: int, F: int, E: int, exponential: bool, like):
+    """``(s0, off0, given offset)``: the initial ``[S, z, 0...]`` and offset of a causal call in
+    ``like``'s dtype and device (plain features run at offset 0 and pass the given one on)."""
+    dt, dev = like.dtype, like.device
+    if state is None:
+        s0 = torch.zeros(B, H, F, value_width(E), dtype=dt, device=dev)
+        off0 = torch.full((B, H), _NINF if exponential else 0.0, dtype=dt, device=dev)
+    else:
+        s0 = nnf.pad(torch.cat((state[0].to(dt), state[1].to(dt)[..., None]), dim=-1),
+                     (0, value_width(E) - E - 1))  # fmt: skip
+        off0 = state[2].to(dt)
+    return s0, off0 if exponential else torch.zeros_like(off0), off0
+
+
+def _final(s, off, given, E: int, exponential: bool) -> tuple:
+    """``(S, z, offset)`` of the state after a causal call."""
+    # copies, not views of one tensor: an operator's outputs may not alias each other
+    return s[..., :E].contiguous(), s[..., E].contiguous(), off if exponential else given.clone()
+
+
 def causal_attention(fm, q, k, v, w, params: dict, scale: float, mask, state):
     """Causal attention on the torch path: ``(out [B, Hk, G, T, E], (S, z, offset))`` in the
     compute dtype (``w.dtype``), differentiable in q, k, v, W, the state's S and z and the
     feature parameters. ``state``: an :class:`rfattn.RFState` or None."""
     B, Hk, G = k.shape[0], k.shape[1], q.shape[1] // max(1, k.shape[1])
-    E, dt = v.shape[-1], w.dtype
+    E = v.shape[-1]
     names, ptensors, consts = split_params(params)
     grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, w, *ptensors, *(state or ()))
     )
     spec = _Spec(fm, scale, mask, G, names, consts, keep_states=grad)
     F = fm.width(w.shape[-2])
-    if state is None:
-        s0 = torch.zeros(B, Hk, F, value_width(E), dtype=dt, device=q.device)
-        off0 = torch.full((B, Hk), _NINF if fm.exponential else 0.0, dtype=dt, device=q.device)
-    else:
-        s0 = nnf.pad(torch.cat((state[0].to(dt), state[1].to(dt)[..., None]), dim=-1),
-                     (0, value_width(E) - E - 1))  # fmt: skip
-        off0 = state[2].to(dt)
-    given = off0
-    if not fm.exponential:  # plain features have no offsets: the state's is passed through
-        off0 = torch.zeros_like(off0)
+    s0, off0, given = _initial(state, B, Hk, F, E, fm.exponential, w)
     block = block_tokens(B * Hk * max(G, 1), F)
     out, s, off = _CausalAttention.apply(spec, q, k, v, w, s0, off0, block, *ptensors)
-    return out, (s[..., :E], s[..., E], off if fm.exponential else given.clone())
+    return out, _final(s, off, given, E, fm.exponential)
 
 
-# ------------------------------------------------------------------------------------------------
-# non-causal, no gradient
+def causal_scan(phi_q, u_k, g_k, v, mask, state):
+    """Causal linear attention from features: ``(out [B, H, G, T, E], (S, z, offset))``,
+    differentiable in the features, v and the state's S and z (autograd through the key
+    offsets' subtraction, the scan by :class:`_CausalScan`'s hand-written backward).
+
+    Args:
+        phi_q: stabilised query features ``[B, H, G, T, F]`` (the G query heads that share each
+            of the H key/value heads).
+        u_k: key logits ``[B, H, T, F]`` of an exponential feature, or None for a plain one.
+        g_k: key amplitude (None = 1) or, when ``u_k`` is None, the key features.
+        v: ``[B, H, T, E]`` in phi_q's dtype; mask: ``[B, T]`` key padding; state: an
+            :class:`rfattn.RFState` or None.
+    """
+    B, H, G, T, F = phi_q.shape
+    E, exponential = v.shape[-1], u_k is not None
+    pk, m = _keys(u_k, g_k, mask, True) if exponential else _keys(g_k, None, mask, False)
+    s0, off0, given = _initial(state, B, H, F, E, exponential, phi_q)
+    block = block_tokens(B * H * max(G, 1), F)
+    out, s, off = _CausalScan.apply(phi_q, pk, m, v, s0, off0, block, mask)
+    return out, _final(s, off, given, E, exponential)
 
 
 class _OnlineOffsets:
