@@ -503,10 +503,15 @@ def _final(s, off, given, E: int, exponential: bool) -> tuple:
     return s[..., :E].contiguous(), s[..., E].contiguous(), off if exponential else given.clone()
 
 
+@torch.compiler.disable
 def causal_attention(fm, q, k, v, w, params: dict, scale: float, mask, state):
     """Causal attention on the torch path: ``(out [B, Hk, G, T, E], (S, z, offset))`` in the
     compute dtype (``w.dtype``), differentiable in q, k, v, W, the state's S and z and the
-    feature parameters. ``state``: an :class:`rfattn.RFState` or None."""
+    feature parameters. ``state``: an :class:`rfattn.RFState` or None.
+
+    ``torch.compile`` runs it eagerly (``torch.compiler.disable``): its operations are already
+    large batched products, and tracing its block loop only adds graph breaks and recompiles
+    (measured in ``bench.cpu_backend``: compiled it ran slower than eager)."""
     B, Hk, G = k.shape[0], k.shape[1], q.shape[1] // max(1, k.shape[1])
     E = v.shape[-1]
     names, ptensors, consts = split_params(params)
@@ -669,6 +674,7 @@ class _NoncausalAttention(torch.autograd.Function):
         return (None, dq, dk, dv, dw, *dps)
 
 
+@torch.compiler.disable
 def noncausal_attention(fm, q, k, v, w, params: dict, scale: float, mask) -> torch.Tensor:
     """Non-causal attention on the torch path (:class:`_NoncausalAttention`): ``out`` ``[B, H,
     Tq, E]`` in the compute dtype (``w.dtype``) for query rows q ``[B, H, Tq, D]`` (grouped-query
@@ -679,7 +685,8 @@ def noncausal_attention(fm, q, k, v, w, params: dict, scale: float, mask) -> tor
     (:func:`rfattn.features.key_offset`'s, reached online: ``S, z`` are rescaled by
     ``exp(c_old - c_new)`` per feature), then query blocks read ``[S, z]`` with the offsets moved
     to their side (:func:`rfattn.features.query_features`). Only one block's features live at a
-    time; the result equals the whole-sequence features' up to rounding.
+    time; the result equals the whole-sequence features' up to rounding. Eager under
+    ``torch.compile``, as :func:`causal_attention`.
     """
     names, ptensors, consts = split_params(params)
     spec = _Spec(fm, scale, mask, 1, names, consts)
