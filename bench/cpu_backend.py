@@ -128,6 +128,15 @@ def _get(doc, key, provider, causal, mode):
     return [r["T"] for r in rows], rows
 
 
+def _t_axis(ax, doc) -> None:
+    Ts = sorted({r["T"] for r in doc["results"]})
+    from matplotlib.ticker import NullLocator
+
+    ax.set_xticks(Ts, [str(t) for t in Ts])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.grid(alpha=0.3)
+
+
 def plot(doc, path: Path) -> None:
     import matplotlib
 
@@ -143,10 +152,15 @@ def plot(doc, path: Path) -> None:
                 if Ts:
                     ax.plot(Ts, [r["ms_p50"] for r in rows], ls, color=color, marker="o",
                             ms=3, label=f"{provider} {mode}")  # fmt: skip
-        ax.set(xscale="log", yscale="log", xlabel="T", ylabel="ms (median)",
-               title=("causal" if causal else "non-causal") + " time")  # fmt: skip
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="T",
+            ylabel="ms (median)",
+            title=("causal" if causal else "non-causal") + " time (-- fwd, — fwd+bwd)",
+        )
+        _t_axis(ax, doc)
+        ax.legend(fontsize=7, handlelength=3)
     ax = axes[2]
     for provider, color in styles.items():
         for causal, ls in ((True, "-"), (False, ":")):
@@ -163,8 +177,8 @@ def plot(doc, path: Path) -> None:
                 )
     ax.set(xscale="log", yscale="log", xlabel="T", ylabel="MiB above the inputs",
            title="forward peak memory")  # fmt: skip
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    _t_axis(ax, doc)
+    ax.legend(fontsize=7, handlelength=3)
     fig.suptitle(doc["title"] + f" ({doc['env'].get('device', 'cpu')})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
