@@ -12,10 +12,13 @@ kernels are: features are computed for one block of tokens at a time and dropped
   recomputes each block's features and states from it, runs the reverse scan with the transposed
   matrix and returns the features' cotangents through autograd over the feature map (so every
   feature, its parameters and a learnable W get their gradients).
-* Non-causal, no gradient (:func:`noncausal_forward`): keys in blocks with per-feature running
-  offsets (flash-style rescaling of ``S, z``), then queries in blocks.
+* Non-causal (:class:`_NoncausalAttention`): keys in blocks with per-feature running offsets
+  (flash-style rescaling of ``S, z``), then queries in blocks; the backward recomputes query
+  blocks, then key blocks at the forward's offsets.
+* Given features (:class:`_CausalScan`, behind :func:`rfattn.attention._causal_torch`): the same
+  causal blocks for the operators' torch kernels and the sharded path's local states.
 
-Offsets are those of DESIGN §3 and of :func:`rfattn.attention._causal_torch`: query row i reads
+Offsets are those of DESIGN §3 and of the fused chunk kernel: query row i reads
 key j <= i at ``r_i = max(offset before the chunk, m_l for l <= i in the chunk)``, key j entering
 as ``g_j exp(u_j - m_j) exp(m_j - r_i)`` with ``m_j`` its max logit; so no output depends on a
 later key, not even through underflow. A non-finite key or value poisons the outputs from its
