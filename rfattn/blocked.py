@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as nnf
 
 from rfattn.features import prescale, query_features
-from rfattn.reference import attention_ratio, safe_denominator
+from rfattn.reference import attention_ratio, linear_attention, safe_denominator
 
 #: tokens per chunk (the intra-chunk block is [C, C] per (b, h, query head))
 CHUNK = 64
@@ -231,7 +231,8 @@ class _Block:
         pk = pk.unflatten(2, (n, C))
         bad_k = torch.isnan(m) | (m == float("inf"))  # [B, H, n, C]: features not finite
         bad = ~torch.isfinite(vh) | bad_k[..., None]  # [B, H, n, C, E+1]
-        self.dirty = bool(bad.any())
+        # traced (torch.compile): no data-dependent branch, always select
+        self.dirty = torch.compiler.is_compiling() or bool(bad.any())
         if self.dirty:  # non-finite terms are removed by selection, their rows poisoned
             pk = torch.where(bad_k[..., None], 0.0, pk)
             vh = torch.where(bad, 0.0, vh)
@@ -506,15 +507,13 @@ def _final(s, off, given, E: int, exponential: bool) -> tuple:
     return s[..., :E].contiguous(), s[..., E].contiguous(), off if exponential else given.clone()
 
 
-@torch.compiler.disable
 def causal_attention(fm, q, k, v, w, params: dict, scale: float, mask, state):
     """Causal attention on the torch path: ``(out [B, Hk, G, T, E], (S, z, offset))`` in the
     compute dtype (``w.dtype``), differentiable in q, k, v, W, the state's S and z and the
     feature parameters. ``state``: an :class:`rfattn.RFState` or None.
 
-    ``torch.compile`` runs it eagerly (``torch.compiler.disable``): its operations are already
-    large batched products, and tracing its block loop only adds graph breaks and recompiles
-    (measured in ``bench.cpu_backend``: compiled it ran slower than eager)."""
+    Under ``torch.compile`` it traces :func:`_traced_causal` instead (one graph, ``fullgraph``
+    included; the autograd Functions' recomputing backwards are not traced)."""
     B, Hk, G = k.shape[0], k.shape[1], q.shape[1] // max(1, k.shape[1])
     E = v.shape[-1]
     names, ptensors, consts = split_params(params)
@@ -522,11 +521,30 @@ def causal_attention(fm, q, k, v, w, params: dict, scale: float, mask, state):
         x is not None and x.requires_grad for x in (q, k, v, w, *ptensors, *(state or ()))
     )
     spec = _Spec(fm, scale, mask, G, names, consts, keep_states=grad)
+    if torch.compiler.is_compiling():
+        return _traced_causal(fm, q, k, v, w, params, scale, mask, state)
     F = fm.width(w.shape[-2])
     s0, off0, given = _initial(state, B, Hk, F, E, fm.exponential, w)
     block = block_tokens(B * Hk * max(G, 1), F)
     out, s, off = _CausalAttention.apply(spec, q, k, v, w, s0, off0, block, *ptensors)
     return out, _final(s, off, given, E, fm.exponential)
+
+
+def _traced_causal(fm, q, k, v, w, params, scale, mask, state):
+    """:func:`causal_attention` under ``torch.compile``: the features of the whole sequence
+    with autograd, then :func:`causal_scan`'s traced blocks (no autograd Function, no
+    data-dependent branch: a ``fullgraph`` graph that inductor fuses; memory as autograd keeps
+    it)."""
+    Hk, G, T = k.shape[1], q.shape[1] // max(1, k.shape[1]), q.shape[2]
+    xq = prescale(q, scale).unflatten(1, (Hk, G)).flatten(2, 3)  # [B, Hk, G*T, D]
+    xk = prescale(k, scale, mask)
+    pq = _query_side(fm, xq, w, params).unflatten(2, (G, T))
+    if fm.exponential:
+        u_k, g_k = fm.logits(xk, w, "key", params), fm.key_amplitude(xk, w, params)
+    else:
+        g_k, c = fm.values(xk, w, "key", params), fm.key_amplitude(xk, w, params)
+        u_k, g_k = None, g_k if c is None else g_k * c
+    return causal_scan(pq, u_k, g_k, v.to(w.dtype), mask, state)
 
 
 def causal_scan(phi_q, u_k, g_k, v, mask, state):
@@ -547,7 +565,17 @@ def causal_scan(phi_q, u_k, g_k, v, mask, state):
     pk, m = _keys(u_k, g_k, mask, True) if exponential else _keys(g_k, None, mask, False)
     s0, off0, given = _initial(state, B, H, F, E, exponential, phi_q)
     block = block_tokens(B * H * max(G, 1), F)
-    out, s, off = _CausalScan.apply(phi_q, pk, m, v, s0, off0, block, mask)
+    if torch.compiler.is_compiling():  # traced: the blocks' own ops, differentiated by autograd
+        out = phi_q.new_empty(B, H, G, T, E)
+        den = phi_q.new_empty(B, H, G, T)
+
+        def make_block(t0, t1, s, off):
+            return _given_block(phi_q, pk, m, v, mask, t0, t1, s, off)
+
+        s, off, _, _ = _scan_forward(make_block, T, block, out, den, s0, off0, False)
+        s, off = (s0.clone(), off0.clone()) if s is s0 else (s, off)
+    else:
+        out, s, off = _CausalScan.apply(phi_q, pk, m, v, s0, off0, block, mask)
     return out, _final(s, off, given, E, exponential)
 
 
@@ -677,7 +705,6 @@ class _NoncausalAttention(torch.autograd.Function):
         return (None, dq, dk, dv, dw, *dps)
 
 
-@torch.compiler.disable
 def noncausal_attention(fm, q, k, v, w, params: dict, scale: float, mask) -> torch.Tensor:
     """Non-causal attention on the torch path (:class:`_NoncausalAttention`): ``out`` ``[B, H,
     Tq, E]`` in the compute dtype (``w.dtype``) for query rows q ``[B, H, Tq, D]`` (grouped-query
@@ -688,9 +715,13 @@ def noncausal_attention(fm, q, k, v, w, params: dict, scale: float, mask) -> tor
     (:func:`rfattn.features.key_offset`'s, reached online: ``S, z`` are rescaled by
     ``exp(c_old - c_new)`` per feature), then query blocks read ``[S, z]`` with the offsets moved
     to their side (:func:`rfattn.features.query_features`). Only one block's features live at a
-    time; the result equals the whole-sequence features' up to rounding. Eager under
-    ``torch.compile``, as :func:`causal_attention`.
+    time; the result equals the whole-sequence features' up to rounding. Under
+    ``torch.compile``: the whole-sequence features and ``linear_attention``, traced.
     """
+    if torch.compiler.is_compiling():  # traced: whole-sequence features, autograd
+        xq, xk = prescale(q, scale), prescale(k, scale, mask)
+        phi_q, phi_k = fm.features(xq, xk, w, mask, params)
+        return linear_attention(phi_q, phi_k, v.to(w.dtype), key_padding_mask=mask)
     names, ptensors, consts = split_params(params)
     spec = _Spec(fm, scale, mask, 1, names, consts)
     return _NoncausalAttention.apply(spec, q, k, v, w, *ptensors)

@@ -175,3 +175,25 @@ def test_nan_in_a_later_block_leaves_earlier_blocks(tiny_blocks):
     out = rfattn.rf_attention(q, k, v, rf, causal=True)
     assert torch.equal(out[:, :, :17], clean[:, :, :17])
     assert out[0, 1, 17:, 2].isnan().all() and torch.equal(out[0, 0], clean[0, 0])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fullgraph_compile_traces_the_torch_path(causal):
+    """Under ``torch.compile(fullgraph=True)`` the torch path traces one graph (whole-sequence
+    features, the blocks' ops differentiated by autograd) that equals the eager blocked path,
+    outputs and gradients, with padding and grouped heads."""
+    torch._dynamo.reset()
+    rf = make_rf("oprf", "orf", D=8).eval()
+    q = rand(2, 4, 40, 8, seed=1, scale=0.8)
+    k, v = rand(2, 2, 40, 8, seed=2, scale=0.8), rand(2, 2, 40, 3, seed=3)
+    mask = torch.zeros(2, 40, dtype=torch.bool)
+    mask[1, 33:] = True
+
+    def fn(q, k, v):
+        return rfattn.rf_attention(q, k, v, rf, causal=causal, key_padding_mask=mask)
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    out, ref = compiled(q, k, v), fn(q, k, v)
+    assert rel_rms(out, ref) <= OUT
+    for name, a, b in zip("qkv", grads(out, (q, k, v)), grads(ref, (q, k, v)), strict=True):
+        assert rel_rms(a, b) <= GRAD, name
