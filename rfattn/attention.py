@@ -162,8 +162,6 @@ def _causal_torch(
     T, E], final state)`` for query features ``[B, H, G, T, F]``, key logits ``u_k`` (None for
     a plain feature) and amplitudes or plain features ``g_k`` ``[B, H, T, F]``; the operators'
     torch kernels and the sharded path's local states use it."""
-    from rfattn import blocked
-
     out, state = blocked.causal_scan(phi_q, u_k, g_k, v, key_padding_mask, state)
     return out, RFState(*state)
 

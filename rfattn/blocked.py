@@ -94,21 +94,24 @@ def _block_inputs(spec: _Spec, q, k, v, mask, chunk: int, dtype):
     B, Hk, T, G = q.shape[0], k.shape[1], k.shape[2], spec.groups
     n = -(-T // chunk)
     pad = n * chunk - T
-    if pad:
-        base = mask if mask is not None else torch.zeros(B, T, dtype=torch.bool, device=q.device)
-        mask = torch.cat((base, base.new_ones(B, pad)), dim=1)
+    mask = _tail_mask(mask, B, T, pad, q.device)
     xq = _pad_tokens(prescale(q, spec.scale), pad)
     D = xq.shape[-1]
     xq = xq.unflatten(1, (Hk, G)).unflatten(3, (n, chunk)).transpose(2, 3).reshape(B, Hk, -1, D)
     xk = _pad_tokens(prescale(k, spec.scale), pad)
-    vb = _pad_tokens(v.to(dtype), pad)
-    E = vb.shape[-1]
-    vh = nnf.pad(vb, (0, value_width(E) - E))
-    vh[..., E] = 1.0
     if mask is not None:
         xk = xk.masked_fill(mask[:, None, :, None], 0.0)
-        vh = vh.masked_fill(mask[:, None, :, None], 0.0)
+    vh = _key_values(_pad_tokens(v, pad), mask, value_width(v.shape[-1]), dtype)
     return xq, xk, vh.unflatten(2, (n, chunk)), mask
+
+
+def _tail_mask(mask, B: int, T: int, pad: int, device):
+    """A block's key mask ``[B, T + pad]`` with the ``pad`` tokens that fill its last chunk
+    marked as padding (None when there is neither)."""
+    if not pad:
+        return mask
+    base = mask if mask is not None else torch.zeros(B, T, dtype=torch.bool, device=device)
+    return torch.cat((base, base.new_ones(B, pad)), dim=1)
 
 
 def _owned(u: torch.Tensor) -> bool:
@@ -317,8 +320,9 @@ def _block_rows(x: torch.Tensor, t0: int, t1: int, n: int) -> torch.Tensor:
 def _scan_forward(make_block, T: int, block: int, out, den, s, off, keep: bool):
     """Run the causal blocks in order: ``make_block(t0, t1, s, off)`` gives a block's
     :class:`_Block` from the state before it; fills ``out`` ``[B, H, G, T, E]`` and ``den``
-    ``[B, H, G, T]``; returns the final ``(s, off)`` and, with ``keep``, the states before each
-    block (what the backward starts each block from)."""
+    ``[B, H, G, T]``; returns the final ``(s, off)`` (copies of the initial ones when no block
+    ran: outputs never alias inputs) and, with ``keep``, the states before each block (what the
+    backward starts each block from)."""
     G = out.shape[2]
     starts, offs = [], []
     for t0 in range(0, T, block):
@@ -332,6 +336,8 @@ def _scan_forward(make_block, T: int, block: int, out, den, s, off, keep: bool):
         den[:, :, :, t0:t1] = _from_rows(d[..., None], G)[:, :, :, : t1 - t0, 0]
         s, off = blk.s_out, blk.off_out
         del blk, num, d  # before the next block's features
+    if T == 0:
+        s, off = s.clone(), off.clone()
     return s, off, starts, offs
 
 
@@ -371,8 +377,6 @@ class _CausalAttention(torch.autograd.Function):
 
         s, off, starts, offs = _scan_forward(make_block, T, block, out, den, s0, off0,
                                              spec.keep_states)  # fmt: skip
-        if s is s0:  # no block: outputs never alias inputs
-            s, off = s0.clone(), off0.clone()
         ctx.spec, ctx.block, ctx.n_blocks = spec, block, len(starts)
         ctx.save_for_backward(q, k, v, w, out, den, *starts, *offs, *ptensors)
         ctx.mark_non_differentiable(off)
@@ -431,10 +435,7 @@ def _given_block(pq, pk, m, v, mask, t0: int, t1: int, s, off) -> _Block:
     """The :class:`_Block` of tokens ``t0:t1`` from given features (:class:`_CausalScan`)."""
     G, n = pq.shape[2], -(-(t1 - t0) // CHUNK)
     pad = n * CHUNK - (t1 - t0)
-    mb = None if mask is None else mask[:, t0:t1]
-    if pad:
-        mb = nnf.pad(torch.zeros_like(v[0, 0, t0:t1, 0], dtype=torch.bool) if mb is None else mb,
-                     (0, pad), value=True).expand(v.shape[0], -1)  # fmt: skip
+    mb = _tail_mask(None if mask is None else mask[:, t0:t1], v.shape[0], t1 - t0, pad, v.device)
     vh = _key_values(_pad_tokens(v[:, :, t0:t1], pad), mb, s.shape[-1], s.dtype)
     rows = _to_rows(_pad_tokens(pq[:, :, :, t0:t1], pad), n, G).flatten(2, 3)
     mk = nnf.pad(m[:, :, t0:t1], (0, pad), value=_NINF)
@@ -459,8 +460,6 @@ class _CausalScan(torch.autograd.Function):
             return _given_block(pq, pk, m, v, mask, t0, t1, s, off)
 
         s, off, starts, offs = _scan_forward(make_block, T, block, out, den, s0, off0, True)
-        if s is s0:
-            s, off = s0.clone(), off0.clone()
         ctx.block, ctx.mask, ctx.n_blocks = block, mask, len(starts)
         ctx.save_for_backward(pq, pk, m, v, out, den, *starts, *offs)
         ctx.mark_non_differentiable(off)
@@ -514,6 +513,8 @@ def causal_attention(fm, q, k, v, w, params: dict, scale: float, mask, state):
 
     Under ``torch.compile`` it traces :func:`_traced_causal` instead (one graph, ``fullgraph``
     included; the autograd Functions' recomputing backwards are not traced)."""
+    if torch.compiler.is_compiling():
+        return _traced_causal(fm, q, k, v, w, params, scale, mask, state)
     B, Hk, G = k.shape[0], k.shape[1], q.shape[1] // max(1, k.shape[1])
     E = v.shape[-1]
     names, ptensors, consts = split_params(params)
@@ -521,8 +522,6 @@ def causal_attention(fm, q, k, v, w, params: dict, scale: float, mask, state):
         x is not None and x.requires_grad for x in (q, k, v, w, *ptensors, *(state or ()))
     )
     spec = _Spec(fm, scale, mask, G, names, consts, keep_states=grad)
-    if torch.compiler.is_compiling():
-        return _traced_causal(fm, q, k, v, w, params, scale, mask, state)
     F = fm.width(w.shape[-2])
     s0, off0, given = _initial(state, B, Hk, F, E, fm.exponential, w)
     block = block_tokens(B * Hk * max(G, 1), F)
@@ -539,12 +538,8 @@ def _traced_causal(fm, q, k, v, w, params, scale, mask, state):
     xq = prescale(q, scale).unflatten(1, (Hk, G)).flatten(2, 3)  # [B, Hk, G*T, D]
     xk = prescale(k, scale, mask)
     pq = _query_side(fm, xq, w, params).unflatten(2, (G, T))
-    if fm.exponential:
-        u_k, g_k = fm.logits(xk, w, "key", params), fm.key_amplitude(xk, w, params)
-    else:
-        g_k, c = fm.values(xk, w, "key", params), fm.key_amplitude(xk, w, params)
-        u_k, g_k = None, g_k if c is None else g_k * c
-    return causal_scan(pq, u_k, g_k, v.to(w.dtype), mask, state)
+    pk, m = _key_side(fm, xk, w, params, mask)
+    return _scan_keys(pq, pk, m, v.to(w.dtype), mask, state, fm.exponential)
 
 
 def causal_scan(phi_q, u_k, g_k, v, mask, state):
@@ -560,9 +555,15 @@ def causal_scan(phi_q, u_k, g_k, v, mask, state):
         v: ``[B, H, T, E]`` in phi_q's dtype; mask: ``[B, T]`` key padding; state: an
             :class:`rfattn.RFState` or None.
     """
-    B, H, G, T, F = phi_q.shape
-    E, exponential = v.shape[-1], u_k is not None
+    exponential = u_k is not None
     pk, m = _keys(u_k, g_k, mask, True) if exponential else _keys(g_k, None, mask, False)
+    return _scan_keys(phi_q, pk, m, v, mask, state, exponential)
+
+
+def _scan_keys(phi_q, pk, m, v, mask, state, exponential: bool):
+    """:func:`causal_scan` from the keys of :func:`_keys` (``phi_k`` and ``m``)."""
+    B, H, G, T, F = phi_q.shape
+    E = v.shape[-1]
     s0, off0, given = _initial(state, B, H, F, E, exponential, phi_q)
     block = block_tokens(B * H * max(G, 1), F)
     if torch.compiler.is_compiling():  # traced: the blocks' own ops, differentiated by autograd
@@ -573,7 +574,6 @@ def causal_scan(phi_q, u_k, g_k, v, mask, state):
             return _given_block(phi_q, pk, m, v, mask, t0, t1, s, off)
 
         s, off, _, _ = _scan_forward(make_block, T, block, out, den, s0, off0, False)
-        s, off = (s0.clone(), off0.clone()) if s is s0 else (s, off)
     else:
         out, s, off = _CausalScan.apply(phi_q, pk, m, v, s0, off0, block, mask)
     return out, _final(s, off, given, E, exponential)
