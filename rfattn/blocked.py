@@ -126,8 +126,11 @@ def _query_side(fm, xq, w, params, key_offsets=None) -> torch.Tensor:
     the logits are turned into features in place (no further ``[T, F]`` buffers)."""
     if not fm.exponential:
         return fm.values(xq, w, "query", params)
-    u, g = fm.logits(xq, w, "query", params), fm.amplitude(xq, w, "query", params)
-    if torch.is_grad_enabled() or not _owned(u):
+    g = fm.amplitude(xq, w, "query", params)
+    if torch.is_grad_enabled():
+        return query_features(fm.logits(xq, w, "query", params), g, key_offsets)
+    u, _ = fm.logit_parts(xq, w, "query", params)  # a per-row term cancels in the row max
+    if not _owned(u):
         return query_features(u, g, key_offsets)
     if key_offsets is not None:
         u.add_(key_offsets[:, :, None, :])
@@ -139,9 +142,13 @@ def _key_side(fm, xk, w, params, mask, offsets=None):
     """:func:`_keys` of the feature map's logits and amplitude (or plain features) for pre-scaled
     keys ``xk``. Without autograd the logits become the features in place."""
     if fm.exponential:
-        u = fm.logits(xk, w, "key", params)
-        inplace = not torch.is_grad_enabled() and _owned(u)
-        return _keys(u, fm.key_amplitude(xk, w, params), mask, True, inplace, offsets)
+        g = fm.key_amplitude(xk, w, params)
+        if torch.is_grad_enabled() or offsets is not None:
+            u = fm.logits(xk, w, "key", params)
+            return _keys(u, g, mask, True, not torch.is_grad_enabled() and _owned(u), offsets)
+        u, r = fm.logit_parts(xk, w, "key", params)  # a per-row term moves only the offset m
+        pk, m = _keys(u, g, mask, True, _owned(u))
+        return pk, m if r is None else m + r[..., 0]
     pk, c = fm.values(xk, w, "key", params), fm.key_amplitude(xk, w, params)
     return _keys(pk if c is None else pk * c, None, mask, False, False)
 
@@ -182,8 +189,8 @@ class _Offsets:
     ``a``: ``[n, C]`` the factor ``exp(R_{c-1} - r_i)`` of the prefix state for row i;
     ``decay``: ``[n, C, C]`` ``exp(m_j - r_i)`` for j <= i (0 elsewhere and for empty keys);
     ``e``: ``[n, C]`` ``exp(m_j - R_c)``, key j's weight in the state after its chunk;
-    ``scan``: ``[n+1, n+1]`` ``exp(R_c' - R_c)`` for c' <= c: states after each chunk (rows)
-    from the block's initial state and the chunks' own sums (columns).
+    ``step``: ``[n, 1, 1]`` ``exp(R_{c-1} - R_c)``, the factor that carries the state before
+    chunk c over to the offset after it (0 while no key has been seen).
     """
 
     def __init__(self, m: torch.Tensor, off: torch.Tensor):
@@ -197,9 +204,39 @@ class _Offsets:
         mj = m[..., None, :]
         self.decay = _exp_or_zero(mj - r[..., :, None], tril & (mj > _NINF))
         self.e = _exp_or_zero(m - R[..., 1:, None], m > _NINF)
-        tri = torch.ones(n + 1, n + 1, dtype=torch.bool, device=m.device).tril()
-        Rc = R[..., None, :]
-        self.scan = _exp_or_zero(Rc - R[..., :, None], tri & (Rc > _NINF))
+        self.step = _exp_or_zero(prev[..., 0] - R[..., 1:], prev[..., 0] > _NINF)[..., None, None]
+
+
+def _chain(own: torch.Tensor, s_in: torch.Tensor, step: torch.Tensor):
+    """The scan over a block's chunks: ``(prefix, s_out)``, the states before each chunk
+    ``[B, H, n, F, E+1]`` (``s_in`` first) and after the last, ``S_c = step_c S_{c-1} + own_c``.
+    One multiply-add per chunk over ``F (E+1)`` numbers per (b, h), written in place (no
+    stacked copy, no product with a mostly-zero matrix); recorded by autograd (the traced path),
+    the same steps stacked."""
+    n = own.shape[2]
+    if torch.is_grad_enabled():
+        states = [s_in]
+        for c in range(n):
+            states.append(torch.addcmul(own[:, :, c], states[-1], step[:, :, c]))
+        return torch.stack(states[:-1], dim=2), states[-1]
+    prefix = torch.empty_like(own)
+    prefix[:, :, 0] = s_in
+    for c in range(1, n):
+        torch.addcmul(own[:, :, c - 1], prefix[:, :, c - 1], step[:, :, c - 1],
+                      out=prefix[:, :, c])  # fmt: skip
+    return prefix, torch.addcmul(own[:, :, n - 1], prefix[:, :, n - 1], step[:, :, n - 1])
+
+
+def _chain_back(d_prefix: torch.Tensor, ds_out: torch.Tensor, step: torch.Tensor):
+    """The reverse scan of :func:`_chain`: ``(d own, d s_in)`` from the cotangents of the states
+    before each chunk (``d_prefix`` ``[B, H, n, F, E+1]``) and of the state after the block."""
+    n = d_prefix.shape[2]
+    d_own = torch.empty_like(d_prefix)
+    d_own[:, :, n - 1] = ds_out
+    for c in range(n - 2, -1, -1):
+        torch.addcmul(d_prefix[:, :, c + 1], d_own[:, :, c + 1], step[:, :, c + 1],
+                      out=d_own[:, :, c])  # fmt: skip
+    return d_own, torch.addcmul(d_prefix[:, :, 0], d_own[:, :, 0], step[:, :, 0])
 
 
 def _rows(x: torch.Tensor, f: torch.Tensor, groups: int) -> torch.Tensor:
@@ -226,8 +263,7 @@ class _Block:
     block costs no ``[T, F]`` pass for it)."""
 
     def __init__(self, pq, pk, m, vh, s_in, off_in, groups: int, values: int):
-        B, H, n, C, E1 = vh.shape
-        F = pq.shape[-1]
+        n, C = vh.shape[2:4]
         self.E, self.groups = values, groups
         self.pq = pq.unflatten(2, (n, groups * C))  # [B, H, n, G*C, F]
         m = m.unflatten(2, (n, C))
@@ -243,10 +279,7 @@ class _Block:
         self.pk, self.vh, self.bad = pk, vh, bad
         self.o = o = _Offsets(m, off_in)
         own = pk.transpose(-1, -2) @ (vh * o.e[..., None])  # [B, H, n, F, E+1]
-        stack = torch.cat((s_in[:, :, None], own), dim=2).flatten(3)
-        states = (o.scan @ stack).unflatten(3, (F, E1))  # [B, H, n+1, F, E+1]
-        self.prefix = states[:, :, :-1]
-        s_out = states[:, :, -1].clone()  # kept per block for the backward: not a view
+        self.prefix, s_out = _chain(own, s_in, o.step)
         if self.dirty:
             s_out = torch.where(bad.any(dim=(2, 3))[:, :, None], float("nan"), s_out)
         self.s_out, self.off_out = s_out, o.R[..., -1]
@@ -274,18 +307,25 @@ class _Block:
         """Cotangents ``(d phi_q, d phi_k, d [V, 1], d state in)`` from those of ``[num, den]``
         (``[B, H, n, G*C, E+1]``) and of the state after the block."""
         G, o = self.groups, self.o
-        F, E1 = self.pk.shape[-1], self.vh.shape[-1]
         dnh_a = _rows(dnh, o.a, G)
         dP = self.pq.transpose(-1, -2) @ dnh_a  # [B, H, n, F, E+1]
         dA = _decayed(dnh @ self.vh.transpose(-1, -2), o.decay, G)  # [B, H, n, G*C, C]
         dpq = _addmm(dnh_a @ self.prefix.transpose(-1, -2), dA, self.pk)
-        cot = torch.cat((dP, ds_out[:, :, None]), dim=2).flatten(3)
-        dstates = (o.scan.transpose(-1, -2) @ cot).unflatten(3, (F, E1))  # [B, H, n+1, F, E+1]
-        d_own = dstates[:, :, 1:]
+        d_own, ds_in = _chain_back(dP, ds_out, o.step)
         dpk = _addmm((self.vh * o.e[..., None]) @ d_own.transpose(-1, -2), dA.transpose(-1, -2),
                      self.pq)  # fmt: skip
         dvh = self.A.transpose(-1, -2) @ dnh + (self.pk @ d_own) * o.e[..., None]
-        return dpq.flatten(2, 3), dpk.flatten(2, 3), dvh, dstates[:, :, 0]
+        return dpq.flatten(2, 3), dpk.flatten(2, 3), dvh, ds_in
+
+
+def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """:func:`rfattn.reference.attention_ratio` of a block. Not recorded by autograd, it is
+    ``num / safe_denominator(den)``: the same values (an empty row's ``num`` is exactly 0), without
+    the ``[T, E]`` passes that find the empty rows, which only the gradient needs (there it is
+    :func:`_ratio_grad`)."""
+    if torch.is_grad_enabled():
+        return attention_ratio(num, den)
+    return num / safe_denominator(den)[..., None]
 
 
 def _ratio_grad(dout, out, den, poisoned, width: int):
@@ -332,7 +372,7 @@ def _scan_forward(make_block, T: int, block: int, out, den, s, off, keep: bool):
             offs.append(off)
         blk = make_block(t0, t1, s, off)
         num, d = blk.num_den()
-        out[:, :, :, t0:t1] = _from_rows(attention_ratio(num, d), G)[:, :, :, : t1 - t0]
+        out[:, :, :, t0:t1] = _from_rows(_ratio(num, d), G)[:, :, :, : t1 - t0]
         den[:, :, :, t0:t1] = _from_rows(d[..., None], G)[:, :, :, : t1 - t0, 0]
         s, off = blk.s_out, blk.off_out
         del blk, num, d  # before the next block's features
@@ -618,7 +658,7 @@ def _noncausal_forward(spec: _Spec, q, k, v, w, params: dict):
     for r0 in range(0, q.shape[2], block):
         r1 = min(q.shape[2], r0 + block)
         nh = _query_side(fm, prescale(q[:, :, r0:r1], scale), w, params, off) @ s
-        out[:, :, r0:r1] = attention_ratio(nh[..., :E], nh[..., E])
+        out[:, :, r0:r1] = _ratio(nh[..., :E], nh[..., E])
         den[:, :, r0:r1] = nh[..., E]
     return out, den, s, off
 

@@ -120,3 +120,26 @@ def test_sgq_weights_in_the_causal_path():
     ref = rfattn.reference.linear_attention(phi_q, phi_k, v, causal=True)
     out = rfattn.rf_attention(q, k, v, rf, causal=True)
     assert torch.allclose(out, ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("feature", ["posrf", "hyprf", "gerf", "oprf", "saderf", "poisrf"])
+def test_logit_parts_split_off_a_per_row_term(feature):
+    """``logit_parts`` sums to ``logits`` and its second part is one number per row; for posrf
+    the parts are ``x W^T`` and ``-|x|^2/2`` themselves."""
+    D, M = 6, 16
+    rf = rfattn.RandomFeatures(D, M, feature=feature, seed=2).double()
+    fm = rf.feature_map
+    q, k = rand(2, 3, 5, D, seed=5), rand(2, 3, 7, D, seed=6)
+    xq, xk, w = rf._inputs(q, k, None)
+    params = rf.feature_params(xq, xk)
+    for side, x in (("query", xq), ("key", xk)):
+        u, r = fm.logit_parts(x, w, side, params)
+        full = fm.logits(x, w, side, params)
+        if r is None:
+            assert torch.equal(u, full)
+            continue
+        assert r.shape == (*x.shape[:-1], 1)
+        assert torch.allclose(u + r, full, rtol=1e-13, atol=1e-13)
+        if feature == "posrf":
+            assert torch.allclose(u, x @ w.T, rtol=1e-13, atol=0)
+            assert torch.allclose(r, -0.5 * (x**2).sum(-1, keepdim=True), rtol=1e-13, atol=0)

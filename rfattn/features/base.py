@@ -300,6 +300,14 @@ class FeatureMap(nn.Module):
         """``u`` ``[B, H, T, F]`` with ``phi = g * exp(u)``; ``side`` is "query" or "key"."""
         raise NotImplementedError(f"feature={self.name!r} is not exponential")
 
+    def logit_parts(
+        self, x: torch.Tensor, w: torch.Tensor, side: str, params: dict | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(u0, r)`` with :meth:`logits` ``= u0 + r`` and ``r`` ``[B, H, T, 1]`` a per-row term
+        (None: none split off). A per-row term cancels in a query's features and only moves a
+        key's offset, so the torch path's blocks skip the ``[T, F]`` pass that adds it."""
+        return self.logits(x, w, side, params), None
+
     def amplitude(
         self, x: torch.Tensor, w: torch.Tensor, side: str, params: dict | None = None
     ) -> torch.Tensor | None:

@@ -33,7 +33,7 @@ from rfattn.features.base import (
 from rfattn.features.form import KernelForm, coefficient_table
 from rfattn.stats import gerf_real_constants, oprf_A, pair_sq_norm, saderf_psi
 
-__all__ = ["PosRF", "HypRF", "GERF", "OPRF", "SADERF", "gerf_real_logits"]
+__all__ = ["PosRF", "HypRF", "GERF", "OPRF", "SADERF", "gerf_real_logits", "gerf_real_parts"]
 
 
 def gerf_real_logits(x, w, a, b, log_d) -> torch.Tensor:
@@ -42,7 +42,14 @@ def gerf_real_logits(x, w, a, b, log_d) -> torch.Tensor:
     ``a``, ``b``, ``log_d``: floats or tensors broadcasting against ``[B, H, T, M]`` (per (b, h):
     ``[B, H, 1, 1]``).
     """
-    return a * row_sq_norms(w, x.dtype) + b * project(x, w) - 0.5 * sq_norm(x) + log_d
+    u, r = gerf_real_parts(x, w, a, b, log_d)
+    return u + r
+
+
+def gerf_real_parts(x, w, a, b, log_d) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gerf_real_logits` as ``(A |omega|^2 + B omega . x, log D - |x|^2 / 2)``: the
+    per-row part ``[..., T, 1]`` apart (:meth:`FeatureMap.logit_parts`)."""
+    return a * row_sq_norms(w, x.dtype) + b * project(x, w), log_d - 0.5 * sq_norm(x)
 
 
 def real_gerf_form(rows: torch.Tensor, a: float, params: dict | None) -> KernelForm:
@@ -87,7 +94,11 @@ class PosRF(FeatureMap):
     name = "posrf"
 
     def logits(self, x, w, side, params=None):
-        return project(x, w) - 0.5 * sq_norm(x)
+        u, r = self.logit_parts(x, w, side, params)
+        return u + r
+
+    def logit_parts(self, x, w, side, params=None):
+        return project(x, w), -0.5 * sq_norm(x)
 
     def kernel_form(self, w, params=None):
         return real_gerf_form(w, 0.0, params)
@@ -105,8 +116,12 @@ class HypRF(FeatureMap):
     width_factor = 2
 
     def logits(self, x, w, side, params=None):
+        u, r = self.logit_parts(x, w, side, params)
+        return u + r
+
+    def logit_parts(self, x, w, side, params=None):
         z = project(x, w)
-        return torch.cat((z, -z), dim=-1) - 0.5 * sq_norm(x)
+        return torch.cat((z, -z), dim=-1), -0.5 * sq_norm(x)
 
     def num_samples(self, w):
         return 2 * w.shape[-2]
@@ -173,13 +188,17 @@ class GERF(FeatureMap):
 
     def logits(self, x, w, side, params=None):
         if not self.complex_form:
-            b, log_d = (
-                math.sqrt(1.0 - 4.0 * self.A.real),
-                0.25 * x.shape[-1] * math.log(1.0 - 4.0 * self.A.real),
-            )
-            return gerf_real_logits(x, w, self.A.real, b, log_d)
+            u, r = self.logit_parts(x, w, side, params)
+            return u + r
         re, _ = self._z(x, w, side)
         return torch.cat((re, re), dim=-1)
+
+    def logit_parts(self, x, w, side, params=None):
+        if self.complex_form:
+            return super().logit_parts(x, w, side, params)
+        a = self.A.real
+        return gerf_real_parts(x, w, a, math.sqrt(1.0 - 4.0 * a),
+                               0.25 * x.shape[-1] * math.log(1.0 - 4.0 * a))  # fmt: skip
 
     def amplitude(self, x, w, side, params=None):
         if not self.complex_form:
@@ -253,6 +272,10 @@ class OPRF(StatsFeature):
         p = params
         return gerf_real_logits(x, w, p["A"], p["B"], p["log_D"])
 
+    def logit_parts(self, x, w, side, params=None):
+        p = params
+        return gerf_real_parts(x, w, p["A"], p["B"], p["log_D"])
+
     def kernel_form(self, w, params=None):
         return stats_form(w, params, self.name)
 
@@ -316,9 +339,13 @@ class SADERF(StatsFeature):
         }
 
     def logits(self, x, w, side, params=None):
+        u, r = self.logit_parts(x, w, side, params)
+        return u + r
+
+    def logit_parts(self, x, w, side, params=None):
         p = params
         x = x * p["psi"] if side == "query" else x / p["psi"]
-        return gerf_real_logits(x, w, p["A"], p["B"], p["log_D"])
+        return gerf_real_parts(x, w, p["A"], p["B"], p["log_D"])
 
     def kernel_form(self, w, params=None):
         return stats_form(w, params, self.name)
