@@ -209,7 +209,7 @@ class _Offsets:
 
 def _chain(own: torch.Tensor, s_in: torch.Tensor, step: torch.Tensor):
     """The scan over a block's chunks: ``(prefix, s_out)``, the states before each chunk
-    ``[B, H, n, F, E+1]`` (``s_in`` first) and after the last, ``S_c = step_c S_{c-1} + own_c``.
+    ``[B, H, n, E+1, F]`` (``s_in`` first) and after the last, ``S_c = step_c S_{c-1} + own_c``.
     One multiply-add per chunk over ``F (E+1)`` numbers per (b, h), written in place (no
     stacked copy, no product with a mostly-zero matrix); recorded by autograd (the traced path),
     the same steps stacked."""
@@ -229,7 +229,7 @@ def _chain(own: torch.Tensor, s_in: torch.Tensor, step: torch.Tensor):
 
 def _chain_back(d_prefix: torch.Tensor, ds_out: torch.Tensor, step: torch.Tensor):
     """The reverse scan of :func:`_chain`: ``(d own, d s_in)`` from the cotangents of the states
-    before each chunk (``d_prefix`` ``[B, H, n, F, E+1]``) and of the state after the block."""
+    before each chunk (``d_prefix`` ``[B, H, n, E+1, F]``) and of the state after the block."""
     n = d_prefix.shape[2]
     d_own = torch.empty_like(d_prefix)
     d_own[:, :, n - 1] = ds_out
@@ -278,10 +278,10 @@ class _Block:
             m = torch.where(bad_k, _NINF, m)
         self.pk, self.vh, self.bad = pk, vh, bad
         self.o = o = _Offsets(m, off_in)
-        own = pk.transpose(-1, -2) @ (vh * o.e[..., None])  # [B, H, n, F, E+1]
+        own = (vh * o.e[..., None]).transpose(-1, -2) @ pk  # [B, H, n, E+1, F]
         self.prefix, s_out = _chain(own, s_in, o.step)
         if self.dirty:
-            s_out = torch.where(bad.any(dim=(2, 3))[:, :, None], float("nan"), s_out)
+            s_out = torch.where(bad.any(dim=(2, 3))[..., None], float("nan"), s_out)
         self.s_out, self.off_out = s_out, o.R[..., -1]
         self.A = _decayed(self.pq @ pk.transpose(-1, -2), o.decay, groups)
 
@@ -297,7 +297,8 @@ class _Block:
 
     def num_den(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(num, den)``: ``[B, H, n, G*C, E]`` and ``[..., G*C]``."""
-        nh = _addmm(_rows(self.pq @ self.prefix, self.o.a, self.groups), self.A, self.vh)
+        nh = _addmm(_rows(self.pq @ self.prefix.transpose(-1, -2), self.o.a, self.groups),
+                    self.A, self.vh)  # fmt: skip
         poisoned = self.poisoned()
         if poisoned is not None:
             nh = torch.where(poisoned, float("nan"), nh)
@@ -308,13 +309,12 @@ class _Block:
         (``[B, H, n, G*C, E+1]``) and of the state after the block."""
         G, o = self.groups, self.o
         dnh_a = _rows(dnh, o.a, G)
-        dP = self.pq.transpose(-1, -2) @ dnh_a  # [B, H, n, F, E+1]
+        dP = dnh_a.transpose(-1, -2) @ self.pq  # [B, H, n, E+1, F]
         dA = _decayed(dnh @ self.vh.transpose(-1, -2), o.decay, G)  # [B, H, n, G*C, C]
-        dpq = _addmm(dnh_a @ self.prefix.transpose(-1, -2), dA, self.pk)
+        dpq = _addmm(dnh_a @ self.prefix, dA, self.pk)
         d_own, ds_in = _chain_back(dP, ds_out, o.step)
-        dpk = _addmm((self.vh * o.e[..., None]) @ d_own.transpose(-1, -2), dA.transpose(-1, -2),
-                     self.pq)  # fmt: skip
-        dvh = self.A.transpose(-1, -2) @ dnh + (self.pk @ d_own) * o.e[..., None]
+        dpk = _addmm((self.vh * o.e[..., None]) @ d_own, dA.transpose(-1, -2), self.pq)
+        dvh = self.A.transpose(-1, -2) @ dnh + (self.pk @ d_own.transpose(-1, -2)) * o.e[..., None]
         return dpq.flatten(2, 3), dpk.flatten(2, 3), dvh, ds_in
 
 
@@ -399,9 +399,10 @@ class _CausalAttention(torch.autograd.Function):
     """Causal random-feature attention over blocks of T (see the module docstring).
 
     Inputs: ``spec``, q ``[B, Hk*G, T, D]``, k ``[B, Hk, T, D]``, v ``[B, Hk, T, E]``, W, the
-    initial ``[S, z, 0...]`` ``[B, Hk, F, value_width(E)]`` and offset ``[B, Hk]`` (compute
+    initial ``[S, z, 0...]^T`` ``[B, Hk, value_width(E), F]`` and offset ``[B, Hk]`` (compute
     dtype), the block length, then the feature parameters. Outputs: out ``[B, Hk, G, T, E]``
-    (compute dtype), the final ``[S, z, 0...]`` and offset.
+    (compute dtype), the final ``[S, z, 0...]^T`` and offset. (States are held transposed, rows
+    of F: the chunk products that make and read them run faster on the CPU that way.)
     """
 
     @staticmethod
@@ -476,7 +477,7 @@ def _given_block(pq, pk, m, v, mask, t0: int, t1: int, s, off) -> _Block:
     G, n = pq.shape[2], -(-(t1 - t0) // CHUNK)
     pad = n * CHUNK - (t1 - t0)
     mb = _tail_mask(None if mask is None else mask[:, t0:t1], v.shape[0], t1 - t0, pad, v.device)
-    vh = _key_values(_pad_tokens(v[:, :, t0:t1], pad), mb, s.shape[-1], s.dtype)
+    vh = _key_values(_pad_tokens(v[:, :, t0:t1], pad), mb, s.shape[-2], s.dtype)
     rows = _to_rows(_pad_tokens(pq[:, :, :, t0:t1], pad), n, G).flatten(2, 3)
     mk = nnf.pad(m[:, :, t0:t1], (0, pad), value=_NINF)
     return _Block(rows, _pad_tokens(pk[:, :, t0:t1], pad), mk, vh.unflatten(2, (n, CHUNK)), s,
@@ -527,15 +528,16 @@ class _CausalScan(torch.autograd.Function):
 
 
 def _initial(state, B: int, H: int, F: int, E: int, exponential: bool, like):
-    """``(s0, off0, given offset)``: the initial ``[S, z, 0...]`` and offset of a causal call in
-    ``like``'s dtype and device (plain features run at offset 0 and pass the given one on)."""
+    """``(s0, off0, given offset)``: the initial ``[S, z, 0...]^T`` ``[B, H, V, F]`` and offset
+    of a causal call in ``like``'s dtype and device (plain features run at offset 0 and pass the
+    given one on)."""
     dt, dev = like.dtype, like.device
     if state is None:
-        s0 = torch.zeros(B, H, F, value_width(E), dtype=dt, device=dev)
+        s0 = torch.zeros(B, H, value_width(E), F, dtype=dt, device=dev)
         off0 = torch.full((B, H), _NINF if exponential else 0.0, dtype=dt, device=dev)
     else:
-        s0 = nnf.pad(torch.cat((state[0].to(dt), state[1].to(dt)[..., None]), dim=-1),
-                     (0, value_width(E) - E - 1))  # fmt: skip
+        s0 = torch.cat((state[0].to(dt).transpose(-1, -2), state[1].to(dt)[..., None, :]), dim=-2)
+        s0 = nnf.pad(s0, (0, 0, 0, value_width(E) - E - 1))
         off0 = state[2].to(dt)
     return s0, off0 if exponential else torch.zeros_like(off0), off0
 
@@ -543,7 +545,8 @@ def _initial(state, B: int, H: int, F: int, E: int, exponential: bool, like):
 def _final(s, off, given, E: int, exponential: bool) -> tuple:
     """``(S, z, offset)`` of the state after a causal call."""
     # copies, not views of one tensor: an operator's outputs may not alias each other
-    return s[..., :E].contiguous(), s[..., E].contiguous(), off if exponential else given.clone()
+    S = s[..., :E, :].transpose(-1, -2).contiguous()
+    return S, s[..., E, :].contiguous(), off if exponential else given.clone()
 
 
 def causal_attention(fm, q, k, v, w, params: dict, scale: float, mask, state):
