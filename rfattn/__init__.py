@@ -10,6 +10,7 @@ Public API (DESIGN §2)::
 
 from rfattn import reference, testing
 from rfattn.attention import RFState, rf_attention
+from rfattn.calibration import CalibrationReport, calibrate
 from rfattn.features import ALL_FEATURES
 from rfattn.modules import (
     PPSBN,
@@ -32,6 +33,8 @@ __all__ = [
     "layer_seed",
     "rf_attention",
     "RFState",
+    "calibrate",
+    "CalibrationReport",
     "reference",
     "testing",
     "ALL_FEATURES",

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from rfattn import blocked
+from rfattn import blocked, calibration
 from rfattn.features import compute_dtype, prescale, python_scalar
 from rfattn.stats import Moments
 from rfattn.weights import WEIGHTED_WEIGHTS
@@ -333,7 +333,9 @@ def rf_attention(
             repeating k and v: key features and states are computed once per key/value head, and
             states are ``[B, Hkv, ...]``. The data statistics of oprf/saderf/poisrf/geomrf
             (``stats="global"``) are then per key/value head, over the queries of its group.
-        rf: an :class:`rfattn.RandomFeatures` built for ``head_dim=D``.
+        rf: an :class:`rfattn.RandomFeatures` built for ``head_dim=D``; with head maps
+            (:meth:`~rfattn.RandomFeatures.add_head_maps`, what :func:`rfattn.calibrate` trains)
+            the features are taken of the mapped q and k.
         causal: query i attends to keys j <= i (needs Tq == Tk).
         key_padding_mask: ``[B, Tk]`` bool, True = padding: removed from numerator and
             denominator. A query with no valid key gets output 0.
@@ -367,13 +369,27 @@ def rf_attention(
     elif causal:
         query_padding_mask = key_padding_mask
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    args = (causal, key_padding_mask, scale, backend, initial_state, return_state,
+            query_padding_mask, group)  # fmt: skip
+
+    def run(q, k, v):
+        q, k = rf.map_heads(q, k)  # learnable per-head maps (calibration); a no-op without them
+        return _attend(q, k, v, rf, *args)
+
+    if calibration.recording():  # inside rfattn.calibrate: this call is a layer to calibrate
+        return calibration.record(q, k, v, rf, args, run)
+    return run(q, k, v)
+
+
+def _attend(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_state, return_state,
+            query_padding_mask, group):  # fmt: skip
+    """:func:`rf_attention` after validation and the head maps (``scale`` a float)."""
     Hk, Tq = k.shape[1], q.shape[2]
     G = _group_size(q, k)
     if G > 1 and not causal:  # grouped-query: each key/value head's queries are more rows of it
         qm = _grouped_mask(query_padding_mask, G)
-        out = rf_attention(_grouped(q, Hk), k, v, rf, key_padding_mask=key_padding_mask,
-                           scale=scale, backend=backend, query_padding_mask=qm,
-                           group=group)  # fmt: skip
+        out = _attend(_grouped(q, Hk), k, v, rf, False, key_padding_mask, scale, backend, None,
+                      False, qm, group)  # fmt: skip
         return out.unflatten(2, (G, Tq)).flatten(1, 2)
     if group is not None:
         from rfattn import distributed

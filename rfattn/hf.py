@@ -84,12 +84,18 @@ def random_features_from_config(config, layer_idx: int, head_dim: int) -> Random
 
     Args:
         config: a transformers ``PretrainedConfig``; ``config.rfattn`` (a dict, optional) holds
-            ``num_features``, ``feature``, ``weights``, ``seed`` and feature options.
+            ``num_features``, ``feature``, ``weights``, ``seed``, feature options and
+            ``head_maps`` (True after :func:`rfattn.calibrate`: maps for the config's heads).
         layer_idx: the layer index (its seed is ``layer_seed(seed, layer_idx)``).
         head_dim: the attention head dimension.
     """
     opts = _options(config)
     seed = opts.pop("seed")
+    if opts.get("head_maps") is True:  # calibrated (rfattn.calibrate): the model's head counts
+        heads = config.num_attention_heads
+        opts["head_maps"] = (heads, getattr(config, "num_key_value_heads", None) or heads)
+    elif not opts.get("head_maps"):
+        opts.pop("head_maps", None)
     return RandomFeatures(head_dim, seed=layer_seed(int(seed), int(layer_idx)), **opts)
 
 

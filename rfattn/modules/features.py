@@ -37,6 +37,8 @@ class RandomFeatures(nn.Module):
         weights: weight-matrix name (``rfattn.weights.ALL_WEIGHTS``).
         seed: seed of the module's generator; the same seed gives the same W on any device and
             dtype. ``None`` draws a nondeterministic seed.
+        head_maps: ``(query heads, key heads)`` to give the module learnable per-head linear maps
+            of q and k (:meth:`add_head_maps`; what :func:`rfattn.calibrate` trains), or None.
         **feature_options: options of the component function (validated by it).
 
     ``weight`` is a buffer (saved in ``state_dict``, moved by ``.to``), fp32 by default. For
@@ -59,6 +61,7 @@ class RandomFeatures(nn.Module):
         feature: str = "posrf",
         weights: str = "orf",
         seed: int | None = 0,
+        head_maps: tuple[int, int] | None = None,
         **feature_options,
     ) -> None:
         super().__init__()
@@ -88,11 +91,72 @@ class RandomFeatures(nn.Module):
             self.register_buffer("weight", torch.empty(num_features, head_dim))
         self.register_buffer("component_weight", torch.ones(num_features))
         self.redraw(seed if seed is not None else self._generator.seed())
+        self.register_parameter("query_map", None)
+        self.register_parameter("key_map", None)
+        if head_maps is not None:
+            if not isinstance(head_maps, (tuple, list)) or len(head_maps) != 2:
+                raise ValueError(f"head_maps must be (query heads, key heads), got {head_maps!r}")
+            self.add_head_maps(*head_maps)
+
+    def add_head_maps(self, heads: int, kv_heads: int | None = None) -> None:
+        """Give the module learnable per-head linear maps of q and k, ``query_map`` ``[heads, D,
+        D]`` and ``key_map`` ``[kv_heads, D, D]`` (default ``heads``), at the identity: features
+        are then taken of ``q A_h^T`` and ``k B_h^T`` (so they start as today's estimator).
+        Calls with another number of heads raise. A no-op when the maps exist with these
+        shapes."""
+        kv_heads = heads if kv_heads is None else kv_heads
+        for name, val in (("heads", heads), ("kv_heads", kv_heads)):
+            val = python_scalar(val)
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {val!r}")
+        if heads % kv_heads:
+            raise ValueError(f"kv_heads={kv_heads} must divide heads={heads}")
+        like = self.weight
+        for name, h in (("query_map", heads), ("key_map", kv_heads)):
+            old = getattr(self, name)
+            if old is not None:
+                if old.shape[0] != h:
+                    raise ValueError(f"{name} exists with {old.shape[0]} heads, not {h}")
+                continue
+            eye = torch.eye(self.head_dim, device=like.device, dtype=torch.float32)
+            setattr(self, name, nn.Parameter(eye.expand(h, -1, -1).clone()))
+
+    @property
+    def head_maps(self) -> tuple[int, int] | None:
+        """``(query heads, key heads)`` of the maps, or None without them."""
+        if self.query_map is None:
+            return None
+        return self.query_map.shape[0], self.key_map.shape[0]
+
+    def map_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q A_h^T, k B_h^T)`` per head with the maps of :meth:`add_head_maps`; ``(q, k)``
+        unchanged without them. q: ``[B, H, Tq, D]``; k: ``[B, Hk, Tk, D]``."""
+        if self.query_map is None:
+            return q, k
+        for name, x, m in (("q", q, self.query_map), ("k", k, self.key_map)):
+            if x.shape[1] != m.shape[0]:
+                raise ValueError(
+                    f"{name} has {x.shape[1]} heads, but this RandomFeatures' head maps were "
+                    f"made for {m.shape[0]} (head_maps={self.head_maps})"
+                )
+        return (
+            q @ self.query_map.to(q.dtype).transpose(-1, -2),
+            k @ self.key_map.to(k.dtype).transpose(-1, -2),
+        )
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # a checkpoint with head maps loads into a module built without them (a calibrated
+        # model's features rebuilt from their options): make them first
+        q, k = state_dict.get(prefix + "query_map"), state_dict.get(prefix + "key_map")
+        if self.query_map is None and q is not None and k is not None:
+            self.add_head_maps(q.shape[0], k.shape[0])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return (
             f"head_dim={self.head_dim}, num_features={self.num_features}, "
             f"feature={self.feature!r}, weights={self.weights!r}"
+            + ("" if self.head_maps is None else f", head_maps={self.head_maps}")
         )
 
     @torch.no_grad()
@@ -131,10 +195,23 @@ class RandomFeatures(nn.Module):
         """W ``[M, D]``: the buffer, or for ``fastfoodl`` the matrix rebuilt from S, G, B."""
         if self.learner is not None:
             return self.learner()
+        if "weight" in self._parameters:  # made learnable (learn_weight)
+            return self._parameters["weight"]
         if "weight" not in self._buffers:
             # AttributeError, not KeyError: register_buffer's hasattr check must see "absent".
             raise AttributeError("weight")
         return self._buffers["weight"]
+
+    def learn_weight(self) -> nn.Parameter:
+        """Make W a learnable parameter (starting from its draw; ``state_dict`` key unchanged),
+        what :func:`rfattn.calibrate`'s ``params="projection"`` trains. ``fastfoodl`` weights
+        are learnable already (their S, G, B): this raises for them."""
+        if self.learner is not None:
+            raise ValueError("weights='fastfoodl' learns its S, G, B; W itself is derived")
+        if "weight" not in self._parameters:
+            w = self._buffers.pop("weight")
+            self.register_parameter("weight", nn.Parameter(w.detach().clone()))
+        return self._parameters["weight"]
 
     @property
     def num_outputs(self) -> int:

@@ -1,0 +1,404 @@
+"""Attention transfer: :func:`calibrate` a model's random features to its softmax attention.
+
+A pretrained softmax model converted to random features keeps the estimator's variance: with
+sharp attention (large query and key norms) the output error of M = 256 features is large,
+unbiased or not. :func:`calibrate` trains a few feature-side parameters per layer, the model's own
+weights frozen, so that each layer's random-feature output matches its softmax output on the
+user's data (attention transfer, as Hedgehog and LoLCATs do for learned feature maps):
+
+* ``"map"``: a learnable per-head linear map of q and of k before the features
+  (:meth:`rfattn.RandomFeatures.add_head_maps`), initialised at the identity, so calibration
+  starts from the plain estimator;
+* ``"stats"``: the data statistics of oprf/saderf/poisrf/geomrf fixed from the calibration data
+  (``stats="running"``, the running moments set to their exact average over the batches);
+* ``"weights"``: the learnable weight matrices (``weights="fastfoodl"``).
+
+How a layer is trained: every :func:`rfattn.rf_attention` call made by the model during a
+calibration forward computes the exact softmax attention of the same q, k, v (masks and scale
+included) and the random-feature attention; the loss is the sum over layers of the relative
+squared error ``sum |o_rf - o_softmax|^2 / sum |o_softmax|^2`` over the valid (non-padded)
+query rows; the call returns the softmax output, so every layer sees the inputs the softmax
+model gives it (teacher forcing) and no gradient runs through the model.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["calibrate", "attention_errors", "CalibrationReport", "CALIBRATION_PARAMS"]
+
+#: what :func:`calibrate` can train or fix
+CALIBRATION_PARAMS = ("map", "stats", "weights", "projection")
+
+#: the recorder of the calibration forward in progress (None: calls run as usual)
+_ACTIVE = None
+
+
+def recording() -> bool:
+    """Whether a :func:`calibrate` forward is in progress (``rf_attention`` then records)."""
+    return _ACTIVE is not None
+
+
+def record(q, k, v, rf, args: tuple, run):
+    """Called by :func:`rfattn.rf_attention` during calibration: see :class:`_Recorder`."""
+    return _ACTIVE(q, k, v, rf, args, run)
+
+
+def softmax_target(q, k, v, causal: bool, key_padding_mask, scale: float) -> torch.Tensor:
+    """Exact softmax attention ``[B, H, Tq, E]`` of :func:`rf_attention`'s inputs (grouped
+    key/value heads repeated, a query with no valid key 0), in float32 or wider."""
+    dt = torch.promote_types(q.dtype, torch.float32)
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    tq, tk = q.shape[2], k.shape[2]
+    allowed = torch.ones(tq, tk, dtype=torch.bool, device=q.device)
+    if causal:
+        allowed = allowed.tril()
+    allowed = allowed[None, None]
+    if key_padding_mask is not None:
+        allowed = allowed & ~key_padding_mask[:, None, None, :]
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    live = allowed.any(dim=-1, keepdim=True)
+    probs = torch.where(live, torch.softmax(scores.masked_fill(~live, 0.0), dim=-1), 0.0)
+    return probs @ v
+
+
+class _Call(NamedTuple):
+    """One recorded ``rf_attention`` call of a layer: its inputs and the softmax output."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    causal: bool
+    key_padding_mask: torch.Tensor | None
+    scale: float
+    backend: str
+    query_padding_mask: torch.Tensor | None
+    target: torch.Tensor
+
+    def error_terms(self, rf) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sum |o_rf - o|^2, sum |o|^2)`` over the valid query rows, o_rf by ``rf`` now."""
+        out = _rf_output(self, rf)
+        rows = torch.ones(self.q.shape[0], 1, self.q.shape[2], 1, dtype=torch.bool,
+                          device=self.q.device)  # fmt: skip
+        if self.query_padding_mask is not None:
+            rows = ~self.query_padding_mask[:, None, :, None]
+        diff = torch.where(rows, (out.to(self.target.dtype) - self.target) ** 2, 0.0).sum()
+        return diff, torch.where(rows, self.target**2, 0.0).sum()
+
+
+def _rf_output(call: _Call, rf) -> torch.Tensor:
+    from rfattn.attention import rf_attention
+
+    return rf_attention(call.q, call.k, call.v, rf, causal=call.causal,
+                        key_padding_mask=call.key_padding_mask, scale=call.scale,
+                        backend=call.backend,
+                        query_padding_mask=call.query_padding_mask)  # fmt: skip
+
+
+class _Recorder:
+    """What a forward of the model does in its layers: every ``rf_attention`` call on a layer's
+    features (``names``: id of its RandomFeatures -> layer name) is recorded as a :class:`_Call`
+    (inputs detached, with the exact softmax output) and returns that softmax output, so each
+    layer sees the inputs the softmax model gives it; calls on other features run as usual."""
+
+    def __init__(self, names: dict):
+        self.names = names
+        self.calls: dict[str, list[_Call]] = {}
+
+    def __call__(self, q, k, v, rf, args, run):
+        causal, kpm, scale, backend, initial_state, return_state, qpm, group = args
+        name = self.names.get(id(rf))
+        if name is None:  # not a layer of the model being calibrated
+            return run(q, k, v)
+        if initial_state is not None or return_state or group is not None:
+            raise RuntimeError(
+                "rfattn.calibrate runs whole sequences on one process: a calibration forward "
+                "may not pass initial_state, return_state or group (use_cache=False for "
+                "decoders)"
+            )
+        q, k, v = q.detach(), k.detach(), v.detach()
+        target = softmax_target(q, k, v, bool(causal), kpm, scale)
+        self.calls.setdefault(name, []).append(
+            _Call(q, k, v, bool(causal), kpm, scale, backend, qpm, target)
+        )
+        return target.to(q.dtype)
+
+
+def _errors(layers: dict, captured: dict, batches=None) -> dict[str, torch.Tensor]:
+    """Relative squared error per layer (``layers``: name -> RandomFeatures) over its recorded
+    calls (``captured``: name -> one list of calls per forward; ``batches``: the forwards to use,
+    default all), with the features as they are now."""
+    out = {}
+    for name, rf in layers.items():
+        per = captured.get(name, [])
+        calls = [c for i in (range(len(per)) if batches is None else batches) for c in per[i]]
+        if not calls:
+            continue
+        terms = [c.error_terms(rf) for c in calls]
+        diff = torch.stack([d for d, _ in terms]).sum()
+        ref = torch.stack([r for _, r in terms]).sum()
+        out[name] = diff / ref.clamp_min(torch.finfo(ref.dtype).tiny)
+    return out
+
+
+@dataclass
+class CalibrationReport:
+    """What :func:`calibrate` did: per layer the relative squared error of the attention output
+    (``sum |o_rf - o_softmax|^2 / sum |o_softmax|^2`` over the calibration batches' valid
+    query rows) before and after, the loss per step and the time taken."""
+
+    before: dict[str, float]
+    after: dict[str, float]
+    params: tuple[str, ...]
+    steps: int
+    seconds: float
+    losses: list[float] = field(default_factory=list)
+
+    def improvement(self) -> dict[str, float]:
+        """``before / after`` per layer (how many times the error went down)."""
+        return {n: self.before[n] / max(self.after[n], 1e-300) for n in self.before}
+
+    def __str__(self) -> str:
+        lines = [f"rfattn.calibrate: params={list(self.params)}, {self.steps} steps, "
+                 f"{self.seconds:.1f} s"]  # fmt: skip
+        width = max(len(n) for n in self.before) if self.before else 5
+        lines.append(f"{'layer':<{width}}  {'before':>9}  {'after':>9}  {'x':>6}")
+        for n in self.before:
+            ratio = self.before[n] / max(self.after[n], 1e-300)
+            lines.append(f"{n:<{width}}  {self.before[n]:9.4f}  {self.after[n]:9.4f}  {ratio:6.1f}")
+        return "\n".join(lines)
+
+
+def _layers(model: torch.nn.Module) -> dict:
+    """name -> RandomFeatures of every feature map in ``model``."""
+    from rfattn.modules import RandomFeatures
+
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, RandomFeatures)}
+    if not layers:
+        raise ValueError(
+            "calibrate: the model has no RandomFeatures; attach them first (for transformers "
+            "models rfattn.hf.attach_random_features(model, ...) and "
+            "model.set_attn_implementation('rfattn'))"
+        )
+    return layers
+
+
+def _forward(model, batch) -> None:
+    if isinstance(batch, dict):
+        model(**batch)
+    elif isinstance(batch, (tuple, list)):
+        model(*batch)
+    else:
+        model(batch)
+
+
+def _capture(model, batches: list, layers: dict) -> dict[str, list[list[_Call]]]:
+    """One softmax forward per batch, without autograd, recording every layer's calls: name ->
+    one list of :class:`_Call` per batch."""
+    global _ACTIVE
+    names = {id(m): n for n, m in layers.items()}
+    captured: dict[str, list[list[_Call]]] = {n: [] for n in layers}
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                _ACTIVE = rec = _Recorder(names)
+                _forward(model, batch)
+                for n in layers:
+                    captured[n].append(rec.calls.get(n, []))
+    finally:
+        _ACTIVE = None
+    captured = {n: per for n, per in captured.items() if any(per)}
+    if not captured:
+        raise RuntimeError(
+            "calibrate: the model made no rf_attention call; a transformers model must run "
+            "attn_implementation='rfattn' (model.set_attn_implementation('rfattn'))"
+        )
+    return captured
+
+
+def _floats(errs: dict) -> dict[str, float]:
+    return {n: float(e) for n, e in errs.items()}
+
+
+def attention_errors(model: torch.nn.Module, batches) -> dict[str, float]:
+    """Per layer, the relative squared error of the random-feature attention output to the
+    softmax one on ``batches`` (inputs as :func:`calibrate` takes them; each layer on the inputs
+    the softmax model gives it), without training anything. The model runs in eval mode."""
+    layers = _layers(model)
+    training = model.training
+    model.eval()
+    try:
+        captured = _capture(model, list(batches), layers)
+        with torch.no_grad():
+            return _floats(_errors(layers, captured))
+    finally:
+        model.train(training)
+
+
+def _fix_statistics(model, layers: dict, captured: dict) -> int:
+    """``stats="running"`` with the running moments averaged exactly over the recorded calls;
+    returns how many feature maps have statistics."""
+    from rfattn.features.base import StatsFeature
+
+    maps = {n: rf.feature_map for n, rf in layers.items() if n in captured}
+    maps = {n: fm for n, fm in maps.items() if isinstance(fm, StatsFeature)}
+    for name, fm in maps.items():
+        momentum, training = fm.momentum, fm.training
+        fm.stats = "running"
+        fm.num_batches_tracked.zero_()
+        fm.train()
+        try:
+            with torch.no_grad():
+                calls = [c for per in captured[name] for c in per]
+                for i, call in enumerate(calls):
+                    fm.momentum = 1.0 / (i + 1)  # the running value is the exact mean so far
+                    _rf_output(call, layers[name])
+        finally:
+            fm.momentum = momentum
+            fm.train(training)
+    config = getattr(model, "config", None)
+    if maps and isinstance(getattr(config, "rfattn", None), dict):
+        config.rfattn = {**config.rfattn, "stats": "running"}
+    return len(maps)
+
+
+def _trainable(model, layers: dict, params: tuple, captured: dict) -> list:
+    """The parameters to train (head maps made where missing, at the identity)."""
+    out = []
+    rfs = {n: rf for n, rf in layers.items() if n in captured}
+    if "map" in params:
+        for name, rf in rfs.items():
+            call = next(c for per in captured[name] for c in per)
+            rf.add_head_maps(call.q.shape[1], call.k.shape[1])
+            out += [rf.query_map.requires_grad_(True), rf.key_map.requires_grad_(True)]
+        config = getattr(model, "config", None)
+        if isinstance(getattr(config, "rfattn", None), dict):
+            config.rfattn = {**config.rfattn, "head_maps": True}
+    if "weights" in params:
+        learned = [p for rf in rfs.values() if rf.learner is not None
+                   for p in rf.learner.parameters()]  # fmt: skip
+        if not learned:
+            raise ValueError(
+                "params='weights' trains learnable weight matrices, and no layer has one "
+                "(weights='fastfoodl')"
+            )
+        out += [p.requires_grad_(True) for p in learned]
+    if "projection" in params:
+        out += [rf.learn_weight().requires_grad_(True) for rf in rfs.values()]
+    return out
+
+
+def _progress(step: int, steps: int, loss: float, t0: float) -> None:
+    done = int(30 * step / steps)
+    sys.stderr.write(
+        f"\rcalibrate [{'#' * done}{'.' * (30 - done)}] {step}/{steps} "
+        f"loss {loss:.4f} {time.perf_counter() - t0:.0f} s"
+    )
+    if step == steps:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def calibrate(
+    model: torch.nn.Module,
+    batches,
+    steps: int = 200,
+    lr: float = 1e-2,
+    params=("map",),
+    seed: int = 0,
+    progress: bool = True,
+) -> CalibrationReport:
+    """Calibrate the random features of ``model`` to its softmax attention (see the module
+    docstring); the model's own weights stay frozen and unchanged.
+
+    The model runs once per batch (softmax attention, no autograd) to record each layer's q, k,
+    v, masks and softmax output; training then runs only the layers' random-feature attention
+    on those, so a step costs a fraction of a model forward. The recordings stay in memory
+    (about ``4 (2 D + 2 E)`` bytes per token, head and layer in float32).
+
+    Args:
+        model: a transformers model with rfattn attached and running
+            (:func:`rfattn.hf.attach_random_features`, ``attn_implementation="rfattn"``), or any
+            module whose attention calls :func:`rfattn.rf_attention` with its
+            :class:`~rfattn.RandomFeatures` submodules (rfattn's layers).
+        batches: an iterable of model inputs: dicts of keyword arguments (``input_ids``,
+            ``attention_mask``, ...), tuples of positional ones, or one tensor. Padding is
+            respected: padded keys take no part, padded queries no part in the loss.
+        steps: optimiser steps (Adam), each on one batch's recordings of every layer, cycling
+            through the batches; 0 (or only ``"stats"``) trains nothing.
+        lr: Adam's learning rate.
+        params: what is calibrated, a subset of :data:`CALIBRATION_PARAMS` (a str for one).
+        seed: seeds torch's generator for the call (restored afterwards): the same model,
+            batches and seed give the same calibrated parameters.
+        progress: a progress bar on stderr.
+
+    Returns:
+        A :class:`CalibrationReport` (per-layer error on the batches before and after).
+
+    The head maps and the fixed statistics become part of each layer's RandomFeatures (its
+    ``state_dict``) and, for a transformers model, of ``config.rfattn`` (``head_maps``,
+    ``stats``): the model saves and loads (``save_pretrained`` / ``from_pretrained(...,
+    attn_implementation="rfattn")``) like any other.
+    """
+    params = (params,) if isinstance(params, str) else tuple(params)
+    bad = [p for p in params if p not in CALIBRATION_PARAMS]
+    if bad or not params:
+        raise ValueError(f"params must be a non-empty subset of {CALIBRATION_PARAMS}, got {params}")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        raise ValueError(f"steps must be an int >= 0, got {steps!r}")
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
+    batches = list(batches)
+    if not batches:
+        raise ValueError("batches is empty: calibrate needs at least one batch of model inputs")
+    layers = _layers(model)
+
+    t0 = time.perf_counter()
+    grads = {p: p.requires_grad for p in model.parameters()}
+    training = model.training
+    config = getattr(model, "config", None)
+    use_cache = getattr(config, "use_cache", None)
+    if use_cache is not None:
+        config.use_cache = False
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    losses: list[float] = []
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            captured = _capture(model, batches, layers)
+            with torch.no_grad():
+                before = _floats(_errors(layers, captured))
+            if "stats" in params:
+                _fix_statistics(model, layers, captured)
+            trainable = _trainable(model, layers, params, captured)
+            opt = torch.optim.Adam(trainable, lr=lr) if trainable else None
+            for step in range(steps if trainable else 0):
+                errs = _errors(layers, captured, [step % len(batches)])
+                loss = torch.stack(list(errs.values())).mean()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                losses.append(float(loss.detach()))
+                if progress and (step + 1 == steps or step % 10 == 0):
+                    _progress(step + 1, steps, losses[-1], t0)
+            with torch.no_grad():
+                after = _floats(_errors(layers, captured))
+    finally:
+        for p, g in grads.items():
+            p.requires_grad_(g)
+        model.train(training)
+        if use_cache is not None:
+            config.use_cache = use_cache
+    return CalibrationReport(before, after, params, len(losses), time.perf_counter() - t0, losses)

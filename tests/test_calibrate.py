@@ -1,0 +1,155 @@
+"""Issue 19: rfattn.calibrate (attention transfer) and the head maps it trains; tiny models."""
+
+import pytest
+import torch
+
+import rfattn
+from rfattn.reference import linear_attention
+
+transformers = pytest.importorskip("transformers")
+rfhf = pytest.importorskip("rfattn.hf")
+
+f64 = torch.float64
+V, T = 64, 20
+
+
+def _rand(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=f64)
+
+
+def _bert(feature="posrf", seed=0, sharp=4.0, **opts):
+    """A tiny BERT whose attention is sharp (query/key weights scaled), with M = 16 features."""
+    torch.manual_seed(seed)
+    cfg = transformers.BertConfig(vocab_size=V, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=2,
+                                  max_position_embeddings=64)  # fmt: skip
+    model = transformers.BertModel(cfg).eval()
+    with torch.no_grad():
+        for layer in model.encoder.layer:
+            layer.attention.self.query.weight.mul_(sharp)
+            layer.attention.self.key.weight.mul_(sharp)
+    rfhf.attach_random_features(model, num_features=16, feature=feature, seed=0, **opts)
+    model.set_attn_implementation("rfattn")
+    return model
+
+
+def _batches(n=3, seed=0, junk=0):
+    """Padded batches: row 1 ends in padding whose token ids depend on ``junk``."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, V, (2, T), generator=g)
+        mask = torch.ones(2, T, dtype=torch.long)
+        mask[1, -7:] = 0
+        ids[1, -7:] = torch.randint(0, V, (7,), generator=torch.Generator().manual_seed(junk))
+        out.append({"input_ids": ids, "attention_mask": mask})
+    return out
+
+
+def _maps(model):
+    return [t.detach().clone() for n, t in model.named_parameters() if n.endswith("_map")]
+
+
+def test_head_maps_map_q_and_k_before_the_features():
+    """rf_attention with maps = the fp64 reference on the mapped q, k (grouped heads too), at
+    the identity the plain estimator; gradients reach both maps."""
+    D, M = 8, 16
+    rf = rfattn.RandomFeatures(D, M, seed=1, head_maps=(4, 2)).double()
+    assert rf.head_maps == (4, 2) and torch.equal(rf.query_map[0], torch.eye(D, dtype=f64))
+    q, k, v = _rand(2, 4, 9, D, seed=1), _rand(2, 2, 9, D, seed=2), _rand(2, 2, 9, 5, seed=3)
+    plain = rfattn.RandomFeatures(D, M, seed=1).double()
+    for causal in (False, True):
+        same = rfattn.rf_attention(q, k, v, plain, causal=causal)
+        assert torch.allclose(rfattn.rf_attention(q, k, v, rf, causal=causal), same, atol=1e-12)
+    with torch.no_grad():
+        rf.query_map.add_(0.3 * _rand(4, D, D, seed=4))
+        rf.key_map.add_(0.3 * _rand(2, D, D, seed=5))
+    for causal in (False, True):
+        out = rfattn.rf_attention(q, k, v, rf, causal=causal)
+        mq = q @ rf.query_map.detach().transpose(-1, -2)
+        mk = (k @ rf.key_map.detach().transpose(-1, -2)).repeat_interleave(2, dim=1)
+        phi_q, phi_k = plain.features(mq, mk)
+        ref = linear_attention(phi_q, phi_k, v.repeat_interleave(2, dim=1), causal=causal)
+        assert torch.allclose(out, ref, rtol=1e-10, atol=1e-10), causal
+        out.square().sum().backward()
+        assert rf.query_map.grad.abs().sum() > 0 and rf.key_map.grad.abs().sum() > 0
+        rf.zero_grad()
+    with pytest.raises(ValueError, match="head maps were made for 4"):
+        rfattn.rf_attention(q[:, :2], k, v, rf)
+
+
+def test_calibration_lowers_the_attention_error():
+    model = _bert()
+    report = rfattn.calibrate(model, _batches(), steps=40, lr=0.05, progress=False)
+    assert set(report.before) == {f"encoder.layer.{i}.attention.self.rfattn_features"
+                                  for i in range(2)}  # fmt: skip
+    for name in report.before:
+        assert report.after[name] < report.before[name] / 2, str(report)
+    assert model.config.rfattn["head_maps"] is True
+    # the model's own weights are untouched and keep their requires_grad
+    ref = dict(_bert().named_parameters())
+    for n, p in model.named_parameters():
+        if "rfattn" not in n:
+            assert torch.equal(p, ref[n]) and p.requires_grad, n
+
+
+def test_calibration_is_deterministic_and_ignores_padded_positions():
+    """The same seed gives the same maps; junk token ids in padded positions change nothing."""
+    maps = []
+    for junk in (0, 0, 1):
+        model = _bert()
+        rfattn.calibrate(model, _batches(junk=junk), steps=5, lr=0.05, seed=3, progress=False)
+        maps.append(_maps(model))
+    assert all(torch.equal(a, b) for a, b in zip(maps[0], maps[1], strict=True))
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(maps[0], maps[2], strict=True))
+    assert not torch.equal(maps[0][0], torch.eye(16))  # and it did train
+
+
+def test_calibrated_model_saves_and_loads(tmp_path):
+    model = _bert(feature="oprf")
+    report = rfattn.calibrate(model, _batches(), steps=10, lr=0.05, params=("map", "stats"),
+                              progress=False)  # fmt: skip
+    assert model.config.rfattn["stats"] == "running"
+    assert all(report.after[n] < report.before[n] for n in report.before)
+    batch = _batches(1, seed=9)[0]
+    with torch.no_grad():
+        ref = model(**batch).last_hidden_state
+    model.save_pretrained(tmp_path)
+    loaded = transformers.BertModel.from_pretrained(tmp_path, attn_implementation="rfattn").eval()
+    with torch.no_grad():
+        out = loaded(**batch).last_hidden_state
+    assert all(torch.equal(a, b) for a, b in zip(_maps(model), _maps(loaded), strict=True))
+    assert torch.allclose(out, ref, atol=1e-5)
+    # a plain torch round trip rebuilds the maps from the state dict
+    fresh = _bert(feature="oprf", stats="running")
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert torch.allclose(fresh(**batch).last_hidden_state, ref, atol=1e-5)
+
+
+def test_calibrate_rfattn_layers():
+    """rfattn's own layers: the same transfer, softmax targets from their q, k, v."""
+    torch.manual_seed(0)
+    layer = rfattn.RFAttention(32, 2, num_features=16, seed=0).eval()
+    with torch.no_grad():
+        layer.q_proj.weight.mul_(4.0)
+        layer.k_proj.weight.mul_(4.0)
+    xs = [torch.randn(2, T, 32, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    report = rfattn.calibrate(layer, xs, steps=150, lr=0.05, progress=False)
+    (name,) = report.before
+    assert report.after[name] < report.before[name] / 2, str(report)
+
+
+def test_bad_calls_raise_clear_errors():
+    model = _bert()
+    with pytest.raises(ValueError, match="params must be"):
+        rfattn.calibrate(model, _batches(), params=("A",))
+    with pytest.raises(ValueError, match="batches is empty"):
+        rfattn.calibrate(model, [])
+    with pytest.raises(ValueError, match="fastfoodl"):
+        rfattn.calibrate(model, _batches(1), steps=1, params="weights", progress=False)
+    with pytest.raises(ValueError, match="no RandomFeatures"):
+        rfattn.calibrate(torch.nn.Linear(2, 2), [torch.zeros(1, 2)])
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(RuntimeError, match="attn_implementation='rfattn'"):
+        rfattn.calibrate(model, _batches(1), steps=1, progress=False)
