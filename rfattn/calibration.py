@@ -336,7 +336,7 @@ def calibrate(
             respected: padded keys take no part, padded queries no part in the loss.
         steps: optimiser steps (Adam), each on one batch's recordings of every layer, cycling
             through the batches; 0 (or only ``"stats"``) trains nothing.
-        lr: Adam's learning rate.
+        lr: Adam's learning rate at the first step; it decays to 0 along a cosine.
         params: what is calibrated, a subset of :data:`CALIBRATION_PARAMS` (a str for one).
         seed: seeds torch's generator for the call (restored afterwards): the same model,
             batches and seed give the same calibrated parameters.
@@ -384,12 +384,16 @@ def calibrate(
                 _fix_statistics(model, layers, captured)
             trainable = _trainable(model, layers, params, captured)
             opt = torch.optim.Adam(trainable, lr=lr) if trainable else None
+            # cosine decay to 0: large steps first, then settle (one batch per step is noisy)
+            cosine = torch.optim.lr_scheduler.CosineAnnealingLR
+            sched = cosine(opt, steps) if opt is not None and steps else None
             for step in range(steps if trainable else 0):
                 errs = _errors(layers, captured, [step % len(batches)])
                 loss = torch.stack(list(errs.values())).mean()
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
+                sched.step()
                 losses.append(float(loss.detach()))
                 if progress and (step + 1 == steps or step % 10 == 0):
                     _progress(step + 1, steps, losses[-1], t0)

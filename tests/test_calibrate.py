@@ -107,9 +107,12 @@ def test_calibration_is_deterministic_and_ignores_padded_positions():
 
 def test_calibrated_model_saves_and_loads(tmp_path):
     model = _bert(feature="oprf")
-    report = rfattn.calibrate(model, _batches(), steps=10, lr=0.05, params=("map", "stats"),
-                              progress=False)  # fmt: skip
+    drawn = model.encoder.layer[0].attention.self.rfattn_features.weight.clone()
+    report = rfattn.calibrate(model, _batches(), steps=10, lr=0.05,
+                              params=("map", "stats", "projection"), progress=False)  # fmt: skip
     assert model.config.rfattn["stats"] == "running"
+    trained = model.encoder.layer[0].attention.self.rfattn_features.weight
+    assert isinstance(trained, torch.nn.Parameter) and not torch.equal(trained, drawn)
     assert all(report.after[n] < report.before[n] for n in report.before)
     batch = _batches(1, seed=9)[0]
     with torch.no_grad():
@@ -153,3 +156,11 @@ def test_bad_calls_raise_clear_errors():
     model.set_attn_implementation("sdpa")
     with pytest.raises(RuntimeError, match="attn_implementation='rfattn'"):
         rfattn.calibrate(model, _batches(1), steps=1, progress=False)
+
+
+def test_the_benchmark_never_calibrates_on_its_evaluation_text():
+    from bench.calibrate import texts
+
+    cal, ev = texts()
+    assert len(cal) > 100 and len(ev) > 100
+    assert not set(cal) & set(ev)
