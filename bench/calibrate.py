@@ -35,16 +35,20 @@ __all__ = ["main", "texts"]
 
 
 def texts(max_chars: int = 600) -> tuple[list[str], list[str]]:
-    """(calibration, evaluation) paragraphs from alternate Python help topics."""
+    """(calibration, evaluation) paragraphs from alternate Python help topics, each paragraph
+    once: the help repeats some paragraphs across topics, and one that calibration sees is left
+    out of the evaluation."""
     from pydoc_data.topics import topics
 
-    cal, ev = [], []
+    split = ([], [])
     for i, key in enumerate(sorted(topics)):
         for para in re.split(r"\n\s*\n", topics[key]):
             para = " ".join(para.split())
             if 80 <= len(para) <= max_chars and not para.startswith(("*", "-", ">>>", "=")):
-                (cal if i % 2 == 0 else ev).append(para)
-    return cal, ev
+                split[i % 2].append(para)
+    cal = list(dict.fromkeys(split[0]))
+    seen = set(cal)
+    return cal, [p for p in dict.fromkeys(split[1]) if p not in seen]
 
 
 def _load():
