@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import re
 import time
 from pathlib import Path
 
 import torch
 
-from bench.env import environment
+from bench.env import environment, write_results
 
 __all__ = ["main", "texts"]
 
@@ -194,14 +193,7 @@ def main(argv=None) -> None:
     p.add_argument("--save-results", action="store_true", help="write to bench/results/<device>/")
     p.add_argument("--notes", default="")
     args = p.parse_args(argv)
-    doc = run(args)
-    out = Path(args.out)
-    if args.save_results:
-        out = Path(__file__).parent / "results" / doc["env"]["results_slug"]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "calibrate.json").write_text(json.dumps(doc, indent=1))
-    plot(doc, out / "calibrate.png")
-    print(f"wrote {out / 'calibrate.json'} and {out / 'calibrate.png'}")
+    write_results(run(args), "calibrate", args.out, args.save_results, plot)
 
 
 if __name__ == "__main__":

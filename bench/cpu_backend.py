@@ -22,7 +22,6 @@ core (``while True: pass``), both providers, back to back.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 import torch
 
 import rfattn
-from bench.env import environment
+from bench.env import environment, write_results
 from bench.memory import CpuMemoryWorker
 from bench.providers import make_call, make_inputs
 from bench.timing import time_cpu
@@ -196,14 +195,7 @@ def main(argv=None) -> int:
     p.add_argument("--save-results", action="store_true", help="write to bench/results/<device>/")
     p.add_argument("--notes", default="")
     args = p.parse_args(argv)
-    doc = run(args)
-    out = Path(args.out)
-    if args.save_results:
-        out = Path(__file__).parent / "results" / doc["env"]["results_slug"]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cpu_backend.json").write_text(json.dumps(doc, indent=1))
-    plot(doc, out / "cpu_backend.png")
-    print(f"# wrote {out / 'cpu_backend.json'} and cpu_backend.png")
+    write_results(run(args), "cpu_backend", args.out, args.save_results, plot)
     return 0
 
 

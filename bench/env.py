@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import importlib
+import json
 import os
 import platform
 import re
@@ -63,6 +64,19 @@ def _git(*args: str) -> str | None:
         return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def write_results(doc: dict, name: str, out, save_results: bool, plot) -> Path:
+    """Write ``doc`` as ``<name>.json`` and ``plot(doc, path)`` as ``<name>.png`` under ``out``,
+    or under ``bench/results/<device>/`` with ``save_results``; returns the folder."""
+    folder = Path(out)
+    if save_results:
+        folder = Path(__file__).parent / "results" / doc["env"]["results_slug"]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.json").write_text(json.dumps(doc, indent=1))
+    plot(doc, folder / f"{name}.png")
+    print(f"# wrote {folder / (name + '.json')} and {name}.png")
+    return folder
 
 
 def environment(device: torch.device) -> dict:

@@ -5,12 +5,12 @@ kernels are: features are computed for one block of tokens at a time and dropped
 ``[T, F]`` for the whole sequence.
 
 * Causal (:class:`_CausalAttention`): a block of ``T_b`` tokens is ``n`` chunks of ``C``. The
-  chunks' states, the scan that carries them (a ``[n+1, n+1]`` matrix of offset factors times the
-  stacked chunk states: one matrix product, no Python loop over chunks) and the intra-chunk
-  products ``(phi_q phi_k^T ⊙ decay) [V, 1]`` are a few batched products per block. The forward
-  keeps the state at each block start (``F (E+1)`` numbers per (b, h) per block); the backward
-  recomputes each block's features and states from it, runs the reverse scan with the transposed
-  matrix and returns the features' cotangents through autograd over the feature map (so every
+  chunks' own states and the intra-chunk products ``(phi_q phi_k^T ⊙ decay) [V, 1]`` are a few
+  batched products per block; the scan that carries the states is one in-place multiply-add per
+  chunk (:func:`_chain`), states held as ``[V, F]``. The forward keeps the state at each block
+  start (``F (E+1)`` numbers per (b, h) per block); the backward recomputes each block's features
+  and states from it, runs the reverse scan (:func:`_chain_back`) and returns the features'
+  cotangents through autograd over the feature map (so every
   feature, its parameters and a learnable W get their gradients).
 * Non-causal (:class:`_NoncausalAttention`): keys in blocks with per-feature running offsets
   (flash-style rescaling of ``S, z``), then queries in blocks; the backward recomputes query

@@ -11,7 +11,8 @@ user's data (attention transfer, as Hedgehog and LoLCATs do for learned feature 
   starts from the plain estimator;
 * ``"stats"``: the data statistics of oprf/saderf/poisrf/geomrf fixed from the calibration data
   (``stats="running"``, the running moments set to their exact average over the batches);
-* ``"weights"``: the learnable weight matrices (``weights="fastfoodl"``).
+* ``"weights"``: the learnable weight matrices (``weights="fastfoodl"``);
+* ``"projection"``: W itself as a parameter (:meth:`rfattn.RandomFeatures.learn_weight`).
 
 How a layer is trained: every :func:`rfattn.rf_attention` call made by the model during a
 calibration forward computes the exact softmax attention of the same q, k, v (masks and scale
@@ -173,8 +174,7 @@ class CalibrationReport:
                  f"{self.seconds:.1f} s"]  # fmt: skip
         width = max(len(n) for n in self.before) if self.before else 5
         lines.append(f"{'layer':<{width}}  {'before':>9}  {'after':>9}  {'x':>6}")
-        for n in self.before:
-            ratio = self.before[n] / max(self.after[n], 1e-300)
+        for n, ratio in self.improvement().items():
             lines.append(f"{n:<{width}}  {self.before[n]:9.4f}  {self.after[n]:9.4f}  {ratio:6.1f}")
         return "\n".join(lines)
 
@@ -245,9 +245,8 @@ def attention_errors(model: torch.nn.Module, batches) -> dict[str, float]:
         model.train(training)
 
 
-def _fix_statistics(model, layers: dict, captured: dict) -> int:
-    """``stats="running"`` with the running moments averaged exactly over the recorded calls;
-    returns how many feature maps have statistics."""
+def _fix_statistics(model, layers: dict, captured: dict) -> None:
+    """``stats="running"`` with the running moments averaged exactly over the recorded calls."""
     from rfattn.features.base import StatsFeature
 
     maps = {n: rf.feature_map for n, rf in layers.items() if n in captured}
@@ -269,7 +268,6 @@ def _fix_statistics(model, layers: dict, captured: dict) -> int:
     config = getattr(model, "config", None)
     if maps and isinstance(getattr(config, "rfattn", None), dict):
         config.rfattn = {**config.rfattn, "stats": "running"}
-    return len(maps)
 
 
 def _trainable(model, layers: dict, params: tuple, captured: dict) -> list:

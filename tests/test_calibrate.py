@@ -153,6 +153,24 @@ def test_bad_calls_raise_clear_errors():
         rfattn.calibrate(model, _batches(1), steps=1, params="weights", progress=False)
     with pytest.raises(ValueError, match="no RandomFeatures"):
         rfattn.calibrate(torch.nn.Linear(2, 2), [torch.zeros(1, 2)])
+    for steps in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="steps must be"):
+            rfattn.calibrate(model, _batches(1), steps=steps)
+    for lr in (0, -1e-3, float("nan")):
+        with pytest.raises(ValueError, match="lr must be"):
+            rfattn.calibrate(model, _batches(1), lr=lr)
+    with pytest.raises(ValueError, match="'fastfoodl' learns"):
+        rfattn.RandomFeatures(8, 16, weights="fastfoodl").learn_weight()
+    rf = rfattn.RandomFeatures(8, 16)
+    with pytest.raises(ValueError, match="heads must be"):
+        rf.add_head_maps(0)
+    with pytest.raises(ValueError, match="must divide"):
+        rf.add_head_maps(4, 3)
+    with pytest.raises(ValueError, match="head_maps must be"):
+        rfattn.RandomFeatures(8, 16, head_maps=4)
+    rf.add_head_maps(4, 2)
+    with pytest.raises(ValueError, match="exists with 4 heads"):
+        rf.add_head_maps(2, 2)
     model.set_attn_implementation("sdpa")
     with pytest.raises(RuntimeError, match="attn_implementation='rfattn'"):
         rfattn.calibrate(model, _batches(1), steps=1, progress=False)
