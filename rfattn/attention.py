@@ -195,13 +195,15 @@ def _grouped_mask(mask: torch.Tensor | None, groups: int) -> torch.Tensor | None
 
 
 def _torch_inputs(q, k, rf, key_padding_mask, scale: float, causal: bool, query_padding_mask,
-                  update: bool = True) -> tuple:  # fmt: skip
+                  update: bool = True, maps=None) -> tuple:  # fmt: skip
     """``(w, xq, xk, params)`` of the torch path: W and the pre-scaled inputs in the compute
-    dtype (grouped-query queries as rows of their key/value head, :func:`_grouped`) and the
-    call's feature parameters (statistics, the feature's own draws; ``update``: running
-    statistics may be updated)."""
+    dtype (grouped-query queries as rows of their key/value head, :func:`_grouped`; with
+    ``maps``, :meth:`RandomFeatures.map_tensors`, mapped per head first) and the call's feature
+    parameters (statistics, the feature's own draws; ``update``: running statistics may be
+    updated)."""
+    qmap, kmap = (None, None) if maps is None else maps
     w = rf.weight.to(device=q.device, dtype=compute_dtype(q.dtype))
-    xq, xk = prescale(q, scale), prescale(k, scale, key_padding_mask)
+    xq, xk = prescale(q, scale, None, qmap), prescale(k, scale, key_padding_mask, kmap)
     G = _group_size(q, k)
     if G > 1:
         xq = _grouped(xq, k.shape[1])
@@ -213,19 +215,32 @@ def _torch_inputs(q, k, rf, key_padding_mask, scale: float, causal: bool, query_
 
 
 def _call_params(q, k, rf, key_padding_mask, scale: float, causal: bool,
-                 query_padding_mask) -> tuple:  # fmt: skip
+                 query_padding_mask, maps=None) -> tuple:  # fmt: skip
     """``(w, params)`` of a torch-path call, without pre-scaled copies of q and k where the
     feature's parameters do not need this sequence's moments (empty stand-ins give dtype,
-    device and D; grouped-query queries are not regrouped: only their moments would be)."""
+    device and D; grouped-query queries are not regrouped: only their moments would be).
+    ``maps`` (``(query_map, key_map)`` or None) join the parameters as ``"query_map"`` and
+    ``"key_map"``: the blocks apply them (:func:`rfattn.features.prescale`), so the mapped q and
+    k are never materialised (except for the moments of data-dependent statistics)."""
     fm = rf.feature_map
     needs = getattr(fm, "uses_batch_moments", None) and fm.uses_batch_moments(causal)
     if needs or getattr(fm, "stats_grad", False):
         w, _, _, params = _torch_inputs(q, k, rf, key_padding_mask, scale, causal,
-                                        query_padding_mask)  # fmt: skip
-        return w, params
-    w = rf.weight.to(device=q.device, dtype=compute_dtype(q.dtype))
-    x = q.new_empty((1, 1, 0, q.shape[-1]), dtype=w.dtype)
-    return w, rf.feature_params(x, x, None, causal=causal, query_padding_mask=None)
+                                        query_padding_mask, maps=maps)  # fmt: skip
+    else:
+        w = rf.weight.to(device=q.device, dtype=compute_dtype(q.dtype))
+        x = q.new_empty((1, 1, 0, q.shape[-1]), dtype=w.dtype)
+        params = rf.feature_params(x, x, None, causal=causal, query_padding_mask=None)
+    if maps is not None:
+        params = {**params, "query_map": maps[0], "key_map": maps[1]}
+    return w, params
+
+
+def _mapped(x: torch.Tensor, head_map: torch.Tensor | None) -> torch.Tensor:
+    """``x A_h^T`` per head in x's dtype (a head map applied outside the blocks and kernels)."""
+    if head_map is None:
+        return x
+    return (x.to(head_map.dtype) @ head_map.transpose(-1, -2)).to(x.dtype)
 
 
 def _no_kernel_reason(rf, causal: bool) -> str | None:
@@ -275,7 +290,7 @@ def _kernel_form(rf, q, k, key_padding_mask, scale: float, causal: bool,
 
 
 def _triton_attention(q, k, v, rf, causal, key_padding_mask, scale, initial_state, return_state,
-                      gpu_tiles=None, query_padding_mask=None):  # fmt: skip
+                      gpu_tiles=None, query_padding_mask=None, maps=None):  # fmt: skip
     """The fused path of :func:`rf_attention` (arguments validated). Causal calls of at most
     ``rf_recurrent.MAX_TOKENS`` tokens without gradient run the decode step, others the chunked
     form; states keep the torch path's conventions (the kernel forms' offsets are the torch
@@ -285,6 +300,8 @@ def _triton_attention(q, k, v, rf, causal, key_padding_mask, scale, initial_stat
     reason = _no_kernel_reason(rf, causal)
     if reason is not None:
         raise NotImplementedError(f"{reason}; use backend='torch'")
+    if maps is not None:
+        q, k = _mapped(q, maps[0]), _mapped(k, maps[1])
     form = _kernel_form(rf, q, k, key_padding_mask, scale, causal, query_padding_mask)
     kw = dict(key_padding_mask=key_padding_mask, gpu_tiles=gpu_tiles)
     if not causal:
@@ -372,9 +389,8 @@ def rf_attention(
     args = (causal, key_padding_mask, scale, backend, initial_state, return_state,
             query_padding_mask, group)  # fmt: skip
 
-    def run(q, k, v):
-        q, k = rf.map_heads(q, k)  # learnable per-head maps (calibration); a no-op without them
-        return _attend(q, k, v, rf, *args)
+    def run(q, k, v):  # learnable per-head maps (calibration), applied where q, k are read
+        return _attend(q, k, v, rf, *args, maps=rf.map_tensors(q, k))
 
     if calibration.recording():  # inside rfattn.calibrate: this call is a layer to calibrate
         return calibration.record(q, k, v, rf, args, run)
@@ -382,18 +398,25 @@ def rf_attention(
 
 
 def _attend(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_state, return_state,
-            query_padding_mask, group):  # fmt: skip
-    """:func:`rf_attention` after validation and the head maps (``scale`` a float)."""
+            query_padding_mask, group, maps=None):  # fmt: skip
+    """:func:`rf_attention` after validation (``scale`` a float). ``maps``: ``(query_map,
+    key_map)`` (:meth:`RandomFeatures.map_tensors`; either may be None) or None. The torch path
+    applies them inside its blocks and the fused kernels in their prologue (inference); the
+    grouped-query queries of a non-causal call, the sharded path and fused calls that need
+    gradients map q, k here first."""
     Hk, Tq = k.shape[1], q.shape[2]
+    qmap, kmap = (None, None) if maps is None else maps
     G = _group_size(q, k)
     if G > 1 and not causal:  # grouped-query: each key/value head's queries are more rows of it
         qm = _grouped_mask(query_padding_mask, G)
+        q = _mapped(q, qmap)  # per query head, before its rows join the key/value head's
         out = _attend(_grouped(q, Hk), k, v, rf, False, key_padding_mask, scale, backend, None,
-                      False, qm, group)  # fmt: skip
+                      False, qm, group, maps=None if kmap is None else (None, kmap))  # fmt: skip
         return out.unflatten(2, (G, Tq)).flatten(1, 2)
     if group is not None:
         from rfattn import distributed
 
+        q, k = _mapped(q, qmap), _mapped(k, kmap)
         distributed.check_group(group)
         res = distributed.sharded_attention(q, k, v, rf, causal, key_padding_mask, scale,
                                             backend, initial_state, return_state,
@@ -402,14 +425,16 @@ def _attend(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_state
     use_triton = backend == "triton" or (backend == "auto" and _use_triton(q, rf, causal))
     if use_triton:
         return _triton_attention(q, k, v, rf, causal, key_padding_mask, scale, initial_state,
-                                 return_state, query_padding_mask=query_padding_mask)  # fmt: skip
+                                 return_state, query_padding_mask=query_padding_mask,
+                                 maps=maps)  # fmt: skip
 
     fm = rf.feature_map
     if causal:
-        w, params = _call_params(q, k, rf, key_padding_mask, scale, True, query_padding_mask)
+        w, params = _call_params(q, k, rf, key_padding_mask, scale, True, query_padding_mask,
+                                 maps)  # fmt: skip
         out, state = blocked.causal_attention(fm, q, k, v, w, params, scale, key_padding_mask,
                                               initial_state)  # fmt: skip
         return _returned_state(out.flatten(1, 2).to(q.dtype), RFState(*state), rf, return_state)
-    w, params = _call_params(q, k, rf, key_padding_mask, scale, False, query_padding_mask)
+    w, params = _call_params(q, k, rf, key_padding_mask, scale, False, query_padding_mask, maps)
     out = blocked.noncausal_attention(fm, q, k, v, w, params, scale, key_padding_mask)
     return out.to(q.dtype)

@@ -86,21 +86,32 @@ def _pad_tokens(x: torch.Tensor, pad: int) -> torch.Tensor:
     return nnf.pad(x, (0, 0, 0, pad)) if pad else x
 
 
-def _block_inputs(spec: _Spec, q, k, v, mask, chunk: int, dtype):
+def _queries(q, scale: float, params: dict) -> torch.Tensor:
+    """Pre-scaled queries (:func:`rfattn.features.prescale`), mapped per head by the call's
+    ``"query_map"`` if it has one (calibrated head maps: applied block by block, never to the
+    whole sequence at once)."""
+    return prescale(q, scale, None, params.get("query_map"))
+
+
+def _keys_in(k, scale: float, params: dict, mask) -> torch.Tensor:
+    """Pre-scaled keys with padded rows 0, mapped per head by ``"key_map"`` (:func:`_queries`)."""
+    return prescale(k, scale, mask, params.get("key_map"))
+
+
+def _block_inputs(spec: _Spec, q, k, v, mask, chunk: int, dtype, params: dict):
     """One block's pre-scaled query rows ``[B, Hk, n*G*C, D]`` (chunk-major, then query head,
     then token), keys ``[B, Hk, n*C, D]``, values with a ones column ``[B, Hk, n, C, E+1]`` and
     key mask ``[B, n*C]`` (True = padding, also the tail that fills the last chunk; None when
-    there is none) from its q, k, v and key mask."""
+    there is none) from its q, k, v and key mask (head maps from ``params``)."""
     B, Hk, T, G = q.shape[0], k.shape[1], k.shape[2], spec.groups
     n = -(-T // chunk)
     pad = n * chunk - T
     mask = _tail_mask(mask, B, T, pad, q.device)
-    xq = _pad_tokens(prescale(q, spec.scale), pad)
+    xq = _pad_tokens(_queries(q, spec.scale, params), pad)
     D = xq.shape[-1]
     xq = xq.unflatten(1, (Hk, G)).unflatten(3, (n, chunk)).transpose(2, 3).reshape(B, Hk, -1, D)
-    xk = _pad_tokens(prescale(k, spec.scale), pad)
-    if mask is not None:
-        xk = xk.masked_fill(mask[:, None, :, None], 0.0)
+    # the tail that fills the last chunk is zeros already
+    xk = _pad_tokens(_keys_in(k, spec.scale, params, None if mask is None else mask[:, :T]), pad)
     vh = _key_values(_pad_tokens(v, pad), mask, value_width(v.shape[-1]), dtype)
     return xq, xk, vh.unflatten(2, (n, chunk)), mask
 
@@ -465,7 +476,7 @@ def _mask(spec: _Spec, t0: int, t1: int):
 def _forward_block(spec, q, k, v, w, params, mask, s, off, keep: bool = False):
     """The :class:`_Block` of one block's q, k, v and key mask (with ``keep``: also the
     features, with the graph to the inputs, ``(block, phi_q, phi_k)``)."""
-    xq, xk, vh, mask = _block_inputs(spec, q, k, v, mask, CHUNK, w.dtype)
+    xq, xk, vh, mask = _block_inputs(spec, q, k, v, mask, CHUNK, w.dtype, params)
     pq = _query_side(spec.fm, xq, w, params)
     pk, m = _key_side(spec.fm, xk, w, params, mask)
     blk = _Block(pq.detach(), pk.detach(), m, vh, s, off, spec.groups, v.shape[-1])
@@ -578,8 +589,8 @@ def _traced_causal(fm, q, k, v, w, params, scale, mask, state):
     data-dependent branch: a ``fullgraph`` graph that inductor fuses; memory as autograd keeps
     it)."""
     Hk, G, T = k.shape[1], q.shape[1] // max(1, k.shape[1]), q.shape[2]
-    xq = prescale(q, scale).unflatten(1, (Hk, G)).flatten(2, 3)  # [B, Hk, G*T, D]
-    xk = prescale(k, scale, mask)
+    xq = _queries(q, scale, params).unflatten(1, (Hk, G)).flatten(2, 3)  # [B, Hk, G*T, D]
+    xk = _keys_in(k, scale, params, mask)
     pq = _query_side(fm, xq, w, params).unflatten(2, (G, T))
     pk, m = _key_side(fm, xk, w, params, mask)
     return _scan_keys(pq, pk, m, v.to(w.dtype), mask, state, fm.exponential)
@@ -650,7 +661,8 @@ def _noncausal_forward(spec: _Spec, q, k, v, w, params: dict):
         mb = None if mask is None else mask[:, t0:t1]
         vh = _key_values(v[:, :, t0:t1], mb, s.shape[-1], dt)
         online = _OnlineOffsets(c)
-        pk, _ = _key_side(fm, prescale(k[:, :, t0:t1], scale, mb), w, params, mb, offsets=online)
+        pk, _ = _key_side(fm, _keys_in(k[:, :, t0:t1], scale, params, mb), w, params, mb,
+                          offsets=online)  # fmt: skip
         if fm.exponential:
             c, s = online.c, s * online.alpha[..., None]
         s = _addmm(s, pk.transpose(-1, -2), vh)
@@ -660,7 +672,7 @@ def _noncausal_forward(spec: _Spec, q, k, v, w, params: dict):
     den = torch.empty(q.shape[:3], dtype=dt, device=q.device)
     for r0 in range(0, q.shape[2], block):
         r1 = min(q.shape[2], r0 + block)
-        nh = _query_side(fm, prescale(q[:, :, r0:r1], scale), w, params, off) @ s
+        nh = _query_side(fm, _queries(q[:, :, r0:r1], scale, params), w, params, off) @ s
         out[:, :, r0:r1] = _ratio(nh[..., :E], nh[..., E])
         den[:, :, r0:r1] = nh[..., E]
     return out, den, s, off
@@ -723,7 +735,8 @@ class _NoncausalAttention(torch.autograd.Function):
                 qb = q[:, :, r0:r1].detach().requires_grad_(need_q)
                 wl = w.detach().requires_grad_(need_w)
                 pl = [p.detach().requires_grad_(n) for p, n in zip(ptensors, need_p, strict=True)]
-                pq = _query_side(spec.fm, prescale(qb, spec.scale), wl, spec.params(pl), off)
+                pp = spec.params(pl)
+                pq = _query_side(spec.fm, _queries(qb, spec.scale, pp), wl, pp, off)
             dnh = _ratio_grad(dout[:, :, r0:r1], out[:, :, r0:r1], den[:, :, r0:r1], None,
                               s.shape[-1])  # fmt: skip
             ds = _addmm(ds, pq.detach().transpose(-1, -2), dnh)
@@ -738,7 +751,8 @@ class _NoncausalAttention(torch.autograd.Function):
                 kb = k[:, :, t0:t1].detach().requires_grad_(need_k)
                 wl = w.detach().requires_grad_(need_w)
                 pl = [p.detach().requires_grad_(n) for p, n in zip(ptensors, need_p, strict=True)]
-                pk, _ = _key_side(spec.fm, prescale(kb, spec.scale, mb), wl, spec.params(pl), mb,
+                pp = spec.params(pl)
+                pk, _ = _key_side(spec.fm, _keys_in(kb, spec.scale, pp, mb), wl, pp, mb,
                                   offsets=lambda u: off[:, :, None])  # fmt: skip
             if need_v:
                 dv[:, :, t0:t1] = (pk.detach() @ ds)[..., : v.shape[-1]]
@@ -762,7 +776,7 @@ def noncausal_attention(fm, q, k, v, w, params: dict, scale: float, mask) -> tor
     ``torch.compile``: the whole-sequence features and ``linear_attention``, traced.
     """
     if torch.compiler.is_compiling():  # traced: whole-sequence features, autograd
-        xq, xk = prescale(q, scale), prescale(k, scale, mask)
+        xq, xk = _queries(q, scale, params), _keys_in(k, scale, params, mask)
         phi_q, phi_k = fm.features(xq, xk, w, mask, params)
         return linear_attention(phi_q, phi_k, v.to(w.dtype), key_padding_mask=mask)
     names, ptensors, consts = split_params(params)

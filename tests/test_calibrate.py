@@ -78,6 +78,80 @@ def test_head_maps_map_q_and_k_before_the_features():
         rfattn.rf_attention(q[:, :2], k, v, rf)
 
 
+def _mapped_pair(feature, D=8, M=16, heads=(4, 2), seed=1):
+    """(rf with random head maps, the same features without maps, a leaf copy of the maps)."""
+    opts = dict(feature=feature, seed=seed, weights="rademacher" if feature == "rmf" else "orf")
+    rf = rfattn.RandomFeatures(D, M, head_maps=heads, **opts).double()
+    with torch.no_grad():
+        rf.query_map.add_(0.3 * _rand(heads[0], D, D, seed=4))
+        rf.key_map.add_(0.3 * _rand(heads[1], D, D, seed=5))
+    plain = rfattn.RandomFeatures(D, M, **opts).double()
+    maps = [m.detach().clone().requires_grad_() for m in (rf.query_map, rf.key_map)]
+    return rf, plain, maps
+
+
+# oprf's global statistics are non-causal only
+_MAPPED = [(f, False) for f in ("posrf", "oprf", "trigrf", "rmf")] + [
+    (f, True) for f in ("posrf", "trigrf", "rmf")
+]
+
+
+@pytest.mark.parametrize("feature,causal", _MAPPED)
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_head_maps_inside_the_blocks_equal_mapping_first(feature, causal, kv_heads):
+    """The torch path applies the maps block by block (never to the whole sequence): outputs,
+    the final state and the gradients of q, k, v and both maps equal mapping q and k first;
+    junk in padded keys and values reaches nothing."""
+    rf, plain, maps = _mapped_pair(feature, heads=(4, kv_heads))
+    B, Tn, D, E = 2, 150, 8, 5  # crosses the 64-token chunks
+    q = _rand(B, 4, Tn, D, seed=1).requires_grad_()
+    k = _rand(B, kv_heads, Tn, D, seed=2)
+    v = _rand(B, kv_heads, Tn, E, seed=3)
+    mask = torch.zeros(B, Tn, dtype=torch.bool)
+    mask[1, -40:] = True
+    k[1, :, -40:] = float("nan")
+    v[1, :, -40:] = float("inf")
+    k, v = k.requires_grad_(), v.requires_grad_()
+    kw = dict(causal=causal, key_padding_mask=mask, return_state=causal, backend="torch")
+    got = rfattn.rf_attention(q, k, v, rf, **kw)
+    clean = k.masked_fill(mask[:, None, :, None], 0.0)  # mapped junk would poison dB here
+    want = rfattn.rf_attention(q @ maps[0].transpose(-1, -2), clean @ maps[1].transpose(-1, -2),
+                               v, plain, **kw)  # fmt: skip
+    got, want = (got, want) if causal else ((got,), (want,))
+    assert torch.allclose(got[0], want[0], rtol=1e-10, atol=1e-12)
+    if causal:
+        assert all(torch.allclose(a, b, rtol=1e-10, atol=1e-12) for a, b in
+                   zip(got[1], want[1], strict=True))  # fmt: skip
+    cot = _rand(*got[0].shape, seed=9)
+    inputs = (q, k, v)
+    g_got = torch.autograd.grad(got[0], (*inputs, rf.query_map, rf.key_map), cot)
+    g_want = torch.autograd.grad(want[0], (*inputs, *maps), cot)
+    for name, a, b in zip(("q", "k", "v", "query_map", "key_map"), g_got, g_want, strict=True):
+        assert torch.isfinite(a).all(), name
+        assert torch.allclose(a, b, rtol=1e-9, atol=1e-11), name
+    assert g_got[3].abs().sum() > 0 and g_got[4].abs().sum() > 0
+
+
+def test_head_maps_are_never_applied_to_the_whole_sequence_on_the_torch_path(monkeypatch):
+    """Outside grouped non-causal queries and the sharded path, the torch path takes the maps
+    into its blocks: the whole-sequence mapping is never called."""
+    from rfattn import attention
+
+    rf, _, _ = _mapped_pair("posrf", heads=(4, 2))
+
+    def boom(x, head_map):
+        if head_map is not None:
+            raise AssertionError("head map applied to the whole sequence")
+        return x
+
+    monkeypatch.setattr(attention, "_mapped", boom)
+    q, k, v = _rand(1, 4, 70, 8, seed=1), _rand(1, 2, 70, 8, seed=2), _rand(1, 2, 70, 3, seed=3)
+    rfattn.rf_attention(q, k, v, rf, causal=True, backend="torch")
+    k4, v4 = k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1)
+    rf4, _, _ = _mapped_pair("posrf", heads=(4, 4))
+    rfattn.rf_attention(q, k4, v4, rf4, causal=False, backend="torch")
+
+
 def test_calibration_lowers_the_attention_error():
     model = _bert()
     report = rfattn.calibrate(model, _batches(), steps=40, lr=0.05, progress=False)

@@ -79,15 +79,23 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def prescale(
-    x: torch.Tensor, scale: float, padding_mask: torch.Tensor | None = None
+    x: torch.Tensor,
+    scale: float,
+    padding_mask: torch.Tensor | None = None,
+    head_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sqrt(scale) * x`` in the compute dtype: ``exp(x_q . x_k) = exp(scale * q . k)``.
 
     ``padding_mask`` (``[B, T]`` bool, True = padding): padded rows become 0, so junk there
-    (NaN, inf) reaches no feature and no gradient (its features are masked out later anyway)."""
+    (NaN, inf) reaches no feature and no gradient (its features are masked out later anyway).
+    ``head_map`` ``[H, D, D]`` (a :class:`rfattn.RandomFeatures`' calibrated head maps, in the
+    compute dtype): each head's rows then become ``sqrt(scale) x A_h^T``; the map is applied after
+    the mask, so junk in padded rows never reaches it or its gradient."""
     x = x.to(compute_dtype(x.dtype)) * math.sqrt(scale)
     if padding_mask is not None:
         x = x.masked_fill(padding_mask[:, None, :, None], 0.0)
+    if head_map is not None:
+        x = x @ head_map.transpose(-1, -2)
     return x
 
 

@@ -128,21 +128,29 @@ class RandomFeatures(nn.Module):
             return None
         return self.query_map.shape[0], self.key_map.shape[0]
 
-    def map_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(q A_h^T, k B_h^T)`` per head with the maps of :meth:`add_head_maps`; ``(q, k)``
-        unchanged without them. q: ``[B, H, Tq, D]``; k: ``[B, Hk, Tk, D]``."""
+    def map_tensors(self, q: torch.Tensor, k: torch.Tensor):
+        """``(query_map, key_map)`` for a call on q ``[B, H, Tq, D]``, k ``[B, Hk, Tk, D]``: the
+        maps of :meth:`add_head_maps` in the compute dtype on q's device (differentiable), or
+        None without them. Raises when the calls' heads are not the maps'."""
         if self.query_map is None:
-            return q, k
+            return None
         for name, x, m in (("q", q, self.query_map), ("k", k, self.key_map)):
             if x.shape[1] != m.shape[0]:
                 raise ValueError(
                     f"{name} has {x.shape[1]} heads, but this RandomFeatures' head maps were "
                     f"made for {m.shape[0]} (head_maps={self.head_maps})"
                 )
-        return (
-            q @ self.query_map.to(q.dtype).transpose(-1, -2),
-            k @ self.key_map.to(k.dtype).transpose(-1, -2),
-        )
+        dt = compute_dtype(q.dtype)
+        return self.query_map.to(q.device, dt), self.key_map.to(q.device, dt)
+
+    def map_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q A_h^T, k B_h^T)`` per head with the maps of :meth:`add_head_maps`, in q's dtype
+        (what :func:`rfattn.rf_attention` computes inside its blocks or kernels); ``(q, k)``
+        unchanged without them. q: ``[B, H, Tq, D]``; k: ``[B, Hk, Tk, D]``."""
+        maps = self.map_tensors(q, k)
+        if maps is None:
+            return q, k
+        return tuple(x @ m.to(x.dtype).transpose(-1, -2) for x, m in zip((q, k), maps, strict=True))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # a checkpoint with head maps loads into a module built without them (a calibrated
