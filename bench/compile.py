@@ -113,12 +113,23 @@ def record(calls) -> list[dict]:
 
 def _fused(q, k, v, rf, causal, key_padding_mask=None, initial_state=None, return_state=False):
     """``rf_attention(..., backend="triton")`` with the launchers picking a GPU's tiles and launch
-    options (the interpreter runs any): the fused path's ``gpu_tiles`` parameter."""
+    options (the interpreter runs any): the fused path's ``gpu_tiles`` parameter (head maps, if
+    ``rf`` has them, in the kernels)."""
     from rfattn.attention import _triton_attention
 
     scale = q.shape[-1] ** -0.5
     return _triton_attention(
-        q, k, v, rf, causal, key_padding_mask, scale, initial_state, return_state, gpu_tiles=True
+        q,
+        k,
+        v,
+        rf,
+        causal,
+        key_padding_mask,
+        scale,
+        initial_state,
+        return_state,
+        gpu_tiles=True,
+        maps=rf.map_tensors(q, k),
     )
 
 
@@ -136,10 +147,11 @@ def _call(
     state=False,
     learn=False,
     groups=1,
+    maps=False,
     **options,
 ):
     """A closure running one fused call (+ backward) on CPU (``groups`` query heads per
-    key/value head)."""
+    key/value head; ``maps``: with calibrated head maps)."""
     import torch
 
     import rfattn
@@ -153,6 +165,8 @@ def _call(
         rf = rfattn.RandomFeatures(D, M, feature=feature, weights=weights, seed=1, **options)
         if learn:
             rf.weight.requires_grad_(True)
+        if maps:
+            rf.add_head_maps(H * groups, H)
         kw = {}
         if mask:
             kw["key_padding_mask"] = torch.arange(T).expand(B, T) < 3  # left padding
@@ -219,7 +233,7 @@ def scenarios(quick: bool = False) -> list[tuple[str, object]]:
             )
             out.append((f"{name}-causal", _call(feature, weights, dtype, D, D, m, True, **copts)))
         # flags: key padding, initial/final state with gradients, decode, grouped-query heads,
-        # learnable W (dW)
+        # head maps, learnable W (dW)
         base = ("posrf", "orf", dtype, D, D, M)
         out += [
             (f"posrf-{dt}-D{D}-mask", _call(*base, False, mask=True)),
@@ -227,6 +241,13 @@ def scenarios(quick: bool = False) -> list[tuple[str, object]]:
             (f"posrf-{dt}-D{D}-decode", _call(*base, True, grad=False, T=1, state=True)),
             (f"posrf-{dt}-D{D}-causal-gqa", _call(*base, True, groups=3)),
             (f"posrf-{dt}-D{D}-decode-gqa", _call(*base, True, grad=False, T=2, groups=3)),
+            # calibrated head maps in the forward kernels (inference)
+            (f"posrf-{dt}-D{D}-maps", _call(*base, False, grad=False, maps=True)),
+            (f"posrf-{dt}-D{D}-causal-maps", _call(*base, True, grad=False, groups=2, maps=True)),
+            (
+                f"posrf-{dt}-D{D}-decode-maps",
+                _call(*base, True, grad=False, T=2, groups=3, maps=True),
+            ),
             (f"hrf-{dt}-D{D}-decode", _call("hrf", "orf", dtype, D, D, M, True, grad=False, T=4)),
             (
                 f"rmf-{dt}-D{D}-decode",

@@ -156,6 +156,54 @@ def _input_scale(
     return b_sc
 
 
+#: columns of a head map read per step (:func:`_load_mapped`): a [D, 16] slice of the map fits
+#: shared memory at D = 256 where the whole [D, D] map does not
+MAP_K = tl.constexpr(16)
+
+
+@triton.jit
+def _load_mapped(
+    base, o_t, o_d, stride_t, stride_d, m_t, m_d, map_ptr, i_hm,
+    D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, HAS_MAP: tl.constexpr,
+    PRECISION: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """The rows ``[BT, BD]`` of :func:`_load_rows`, times ``A^T`` with head ``i_hm``'s input map
+    A (``[heads, D, D]``, a calibrated head map) when HAS_MAP: the product is formed as the rows
+    are loaded, :data:`MAP_K` input columns at a time, so the mapped inputs are never written
+    out."""
+    if HAS_MAP:
+        o_k = tl.arange(0, MAP_K)
+        b_x = tl.zeros([BT, BD], dtype=ACC)
+        for k0 in range(0, D, MAP_K):
+            m_k = k0 + o_k < D
+            b_xk = _load_rows(base, o_t, k0 + o_k, stride_t, stride_d, m_t, m_k, ACC)
+            p_a = map_ptr + i_hm * D * D + o_d[:, None] * D + (k0 + o_k)[None, :]
+            b_ak = tl.load(p_a, mask=m_d[:, None] & m_k[None, :], other=0.0).to(ACC)  # [BD, K]
+            b_x += tl.dot(b_xk, tl.trans(b_ak), input_precision=PRECISION, out_dtype=ACC)
+    else:
+        b_x = _load_rows(base, o_t, o_d, stride_t, stride_d, m_t, m_d, ACC)
+    return b_x
+
+
+@triton.jit
+def _load_mapped_heads(
+    base, o_r, o_d, stride_r, stride_d, m_r, m_d, map_ptr, i_h0, G,
+    D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, HAS_MAP: tl.constexpr,
+    PRECISION: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """:func:`_load_mapped` for rows that each have their own head: row r < G by head
+    ``i_h0 + r`` (the decode step's query rows, one per query head of a group)."""
+    if HAS_MAP:
+        b_x = tl.zeros([BR, BD], dtype=ACC)
+        for g in range(0, G):
+            b_g = _load_mapped(base, o_r, o_d, stride_r, stride_d, m_r, m_d, map_ptr, i_h0 + g, D,
+                               BR, BD, True, PRECISION, ACC)  # fmt: skip
+            b_x = tl.where((o_r == g)[:, None], b_g, b_x)
+    else:
+        b_x = _load_rows(base, o_r, o_d, stride_r, stride_d, m_r, m_d, ACC)
+    return b_x
+
+
 @triton.jit
 def _safe_den(b_den, TINY: tl.constexpr):
     """The denominator policy of ``rfattn.reference.safe_denominator``: ``|den| < tiny`` becomes
@@ -513,6 +561,8 @@ class _Setup:
     (``scale_ptr``, ``ab_ptr``, ``psi_ptr``, ``tab_ptr``, ``xr_ptr``, ``xi_ptr``): sqrt(scale);
     (A, B, log D) per (b, h); psi ``[B*H, D]``; the table / rmf scales; tau / rmf's stacked rows;
     lam / rmf's segment indices. An absent one is a placeholder the kernel's flags never read.
+    ``maps``: the form's head maps (``qmap_ptr``, ``kmap_ptr``; ``[Hq, D, D]``, ``[H, D, D]``,
+    placeholders without them), which only the forward kernels take (``HAS_MAP``).
     """
 
     B: int
@@ -536,6 +586,8 @@ class _Setup:
     pad: tuple  # (mask as int32 [B, Tk] or a placeholder, stride_b, stride_t)
     has_pad: bool
     form_ptrs: tuple
+    maps: tuple
+    has_map: bool
     NMT: int  # feature tiles
     ACC: object  # the accumulation dtype as a Triton dtype
     meta: dict  # the constexprs every feature kernel takes
@@ -580,6 +632,31 @@ def _form_args(form, B: int, H: int, D: int, acc, placeholder) -> tuple[tuple, d
     return (ab, psi, tab, xr, xi), flags
 
 
+def _head_maps(form, Hq: int, H: int, D: int, acc, placeholder) -> tuple:
+    """``(qmap, kmap)`` of the form, checked, contiguous ``[heads, D, D]`` in the accumulation
+    dtype (the identity where only the other one is given), or placeholders without maps."""
+    if form.qmap is None and form.kmap is None:
+        return placeholder, placeholder
+    out = []
+    for name, m, heads in (("qmap", form.qmap, Hq), ("kmap", form.kmap, H)):
+        if m is None:
+            m = torch.eye(D, dtype=acc, device=placeholder.device).expand(heads, D, D)
+        if tuple(m.shape) != (heads, D, D):
+            raise ValueError(f"{name} must be [{heads}, {D}, {D}], got {tuple(m.shape)}")
+        out.append(m.detach().to(device=placeholder.device, dtype=acc).contiguous())
+    return tuple(out)
+
+
+def check_forward_only(c: _Setup) -> None:
+    """Raise for a backward launch with head maps (their kernels take none: the caller maps q
+    and k first where gradients are needed)."""
+    if c.has_map:
+        raise NotImplementedError(
+            "the fused backward kernels take no head maps (qmap/kmap): map q and k first "
+            "(rfattn.rf_attention does this for calls that need gradients)"
+        )
+
+
 def _setup(q, k, v, form, scale, key_padding_mask, precision=None, causal=False,
            gpu_tiles=None) -> _Setup:  # fmt: skip
     """Check the inputs and fix the launch setup of one call (``gpu_tiles``: pick a GPU's tiles
@@ -611,11 +688,13 @@ def _setup(q, k, v, form, scale, key_padding_mask, precision=None, causal=False,
     ACC = tl.float64 if acc == torch.float64 else tl.float32
     meta = dict(D=D, M=M, E=E, BD=BD, BM=BM, BE=BE, PRECISION=precision, ACC=ACC,
                 TINY=torch.finfo(acc).tiny, **flags)  # fmt: skip
+    maps = _head_maps(form, Hq, H, D, acc, sqrt_scale)
     return _Setup(
         B=B, H=H, G=G, Tq=Tq, Tk=Tk, D=D, E=E, M=M, BD=BD, BE=BE, BM=BM, BT=bt, itemsize=itemsize,
         gpu_tiles=gpu, acc=acc, precision=precision, plain=flags["FEATURE"] == FEATURE_IDS["rmf"],
         # W in the accumulation dtype: rounded to bf16 it would move each logit by ~|u| 2^-9
         w=form.w.detach().to(device=q.device, dtype=acc), pad=pad,
-        has_pad=key_padding_mask is not None, form_ptrs=(sqrt_scale, *ptrs),
+        has_pad=key_padding_mask is not None, form_ptrs=(sqrt_scale, *ptrs), maps=maps,
+        has_map=form.qmap is not None or form.kmap is not None,
         NMT=triton.cdiv(M, BM), ACC=ACC, meta=meta,
     )  # fmt: skip

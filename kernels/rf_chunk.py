@@ -68,6 +68,7 @@ from .common import (
     _feature_tile,
     _gerf_coeffs,
     _input_scale,
+    _load_mapped,
     _load_offset,
     _load_rows,
     _load_w,
@@ -79,6 +80,7 @@ from .common import (
     _store_offset,
     _store_tile,
     _valid_keys,
+    check_forward_only,
 )
 
 __all__ = ["rf_chunk_fwd", "rf_chunk_bwd"]
@@ -98,7 +100,7 @@ def _intra_decay(b_mk, b_ri):
 
 @triton.jit
 def _chunk_local_kernel(
-    k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
+    k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr, kmap_ptr,
     h_ptr, hz_ptr, hm_ptr,
     T, H, NC,
     stride_kb, stride_kh, stride_kt, stride_kd,
@@ -108,6 +110,7 @@ def _chunk_local_kernel(
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
     HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
+    HAS_MAP: tl.constexpr,
 ):  # fmt: skip
     """Chunk c's own (h_c [BM, E], hz_c [BM], l_c) for one M tile, at its local max l_c."""
     i_m, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
@@ -121,7 +124,8 @@ def _chunk_local_kernel(
     b_sc = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
     b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
-    b_xs = _load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, ACC) * b_sc[None, :]
+    b_xs = _load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, kmap_ptr, i_h, D, BT, BD,
+                        HAS_MAP, PRECISION, ACC) * b_sc[None, :]  # fmt: skip
     b_u, b_g, b_g1, b_g2 = _feature_tile(
         b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
         M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
@@ -189,7 +193,7 @@ def _chunk_scan_kernel(
 @triton.jit
 def _chunk_out_kernel(
     q_ptr, k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
-    s_ptr, z_ptr, r_ptr, o_ptr, mq_ptr, den_ptr, mk_ptr,
+    qmap_ptr, kmap_ptr, s_ptr, z_ptr, r_ptr, o_ptr, mq_ptr, den_ptr, mk_ptr,
     T, H, NC, G,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
@@ -200,6 +204,7 @@ def _chunk_out_kernel(
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
     HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
+    HAS_MAP: tl.constexpr,
 ):  # fmt: skip
     """out [BT, E] of chunk c for each of the G query heads of key/value head (b, h): a S_c
     plus the masked intra-chunk term, normalised."""
@@ -215,7 +220,8 @@ def _chunk_out_kernel(
     b_scq = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
     b_sck = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
-    b_xk = _load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, ACC) * b_sck[None, :]
+    b_xk = _load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, kmap_ptr, i_h, D, BT, BD,
+                        HAS_MAP, PRECISION, ACC) * b_sck[None, :]  # fmt: skip
     b_rp = tl.load(r_ptr + i_blk)  # R_{c-1}: the prefix state's offset
     # per-row offsets: key j's own max logit m_j over features, then r_i = max(R_{c-1}, m_j for
     # j <= i), so no row reads a later key's offset (one more pass over the key features)
@@ -251,7 +257,8 @@ def _chunk_out_kernel(
     for g in range(0, G):  # the query heads that read this key/value head
         i_hq = i_h * G + g
         q_base = q_ptr + i_b * stride_qb + i_hq * stride_qh
-        b_xq = _load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, ACC) * b_scq[None, :]
+        b_xq = _load_mapped(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, qmap_ptr, i_hq, D, BT,
+                            BD, HAS_MAP, PRECISION, ACC) * b_scq[None, :]  # fmt: skip
         b_mx = tl.full([BT], _NEG, dtype=ACC)
         b_num = tl.zeros([BT, BE], dtype=ACC)
         b_den = tl.zeros([BT], dtype=ACC)
@@ -518,9 +525,9 @@ def _states(c: _Setup, k, v, initial_state):
     hm = c.acc_empty(B * H * NC, NMT)
     meta = dict(**c.launch_options(), **c.meta)
     _chunk_local_kernel[(NMT, NC, B * H)](
-        k, v, c.w, c.pad[0], *c.form_ptrs, h, hz, hm,
+        k, v, c.w, c.pad[0], *c.form_ptrs, c.maps[1], h, hz, hm,
         T, H, NC, *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
-        BT=bt, HAS_PAD=c.has_pad, **meta,
+        BT=bt, HAS_PAD=c.has_pad, HAS_MAP=c.has_map, **meta,
     )  # fmt: skip
     s = c.acc_empty(B * H * NC, M, E)
     z = c.acc_empty(B * H * NC, M)
@@ -583,9 +590,10 @@ def rf_chunk_fwd(
     NC, (s, z, r), state = _states(c, k, v, initial_state)
     if T:
         _chunk_out_kernel[(NC, B * H)](
-            q, k, v, c.w, c.pad[0], *c.form_ptrs, s, z, r, out, mq, den, mk,
+            q, k, v, c.w, c.pad[0], *c.form_ptrs, *c.maps, s, z, r, out, mq, den, mk,
             T, H, NC, G, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
-            *out.stride(), BT=bt, HAS_PAD=c.has_pad, **c.launch_options(), **c.meta,
+            *out.stride(), BT=bt, HAS_PAD=c.has_pad, HAS_MAP=c.has_map, **c.launch_options(),
+            **c.meta,
         )  # fmt: skip
     return (out, state, aux) if return_aux else (out, state)
 
@@ -617,6 +625,7 @@ def rf_chunk_bwd(
     """
     c = _setup(q, k, v, form, scale, key_padding_mask, precision, causal=True,
                gpu_tiles=gpu_tiles)  # fmt: skip
+    check_forward_only(c)
     B, H, T, M, E, NMT, bt = c.B, c.H, c.Tq, c.M, c.E, c.NMT, c.BT
     mq, den, mk = aux
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

@@ -69,6 +69,7 @@ from .common import (
     _feature_tile,
     _gerf_coeffs,
     _input_scale,
+    _load_mapped,
     _load_rows,
     _load_w,
     _query_cotangents,
@@ -77,6 +78,7 @@ from .common import (
     _splits,
     _store_tile,
     _valid_keys,
+    check_forward_only,
 )
 
 __all__ = ["rf_parallel_fwd", "rf_parallel_bwd", "FEATURE_IDS", "INTERPRET"]
@@ -85,7 +87,7 @@ __all__ = ["rf_parallel_fwd", "rf_parallel_bwd", "FEATURE_IDS", "INTERPRET"]
 @triton.autotune(configs=_configs(), key=_KEY, prune_configs_by=PRUNE)
 @triton.jit
 def _fwd_kv_kernel(
-    k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
+    k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr, kmap_ptr,
     sp_ptr, zp_ptr, mp_ptr,
     T, H, NUM_SPLITS, t_per_split,
     stride_kb, stride_kh, stride_kt, stride_kd,
@@ -95,6 +97,7 @@ def _fwd_kv_kernel(
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
     HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
+    HAS_MAP: tl.constexpr,
 ):  # fmt: skip
     """Partial (m, S, z) of one feature tile over one T split of one (b, h)."""
     i_m, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
@@ -114,7 +117,8 @@ def _fwd_kv_kernel(
     for t in range(0, t_per_split, BT):
         o_t = t0 + t + tl.arange(0, BT)
         m_t = _valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
-        b_xs = _load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, ACC) * b_sc[None, :]
+        b_xs = _load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, kmap_ptr, i_h, D, BT,
+                            BD, HAS_MAP, PRECISION, ACC) * b_sc[None, :]  # fmt: skip
         b_u, b_g, b_g1, b_g2 = _feature_tile(
             b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
             M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
@@ -169,7 +173,7 @@ def _fwd_merge_kernel(
 @triton.autotune(configs=_configs(), key=_KEY, prune_configs_by=PRUNE)
 @triton.jit
 def _fwd_q_kernel(
-    q_ptr, w_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
+    q_ptr, w_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr, qmap_ptr,
     s_ptr, z_ptr, mk_ptr, o_ptr, mq_ptr, den_ptr,
     T, H,
     stride_qb, stride_qh, stride_qt, stride_qd,
@@ -179,6 +183,7 @@ def _fwd_q_kernel(
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
     FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
+    HAS_MAP: tl.constexpr,
 ):  # fmt: skip
     """out [BT, E] of one query tile of one (b, h): online per-row max over feature tiles."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
@@ -190,7 +195,8 @@ def _fwd_q_kernel(
     b_ca, b_cb, b_cd = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
     b_sc = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)  # [BD]
     q_base = q_ptr + i_b * stride_qb + i_h * stride_qh
-    b_xs = _load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_t, m_d, ACC) * b_sc[None, :]
+    b_xs = _load_mapped(q_base, o_t, o_d, stride_qt, stride_qd, m_t, m_d, qmap_ptr, i_h, D, BT, BD,
+                        HAS_MAP, PRECISION, ACC) * b_sc[None, :]  # fmt: skip
     b_mx = tl.full([BT], _NEG, dtype=ACC)
     b_num = tl.zeros([BT, BE], dtype=ACC)
     b_den = tl.zeros([BT], dtype=ACC)
@@ -519,10 +525,10 @@ def rf_parallel_fwd(
     z_part = c.acc_empty(B * H * splits, M)
     m_part = c.acc_empty(B * H * splits, M)
     _fwd_kv_kernel[(NMT, splits, B * H)](
-        k, v, c.w, c.pad[0], *c.form_ptrs, s_part, z_part, m_part,
+        k, v, c.w, c.pad[0], *c.form_ptrs, c.maps[1], s_part, z_part, m_part,
         Tk, H, splits, per if Tk else 0,
         *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
-        HAS_PAD=c.has_pad, **c.meta,
+        HAS_PAD=c.has_pad, HAS_MAP=c.has_map, **c.meta,
     )  # fmt: skip
     mk = c.acc_empty(B * H, M)
     _fwd_merge_kernel[(NMT, B * H)](
@@ -532,9 +538,9 @@ def rf_parallel_fwd(
         s, z, mk = (x.contiguous() for x in combine(s, z, mk))
     if Tq:
         _fwd_q_kernel[lambda meta: (triton.cdiv(Tq, meta["BT"]), B * H)](
-            q, c.w, *c.form_ptrs, s, z, mk, out, mq, den,
+            q, c.w, *c.form_ptrs, c.maps[0], s, z, mk, out, mq, den,
             Tq, H, *q.stride(), *c.w.stride(), *out.stride(),
-            **c.meta,
+            HAS_MAP=c.has_map, **c.meta,
         )  # fmt: skip
     return (out, (s, z, mk, mq, den)) if return_aux else out
 
@@ -572,6 +578,7 @@ def rf_parallel_bwd(
     if need_dw and form.plain:
         raise NotImplementedError("kind 'rmf': no gradient for its projection rows")
     c = _setup(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles=gpu_tiles)
+    check_forward_only(c)
     _one_group(c)
     B, H, Tq, Tk, M, D, E, NMT, dev = c.B, c.H, c.Tq, c.Tk, c.M, c.D, c.E, c.NMT, q.device
     s, z, mk, mq, den = aux

@@ -28,6 +28,8 @@ from .common import (
     _feature_tile,
     _gerf_coeffs,
     _input_scale,
+    _load_mapped,
+    _load_mapped_heads,
     _load_offset,
     _load_rows,
     _load_w,
@@ -47,7 +49,7 @@ MAX_TOKENS = 16
 @triton.jit
 def _recurrent_kernel(
     q_ptr, k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
-    s0_ptr, z0_ptr, r0_ptr, s_ptr, z_ptr, r_ptr, o_ptr,
+    qmap_ptr, kmap_ptr, s0_ptr, z0_ptr, r0_ptr, s_ptr, z_ptr, r_ptr, o_ptr,
     T, H, G,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
@@ -58,7 +60,7 @@ def _recurrent_kernel(
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr,
     HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
-    HAS_INIT: tl.constexpr, PLAIN: tl.constexpr, GP: tl.constexpr,
+    HAS_INIT: tl.constexpr, PLAIN: tl.constexpr, GP: tl.constexpr, HAS_MAP: tl.constexpr,
 ):  # fmt: skip
     """T tokens of one key/value head (b, h) against the state (S0, z0, R0) (zeros without
     HAS_INIT), written to (S, z, R): the first token reads S0, the later ones S (the two may be
@@ -84,9 +86,11 @@ def _recurrent_kernel(
         m_row = o_r == 0
         m_k = _valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD) & m_row
         # query row g: head h * G + g at token t
-        b_xq = _load_rows(q_base + t * stride_qt, o_r, o_d, stride_qh, stride_qd, m_qr, m_d,
-                          ACC) * b_scq[None, :]  # fmt: skip
-        b_xk = _load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, ACC) * b_sck[None, :]
+        b_xq = _load_mapped_heads(q_base + t * stride_qt, o_r, o_d, stride_qh, stride_qd, m_qr,
+                                  m_d, qmap_ptr, i_h * G, G, D, GP, BD, HAS_MAP, PRECISION,
+                                  ACC) * b_scq[None, :]  # fmt: skip
+        b_xk = _load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, kmap_ptr, i_h, D, GP,
+                            BD, HAS_MAP, PRECISION, ACC) * b_sck[None, :]  # fmt: skip
         b_v = _load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_k, m_e, ACC)  # [GP, BE]
         # pass 1: the key's max logit over all features -> the new running offset
         b_rn = b_r
@@ -198,9 +202,10 @@ def rf_recurrent_fwd(
         return out, (s, z, r)
     if B * H:
         _recurrent_kernel[(B * H,)](
-            q, k, v, c.w, c.pad[0], *c.form_ptrs, s0, z0, r0, s, z, r, out,
+            q, k, v, c.w, c.pad[0], *c.form_ptrs, *c.maps, s0, z0, r0, s, z, r, out,
             T, H, G, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
             *out.stride(), HAS_PAD=c.has_pad, HAS_INIT=initial_state is not None,
-            PLAIN=c.plain, GP=_next_pow2(G), **c.launch_options(num_warps=4), **c.meta,
+            PLAIN=c.plain, GP=_next_pow2(G), HAS_MAP=c.has_map, **c.launch_options(num_warps=4),
+            **c.meta,
         )  # fmt: skip
     return out, (s, z, r)

@@ -7,6 +7,7 @@ blocks of T, features of one block at a time, hand-written backwards; causal it 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -236,11 +237,13 @@ def _call_params(q, k, rf, key_padding_mask, scale: float, causal: bool,
     return w, params
 
 
-def _mapped(x: torch.Tensor, head_map: torch.Tensor | None) -> torch.Tensor:
-    """``x A_h^T`` per head in x's dtype (a head map applied outside the blocks and kernels)."""
+def _mapped(x: torch.Tensor, head_map: torch.Tensor | None, padding_mask=None) -> torch.Tensor:
+    """``x A_h^T`` per head in x's dtype (a head map applied outside the blocks and kernels);
+    rows where ``padding_mask`` is True become 0 first, so junk there never reaches the map's
+    gradient."""
     if head_map is None:
         return x
-    return (x.to(head_map.dtype) @ head_map.transpose(-1, -2)).to(x.dtype)
+    return prescale(x, 1.0, padding_mask, head_map).to(x.dtype)
 
 
 def _no_kernel_reason(rf, causal: bool) -> str | None:
@@ -264,11 +267,13 @@ def fused_kernel_available(rf, causal: bool = False) -> bool:
 
 
 def _kernel_form(rf, q, k, key_padding_mask, scale: float, causal: bool,
-                 query_padding_mask=None, moments=None):  # fmt: skip
+                 query_padding_mask=None, moments=None, maps=None):  # fmt: skip
     """The feature's kernel form for this call: its per-call parameters, with the statistics of
     oprf/saderf from the fused stats pass (``rfattn.kernels.stats``; in torch where the operators
     run their torch kernels) where the call needs them (held constant: ``stats_grad=False``),
-    or from ``moments`` when the caller has them (a sharded call's, over every shard)."""
+    or from ``moments`` when the caller has them (a sharded call's, over every shard).
+    ``maps``: head maps ``(query_map, key_map)`` (either may be None) the kernels apply (the
+    form's ``qmap``, ``kmap``); statistics are then those of the mapped q and k."""
     from rfattn import autograd as ops
 
     fm = rf.feature_map
@@ -276,6 +281,8 @@ def _kernel_form(rf, q, k, key_padding_mask, scale: float, causal: bool,
     xq = xk = q.new_empty((1, 1, 0, q.shape[-1]), dtype=compute_dtype(q.dtype))
     needs = getattr(fm, "uses_batch_moments", None) and fm.uses_batch_moments(causal)
     if moments is None and needs:
+        if maps is not None:  # the moments are the only reader of the mapped q, k
+            q, k = _mapped(q, maps[0]), _mapped(k, maps[1], key_padding_mask)
         if ops._on_torch(q):
             xq, xk = prescale(q, scale), prescale(k, scale)
         else:
@@ -286,7 +293,11 @@ def _kernel_form(rf, q, k, key_padding_mask, scale: float, causal: bool,
     with torch.no_grad():
         params = rf.feature_params(xq, xk, key_padding_mask, causal=causal, moments=moments,
                                    query_padding_mask=query_padding_mask)  # fmt: skip
-    return fm.kernel_form(rf.weight.to(q.device), params)
+    form = fm.kernel_form(rf.weight.to(q.device), params)
+    if maps is None:
+        return form
+    qmap, kmap = (None if m is None else m.detach() for m in maps)
+    return dataclasses.replace(form, qmap=qmap, kmap=kmap)
 
 
 def _triton_attention(q, k, v, rf, causal, key_padding_mask, scale, initial_state, return_state,
@@ -294,22 +305,28 @@ def _triton_attention(q, k, v, rf, causal, key_padding_mask, scale, initial_stat
     """The fused path of :func:`rf_attention` (arguments validated). Causal calls of at most
     ``rf_recurrent.MAX_TOKENS`` tokens without gradient run the decode step, others the chunked
     form; states keep the torch path's conventions (the kernel forms' offsets are the torch
-    path's). ``gpu_tiles``: as the launchers' (``bench.compile`` records a GPU's launches)."""
+    path's). ``gpu_tiles``: as the launchers' (``bench.compile`` records a GPU's launches).
+    ``maps``: head maps, applied by the forward kernels as they load q and k; a call that needs
+    gradients (of anything, the maps included) maps q and k first (the backward kernels take no
+    maps)."""
     from rfattn import autograd as ops
 
     reason = _no_kernel_reason(rf, causal)
     if reason is not None:
         raise NotImplementedError(f"{reason}; use backend='torch'")
-    if maps is not None:
-        q, k = _mapped(q, maps[0]), _mapped(k, maps[1])
-    form = _kernel_form(rf, q, k, key_padding_mask, scale, causal, query_padding_mask)
+    given = (q, k, v, rf.weight) + tuple(initial_state or ())
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in given + tuple(maps or ())
+    )
+    if maps is not None and grad:
+        q, k, maps = _mapped(q, maps[0]), _mapped(k, maps[1], key_padding_mask), None
+    form = _kernel_form(rf, q, k, key_padding_mask, scale, causal, query_padding_mask,
+                        maps=maps)  # fmt: skip
     kw = dict(key_padding_mask=key_padding_mask, gpu_tiles=gpu_tiles)
     if not causal:
         return ops.rf_parallel(q, k, v, form, scale, **kw)
     from rfattn.kernels.rf_recurrent import MAX_TOKENS
 
-    tensors = (q, k, v, form.w) + (() if initial_state is None else tuple(initial_state))
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     if not grad and q.shape[2] <= MAX_TOKENS:  # decoding: one launch, O(M (D + E)) per token
         out, s, z, off = ops.rf_decode(q, k, v, form, scale, initial_state=initial_state, **kw)
     else:
@@ -416,7 +433,7 @@ def _attend(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_state
     if group is not None:
         from rfattn import distributed
 
-        q, k = _mapped(q, qmap), _mapped(k, kmap)
+        q, k = _mapped(q, qmap), _mapped(k, kmap, key_padding_mask)
         distributed.check_group(group)
         res = distributed.sharded_attention(q, k, v, rf, causal, key_padding_mask, scale,
                                             backend, initial_state, return_state,

@@ -30,7 +30,9 @@ recomputation, with the kernels' conventions (offsets held fixed, states in ``RF
 So the operators work on any CPU, under ``torch.compile`` too; the interpreter (CI) runs the
 Triton kernels themselves, and tests hold the two to each other.
 
-The per-form parameters (coefficients, tables, tau, rmf's rows) are held constant: no gradient.
+The per-form parameters (coefficients, tables, tau, rmf's rows, head maps) are held constant: no
+gradient. Forms with head maps run the forward kernels only (``rfattn.attention`` maps q and k
+first where gradients are needed); their Triton backward raises.
 Importing this module imports Triton (``rfattn.attention`` imports it on first fused call).
 """
 
@@ -59,13 +61,15 @@ __all__ = ["rf_parallel", "rf_chunk", "rf_decode"]
 # Schema pieces shared by the operators: the kernel form (flattened by _flat), the call, the
 # carried state and the launch options.
 _FORM = (
-    "str kind, Tensor w, Tensor? coeffs, Tensor? psi, Tensor? table, Tensor? extra, Tensor? index"
+    "str kind, Tensor w, Tensor? coeffs, Tensor? psi, Tensor? table, Tensor? extra, Tensor? index, "
+    "Tensor? qmap, Tensor? kmap"
 )
 _CALL = "float scale, Tensor? key_padding_mask"
 _STATE = "Tensor? s0, Tensor? z0, Tensor? off0"
 _OPTS = "str? precision, bool? gpu_tiles"
 _QKV = "Tensor q, Tensor k, Tensor v"
-_NFORM = 7  # arguments of _FORM
+_NFORM = 9  # arguments of _FORM
+_SCALE = 3 + _NFORM  # the position of scale among an operator's inputs (after q, k, v, the form)
 
 
 def _op(name: str, args: str, returns: str, mutates=()):
@@ -73,16 +77,19 @@ def _op(name: str, args: str, returns: str, mutates=()):
 
 
 def _flat(form: KernelForm) -> tuple:
-    """The form as operator arguments (``_FORM``): kind, w, coeffs, psi, table, extra, index."""
+    """The form as operator arguments (``_FORM``): kind, w, coeffs, psi, table, extra, index,
+    qmap, kmap."""
     extra, index = (form.tau, form.lam) if form.kind == "table" else (form.rows, form.segments)
-    return form.kind, form.w, form.coeffs, form.psi, form.table, extra, index
+    return (form.kind, form.w, form.coeffs, form.psi, form.table, extra, index, form.qmap,
+            form.kmap)  # fmt: skip
 
 
 def _form(args: tuple) -> tuple[KernelForm, tuple]:
     """(the KernelForm of the leading ``_FORM`` arguments, the arguments after them)."""
-    kind, w, coeffs, psi, table, extra, index = args[:_NFORM]
+    kind, w, coeffs, psi, table, extra, index, qmap, kmap = args[:_NFORM]
     named = dict(tau=extra, lam=index) if kind == "table" else dict(rows=extra, segments=index)
-    return KernelForm(kind, w, coeffs, psi, table, **named), args[_NFORM:]
+    form = KernelForm(kind, w, coeffs, psi, table, qmap=qmap, kmap=kmap, **named)
+    return form, args[_NFORM:]
 
 
 def _state(s0, z0, off0):
@@ -113,8 +120,9 @@ def _on_torch(q: torch.Tensor) -> bool:
 
 
 def _torch_logits(q, k, form, scale):
-    """``(u_q, g_q, u_k, g_k)``: the form's logits and amplitudes of the pre-scaled inputs."""
-    xq, xk = prescale(q, scale), prescale(k, scale)
+    """``(u_q, g_q, u_k, g_k)``: the form's logits and amplitudes of the pre-scaled (and mapped)
+    inputs."""
+    xq, xk = prescale(q, scale, None, form.qmap), prescale(k, scale, None, form.kmap)
     return *form.evaluate(xq, "query"), *form.evaluate(xk, "key")
 
 
@@ -157,6 +165,11 @@ def _torch_chunk(q, k, v, form, scale, mask, state):
     from rfattn.attention import RFState, _causal_torch, _group_size, _grouped
 
     Hk, T, G = k.shape[1], q.shape[2], _group_size(q, k)
+    if form.qmap is not None:  # per query head, before the heads' rows are grouped
+        dt, q = q.dtype, prescale(q, 1.0, None, form.qmap)
+        form = dataclasses.replace(form, qmap=None)
+    else:
+        dt = q.dtype
     phi_q, u_k, g_k = _torch_features(_grouped(q, Hk) if Hk else q, k, form, scale)
     if state is not None:
         state = RFState(*(x.to(phi_q.dtype) for x in state))
@@ -164,7 +177,7 @@ def _torch_chunk(q, k, v, form, scale, mask, state):
     out, st = _causal_torch(phi_q, u_k, g_k, v.to(phi_q.dtype), mask, state)
     # an operator's outputs never alias its inputs (a plain feature keeps the given offset)
     given = () if state is None else tuple(state)
-    return (out.flatten(1, 2).to(q.dtype),
+    return (out.flatten(1, 2).to(dt),
             *(x.clone() if any(x is y for y in given) else x for x in st))  # fmt: skip
 
 
@@ -234,8 +247,8 @@ def _(do, q, k, v, *args):
 
 
 def _parallel_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:3], *inputs[4 : 3 + _NFORM], inputs[11], *output)
-    ctx.kind, ctx.scale, ctx.opts = inputs[3], inputs[10], inputs[12:]
+    ctx.save_for_backward(*inputs[:3], *inputs[4:_SCALE], inputs[_SCALE + 1], *output)
+    ctx.kind, ctx.scale, ctx.opts = inputs[3], inputs[_SCALE], inputs[_SCALE + 2 :]
 
 
 def _parallel_backward(ctx, d_out, *_aux):
@@ -251,12 +264,12 @@ def _parallel_backward(ctx, d_out, *_aux):
         dq, dk, dv, dw = _torch_grads(
             fwd, (q, k, v, form_.w), (True, True, True, need_dw), (d_out,)
         )
-        return dq, dk, dv, None, dw, *([None] * 9)
+        return dq, dk, dv, None, dw, *([None] * (_NFORM + 2))
     dq, dk, dv, dw = _parallel_bwd(
         d_out, q, k, v, ctx.kind, *form, ctx.scale, mask, out, s, z, mk, mq, den, *ctx.opts,
         need_dw,
     )  # fmt: skip
-    return dq, dk, dv, None, (dw if need_dw else None), *([None] * 9)
+    return dq, dk, dv, None, (dw if need_dw else None), *([None] * (_NFORM + 2))
 
 
 _parallel.register_autograd(_parallel_backward, setup_context=_parallel_setup)
@@ -331,8 +344,9 @@ def _(do, ds, dz, q, k, v, *args):
 
 def _chunk_setup(ctx, inputs, output):
     out, mq, den, mk = output[0], *output[4:7]
-    ctx.save_for_backward(*inputs[:3], *inputs[4 : 3 + _NFORM], *inputs[11:15], out, mq, den, mk)
-    ctx.kind, ctx.scale, ctx.opts = inputs[3], inputs[10], inputs[15:]
+    ctx.save_for_backward(*inputs[:3], *inputs[4:_SCALE], *inputs[_SCALE + 1 : _SCALE + 5], out,
+                          mq, den, mk)  # fmt: skip
+    ctx.kind, ctx.scale, ctx.opts = inputs[3], inputs[_SCALE], inputs[_SCALE + 5 :]
 
 
 def _chunk_backward(ctx, d_out, d_s, d_z, *_rest):
@@ -351,12 +365,13 @@ def _chunk_backward(ctx, d_out, d_s, d_z, *_rest):
 
         dq, dk, dv, ds0, dz0 = _torch_grads(fwd, (q, k, v, s0, z0), (True, True, True, init, init),
                                             (d_out, d_s, d_z))  # fmt: skip
-        return dq, dk, dv, *([None] * 9), ds0, dz0, None, None, None
+        return dq, dk, dv, *([None] * (_NFORM + 2)), ds0, dz0, None, None, None
     dq, dk, dv, ds0, dz0 = _chunk_bwd(
         d_out, d_s, d_z, q, k, v, ctx.kind, *form, ctx.scale, mask, s0, z0, off0, out, mq, den,
         mk, *ctx.opts,
     )  # fmt: skip
-    return (dq, dk, dv, *([None] * 9), (ds0 if init else None), (dz0 if init else None),
+    return (dq, dk, dv, *([None] * (_NFORM + 2)), (ds0 if init else None),
+            (dz0 if init else None),
             None, None, None)  # fmt: skip
 
 

@@ -132,3 +132,75 @@ def test_torch_kernels_equal_the_triton_kernels(feature, weights, opts, kernel_d
     torch_results = run("cpu")
     for i, (a, b) in enumerate(zip(triton_results, torch_results, strict=True)):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11, msg=lambda m, i=i: f"#{i}: {m}")
+
+
+@pytest.mark.parametrize("feature,weights", [("posrf", "orf"), ("trigrf", "orf"),
+                                             ("oprf", "orf"), ("rmf", "rademacher")])  # fmt: skip
+def test_head_maps_run_inside_the_forward_kernels(feature, weights, kernel_device, monkeypatch):
+    """Calibrated head maps ride in the kernel form (qmap, kmap): the forward kernels (and the
+    operators' torch kernels) map q and k as they load them. Without gradients every fused
+    form (non-causal, grouped non-causal, chunked, decode with a state) equals the torch path
+    with the same maps, junk in padded keys included; posrf never maps the whole sequence.
+    With gradients the call maps q, k first and gets the same values and gradients; the
+    Triton backward of a form with maps raises."""
+    import rfattn.attention as attention
+    import rfattn.autograd as ops
+
+    Hq, Hk, Tn, Dm, Mm = 4, 2, 20, 8, 16
+    opts = dict(feature=feature, weights=weights, seed=0)
+    rf = rfattn.RandomFeatures(Dm, Mm, head_maps=(Hq, Hk), **opts).double().to(kernel_device)
+    rf4 = rfattn.RandomFeatures(Dm, Mm, head_maps=(Hq, Hq), **opts).double().to(kernel_device)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for m in (rf.query_map, rf.key_map, rf4.query_map, rf4.key_map):
+            m.add_(0.3 * torch.randn(m.shape, generator=g, dtype=f64).to(kernel_device))
+    q = 0.5 * torch.randn(2, Hq, Tn, Dm, generator=g, dtype=f64).to(kernel_device)
+    k = 0.5 * torch.randn(2, Hq, Tn, Dm, generator=g, dtype=f64).to(kernel_device)
+    v = torch.randn(2, Hq, Tn, 3, generator=g, dtype=f64).to(kernel_device)
+    mask = torch.zeros(2, Tn, dtype=torch.bool, device=kernel_device)
+    mask[1, -6:] = True
+    k[1, :, -6:], v[1, :, -6:] = float("nan"), float("inf")
+    state = rfattn.rf_attention(q[:, :, :5], k[:, :Hk, :5], v[:, :Hk, :5], rf, causal=True,
+                                return_state=True)[1]  # fmt: skip
+    cases = [  # (rf, k and v heads, causal, tokens, initial state)
+        (rf4, Hq, False, Tn, None), (rf, Hk, False, Tn, None), (rf, Hk, True, Tn, None),
+        (rf, Hk, True, 3, state),
+    ]  # fmt: skip
+    if feature == "oprf":  # global statistics are non-causal only
+        cases = cases[:2]
+
+    def whole_sequence(x, head_map):
+        if head_map is not None and not grouped:
+            raise AssertionError("head map applied to the whole sequence")
+        return x @ head_map.transpose(-1, -2) if head_map is not None else x
+
+    for r, h, causal, t, st in cases:
+        grouped = h < Hq and not causal
+        args = (q[:, :, :t], k[:, :h, :t], v[:, :h, :t], r)
+        kw = dict(causal=causal, key_padding_mask=mask[:, :t], initial_state=st)
+        want = rfattn.rf_attention(*args, backend="torch", **kw)
+        for on_torch in (False, True):
+            monkeypatch.setattr(ops, "TORCH_ON_CPU", on_torch)
+            if feature == "posrf":
+                monkeypatch.setattr(attention, "_mapped", whole_sequence)
+            with torch.no_grad():
+                got = rfattn.rf_attention(*args, backend="triton", **kw)
+            monkeypatch.undo()
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    # gradients: mapped first, the maps' gradients included
+    qg, kg = q[:, :, :Tn].clone().requires_grad_(), k[:, :Hk].clone().requires_grad_()
+    cot = torch.randn(2, Hq, Tn, 3, generator=g, dtype=f64).to(kernel_device)
+    causal = feature != "oprf"
+    grads = []
+    for backend in ("triton", "torch"):
+        out = rfattn.rf_attention(qg, kg, v[:, :Hk], rf, causal=causal, key_padding_mask=mask,
+                                  backend=backend)  # fmt: skip
+        grads.append(torch.autograd.grad(out, (qg, kg, rf.query_map, rf.key_map), cot))
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    monkeypatch.setattr(ops, "TORCH_ON_CPU", False)
+    form = _kernel_form(rf4, q, k, None, Dm**-0.5, causal=False,
+                        maps=(rf4.query_map, rf4.key_map))  # fmt: skip
+    out = ops.rf_parallel(q.clone().requires_grad_(), k, v, form, Dm**-0.5, mask)
+    with pytest.raises(NotImplementedError, match="take no head maps"):
+        out.sum().backward()

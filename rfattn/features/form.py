@@ -24,6 +24,12 @@ pre-scaled inputs ``x`` (``sqrt(scale) q``) and one projection row ``w_f`` per f
   ``start_F = R``) then the owning feature of each row; ``table`` ``[2, 1, F]`` the scales c
   (query side, key side).
 
+Every kind takes optional per-head input maps ``qmap`` ``[Hq, D, D]`` and ``kmap`` ``[Hk, D, D]``
+(a :class:`rfattn.RandomFeatures`' calibrated head maps): the kernels' rows are then
+``x A_h^T`` (before psi), computed in their prologue from the q and k they load, so the mapped
+inputs are never written out. The forward kernels take them (inference); a call that needs
+gradients maps q and k first (``rfattn.attention``).
+
 The key offsets of a kind are those of the torch path (log D included, 0 for "rmf"), so a causal
 state moves between the torch path and the kernels unchanged.
 """
@@ -70,6 +76,8 @@ class KernelForm:
         table: "table": ``[2, 9, F]``; "rmf": ``[2, 1, F]`` (the scales c per side).
         tau, lam: "table": sign rows ``[n, D]`` and the row of each feature ``[F]`` (-1: none).
         rows, segments: "rmf": stacked projection rows ``[R, D]`` and ``[F + 1 + R]`` indices.
+        qmap, kmap: per-head input maps ``[Hq, D, D]`` and ``[Hk, D, D]`` (module docstring),
+            held constant, or None. :meth:`evaluate` takes inputs already mapped.
     """
 
     kind: str
@@ -81,6 +89,8 @@ class KernelForm:
     lam: torch.Tensor | None = None
     rows: torch.Tensor | None = None
     segments: torch.Tensor | None = None
+    qmap: torch.Tensor | None = None
+    kmap: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -106,6 +116,10 @@ class KernelForm:
             if self.table is None or tuple(self.table.shape) != (2, rows, F):
                 got = None if self.table is None else tuple(self.table.shape)
                 raise ValueError(f"kind={self.kind!r} needs table [2, {rows}, {F}], got {got}")
+        for name in ("qmap", "kmap"):
+            m = getattr(self, name)
+            if m is not None and (m.dim() != 3 or tuple(m.shape[1:]) != (D, D)):
+                raise ValueError(f"{name} must be [heads, {D}, {D}], got {tuple(m.shape)}")
         if (self.tau is None) != (self.lam is None):
             raise ValueError("tau and lam come together")
         if self.tau is not None and (self.tau.shape[-1] != D or tuple(self.lam.shape) != (F,)):
@@ -123,8 +137,9 @@ class KernelForm:
 
     def evaluate(self, x: torch.Tensor, side: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(u, g)`` ``[B, H, T, F]`` with ``phi = g exp(u)`` (g None = 1), in torch, for
-        pre-scaled inputs ``x`` ``[B, H, T, D]``: the kernels' formula (``kernels/common.py``
-        ``_feature_tile``), against which the feature maps are tested."""
+        pre-scaled (and mapped, ``qmap``/``kmap``) inputs ``x`` ``[B, H, T, D]``: the kernels'
+        formula (``kernels/common.py`` ``_feature_tile``), against which the feature maps are
+        tested."""
         if side not in ("query", "key"):
             raise ValueError(f"side must be 'query' or 'key', got {side!r}")
         key = side == "key"
