@@ -314,6 +314,11 @@ def _triton_attention(q, k, v, rf, causal, key_padding_mask, scale, initial_stat
     reason = _no_kernel_reason(rf, causal)
     if reason is not None:
         raise NotImplementedError(f"{reason}; use backend='torch'")
+    if _learns_gerf_a(rf):
+        raise NotImplementedError(
+            "the fused kernels hold GERF's A constant: a call that needs the gradient of a "
+            "learnable gerf_A runs backend='torch' (or run this one under torch.no_grad())"
+        )
     given = (q, k, v, rf.weight) + tuple(initial_state or ())
     grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in given + tuple(maps or ())
@@ -334,8 +339,15 @@ def _triton_attention(q, k, v, rf, causal, key_padding_mask, scale, initial_stat
     return _returned_state(out, RFState(s, z, off), rf, return_state)
 
 
+def _learns_gerf_a(rf) -> bool:
+    """Whether autograd would differentiate a learnable GERF A (``RandomFeatures.gerf_A``): the
+    fused kernels hold their coefficients constant, so such a call runs the torch path."""
+    a = getattr(rf, "gerf_A", None)
+    return a is not None and a.requires_grad and torch.is_grad_enabled()
+
+
 def _use_triton(q, rf, causal) -> bool:
-    if not q.is_cuda or _no_kernel_reason(rf, causal) is not None:
+    if not q.is_cuda or _no_kernel_reason(rf, causal) is not None or _learns_gerf_a(rf):
         return False
     return q.dtype in (torch.float32, torch.float16, torch.bfloat16)
 

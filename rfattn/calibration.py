@@ -12,7 +12,9 @@ user's data (attention transfer, as Hedgehog and LoLCATs do for learned feature 
 * ``"stats"``: the data statistics of oprf/saderf/poisrf/geomrf fixed from the calibration data
   (``stats="running"``, the running moments set to their exact average over the batches);
 * ``"weights"``: the learnable weight matrices (``weights="fastfoodl"``);
-* ``"projection"``: W itself as a parameter (:meth:`rfattn.RandomFeatures.learn_weight`).
+* ``"projection"``: W itself as a parameter (:meth:`rfattn.RandomFeatures.learn_weight`);
+* ``"A"``: GERF's A, one per key/value head (:meth:`rfattn.RandomFeatures.learn_gerf_A`;
+  ``feature="gerf"`` with a real A), starting from the feature's option.
 
 How a layer is trained: every :func:`rfattn.rf_attention` call made by the model during a
 calibration forward computes the exact softmax attention of the same q, k, v (masks and scale
@@ -35,7 +37,7 @@ import torch
 __all__ = ["calibrate", "attention_errors", "CalibrationReport", "CALIBRATION_PARAMS"]
 
 #: what :func:`calibrate` can train or fix
-CALIBRATION_PARAMS = ("map", "stats", "weights", "projection")
+CALIBRATION_PARAMS = ("map", "stats", "weights", "projection", "A")
 
 #: the recorder of the calibration forward in progress (None: calls run as usual)
 _ACTIVE = None
@@ -293,6 +295,13 @@ def _trainable(model, layers: dict, params: tuple, captured: dict) -> list:
         out += [p.requires_grad_(True) for p in learned]
     if "projection" in params:
         out += [rf.learn_weight().requires_grad_(True) for rf in rfs.values()]
+    if "A" in params:
+        for name, rf in rfs.items():
+            call = next(c for per in captured[name] for c in per)
+            out.append(rf.learn_gerf_A(call.k.shape[1]).requires_grad_(True))
+        config = getattr(model, "config", None)
+        if isinstance(getattr(config, "rfattn", None), dict):
+            config.rfattn = {**config.rfattn, "gerf_A": True}
     return out
 
 
@@ -343,9 +352,9 @@ def calibrate(
     Returns:
         A :class:`CalibrationReport` (per-layer error on the batches before and after).
 
-    The head maps and the fixed statistics become part of each layer's RandomFeatures (its
-    ``state_dict``) and, for a transformers model, of ``config.rfattn`` (``head_maps``,
-    ``stats``): the model saves and loads (``save_pretrained`` / ``from_pretrained(...,
+    The head maps, GERF's A and the fixed statistics become part of each layer's RandomFeatures
+    (its ``state_dict``) and, for a transformers model, of ``config.rfattn`` (``head_maps``,
+    ``gerf_A``, ``stats``): the model saves and loads (``save_pretrained`` / ``from_pretrained(...,
     attn_implementation="rfattn")``) like any other.
     """
     params = (params,) if isinstance(params, str) else tuple(params)
@@ -360,6 +369,14 @@ def calibrate(
     if not batches:
         raise ValueError("batches is empty: calibrate needs at least one batch of model inputs")
     layers = _layers(model)
+    if "A" in params:
+        plain = [n for n, rf in layers.items()
+                 if rf.feature != "gerf" or rf.feature_map.complex_form]  # fmt: skip
+        if plain:
+            raise ValueError(
+                "params='A' calibrates GERF's A, which needs feature='gerf' with a real A and s=1; "
+                f"layer {plain[0]!r} has feature={layers[plain[0]].feature!r}"
+            )
 
     t0 = time.perf_counter()
     grads = {p: p.requires_grad for p in model.parameters()}

@@ -84,8 +84,10 @@ def random_features_from_config(config, layer_idx: int, head_dim: int) -> Random
 
     Args:
         config: a transformers ``PretrainedConfig``; ``config.rfattn`` (a dict, optional) holds
-            ``num_features``, ``feature``, ``weights``, ``seed``, feature options and
-            ``head_maps`` (True after :func:`rfattn.calibrate`: maps for the config's heads).
+            ``num_features``, ``feature``, ``weights``, ``seed``, feature options,
+            ``head_maps`` (True after :func:`rfattn.calibrate`: maps for the config's heads)
+            and ``gerf_A`` (True after calibrating GERF's A: one learnable A per key/value
+            head).
         layer_idx: the layer index (its seed is ``layer_seed(seed, layer_idx)``).
         head_dim: the attention head dimension.
     """
@@ -96,7 +98,12 @@ def random_features_from_config(config, layer_idx: int, head_dim: int) -> Random
         opts["head_maps"] = (heads, getattr(config, "num_key_value_heads", None) or heads)
     elif not opts.get("head_maps"):
         opts.pop("head_maps", None)
-    return RandomFeatures(head_dim, seed=layer_seed(int(seed), int(layer_idx)), **opts)
+    learn_a = opts.pop("gerf_A", False)
+    rf = RandomFeatures(head_dim, seed=layer_seed(int(seed), int(layer_idx)), **opts)
+    if learn_a:
+        heads = config.num_attention_heads
+        rf.learn_gerf_A(getattr(config, "num_key_value_heads", None) or heads)
+    return rf
 
 
 def _attention_layers(model: torch.nn.Module):

@@ -152,6 +152,65 @@ def test_head_maps_are_never_applied_to_the_whole_sequence_on_the_torch_path(mon
     rfattn.rf_attention(q, k4, v4, rf4, causal=False, backend="torch")
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_learnable_gerf_A_per_key_value_head(causal):
+    """``learn_gerf_A``: head h uses its own A (each head equals a fixed-A GERF on it alone);
+    the gradient of A passes gradcheck on the torch path; without gradients the fused kernels
+    take the per-head A as constants and agree; a fused call that needs A's gradient raises."""
+    D, M, Hq, Hk = 8, 16, 4, 2
+    rf = rfattn.RandomFeatures(D, M, feature="gerf", seed=1, A=-0.05).double()
+    assert rf.learn_gerf_A(Hk) is rf.gerf_A
+    assert torch.equal(rf.gerf_A, torch.full((Hk,), -0.05, dtype=f64))
+    with torch.no_grad():
+        rf.gerf_A.copy_(torch.tensor([-0.2, 0.05], dtype=f64))
+    q, k, v = _rand(2, Hq, 11, D, seed=1), _rand(2, Hk, 11, D, seed=2), _rand(2, Hk, 11, 3, seed=3)
+    out = rfattn.rf_attention(q, k, v, rf, causal=causal)
+    for h, a in enumerate((-0.2, 0.05)):
+        fixed = rfattn.RandomFeatures(D, M, feature="gerf", seed=1, A=a).double()
+        heads = slice(2 * h, 2 * h + 2)  # the query heads of key/value head h
+        ref = rfattn.rf_attention(q[:, heads], k[:, h : h + 1], v[:, h : h + 1], fixed,
+                                  causal=causal)  # fmt: skip
+        assert torch.allclose(out[:, heads], ref, rtol=1e-10, atol=1e-12)
+
+    # the gradient of A against central differences (a loss with a fixed random cotangent)
+    cot = _rand(*out.shape, seed=7)
+    (grad,) = torch.autograd.grad((out * cot).sum(), rf.gerf_A)
+    for h in range(Hk):
+        losses = []
+        for step in (1e-6, -2e-6, 1e-6):
+            with torch.no_grad():
+                rf.gerf_A[h] += step
+                losses.append((rfattn.rf_attention(q, k, v, rf, causal=causal) * cot).sum())
+        diff = (losses[0] - losses[1]) / 2e-6
+        assert abs(grad[h] - diff) <= 1e-6 * max(1.0, abs(diff)), (h, grad[h], diff)
+    assert torch.all(grad != 0)
+    with torch.no_grad():
+        fused = rfattn.rf_attention(q, k, v, rf, causal=causal, backend="triton")
+    assert torch.allclose(fused, out, rtol=1e-10, atol=1e-12)
+    with pytest.raises(NotImplementedError, match="GERF's A constant"):
+        rfattn.rf_attention(q, k, v, rf, causal=causal, backend="triton")
+
+
+def test_calibrating_gerf_A_lowers_the_error_and_round_trips(tmp_path):
+    model = _bert(feature="gerf", A=-0.05)
+    report = rfattn.calibrate(model, _batches(), steps=20, lr=0.05, params="A", progress=False)
+    assert model.config.rfattn["gerf_A"] is True
+    assert all(report.after[n] < report.before[n] for n in report.before), str(report)
+    a = [m.attention.self.rfattn_features.gerf_A.detach().clone() for m in model.encoder.layer]
+    assert all(x.shape == (2,) and not torch.equal(x, torch.full((2,), -0.05)) for x in a)
+    batch = _batches(1, seed=9)[0]
+    with torch.no_grad():
+        ref = model(**batch).last_hidden_state
+    model.save_pretrained(tmp_path)
+    loaded = transformers.BertModel.from_pretrained(tmp_path, attn_implementation="rfattn").eval()
+    got = [m.attention.self.rfattn_features.gerf_A for m in loaded.encoder.layer]
+    assert all(torch.equal(x, y) for x, y in zip(a, got, strict=True))
+    with torch.no_grad():
+        assert torch.allclose(loaded(**batch).last_hidden_state, ref, atol=1e-5)
+    with pytest.raises(ValueError, match="params='A' calibrates GERF's A"):
+        rfattn.calibrate(_bert(), _batches(), steps=1, params="A", progress=False)
+
+
 def test_calibration_lowers_the_attention_error():
     model = _bert()
     report = rfattn.calibrate(model, _batches(), steps=40, lr=0.05, progress=False)
@@ -220,7 +279,7 @@ def test_calibrate_rfattn_layers():
 def test_bad_calls_raise_clear_errors():
     model = _bert()
     with pytest.raises(ValueError, match="params must be"):
-        rfattn.calibrate(model, _batches(), params=("A",))
+        rfattn.calibrate(model, _batches(), params=("B",))
     with pytest.raises(ValueError, match="batches is empty"):
         rfattn.calibrate(model, [])
     with pytest.raises(ValueError, match="fastfoodl"):
@@ -240,6 +299,18 @@ def test_bad_calls_raise_clear_errors():
         rf.add_head_maps(0)
     with pytest.raises(ValueError, match="must divide"):
         rf.add_head_maps(4, 3)
+    with pytest.raises(ValueError, match="learn_gerf_A needs feature='gerf'"):
+        rfattn.RandomFeatures(8, 16).learn_gerf_A(2)
+    with pytest.raises(ValueError, match="learn_gerf_A needs feature='gerf'"):
+        rfattn.RandomFeatures(8, 16, feature="gerf", A=0.05j).learn_gerf_A(2)
+    ga = rfattn.RandomFeatures(8, 16, feature="gerf")
+    with pytest.raises(ValueError, match="kv_heads must be"):
+        ga.learn_gerf_A(0)
+    ga.learn_gerf_A(2)
+    with pytest.raises(ValueError, match="gerf_A exists with 2 heads"):
+        ga.learn_gerf_A(3)
+    with pytest.raises(ValueError, match="gerf_A was made for 2"):
+        rfattn.rf_attention(*(torch.randn(1, 3, 4, 8) for _ in range(3)), ga)
     with pytest.raises(ValueError, match="head_maps must be"):
         rfattn.RandomFeatures(8, 16, head_maps=4)
     rf.add_head_maps(4, 2)

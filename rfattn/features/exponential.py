@@ -33,7 +33,13 @@ from rfattn.features.base import (
 from rfattn.features.form import KernelForm, coefficient_table
 from rfattn.stats import gerf_real_constants, oprf_A, pair_sq_norm, saderf_psi
 
-__all__ = ["PosRF", "HypRF", "GERF", "OPRF", "SADERF", "gerf_real_logits", "gerf_real_parts"]
+__all__ = [
+    "PosRF", "HypRF", "GERF", "OPRF", "SADERF", "gerf_real_logits", "gerf_real_parts", "GERF_A_MAX",
+]  # fmt: skip
+
+#: the cap on a learnable GERF A (``RandomFeatures.learn_gerf_A``): the estimator's variance is
+#: finite only for A < 1/8
+GERF_A_MAX = 0.12
 
 
 def gerf_real_logits(x, w, a, b, log_d) -> torch.Tensor:
@@ -148,6 +154,9 @@ class GERF(FeatureMap):
     Options:
         A: float or complex with Re(1 - 4A) > 0 (default 0.0; finite variance needs Re A < 1/8).
         s: +1 or -1 (default +1).
+
+    A real A may instead come per call as per-(b, h) tensors ``params["A"], ["B"], ["log_D"]``
+    (a learnable A, ``RandomFeatures.learn_gerf_A``), used in place of the option.
     """
 
     name = "gerf"
@@ -196,6 +205,8 @@ class GERF(FeatureMap):
     def logit_parts(self, x, w, side, params=None):
         if self.complex_form:
             return super().logit_parts(x, w, side, params)
+        if params is not None and "A" in params:  # a learnable A, per (b, h)
+            return gerf_real_parts(x, w, params["A"], params["B"], params["log_D"])
         a = self.A.real
         return gerf_real_parts(x, w, a, math.sqrt(1.0 - 4.0 * a),
                                0.25 * x.shape[-1] * math.log(1.0 - 4.0 * a))  # fmt: skip
@@ -209,6 +220,8 @@ class GERF(FeatureMap):
 
     def kernel_form(self, w, params=None):
         if not self.complex_form:
+            if params is not None and "A" in params:  # a learnable A (held constant here)
+                return stats_form(w, params, self.name)
             return real_gerf_form(w, self.A.real, params)
         # u = [Re z, Re z]; g = [cos Im z, +-sin Im z] (keys: -sin), sin = cos(. - pi/2)
         m, d, dev = w.shape[0], w.shape[1], w.device

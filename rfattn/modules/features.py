@@ -14,6 +14,8 @@ from rfattn.features import (
     prescale,
     python_scalar,
 )
+from rfattn.features.exponential import GERF_A_MAX
+from rfattn.stats import gerf_real_constants
 from rfattn.weights import (
     LEARNABLE_WEIGHTS,
     WEIGHTED_WEIGHTS,
@@ -93,6 +95,7 @@ class RandomFeatures(nn.Module):
         self.redraw(seed if seed is not None else self._generator.seed())
         self.register_parameter("query_map", None)
         self.register_parameter("key_map", None)
+        self.register_parameter("gerf_A", None)
         if head_maps is not None:
             if not isinstance(head_maps, (tuple, list)) or len(head_maps) != 2:
                 raise ValueError(f"head_maps must be (query heads, key heads), got {head_maps!r}")
@@ -128,10 +131,41 @@ class RandomFeatures(nn.Module):
             return None
         return self.query_map.shape[0], self.key_map.shape[0]
 
+    def learn_gerf_A(self, kv_heads: int) -> nn.Parameter:
+        """Make GERF's A a learnable parameter ``gerf_A`` ``[kv_heads]``, one per key/value head
+        (shared by the queries and keys of a head, as A must be), starting from the feature's A;
+        what :func:`rfattn.calibrate`'s ``params="A"`` trains. Calls then use the head's A,
+        capped at :data:`GERF_A_MAX` (the variance is finite only below 1/8). Only for
+        ``feature="gerf"`` with a real A and ``s=1`` (real positive features). Fused kernels take
+        it as a constant: a call that needs its gradient runs the torch path."""
+        fm = self.feature_map
+        if self.feature != "gerf" or fm.complex_form:
+            raise ValueError(
+                "learn_gerf_A needs feature='gerf' with a real A and s=1, this module has "
+                f"feature={self.feature!r}" + (" (complex form)" if self.feature == "gerf" else "")
+            )
+        kv_heads = python_scalar(kv_heads)
+        if not isinstance(kv_heads, int) or isinstance(kv_heads, bool) or kv_heads < 1:
+            raise ValueError(f"kv_heads must be an int >= 1, got {kv_heads!r}")
+        if self.gerf_A is not None:
+            if self.gerf_A.shape[0] != kv_heads:
+                raise ValueError(f"gerf_A exists with {self.gerf_A.shape[0]} heads, not {kv_heads}")
+            return self.gerf_A
+        w = self.weight
+        a = torch.full((kv_heads,), fm.A.real, dtype=w.dtype, device=w.device)
+        self.gerf_A = nn.Parameter(a)
+        return self.gerf_A
+
     def map_tensors(self, q: torch.Tensor, k: torch.Tensor):
         """``(query_map, key_map)`` for a call on q ``[B, H, Tq, D]``, k ``[B, Hk, Tk, D]``: the
         maps of :meth:`add_head_maps` in the compute dtype on q's device (differentiable), or
-        None without them. Raises when the calls' heads are not the maps'."""
+        None without them. Raises when the calls' heads are not the maps' (or a learnable GERF
+        A's)."""
+        if self.gerf_A is not None and k.shape[1] != self.gerf_A.shape[0]:
+            raise ValueError(
+                f"k has {k.shape[1]} heads, but this RandomFeatures' gerf_A was made for "
+                f"{self.gerf_A.shape[0]}"
+            )
         if self.query_map is None:
             return None
         for name, x, m in (("q", q, self.query_map), ("k", k, self.key_map)):
@@ -158,6 +192,9 @@ class RandomFeatures(nn.Module):
         q, k = state_dict.get(prefix + "query_map"), state_dict.get(prefix + "key_map")
         if self.query_map is None and q is not None and k is not None:
             self.add_head_maps(q.shape[0], k.shape[0])
+        a = state_dict.get(prefix + "gerf_A")
+        if self.gerf_A is None and a is not None:
+            self.learn_gerf_A(a.shape[0])
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
@@ -282,6 +319,10 @@ class RandomFeatures(nn.Module):
         )
         if self.weights in WEIGHTED_WEIGHTS:
             params["component_weight"] = self.component_weight.to(xq.device, xq.dtype)
+        if self.gerf_A is not None:  # per key/value head, [1, Hk, 1, 1] (differentiable)
+            a = self.gerf_A.to(xq.device, xq.dtype).clamp(max=GERF_A_MAX)[None, :, None, None]
+            b, log_d = gerf_real_constants(a, xq.shape[-1])
+            params.update(A=a, B=b, log_D=log_d)
         return params
 
     def features(
