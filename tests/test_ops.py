@@ -137,6 +137,17 @@ def test_torch_kernels_equal_the_triton_kernels(feature, weights, opts, kernel_d
 @pytest.mark.parametrize("feature,weights", [("posrf", "orf"), ("trigrf", "orf"),
                                              ("oprf", "orf"), ("rmf", "rademacher")])  # fmt: skip
 def test_head_maps_run_inside_the_forward_kernels(feature, weights, kernel_device, monkeypatch):
+    _check_head_maps_in_kernels(feature, weights, kernel_device, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("feature,weights", [("posrf", "orf"), ("oprf", "orf")])
+def test_head_maps_in_the_compiled_kernels(feature, weights, monkeypatch):
+    """The same on a GPU (the runbook's ``pytest -m gpu``): the compiled prologue."""
+    _check_head_maps_in_kernels(feature, weights, torch.device("cuda"), monkeypatch)
+
+
+def _check_head_maps_in_kernels(feature, weights, kernel_device, monkeypatch):
     """Calibrated head maps ride in the kernel form (qmap, kmap): the forward kernels (and the
     operators' torch kernels) map q and k as they load them. Without gradients every fused
     form (non-causal, grouped non-causal, chunked, decode with a state) equals the torch path
