@@ -191,3 +191,23 @@ def test_plots_from_synthetic_json(tmp_path):
     assert plots_main([str(path)]) == 0
     for name in PNGS:
         assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_allocator_worker_and_plot(monkeypatch, tmp_path):
+    """bench.allocator's worker measures every case and provider (time and page faults), and
+    its plot draws them (tiny T; the real run compares two worker environments)."""
+    from bench import allocator
+
+    monkeypatch.setattr(allocator, "CASES", [(True, "fwd", 64), (False, "fwd+bwd", 64)])
+    rows = allocator.worker(reps=1)
+    assert [(r["provider"], r["causal"], r["mode"]) for r in rows] == [
+        (p, c, m) for c, m, _ in allocator.CASES for p in allocator.PROVIDERS
+    ]
+    assert all(r["ms_p50"] > 0 and r["faults_per_call"] >= 0 for r in rows)
+    doc = dict(
+        title="t",
+        environments=allocator.ENVIRONMENTS,
+        results=[dict(allocator=a, **r) for a in allocator.ENVIRONMENTS for r in rows],
+    )
+    allocator.plot(doc, tmp_path / "allocator.png")
+    assert (tmp_path / "allocator.png").stat().st_size > 0
