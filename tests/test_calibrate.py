@@ -78,9 +78,10 @@ def test_head_maps_map_q_and_k_before_the_features():
         rfattn.rf_attention(q[:, :2], k, v, rf)
 
 
-def _mapped_pair(feature, D=8, M=16, heads=(4, 2), seed=1):
+def _mapped_pair(feature, D=8, M=16, heads=(4, 2), seed=1, **options):
     """(rf with random head maps, the same features without maps, a leaf copy of the maps)."""
-    opts = dict(feature=feature, seed=seed, weights="rademacher" if feature == "rmf" else "orf")
+    weights = "rademacher" if feature == "rmf" else "orf"
+    opts = dict(feature=feature, seed=seed, weights=weights, **options)
     rf = rfattn.RandomFeatures(D, M, head_maps=heads, **opts).double()
     with torch.no_grad():
         rf.query_map.add_(0.3 * _rand(heads[0], D, D, seed=4))
@@ -209,6 +210,30 @@ def test_calibrating_gerf_A_lowers_the_error_and_round_trips(tmp_path):
         assert torch.allclose(loaded(**batch).last_hidden_state, ref, atol=1e-5)
     with pytest.raises(ValueError, match="params='A' calibrates GERF's A"):
         rfattn.calibrate(_bert(), _batches(), steps=1, params="A", progress=False)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_head_maps_and_gerf_A_under_fullgraph_compile(causal):
+    """A calibrated RandomFeatures (head maps, a learnt GERF A) traces in one graph: outputs and
+    the gradients of q, k and both maps and A equal eager."""
+    torch._dynamo.reset()
+    rf, _, _ = _mapped_pair("gerf", heads=(4, 2), A=-0.05)
+    rf.learn_gerf_A(2)
+    q, k, v = _rand(2, 4, 70, 8, seed=1), _rand(2, 2, 70, 8, seed=2), _rand(2, 2, 70, 3, seed=3)
+    q, k = q.requires_grad_(), k.requires_grad_()
+    mask = torch.zeros(2, 70, dtype=torch.bool)
+    mask[1, -9:] = True
+
+    def fn(q, k, v):
+        return rfattn.rf_attention(q, k, v, rf, causal=causal, key_padding_mask=mask)
+
+    got = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v)
+    want = fn(q, k, v)
+    assert torch.allclose(got, want, rtol=1e-10, atol=1e-12)
+    wrt = (q, k, rf.query_map, rf.key_map, rf.gerf_A)
+    for a, b in zip(torch.autograd.grad(got.sum(), wrt), torch.autograd.grad(want.sum(), wrt),
+                    strict=True):  # fmt: skip
+        assert torch.allclose(a, b, rtol=1e-9, atol=1e-11)
 
 
 def test_calibration_lowers_the_attention_error():
