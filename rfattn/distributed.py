@@ -35,13 +35,13 @@ import torch.distributed as dist
 
 from rfattn.attention import (
     RFState,
+    _attend,
     _causal_keys,
     _causal_torch,
     _kernel_form,
     _no_kernel_reason,
     _torch_inputs,
     _use_triton,
-    rf_attention,
 )
 from rfattn.features import compute_dtype, prescale
 from rfattn.reference import linear_attention
@@ -167,9 +167,9 @@ def _causal(q, k, v, rf, key_padding_mask, scale, backend, initial_state, return
                      torch.full_like(st.offset, float("-inf")) if exp else st.offset)
              for st in states[rank:]]  # fmt: skip
     prefix = combine_states(before + states[:rank] + later, plain=not exp)
-    out = rf_attention(q, k, v, rf, causal=True, key_padding_mask=key_padding_mask, scale=scale,
-                       backend=backend, initial_state=prefix,
-                       query_padding_mask=query_padding_mask)  # fmt: skip
+    # the local pass after validation: q and k are already mapped (head maps) where rf has maps
+    out = _attend(q, k, v, rf, True, key_padding_mask, scale, backend, prefix, False,
+                  query_padding_mask, None)  # fmt: skip
     if not return_state:
         return out
     return out, combine_states(before + states, plain=not exp)

@@ -22,6 +22,12 @@ def rand(*shape, seed=0):
 
 def make_rf(case):
     rf = rfattn.RandomFeatures(D, 16, case["feature"], seed=0, **case.get("opts", {}))
+    if case.get("maps"):  # calibrated head maps (not the identity), float64 like the inputs
+        rf.add_head_maps(H, case.get("kv_heads", H))
+        rf.double()
+        with torch.no_grad():
+            rf.query_map.add_(0.3 * rand(*rf.query_map.shape, seed=50))
+            rf.key_map.add_(0.3 * rand(*rf.key_map.shape, seed=51))
     if case.get("warm_stats"):  # running statistics from one training call, then fixed
         rf.train()
         rfattn.rf_attention(rand(B, H, 9, D, seed=40), rand(B, H, 9, D, seed=41),
@@ -69,6 +75,7 @@ def run(case, x, cut_k=None, cut_q=None, group=None, rank=0):
         loss = (out * do).sum()
         if rank == 0:  # the final state's cotangent enters once
             loss = loss + (st.s * x["cs"]).sum() + (st.z * x["cz"]).sum()
+    leaves += [rf.query_map, rf.key_map] if rf.head_maps else []  # summed over ranks, as s0
     # a rank's empty shard takes no part in the graph: its gradients are 0
     grads = torch.autograd.grad(loss, leaves, allow_unused=True)
     grads = [
@@ -122,6 +129,8 @@ CASES = {
         shards={2: [slice(0, 12), slice(12, T)],
                 4: [slice(0, 6), slice(6, 12), slice(12, 20), slice(20, T)]},
     ),
+    "causal-maps-gqa": dict(feature="posrf", causal=True, kv_heads=1, maps=True),
+    "noncausal-maps": dict(feature="posrf", causal=False, maps=True),
     "noncausal-oprf-global": dict(feature="oprf", causal=False),
     "noncausal-saderf-cross": dict(feature="saderf", causal=False, tq=17),
     "noncausal-padded-rank": dict(
@@ -140,13 +149,14 @@ def _compare(case, full, parts, world):
         out[:, :, s] = p["out"]
     torch.testing.assert_close(out, full["out"], rtol=RTOL, atol=1e-12)
     assert sum(s.stop - s.start for s in sq) == tq
-    names = ["q", "k", "v", "s0", "z0"]
+    names = ["q", "k", "v"] + (["s0", "z0"] if case["causal"] else [])
+    names += ["query_map", "key_map"] if case.get("maps") else []
     for i, g_full in enumerate(full["grads"]):
         if i == 0:
             got = torch.cat([p["grads"][0] for p in parts], dim=2)
         elif i < 3:
             got = torch.cat([p["grads"][i] for p in parts], dim=2)
-        else:  # the initial state is used on every rank: its gradient is their sum
+        else:  # the initial state (and maps) are used on every rank: the gradient is the sum
             got = sum(p["grads"][i] for p in parts)
         torch.testing.assert_close(got, g_full, rtol=RTOL, atol=1e-12, msg=names[i])
     if case["causal"]:
