@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as nnf
 
+from rfattn import workspace
 from rfattn.features import prescale, query_features
 from rfattn.reference import attention_ratio, linear_attention, safe_denominator
 
@@ -230,7 +231,8 @@ def _chain(own: torch.Tensor, s_in: torch.Tensor, step: torch.Tensor):
         for c in range(n):
             states.append(torch.addcmul(own[:, :, c], states[-1], step[:, :, c]))
         return torch.stack(states[:-1], dim=2), states[-1]
-    prefix = torch.empty_like(own)
+    prefix = workspace.buffer("prefix", own.shape, own.dtype, own.device)
+    prefix = torch.empty_like(own) if prefix is None else prefix
     prefix[:, :, 0] = s_in
     for c in range(1, n):
         torch.addcmul(own[:, :, c - 1], prefix[:, :, c - 1], step[:, :, c - 1],
@@ -289,7 +291,9 @@ class _Block:
             m = torch.where(bad_k, _NINF, m)
         self.pk, self.vh, self.bad = pk, vh, bad
         self.o = o = _Offsets(m, off_in)
-        own = (vh * o.e[..., None]).transpose(-1, -2) @ pk  # [B, H, n, E+1, F]
+        ve = (vh * o.e[..., None]).transpose(-1, -2)
+        buf = workspace.buffer("own", (*ve.shape[:-1], pk.shape[-1]), pk.dtype, pk.device)
+        own = ve @ pk if buf is None else torch.matmul(ve, pk, out=buf)  # [B, H, n, E+1, F]
         self.prefix, s_out = _chain(own, s_in, o.step)
         if self.dirty:
             s_out = torch.where(bad.any(dim=(2, 3))[..., None], float("nan"), s_out)
@@ -381,6 +385,7 @@ def _scan_forward(make_block, T: int, block: int, out, den, s, off, keep: bool):
         if keep:
             starts.append(s)
             offs.append(off)
+        workspace.next_block()
         blk = make_block(t0, t1, s, off)
         num, d = blk.num_den()
         out[:, :, :, t0:t1] = _from_rows(_ratio(num, d), G)[:, :, :, : t1 - t0]
@@ -427,8 +432,9 @@ class _CausalAttention(torch.autograd.Function):
             return _forward_block(spec, q[:, :, t0:t1], k[:, :, t0:t1], v[:, :, t0:t1], w,
                                   params, _mask(spec, t0, t1), s, off)  # fmt: skip
 
-        s, off, starts, offs = _scan_forward(make_block, T, block, out, den, s0, off0,
-                                             spec.keep_states)  # fmt: skip
+        with workspace.blocks():
+            s, off, starts, offs = _scan_forward(make_block, T, block, out, den, s0, off0,
+                                                 spec.keep_states)  # fmt: skip
         ctx.spec, ctx.block, ctx.n_blocks = spec, block, len(starts)
         ctx.save_for_backward(q, k, v, w, out, den, *starts, *offs, *ptensors)
         ctx.mark_non_differentiable(off)
@@ -511,7 +517,8 @@ class _CausalScan(torch.autograd.Function):
         def make_block(t0, t1, s, off):
             return _given_block(pq, pk, m, v, mask, t0, t1, s, off)
 
-        s, off, starts, offs = _scan_forward(make_block, T, block, out, den, s0, off0, True)
+        with workspace.blocks():
+            s, off, starts, offs = _scan_forward(make_block, T, block, out, den, s0, off0, True)
         ctx.block, ctx.mask, ctx.n_blocks = block, mask, len(starts)
         ctx.save_for_backward(pq, pk, m, v, out, den, *starts, *offs)
         ctx.mark_non_differentiable(off)
@@ -660,6 +667,7 @@ def _noncausal_forward(spec: _Spec, q, k, v, w, params: dict):
         t1 = min(Tk, t0 + block)
         mb = None if mask is None else mask[:, t0:t1]
         vh = _key_values(v[:, :, t0:t1], mb, s.shape[-1], dt)
+        workspace.next_block()
         online = _OnlineOffsets(c)
         pk, _ = _key_side(fm, _keys_in(k[:, :, t0:t1], scale, params, mb), w, params, mb,
                           offsets=online)  # fmt: skip
@@ -672,6 +680,7 @@ def _noncausal_forward(spec: _Spec, q, k, v, w, params: dict):
     den = torch.empty(q.shape[:3], dtype=dt, device=q.device)
     for r0 in range(0, q.shape[2], block):
         r1 = min(q.shape[2], r0 + block)
+        workspace.next_block()
         nh = _query_side(fm, _queries(q[:, :, r0:r1], scale, params), w, params, off) @ s
         out[:, :, r0:r1] = _ratio(nh[..., :E], nh[..., E])
         den[:, :, r0:r1] = nh[..., E]
@@ -709,7 +718,8 @@ class _NoncausalAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, spec, q, k, v, w, *ptensors):
-        out, den, s, off = _noncausal_forward(spec, q, k, v, w, spec.params(ptensors))
+        with workspace.blocks():
+            out, den, s, off = _noncausal_forward(spec, q, k, v, w, spec.params(ptensors))
         ctx.spec = spec
         ctx.save_for_backward(q, k, v, w, out, den, s, off, *ptensors)
         return out

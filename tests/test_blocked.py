@@ -197,3 +197,53 @@ def test_fullgraph_compile_traces_the_torch_path(causal):
     assert rel_rms(out, ref) <= OUT
     for name, a, b in zip("qkv", grads(out, (q, k, v)), grads(ref, (q, k, v)), strict=True):
         assert rel_rms(a, b) <= GRAD, name
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_kept_buffers_change_nothing_and_never_alias_a_result(tiny_blocks, causal, monkeypatch):
+    """rfattn.workspace: the blocked forwards' projections and chunk states go to buffers kept
+    across blocks and calls. Outputs, states and gradients are bitwise those of fresh tensors;
+    a result of one call is not touched by the next; a second call of the same shapes takes no
+    new buffer; clear() releases them."""
+    from rfattn import workspace
+
+    rf = make_rf("posrf", "orf")
+    q1, k1, v1 = (rand(1, 4, 30, 6 if i < 2 else 3, seed=i).detach() for i in range(3))
+    k1, v1 = k1[:, :2], v1[:, :2]  # grouped heads
+    q2, k2, v2 = (x + 0.5 for x in (q1, k1, v1))
+    kw = dict(causal=causal, return_state=causal)
+
+    def call(q, k, v):
+        res = rfattn.rf_attention(q, k, v, rf, **kw)
+        return res if causal else (res,)
+
+    workspace.clear()
+    monkeypatch.setattr(workspace, "ENABLED", False)
+    fresh = [call(q1, k1, v1), call(q2, k2, v2)]
+    assert workspace.kept_bytes() == 0
+    monkeypatch.setattr(workspace, "ENABLED", True)
+    first = call(q1, k1, v1)
+    kept = workspace.kept_bytes()
+    assert kept > 0
+    copies = [x.clone() for x in _flat(first)]
+    second = call(q2, k2, v2)
+    assert workspace.kept_bytes() == kept  # the same buffers again
+    for a, b in zip(_flat(first), copies, strict=True):  # not overwritten by the second call
+        assert torch.equal(a, b)
+    for got, want in zip((first, second), fresh, strict=True):
+        for a, b in zip(_flat(got), _flat(want), strict=True):
+            assert torch.equal(a, b)
+    # the backward (recomputing its blocks under autograd) is unchanged
+    leaves = [x.clone().requires_grad_() for x in (q1, k1, v1)]
+    out = call(*leaves)[0]
+    g_kept = torch.autograd.grad(out.square().sum(), leaves)
+    monkeypatch.setattr(workspace, "ENABLED", False)
+    out = call(*leaves)[0]
+    for a, b in zip(g_kept, torch.autograd.grad(out.square().sum(), leaves), strict=True):
+        assert torch.equal(a, b)
+    workspace.clear()
+    assert workspace.kept_bytes() == 0
+
+
+def _flat(res):
+    return [t for x in res for t in (x if isinstance(x, tuple) else (x,))]

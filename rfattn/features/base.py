@@ -45,6 +45,7 @@ import numpy
 import torch
 from torch import nn
 
+from rfattn import workspace
 from rfattn.features.form import KernelForm
 from rfattn.stats import (
     STATS_MODES,
@@ -100,8 +101,13 @@ def prescale(
 
 
 def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x W^T``: ``[..., T, D] x [..., M, D] -> [..., T, M]`` (leading dims of W broadcast)."""
-    return x @ w.transpose(-1, -2).to(x.dtype)
+    """``x W^T``: ``[..., T, D] x [..., M, D] -> [..., T, M]`` (leading dims of W broadcast).
+    Inside the torch path's blocked forwards the product goes to a kept buffer
+    (:mod:`rfattn.workspace`)."""
+    wt = w.transpose(-1, -2).to(x.dtype)
+    lead = torch.broadcast_shapes(x.shape[:-2], w.shape[:-2])
+    out = workspace.buffer("project", (*lead, x.shape[-2], w.shape[-2]), x.dtype, x.device)
+    return x @ wt if out is None else torch.matmul(x, wt, out=out)
 
 
 def row_sq_norms(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,97 @@
+"""Kept buffers for the torch path's largest per-block products (the CPU backend).
+
+The blocked torch path (:mod:`rfattn.blocked`) computes each block's projections ``x W^T`` and
+chunk states into new tensors of the same few shapes, block after block and call after call.
+glibc's default malloc hands such multi-MiB buffers back to the kernel when they are freed, so
+every block faulted their pages in again: ``bench.allocator`` measured 9,000 to 35,000 minor page
+faults per causal forward at T = 1024 to 4096 and a 1.6-1.7x slower call than with a caching
+allocator.
+
+Inside :func:`blocks` (entered by the blocked forwards only) those products are written into
+buffers kept here instead (:func:`buffer`), one per role, ordinal within the block
+(:func:`next_block` restarts the ordinals), shape, dtype and device, reused by the next block and
+the next call. The code that takes them drops a block's tensors before the next block starts,
+and nothing a call returns aliases a buffer. Only CPU tensors outside autograd and outside
+``torch.compile`` use them; the buffers are per thread, at most :data:`MAX_BYTES` in all (least
+recently used dropped first), and :func:`clear` releases them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import OrderedDict
+
+import torch
+
+__all__ = ["blocks", "next_block", "buffer", "clear", "kept_bytes", "MAX_BYTES"]
+
+#: the most bytes kept per thread (a default-sized block's products are about 20 MiB)
+MAX_BYTES = 128 << 20
+#: False: never keep buffers (every product a new tensor, as outside :func:`blocks`)
+ENABLED = True
+
+
+class _State(threading.local):
+    def __init__(self):
+        self.active = 0
+        self.counts: dict = {}
+        self.buffers: OrderedDict = OrderedDict()
+        self.bytes = 0
+
+
+_state = _State()
+
+
+@contextlib.contextmanager
+def blocks():
+    """Let :func:`buffer` hand out kept buffers within (the blocked forwards' loops)."""
+    _state.active += 1
+    _state.counts.clear()
+    try:
+        yield
+    finally:
+        _state.active -= 1
+        _state.counts.clear()
+
+
+def next_block() -> None:
+    """A new block starts: the previous block's buffers may be handed out again."""
+    _state.counts.clear()
+
+
+def buffer(role: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """A kept, uninitialised ``shape`` buffer for this block's next product of ``role`` (each
+    request within a block gets its own), or None where none is kept: outside :func:`blocks`,
+    while autograd records, under ``torch.compile``, for non-CPU tensors or with ``ENABLED``
+    off. The caller writes it fully (``out=``) and drops it before the next block."""
+    if (
+        not (_state.active and ENABLED)
+        or torch.is_grad_enabled()
+        or torch.compiler.is_compiling()
+        or torch.device(device).type != "cpu"
+    ):
+        return None
+    n = _state.counts.get(role, 0)
+    _state.counts[role] = n + 1
+    key = (role, n, tuple(shape), dtype, torch.device(device))
+    buf = _state.buffers.pop(key, None)
+    if buf is None:
+        buf = torch.empty(tuple(shape), dtype=dtype, device=device)
+        _state.bytes += buf.nbytes
+    _state.buffers[key] = buf  # the most recently used last
+    while _state.bytes > MAX_BYTES and len(_state.buffers) > 1:
+        _, old = _state.buffers.popitem(last=False)
+        _state.bytes -= old.nbytes
+    return buf
+
+
+def clear() -> None:
+    """Release this thread's kept buffers."""
+    _state.buffers.clear()
+    _state.bytes = 0
+
+
+def kept_bytes() -> int:
+    """Bytes of this thread's kept buffers."""
+    return _state.bytes
