@@ -11,7 +11,9 @@ worker process (``python -m bench.memory``, started once per run, never used for
    heap eagerly, so a freed tensor goes back to the OS at once and the resident set follows the
    bytes of live tensors (glibc's default keeps freed blocks below 32 MiB for reuse, which would
    hide them from the next measurement and distort the timings if done in the timing process);
-2. the inputs are built and a tiny warm-up call of the same provider runs (lazy initialisation);
+2. the inputs are built and a tiny warm-up call of the same provider runs (lazy initialisation),
+   then ``rfattn.workspace.clear()`` drops the torch path's kept buffers, so the call measured
+   allocates its own (they stay allocated after it: part of its peak);
 3. the kernel's peak-RSS mark is reset (``echo 5 > /proc/self/clear_refs``, Linux >= 4.0), and the
    peak is ``VmHWM`` after the call minus ``VmRSS`` before it (``/proc/self/status``).
 
@@ -35,7 +37,8 @@ REPO = Path(__file__).resolve().parent.parent
 METHOD_CPU = (
     "per-call peak RSS above the inputs, in a separate worker process: glibc mallopt "
     "(mmap threshold 64 KiB, eager trim) so freed tensors leave the resident set at once; "
-    "/proc/self/clear_refs resets the peak mark; peak = VmHWM after - VmRSS before"
+    "rfattn's kept buffers (rfattn.workspace) cleared before the call, so its peak includes "
+    "them; /proc/self/clear_refs resets the peak mark; peak = VmHWM after - VmRSS before"
 )
 METHOD_CUDA = "torch.cuda.max_memory_allocated during the call minus memory_allocated before it"
 
@@ -103,6 +106,7 @@ def _measure(spec: dict, cache: dict) -> dict:
     tiny = make_inputs(*shape[:2], 64, *shape[3:], dtype, "cpu", backward)
     make_call(spec["provider"], tiny, rf, causal, backward)[0]()
     del tiny
+    rfattn.workspace.clear()  # the call measured allocates (and keeps) its own buffers
     x = make_inputs(*shape, dtype, "cpu", backward)
     call, leaves = make_call(spec["provider"], x, rf, causal, backward)
     return {"peak_bytes": cpu_peak_bytes(call, leaves)}
