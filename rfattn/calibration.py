@@ -267,9 +267,21 @@ def _fix_statistics(model, layers: dict, captured: dict) -> None:
         finally:
             fm.momentum = momentum
             fm.train(training)
+    if maps:
+        _note_in_config(model, stats="running")
+
+
+def _note_in_config(model, **options) -> None:
+    """Record rfattn options in a transformers model's ``config.rfattn`` (so that it saves and
+    loads calibrated); nothing for other modules."""
     config = getattr(model, "config", None)
-    if maps and isinstance(getattr(config, "rfattn", None), dict):
-        config.rfattn = {**config.rfattn, "stats": "running"}
+    if isinstance(getattr(config, "rfattn", None), dict):
+        config.rfattn = {**config.rfattn, **options}
+
+
+def _first_call(captured: dict, name: str):
+    """The first recorded call of layer ``name`` (its q and k give the layer's head counts)."""
+    return next(c for per in captured[name] for c in per)
 
 
 def _trainable(model, layers: dict, params: tuple, captured: dict) -> list:
@@ -278,12 +290,10 @@ def _trainable(model, layers: dict, params: tuple, captured: dict) -> list:
     rfs = {n: rf for n, rf in layers.items() if n in captured}
     if "map" in params:
         for name, rf in rfs.items():
-            call = next(c for per in captured[name] for c in per)
+            call = _first_call(captured, name)
             rf.add_head_maps(call.q.shape[1], call.k.shape[1])
             out += [rf.query_map.requires_grad_(True), rf.key_map.requires_grad_(True)]
-        config = getattr(model, "config", None)
-        if isinstance(getattr(config, "rfattn", None), dict):
-            config.rfattn = {**config.rfattn, "head_maps": True}
+        _note_in_config(model, head_maps=True)
     if "weights" in params:
         learned = [p for rf in rfs.values() if rf.learner is not None
                    for p in rf.learner.parameters()]  # fmt: skip
@@ -297,11 +307,8 @@ def _trainable(model, layers: dict, params: tuple, captured: dict) -> list:
         out += [rf.learn_weight().requires_grad_(True) for rf in rfs.values()]
     if "A" in params:
         for name, rf in rfs.items():
-            call = next(c for per in captured[name] for c in per)
-            out.append(rf.learn_gerf_A(call.k.shape[1]).requires_grad_(True))
-        config = getattr(model, "config", None)
-        if isinstance(getattr(config, "rfattn", None), dict):
-            config.rfattn = {**config.rfattn, "gerf_A": True}
+            out.append(rf.learn_gerf_A(_first_call(captured, name).k.shape[1]).requires_grad_(True))
+        _note_in_config(model, gerf_A=True)
     return out
 
 

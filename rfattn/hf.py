@@ -93,16 +93,17 @@ def random_features_from_config(config, layer_idx: int, head_dim: int) -> Random
     """
     opts = _options(config)
     seed = opts.pop("seed")
-    if opts.get("head_maps") is True:  # calibrated (rfattn.calibrate): the model's head counts
-        heads = config.num_attention_heads
-        opts["head_maps"] = (heads, getattr(config, "num_key_value_heads", None) or heads)
+    learn_a = opts.pop("gerf_A", False)
+    # calibrated (rfattn.calibrate): maps and A sized by the model's head counts
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if opts.get("head_maps") is True:
+        opts["head_maps"] = (heads, kv_heads)
     elif not opts.get("head_maps"):
         opts.pop("head_maps", None)
-    learn_a = opts.pop("gerf_A", False)
     rf = RandomFeatures(head_dim, seed=layer_seed(int(seed), int(layer_idx)), **opts)
     if learn_a:
-        heads = config.num_attention_heads
-        rf.learn_gerf_A(getattr(config, "num_key_value_heads", None) or heads)
+        rf.learn_gerf_A(kv_heads)
     return rf
 
 

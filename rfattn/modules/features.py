@@ -177,15 +177,6 @@ class RandomFeatures(nn.Module):
         dt = compute_dtype(q.dtype)
         return self.query_map.to(q.device, dt), self.key_map.to(q.device, dt)
 
-    def map_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(q A_h^T, k B_h^T)`` per head with the maps of :meth:`add_head_maps`, in q's dtype
-        (what :func:`rfattn.rf_attention` computes inside its blocks or kernels); ``(q, k)``
-        unchanged without them. q: ``[B, H, Tq, D]``; k: ``[B, Hk, Tk, D]``."""
-        maps = self.map_tensors(q, k)
-        if maps is None:
-            return q, k
-        return tuple(x @ m.to(x.dtype).transpose(-1, -2) for x, m in zip((q, k), maps, strict=True))
-
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # a checkpoint with head maps loads into a module built without them (a calibrated
         # model's features rebuilt from their options): make them first
