@@ -215,3 +215,20 @@ def _check_head_maps_in_kernels(feature, weights, kernel_device, monkeypatch):
     out = ops.rf_parallel(q.clone().requires_grad_(), k, v, form, Dm**-0.5, mask)
     with pytest.raises(NotImplementedError, match="take no head maps"):
         out.sum().backward()
+
+
+def test_head_maps_of_the_wrong_shape_raise():
+    """A form's qmap/kmap must be [heads, D, D], and the launchers check the heads."""
+    from rfattn.kernels.common import _setup
+
+    from rfattn.features.form import KernelForm
+
+    w = torch.randn(M, D, dtype=f64)
+    with pytest.raises(ValueError, match=r"qmap must be \[heads, 4, 4\]"):
+        KernelForm("gerf", w, qmap=torch.zeros(H, 3, 3, dtype=f64))
+    with pytest.raises(ValueError, match=r"kmap must be \[heads, 4, 4\]"):
+        KernelForm("gerf", w, kmap=torch.zeros(D, D, dtype=f64))
+    q, k, v, form = _inputs("cpu")
+    bad = dataclasses.replace(form, qmap=torch.zeros(H + 1, D, D, dtype=f64))
+    with pytest.raises(ValueError, match=rf"qmap must be \[{H}, {D}, {D}\]"):
+        _setup(q, k, v, bad, D**-0.5, None)
