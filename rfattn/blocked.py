@@ -10,8 +10,9 @@ kernels are: features are computed for one block of tokens at a time and dropped
   chunk (:func:`_chain`), states held as ``[V, F]``. The forward keeps the state at each block
   start (``F (E+1)`` numbers per (b, h) per block); the backward recomputes each block's features
   and states from it, runs the reverse scan (:func:`_chain_back`) and returns the features'
-  cotangents through autograd over the feature map (so every
-  feature, its parameters and a learnable W get their gradients).
+  cotangents through autograd over the feature map (so every feature, its parameters and a
+  learnable W get their gradients), the graph cut at the logits (:class:`_Cut`: the exponential
+  and its offsets are differentiated by hand, in place).
 * Non-causal (:class:`_NoncausalAttention`): keys in blocks with per-feature running offsets
   (flash-style rescaling of ``S, z``), then queries in blocks; the backward recomputes query
   blocks, then key blocks at the forward's offsets.
@@ -155,9 +156,14 @@ def _key_side(fm, xk, w, params, mask, offsets=None):
     keys ``xk``. Without autograd the logits become the features in place."""
     if fm.exponential:
         g = fm.key_amplitude(xk, w, params)
-        if torch.is_grad_enabled() or offsets is not None:
-            u = fm.logits(xk, w, "key", params)
-            return _keys(u, g, mask, True, not torch.is_grad_enabled() and _owned(u), offsets)
+        if torch.is_grad_enabled():
+            return _keys(fm.logits(xk, w, "key", params), g, mask, True, False, offsets)
+        if offsets is not None:  # per-feature offsets: the per-row term stays in the logits
+            u, r = fm.logit_parts(xk, w, "key", params)
+            owned = _owned(u)
+            if r is not None:
+                u = u.add_(r) if owned else u + r
+            return _keys(u, g, mask, True, owned or r is not None, offsets)
         u, r = fm.logit_parts(xk, w, "key", params)  # a per-row term moves only the offset m
         pk, m = _keys(u, g, mask, True, _owned(u))
         return pk, m if r is None else m + r[..., 0]
@@ -194,6 +200,102 @@ def _keys(u, g, mask, exponential: bool, inplace: bool = False, offsets=None):
     return pk, m
 
 
+class _Cut:
+    """One side's features of a block in a backward pass, autograd's graph cut at the logits.
+
+    Exponential features: the logit parts ``(u0, r)`` and amplitude ``g`` are recorded (the
+    projection and the per-row term), ``phi`` itself is computed outside autograd, in place in
+    kept buffers (:mod:`rfattn.workspace`), and :meth:`backprop` turns ``d phi`` into the
+    cotangents of the recorded parts by hand: ``d u = d phi * phi`` (0 at padded keys), ``d r =
+    sum_f d u``, ``d g = d phi * exp(...)``. The offsets are detached, as in the forward, so
+    these are the gradients autograd gives through :func:`_query_side` and :func:`_key_side`,
+    without the ``[T, F]`` temporaries it would record and allocate. Plain features: recorded
+    whole (``phi`` is the root).
+
+    Query side (``key_offsets``: the non-causal per-feature ``[B, H, F]``, or None); key side
+    (``mask`` ``[B, T]``; ``offsets``: the non-causal ``[B, H, F]`` at which keys enter, or None
+    for each key's own max logit, given back as ``m`` with the per-row term, as
+    :func:`_key_side` without autograd gives it). Build under ``torch.enable_grad()``.
+    """
+
+    def __init__(self, fm, x, w, params, side: str, mask=None, key_offsets=None, offsets=None):
+        self.pad = None if mask is None else mask[:, None, :, None]
+        self.m = None
+        if not fm.exponential:
+            if side == "key":
+                phi, self.m = _key_side(fm, x, w, params, mask)
+            else:
+                phi = _query_side(fm, x, w, params)
+            self.roots, self.phi, self.e = (phi,), phi.detach(), None
+            return
+        u0, r = fm.logit_parts(x, w, side, params)
+        g = fm.amplitude(x, w, side, params) if side == "query" else fm.key_amplitude(x, w, params)
+        self.u0, self.r, self.g = u0, r, g
+        with torch.no_grad():
+            e = _kept("phi", u0.detach())
+            if side == "query":  # the per-row term cancels in the row max
+                if key_offsets is None:
+                    e.copy_(u0)
+                else:
+                    torch.add(u0, key_offsets[:, :, None, :], out=e)
+                e.sub_(e.amax(dim=-1, keepdim=True))
+            elif offsets is None:  # each key at its own max logit (the per-row term cancels)
+                e.copy_(u0)
+                if self.pad is not None:
+                    e.masked_fill_(self.pad, _NINF)
+                m = e.amax(dim=-1) if e.shape[-1] else e.new_full(e.shape[:-1], _NINF)
+                e.sub_(torch.where(torch.isfinite(m), m, 0.0)[..., None])
+                self.m = m if r is None else m + r[..., 0]
+            else:
+                torch.add(u0, r, out=e) if r is not None else e.copy_(u0)
+                if self.pad is not None:
+                    e.masked_fill_(self.pad, _NINF)
+                e.sub_(offsets[:, :, None, :])
+            e.exp_()
+            if self.pad is not None:
+                e.masked_fill_(self.pad, 0.0)
+            self.e = e
+            self.phi = e if g is None else torch.mul(e, g, out=_kept("phi_g", e))
+            if g is not None and self.pad is not None:
+                self.phi.masked_fill_(self.pad, 0.0)
+
+    def backprop(self, d_phi: torch.Tensor) -> tuple[list, list]:
+        """``(roots, cotangents)`` for :func:`_backprop` from ``d phi`` (``[B, H, T, F]``, a
+        tensor of the caller's own: overwritten)."""
+        if self.e is None:
+            return list(self.roots), [d_phi]
+        roots, cots = [], []
+        if self.pad is not None:  # padded keys' features are set to 0: no gradient there
+            d_phi = d_phi.masked_fill_(self.pad, 0.0)
+        if self.g is not None and self.g.requires_grad:
+            roots.append(self.g)
+            cots.append(d_phi * self.e)
+        du = d_phi.mul_(self.phi)
+        if self.r is not None and self.r.requires_grad:
+            roots.append(self.r)
+            cots.append(du.sum(dim=-1, keepdim=True))
+        if self.u0.requires_grad:
+            roots.append(self.u0)
+            cots.append(du)
+        return roots, cots
+
+
+def _kept(role: str, like: torch.Tensor, shape=None) -> torch.Tensor:
+    """A kept buffer (:func:`rfattn.workspace.buffer`) of ``like``'s dtype and device, shaped as
+    ``like`` or ``shape``, or a new tensor where none is kept."""
+    shape = like.shape if shape is None else shape
+    buf = workspace.buffer(role, shape, like.dtype, like.device)
+    return torch.empty(shape, dtype=like.dtype, device=like.device) if buf is None else buf
+
+
+def _product(a: torch.Tensor, b: torch.Tensor, role: str) -> torch.Tensor:
+    """``a @ b`` (leading dims broadcast), into a kept buffer of ``role`` where one is kept
+    (:func:`rfattn.workspace.buffer`: never while autograd records)."""
+    shape = (*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
+    buf = workspace.buffer(role, shape, a.dtype, a.device)
+    return a @ b if buf is None else torch.matmul(a, b, out=buf)
+
+
 class _Offsets:
     """The offsets and factors of one block's chunks (all detached, ``[B, H, ...]``).
 
@@ -212,9 +314,11 @@ class _Offsets:
         r = torch.maximum(prev, torch.cummax(m, dim=-1).values)  # [B, H, n, C]
         self.R = R
         self.a = _exp_or_zero(prev - r, prev > _NINF)
-        tril = torch.ones(C, C, dtype=torch.bool, device=m.device).tril()
+        above = torch.ones(C, C, dtype=torch.bool, device=m.device).triu(1)
         mj = m[..., None, :]
-        self.decay = _exp_or_zero(mj - r[..., :, None], tril & (mj > _NINF))
+        # exp(-inf) = 0 for j > i and empty keys (whatever m_j - r_i is there: NaN for -inf - -inf)
+        decay = (mj - r[..., :, None]).masked_fill_(above | (mj == _NINF), _NINF)
+        self.decay = decay.exp_()
         self.e = _exp_or_zero(m - R[..., 1:, None], m > _NINF)
         self.step = _exp_or_zero(prev[..., 0] - R[..., 1:], prev[..., 0] > _NINF)[..., None, None]
 
@@ -244,7 +348,7 @@ def _chain_back(d_prefix: torch.Tensor, ds_out: torch.Tensor, step: torch.Tensor
     """The reverse scan of :func:`_chain`: ``(d own, d s_in)`` from the cotangents of the states
     before each chunk (``d_prefix`` ``[B, H, n, E+1, F]``) and of the state after the block."""
     n = d_prefix.shape[2]
-    d_own = torch.empty_like(d_prefix)
+    d_own = _kept("d_own", d_prefix)
     d_own[:, :, n - 1] = ds_out
     for c in range(n - 2, -1, -1):
         torch.addcmul(d_prefix[:, :, c + 1], d_own[:, :, c + 1], step[:, :, c + 1],
@@ -252,19 +356,25 @@ def _chain_back(d_prefix: torch.Tensor, ds_out: torch.Tensor, step: torch.Tensor
     return d_own, torch.addcmul(d_prefix[:, :, 0], d_own[:, :, 0], step[:, :, 0])
 
 
-def _rows(x: torch.Tensor, f: torch.Tensor, groups: int) -> torch.Tensor:
+def _rows(x: torch.Tensor, f: torch.Tensor, groups: int, inplace: bool = False):
     """``x`` ``[B, H, n, G*C, K]`` times a per-token factor ``f`` ``[B, H, n, C]`` shared by
-    the G query heads (G may be 0)."""
-    return (x.unflatten(3, (groups, f.shape[3])) * f[:, :, :, None, :, None]).flatten(3, 4)
+    the G query heads (G may be 0); ``inplace``: into ``x`` (contiguous, the caller's own)."""
+    xs, fs = x.unflatten(3, (groups, f.shape[3])), f[:, :, :, None, :, None]
+    return xs.mul_(fs).flatten(3, 4) if inplace else (xs * fs).flatten(3, 4)
 
 
 def _decayed(x: torch.Tensor, decay: torch.Tensor, groups: int) -> torch.Tensor:
-    """``x`` ``[B, H, n, G*C, C]`` times the ``[B, H, n, C, C]`` decay, for each query head."""
-    return (x.unflatten(3, (groups, decay.shape[3])) * decay[:, :, :, None]).flatten(3, 4)
+    """``x`` ``[B, H, n, G*C, C]`` (a product of the caller's own, contiguous) times the ``[B, H,
+    n, C, C]`` decay for each query head, in place."""
+    return x.unflatten(3, (groups, decay.shape[3])).mul_(decay[:, :, :, None]).flatten(3, 4)
 
 
-def _addmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``c + a @ b`` over the leading dims in one batched product (no separate sum pass)."""
+def _addmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, inplace: bool = False):
+    """``c + a @ b`` over the leading dims in one batched product (no separate sum pass);
+    ``inplace``: added into ``c`` (a contiguous tensor of the caller's own), no copy of it."""
+    if inplace:
+        c.flatten(0, -3).baddbmm_(a.flatten(0, -3), b.flatten(0, -3))
+        return c
     lead = a.shape[:-2]
     out = torch.baddbmm(*(x.flatten(0, -3) for x in (c, a, b)))
     return out.view(*lead, *out.shape[-2:])
@@ -282,18 +392,24 @@ class _Block:
         m = m.unflatten(2, (n, C))
         pk = pk.unflatten(2, (n, C))
         bad_k = torch.isnan(m) | (m == float("inf"))  # [B, H, n, C]: features not finite
-        bad = ~torch.isfinite(vh) | bad_k[..., None]  # [B, H, n, C, E+1]
-        # traced (torch.compile): no data-dependent branch, always select
-        self.dirty = torch.compiler.is_compiling() or bool(bad.any())
+        # traced (torch.compile): no data-dependent branch, always select. Eager: a sum of the
+        # values is finite when every value is (one pass, no [T, E] flags), else check each
+        compiling = torch.compiler.is_compiling()
+        self.dirty = compiling or bool(bad_k.any() | ~torch.isfinite(vh.sum()))
+        bad = None
+        if self.dirty:
+            bad = ~torch.isfinite(vh) | bad_k[..., None]  # [B, H, n, C, E+1]
+            self.dirty = compiling or bool(bad.any())  # (the sum may overflow)
         if self.dirty:  # non-finite terms are removed by selection, their rows poisoned
             pk = torch.where(bad_k[..., None], 0.0, pk)
             vh = torch.where(bad, 0.0, vh)
             m = torch.where(bad_k, _NINF, m)
         self.pk, self.vh, self.bad = pk, vh, bad
         self.o = o = _Offsets(m, off_in)
-        ve = (vh * o.e[..., None]).transpose(-1, -2)
-        buf = workspace.buffer("own", (*ve.shape[:-1], pk.shape[-1]), pk.dtype, pk.device)
-        own = ve @ pk if buf is None else torch.matmul(ve, pk, out=buf)  # [B, H, n, E+1, F]
+        ve = o.e[..., None]  # each value at its weight in its chunk's state
+        buf = workspace.buffer("ve", vh.shape, vh.dtype, vh.device)
+        self.ve = vh * ve if buf is None else torch.mul(vh, ve, out=buf)
+        own = _product(self.ve.transpose(-1, -2), pk, "own")  # [B, H, n, E+1, F]
         self.prefix, s_out = _chain(own, s_in, o.step)
         if self.dirty:
             s_out = torch.where(bad.any(dim=(2, 3))[..., None], float("nan"), s_out)
@@ -312,8 +428,8 @@ class _Block:
 
     def num_den(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(num, den)``: ``[B, H, n, G*C, E]`` and ``[..., G*C]``."""
-        nh = _addmm(_rows(self.pq @ self.prefix.transpose(-1, -2), self.o.a, self.groups),
-                    self.A, self.vh)  # fmt: skip
+        nh = _rows(self.pq @ self.prefix.transpose(-1, -2), self.o.a, self.groups, inplace=True)
+        nh = _addmm(nh, self.A, self.vh, inplace=True)
         poisoned = self.poisoned()
         if poisoned is not None:
             nh = torch.where(poisoned, float("nan"), nh)
@@ -324,12 +440,14 @@ class _Block:
         (``[B, H, n, G*C, E+1]``) and of the state after the block."""
         G, o = self.groups, self.o
         dnh_a = _rows(dnh, o.a, G)
-        dP = dnh_a.transpose(-1, -2) @ self.pq  # [B, H, n, E+1, F]
+        dP = _product(dnh_a.transpose(-1, -2), self.pq, "dP")  # [B, H, n, E+1, F]
         dA = _decayed(dnh @ self.vh.transpose(-1, -2), o.decay, G)  # [B, H, n, G*C, C]
-        dpq = _addmm(dnh_a @ self.prefix, dA, self.pk)
+        dpq = _addmm(_product(dnh_a, self.prefix, "dpq"), dA, self.pk, inplace=True)
         d_own, ds_in = _chain_back(dP, ds_out, o.step)
-        dpk = _addmm((self.vh * o.e[..., None]) @ d_own, dA.transpose(-1, -2), self.pq)
-        dvh = self.A.transpose(-1, -2) @ dnh + (self.pk @ d_own.transpose(-1, -2)) * o.e[..., None]
+        dpk = _product(self.ve, d_own, "dpk")
+        dpk = _addmm(dpk, dA.transpose(-1, -2), self.pq, inplace=True)
+        dvh = _rows(self.pk @ d_own.transpose(-1, -2), o.e, 1, inplace=True)
+        dvh = _addmm(dvh, self.A.transpose(-1, -2), dnh, inplace=True)
         return dpq.flatten(2, 3), dpk.flatten(2, 3), dvh, ds_in
 
 
@@ -346,14 +464,21 @@ def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
 def _ratio_grad(dout, out, den, poisoned, width: int):
     """Cotangent of ``[num, den, 0...]`` (the block's ``[V, 1]`` columns) from that of
     ``attention_ratio(num, den)``."""
+    E = dout.shape[-1]
     den_s = safe_denominator(den)
-    empty = (den == 0) & (out == 0).all(dim=-1)
-    live = ~empty & (den.abs() >= torch.finfo(den.dtype).tiny)
-    dnum = torch.where(empty[..., None], 0.0, dout / den_s[..., None])
-    dden = torch.where(live, -(dout * out).sum(dim=-1) / den_s, 0.0)
-    dnh = torch.cat((dnum, dden[..., None]), dim=-1)
-    dnh = nnf.pad(dnh, (0, width - dnh.shape[-1]))
-    return dnh if poisoned is None else torch.where(poisoned, 0.0, dnh)
+    empty = den == 0
+    if bool(empty.any()):  # rare (no key yet, or all weights underflowed): only then the rows
+        empty &= (out == 0).all(dim=-1)
+    else:
+        empty = None
+    live = den.abs() >= torch.finfo(den.dtype).tiny
+    dnh = torch.empty(*dout.shape[:-1], width, dtype=dout.dtype, device=dout.device)
+    torch.div(dout, den_s[..., None], out=dnh[..., :E])
+    dnh[..., E] = (-(dout * out).sum(dim=-1) / den_s).masked_fill_(~live, 0.0)
+    dnh[..., E + 1 :] = 0.0
+    if empty is not None:
+        dnh.masked_fill_(empty[..., None], 0.0)
+    return dnh if poisoned is None else dnh.masked_fill_(poisoned, 0.0)
 
 
 def _to_rows(x: torch.Tensor, n: int, groups: int) -> torch.Tensor:
@@ -455,23 +580,38 @@ class _CausalAttention(torch.autograd.Function):
         dps = [torch.zeros_like(p) if n else None for p, n in zip(ptensors, need_p, strict=True)]
         dout = torch.zeros_like(out) if dout is None else dout.to(out.dtype)
         dstate = ds if ds is not None or not nb else torch.zeros_like(starts[0])
-        for i in reversed(range(nb)):
-            t0, t1 = i * block, min(k.shape[2], (i + 1) * block)
-            with torch.enable_grad():
-                qb = q[:, :, t0:t1].detach().requires_grad_(need_q)
-                kb = k[:, :, t0:t1].detach().requires_grad_(need_k)
-                wl = w.detach().requires_grad_(need_w)
-                pl = [p.detach().requires_grad_(n) for p, n in zip(ptensors, need_p, strict=True)]
-                blk, pq, pk = _forward_block(spec, qb, kb, v[:, :, t0:t1], wl, spec.params(pl),
-                                             _mask(spec, t0, t1), starts[i], offs[i],
-                                             keep=True)  # fmt: skip
-            dpq, dpk, dvh, dstate = _block_backward(blk, out, dout, den, t0, t1, dstate)
-            if need_v:
-                dv[:, :, t0:t1] = _finite_values(dvh, v[:, :, t0:t1])
-            accs = (dq[:, :, t0:t1] if need_q else None, dk[:, :, t0:t1] if need_k else None,
-                    dw, *dps)  # fmt: skip
-            if any(x is not None for x in accs):
-                _backprop((pq, pk), (dpq, dpk), (qb, kb, wl, *pl), accs)
+        with workspace.blocks():
+            for i in reversed(range(nb)):
+                t0, t1 = i * block, min(k.shape[2], (i + 1) * block)
+                workspace.next_block()
+                with torch.enable_grad():
+                    (qb, kb), wl, pl, pp = _leaves(
+                        spec,
+                        (q[:, :, t0:t1], k[:, :, t0:t1]),
+                        (need_q, need_k),
+                        w,
+                        need_w,
+                        ptensors,
+                        need_p,
+                    )
+                    xq, xk, vh, mask = _block_inputs(
+                        spec, qb, kb, v[:, :, t0:t1], _mask(spec, t0, t1), CHUNK, w.dtype, pp
+                    )
+                    pq = _Cut(spec.fm, xq, wl, pp, "query")
+                    pk = _Cut(spec.fm, xk, wl, pp, "key", mask)
+                blk = _Block(pq.phi, pk.phi, pk.m, vh.detach(), starts[i], offs[i], spec.groups,
+                             v.shape[-1])  # fmt: skip
+                dpq, dpk, dvh, dstate = _block_backward(blk, out, dout, den, t0, t1, dstate)
+                del blk
+                if need_v:
+                    dv[:, :, t0:t1] = _finite_values(dvh, v[:, :, t0:t1])
+                accs = (dq[:, :, t0:t1] if need_q else None, dk[:, :, t0:t1] if need_k else None,
+                        dw, *dps)  # fmt: skip
+                if any(x is not None for x in accs):
+                    rq, cq = pq.backprop(dpq)
+                    rk, ck = pk.backprop(dpk)
+                    _backprop(rq + rk, cq + ck, (qb, kb, wl, *pl), accs)
+                del pq, pk
         return (None, dq, dk, dv, dw, dstate if need_s else None, None, None, *dps)
 
 
@@ -479,14 +619,12 @@ def _mask(spec: _Spec, t0: int, t1: int):
     return None if spec.mask is None else spec.mask[:, t0:t1]
 
 
-def _forward_block(spec, q, k, v, w, params, mask, s, off, keep: bool = False):
-    """The :class:`_Block` of one block's q, k, v and key mask (with ``keep``: also the
-    features, with the graph to the inputs, ``(block, phi_q, phi_k)``)."""
+def _forward_block(spec, q, k, v, w, params, mask, s, off) -> _Block:
+    """The :class:`_Block` of one block's q, k, v and key mask (no autograd: the forward)."""
     xq, xk, vh, mask = _block_inputs(spec, q, k, v, mask, CHUNK, w.dtype, params)
     pq = _query_side(spec.fm, xq, w, params)
     pk, m = _key_side(spec.fm, xk, w, params, mask)
-    blk = _Block(pq.detach(), pk.detach(), m, vh, s, off, spec.groups, v.shape[-1])
-    return (blk, pq, pk) if keep else blk
+    return _Block(pq, pk, m, vh, s, off, spec.groups, v.shape[-1])
 
 
 def _given_block(pq, pk, m, v, mask, t0: int, t1: int, s, off) -> _Block:
@@ -673,7 +811,7 @@ def _noncausal_forward(spec: _Spec, q, k, v, w, params: dict):
                           offsets=online)  # fmt: skip
         if fm.exponential:
             c, s = online.c, s * online.alpha[..., None]
-        s = _addmm(s, pk.transpose(-1, -2), vh)
+        s = _addmm(s, pk.transpose(-1, -2), vh, inplace=True)
         del pk
     off = torch.where(c == _NINF, 0.0, c)  # no valid key: offset 0 (key_offset's rule)
     out = torch.empty(*q.shape[:3], E, dtype=dt, device=q.device)
@@ -695,10 +833,20 @@ def _key_values(v, mask, width: int, dtype) -> torch.Tensor:
     return vh if mask is None else vh.masked_fill(mask[:, None, :, None], 0.0)
 
 
+def _leaves(spec: _Spec, xs, need_x, w, need_w: bool, ptensors, need_p):
+    """``(xs, w, params, param dict)`` detached, requiring grad where needed: the leaves of one
+    block's recomputation in a backward."""
+    xs = tuple(x.detach().requires_grad_(n) for x, n in zip(xs, need_x, strict=True))
+    pl = [p.detach().requires_grad_(n) for p, n in zip(ptensors, need_p, strict=True)]
+    return xs, w.detach().requires_grad_(need_w), pl, spec.params(pl)
+
+
 def _backprop(feats, d_feats, leaves, accs) -> None:
     """Add the gradients of ``feats`` (cotangent ``d_feats``) for the ``leaves`` that require
     grad into their accumulators ``accs`` (None where not needed)."""
     wrt = [x for x, a in zip(leaves, accs, strict=True) if a is not None]
+    if not feats or not wrt:
+        return
     grads = iter(torch.autograd.grad(feats, wrt, d_feats, allow_unused=True))
     for a in accs:
         g = next(grads) if a is not None else None
@@ -739,36 +887,42 @@ class _NoncausalAttention(torch.autograd.Function):
         ds = torch.zeros_like(s)
         block = block_tokens(k.shape[0] * k.shape[1], s.shape[-2])
 
-        for r0 in range(0, q.shape[2], block):
-            r1 = min(q.shape[2], r0 + block)
-            with torch.enable_grad():
-                qb = q[:, :, r0:r1].detach().requires_grad_(need_q)
-                wl = w.detach().requires_grad_(need_w)
-                pl = [p.detach().requires_grad_(n) for p, n in zip(ptensors, need_p, strict=True)]
-                pp = spec.params(pl)
-                pq = _query_side(spec.fm, _queries(qb, spec.scale, pp), wl, pp, off)
-            dnh = _ratio_grad(dout[:, :, r0:r1], out[:, :, r0:r1], den[:, :, r0:r1], None,
-                              s.shape[-1])  # fmt: skip
-            ds = _addmm(ds, pq.detach().transpose(-1, -2), dnh)
-            if need_q or need_w or any(need_p):
-                _backprop(pq, dnh @ s.transpose(-1, -2), (qb, wl, *pl),
-                          (dq[:, :, r0:r1] if need_q else None, dw, *dps))  # fmt: skip
-        for t0 in range(0, k.shape[2], block):
-            t1 = min(k.shape[2], t0 + block)
-            mb = None if spec.mask is None else spec.mask[:, t0:t1]
-            vh = _key_values(v[:, :, t0:t1], mb, s.shape[-1], s.dtype)
-            with torch.enable_grad():
-                kb = k[:, :, t0:t1].detach().requires_grad_(need_k)
-                wl = w.detach().requires_grad_(need_w)
-                pl = [p.detach().requires_grad_(n) for p, n in zip(ptensors, need_p, strict=True)]
-                pp = spec.params(pl)
-                pk, _ = _key_side(spec.fm, _keys_in(kb, spec.scale, pp, mb), wl, pp, mb,
-                                  offsets=lambda u: off[:, :, None])  # fmt: skip
-            if need_v:
-                dv[:, :, t0:t1] = (pk.detach() @ ds)[..., : v.shape[-1]]
-            if need_k or need_w or any(need_p):
-                _backprop(pk, vh @ ds.transpose(-1, -2), (kb, wl, *pl),
-                          (dk[:, :, t0:t1] if need_k else None, dw, *dps))  # fmt: skip
+        grads = need_q or need_w or any(need_p)
+        with workspace.blocks():
+            for r0 in range(0, q.shape[2], block):
+                r1 = min(q.shape[2], r0 + block)
+                workspace.next_block()
+                with torch.enable_grad():
+                    (qb,), wl, pl, pp = _leaves(spec, (q[:, :, r0:r1],), (need_q,), w, need_w,
+                                                ptensors, need_p)  # fmt: skip
+                    pq = _Cut(spec.fm, _queries(qb, spec.scale, pp), wl, pp, "query",
+                              key_offsets=off)  # fmt: skip
+                dnh = _ratio_grad(dout[:, :, r0:r1], out[:, :, r0:r1], den[:, :, r0:r1], None,
+                                  s.shape[-1])  # fmt: skip
+                ds = _addmm(ds, pq.phi.transpose(-1, -2), dnh, inplace=True)
+                if grads:
+                    d_phi = _product(dnh, s.transpose(-1, -2), "d_phi")
+                    _backprop(*pq.backprop(d_phi), (qb, wl, *pl),
+                              (dq[:, :, r0:r1] if need_q else None, dw, *dps))  # fmt: skip
+                del pq
+            grads = need_k or need_w or any(need_p)
+            for t0 in range(0, k.shape[2], block):
+                t1 = min(k.shape[2], t0 + block)
+                workspace.next_block()
+                mb = None if spec.mask is None else spec.mask[:, t0:t1]
+                vh = _key_values(v[:, :, t0:t1], mb, s.shape[-1], s.dtype)
+                with torch.enable_grad():
+                    (kb,), wl, pl, pp = _leaves(spec, (k[:, :, t0:t1],), (need_k,), w, need_w,
+                                                ptensors, need_p)  # fmt: skip
+                    pk = _Cut(spec.fm, _keys_in(kb, spec.scale, pp, mb), wl, pp, "key", mb,
+                              offsets=off)  # fmt: skip
+                if need_v:
+                    dv[:, :, t0:t1] = (pk.phi @ ds)[..., : v.shape[-1]]
+                if grads:
+                    d_phi = _product(vh, ds.transpose(-1, -2), "d_phi")
+                    _backprop(*pk.backprop(d_phi), (kb, wl, *pl),
+                              (dk[:, :, t0:t1] if need_k else None, dw, *dps))  # fmt: skip
+                del pk
         return (None, dq, dk, dv, dw, *dps)
 
 

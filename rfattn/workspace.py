@@ -7,13 +7,15 @@ every block faulted their pages in again: ``bench.allocator`` measured 9,000 to 
 faults per causal forward at T = 1024 to 4096 and a 1.6-1.7x slower call than with a caching
 allocator.
 
-Inside :func:`blocks` (entered by the blocked forwards only) those products are written into
-buffers kept here instead (:func:`buffer`), one per role, ordinal within the block
-(:func:`next_block` restarts the ordinals), shape, dtype and device, reused by the next block and
-the next call. The code that takes them drops a block's tensors before the next block starts,
-and nothing a call returns aliases a buffer. Only CPU tensors outside autograd and outside
-``torch.compile`` use them; the buffers are per thread, at most :data:`MAX_BYTES` in all (least
-recently used dropped first), and :func:`clear` releases them.
+Inside :func:`blocks` (entered by the blocked forwards and backwards) those products, and in
+the backward the features and their cotangents, are written into buffers kept here instead
+(:func:`buffer`), one per role, ordinal within the block (:func:`next_block` restarts the
+ordinals), shape, dtype and device, reused by the next block and the next call. The code that
+takes them drops a block's tensors before the next block starts, and nothing a call returns
+aliases a buffer. Only CPU tensors outside autograd (or in a product that records its own
+backward, :func:`keeps`) and outside ``torch.compile`` use them; the buffers are per thread, at
+most :data:`MAX_BYTES` in all (least recently used dropped first), and :func:`clear` releases
+them.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections import OrderedDict
 
 import torch
 
-__all__ = ["blocks", "next_block", "buffer", "clear", "kept_bytes", "MAX_BYTES"]
+__all__ = ["blocks", "next_block", "keeps", "buffer", "clear", "kept_bytes", "MAX_BYTES"]
 
 #: the most bytes kept per thread (a default-sized block's products are about 20 MiB)
 MAX_BYTES = 128 << 20
@@ -60,17 +62,25 @@ def next_block() -> None:
     _state.counts.clear()
 
 
+def keeps(device: torch.device) -> bool:
+    """Whether :func:`buffer` hands out buffers for ``device`` once autograd is not recording:
+    inside :func:`blocks`, not compiling, a CPU device and ``ENABLED``. (A product that records
+    its own backward, such as :func:`rfattn.features.project` in the blocked backward, asks this
+    and then takes its buffer with recording off.)"""
+    return bool(
+        _state.active
+        and ENABLED
+        and not torch.compiler.is_compiling()
+        and torch.device(device).type == "cpu"
+    )
+
+
 def buffer(role: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
     """A kept, uninitialised ``shape`` buffer for this block's next product of ``role`` (each
     request within a block gets its own), or None where none is kept: outside :func:`blocks`,
     while autograd records, under ``torch.compile``, for non-CPU tensors or with ``ENABLED``
     off. The caller writes it fully (``out=``) and drops it before the next block."""
-    if (
-        not (_state.active and ENABLED)
-        or torch.is_grad_enabled()
-        or torch.compiler.is_compiling()
-        or torch.device(device).type != "cpu"
-    ):
+    if torch.is_grad_enabled() or not keeps(device):
         return None
     n = _state.counts.get(role, 0)
     _state.counts[role] = n + 1

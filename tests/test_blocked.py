@@ -247,3 +247,24 @@ def test_kept_buffers_change_nothing_and_never_alias_a_result(tiny_blocks, causa
 
 def _flat(res):
     return [t for x in res for t in (x if isinstance(x, tuple) else (x,))]
+
+
+@pytest.mark.parametrize("w_shape", [(5, 6), (2, 5, 6), (1, 2, 1, 5, 6)])
+def test_projection_recorded_into_a_kept_buffer_has_the_products_gradients(w_shape):
+    """Inside the blocked backward (``workspace.blocks()`` with autograd recording) ``project``
+    writes ``x W^T`` to a kept buffer through its own autograd Function; its gradients for x
+    and for W, leading dims broadcast either way, are those of ``x @ W^T``."""
+    from rfattn import workspace
+    from rfattn.features.base import project
+
+    x = rand(1, 2, 7, 6, seed=1)
+    w = rand(*w_shape, seed=2)
+    cot = rand(*torch.broadcast_shapes(x.shape[:-2], w.shape[:-2]), 7, 5, seed=3).detach()
+    want = torch.autograd.grad((x @ w.transpose(-1, -2) * cot).sum(), (x, w))
+    with workspace.blocks():
+        got = project(x, w)
+        assert got.grad_fn is not None and workspace.kept_bytes() >= got.nbytes
+        got = torch.autograd.grad((got * cot).sum(), (x, w))
+    workspace.clear()
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape and rel_rms(a, b) <= OUT

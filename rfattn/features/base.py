@@ -102,12 +102,43 @@ def prescale(
 
 def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x W^T``: ``[..., T, D] x [..., M, D] -> [..., T, M]`` (leading dims of W broadcast).
-    Inside the torch path's blocked forwards the product goes to a kept buffer
-    (:mod:`rfattn.workspace`)."""
+    Inside the torch path's blocked forwards and backwards the product goes to a kept buffer
+    (:mod:`rfattn.workspace`); where autograd records it there, through :class:`_KeptProduct`."""
     wt = w.transpose(-1, -2).to(x.dtype)
     lead = torch.broadcast_shapes(x.shape[:-2], w.shape[:-2])
-    out = workspace.buffer("project", (*lead, x.shape[-2], w.shape[-2]), x.dtype, x.device)
-    return x @ wt if out is None else torch.matmul(x, wt, out=out)
+    shape = (*lead, x.shape[-2], w.shape[-2])
+    out = workspace.buffer("project", shape, x.dtype, x.device)
+    if out is not None:
+        return torch.matmul(x, wt, out=out)
+    if torch.is_grad_enabled() and workspace.keeps(x.device):
+        return _KeptProduct.apply(x, wt, shape)
+    return x @ wt
+
+
+class _KeptProduct(torch.autograd.Function):
+    """``x @ wt`` written to a kept buffer while autograd records it (the blocked backward's
+    projections: without it each block's ``[T, M]`` product is a new allocation, and glibc hands
+    those back to the kernel and faults them in again, block after block). Its gradients are
+    the product's: ``dx = g wt^T``, ``dwt = x^T g``, summed over broadcast dims."""
+
+    @staticmethod
+    def forward(ctx, x, wt, shape):
+        ctx.save_for_backward(x, wt)
+        out = workspace.buffer("project", shape, x.dtype, x.device)
+        return torch.matmul(x, wt, out=out) if out is not None else x @ wt
+
+    @staticmethod
+    def backward(ctx, g):
+        x, wt = ctx.saved_tensors
+        dx = dwt = None
+        if ctx.needs_input_grad[0]:
+            dx = (g @ wt.transpose(-1, -2)).sum_to_size(x.shape)
+        if ctx.needs_input_grad[1]:
+            if wt.dim() == 2:
+                dwt = x.reshape(-1, x.shape[-1]).transpose(0, 1) @ g.reshape(-1, g.shape[-1])
+            else:
+                dwt = (x.transpose(-1, -2) @ g).sum_to_size(wt.shape)
+        return dx, dwt, None
 
 
 def row_sq_norms(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
