@@ -28,10 +28,12 @@ position on (by selection, never by multiplying with 0).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as nnf
 
-from rfattn import workspace
+from rfattn import threads, workspace
 from rfattn.features import prescale, query_features
 from rfattn.reference import attention_ratio, linear_attention, safe_denominator
 
@@ -53,6 +55,20 @@ def value_width(E: int) -> int:
     """Columns of ``[V, 1]`` as the blocks hold it: E + 1 padded with zeros to a multiple of 8
     (CPU matrix products at odd widths run about 1.5x slower)."""
     return -(-(E + 1) // 8) * 8
+
+
+@contextlib.contextmanager
+def _blocks(device):
+    """The context of a blocked loop: kept buffers (:mod:`rfattn.workspace`) and intra-op threads
+    that adapt to a busy CPU (:mod:`rfattn.threads`)."""
+    with workspace.blocks(), threads.adaptive(device):
+        yield
+
+
+def _next_block() -> None:
+    """A block boundary: its kept buffers may be handed out again; the threads' check."""
+    workspace.next_block()
+    threads.check()
 
 
 def _exp_or_zero(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -510,7 +526,7 @@ def _scan_forward(make_block, T: int, block: int, out, den, s, off, keep: bool):
         if keep:
             starts.append(s)
             offs.append(off)
-        workspace.next_block()
+        _next_block()
         blk = make_block(t0, t1, s, off)
         num, d = blk.num_den()
         out[:, :, :, t0:t1] = _from_rows(_ratio(num, d), G)[:, :, :, : t1 - t0]
@@ -557,7 +573,7 @@ class _CausalAttention(torch.autograd.Function):
             return _forward_block(spec, q[:, :, t0:t1], k[:, :, t0:t1], v[:, :, t0:t1], w,
                                   params, _mask(spec, t0, t1), s, off)  # fmt: skip
 
-        with workspace.blocks():
+        with _blocks(v.device):
             s, off, starts, offs = _scan_forward(make_block, T, block, out, den, s0, off0,
                                                  spec.keep_states)  # fmt: skip
         ctx.spec, ctx.block, ctx.n_blocks = spec, block, len(starts)
@@ -580,10 +596,10 @@ class _CausalAttention(torch.autograd.Function):
         dps = [torch.zeros_like(p) if n else None for p, n in zip(ptensors, need_p, strict=True)]
         dout = torch.zeros_like(out) if dout is None else dout.to(out.dtype)
         dstate = ds if ds is not None or not nb else torch.zeros_like(starts[0])
-        with workspace.blocks():
+        with _blocks(v.device):
             for i in reversed(range(nb)):
                 t0, t1 = i * block, min(k.shape[2], (i + 1) * block)
-                workspace.next_block()
+                _next_block()
                 with torch.enable_grad():
                     (qb, kb), wl, pl, pp = _leaves(
                         spec,
@@ -655,7 +671,7 @@ class _CausalScan(torch.autograd.Function):
         def make_block(t0, t1, s, off):
             return _given_block(pq, pk, m, v, mask, t0, t1, s, off)
 
-        with workspace.blocks():
+        with _blocks(v.device):
             s, off, starts, offs = _scan_forward(make_block, T, block, out, den, s0, off0, True)
         ctx.block, ctx.mask, ctx.n_blocks = block, mask, len(starts)
         ctx.save_for_backward(pq, pk, m, v, out, den, *starts, *offs)
@@ -805,7 +821,7 @@ def _noncausal_forward(spec: _Spec, q, k, v, w, params: dict):
         t1 = min(Tk, t0 + block)
         mb = None if mask is None else mask[:, t0:t1]
         vh = _key_values(v[:, :, t0:t1], mb, s.shape[-1], dt)
-        workspace.next_block()
+        _next_block()
         online = _OnlineOffsets(c)
         pk, _ = _key_side(fm, _keys_in(k[:, :, t0:t1], scale, params, mb), w, params, mb,
                           offsets=online)  # fmt: skip
@@ -818,7 +834,7 @@ def _noncausal_forward(spec: _Spec, q, k, v, w, params: dict):
     den = torch.empty(q.shape[:3], dtype=dt, device=q.device)
     for r0 in range(0, q.shape[2], block):
         r1 = min(q.shape[2], r0 + block)
-        workspace.next_block()
+        _next_block()
         nh = _query_side(fm, _queries(q[:, :, r0:r1], scale, params), w, params, off) @ s
         out[:, :, r0:r1] = _ratio(nh[..., :E], nh[..., E])
         den[:, :, r0:r1] = nh[..., E]
@@ -866,7 +882,7 @@ class _NoncausalAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, spec, q, k, v, w, *ptensors):
-        with workspace.blocks():
+        with _blocks(v.device):
             out, den, s, off = _noncausal_forward(spec, q, k, v, w, spec.params(ptensors))
         ctx.spec = spec
         ctx.save_for_backward(q, k, v, w, out, den, s, off, *ptensors)
@@ -888,10 +904,10 @@ class _NoncausalAttention(torch.autograd.Function):
         block = block_tokens(k.shape[0] * k.shape[1], s.shape[-2])
 
         grads = need_q or need_w or any(need_p)
-        with workspace.blocks():
+        with _blocks(v.device):
             for r0 in range(0, q.shape[2], block):
                 r1 = min(q.shape[2], r0 + block)
-                workspace.next_block()
+                _next_block()
                 with torch.enable_grad():
                     (qb,), wl, pl, pp = _leaves(spec, (q[:, :, r0:r1],), (need_q,), w, need_w,
                                                 ptensors, need_p)  # fmt: skip
@@ -908,7 +924,7 @@ class _NoncausalAttention(torch.autograd.Function):
             grads = need_k or need_w or any(need_p)
             for t0 in range(0, k.shape[2], block):
                 t1 = min(k.shape[2], t0 + block)
-                workspace.next_block()
+                _next_block()
                 mb = None if spec.mask is None else spec.mask[:, t0:t1]
                 vh = _key_values(v[:, :, t0:t1], mb, s.shape[-1], s.dtype)
                 with torch.enable_grad():

@@ -32,3 +32,13 @@ def pytest_collection_modifyitems(config, items):
 def kernel_device():
     """Where the Triton kernels run: CUDA when present, else CPU under the interpreter."""
     return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _fixed_threads(monkeypatch):
+    """Tests run on torch's configured thread count: rfattn.threads would lower it when the test
+    workers compete for the cores, and a reduction's rounding depends on it (tests that compare
+    two calls bitwise). tests/test_threads.py turns it on where it is the subject."""
+    from rfattn import threads
+
+    monkeypatch.setattr(threads, "ENABLED", False)

@@ -1,0 +1,131 @@
+"""rfattn.threads: the blocked loops lower torch's intra-op threads when the process gets fewer
+cores than it runs threads, and put them back. The clocks are replaced by counters here, so each
+case sets exactly the wall and CPU time a window measures."""
+
+import pytest
+import torch
+
+import rfattn
+from rfattn import threads
+from rfattn.testing import rel_rms, tolerance
+
+
+class Clocks:
+    def __init__(self):
+        self.wall = self.cpu = 0.0
+
+    def advance(self, wall: float, cores: float) -> None:
+        self.wall += wall
+        self.cpu += wall * cores
+
+
+@pytest.fixture
+def clocks(monkeypatch):
+    c = Clocks()
+    monkeypatch.setattr(threads, "_wall", lambda: c.wall)
+    monkeypatch.setattr(threads, "_cpu", lambda: c.cpu)
+    monkeypatch.setattr(threads, "_hold", {"until": float("-inf"), "threads": 0})
+    monkeypatch.setattr(threads, "ENABLED", True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    yield c
+    torch.set_num_threads(before)
+
+
+CPU = torch.device("cpu")
+
+
+def test_fewer_threads_for_the_rest_of_the_call_and_the_next_calls(clocks):
+    with threads.adaptive(CPU):
+        clocks.advance(threads.WINDOW_S / 2, 2.4)
+        threads.check()  # a window too short decides nothing
+        assert torch.get_num_threads() == 4
+        clocks.advance(threads.WINDOW_S, 2.4)
+        threads.check()  # 2.4 cores for 4 threads: down to 2
+        assert torch.get_num_threads() == 2
+        clocks.advance(threads.WINDOW_S, 2.0)
+        threads.check()
+        assert torch.get_num_threads() == 2
+    assert torch.get_num_threads() == 4  # put back when the call ends
+    with threads.adaptive(CPU):  # within the hold: starts lowered, measures nothing
+        assert torch.get_num_threads() == 2
+        clocks.advance(threads.WINDOW_S, 3.9)
+        threads.check()
+        assert torch.get_num_threads() == 2
+    assert torch.get_num_threads() == 4
+    clocks.advance(threads.HOLD_S, 0.0)
+    with threads.adaptive(CPU):  # the hold is over: full count, measured again
+        assert torch.get_num_threads() == 4
+        clocks.advance(threads.WINDOW_S, 1.0)
+        threads.check()
+        assert torch.get_num_threads() == 1  # never below 1 (int(1.5) = 1 core)
+    assert torch.get_num_threads() == 4
+
+
+def test_a_quiet_process_keeps_its_threads(clocks):
+    with threads.adaptive(CPU):
+        for cores in (4.0, 3.7, 3.9):  # within SLACK of 4
+            clocks.advance(threads.WINDOW_S, cores)
+            threads.check()
+            assert torch.get_num_threads() == 4
+        # each window starts afresh: a short busy stretch after quiet ones is judged alone
+        clocks.advance(threads.WINDOW_S, 3.0)
+        threads.check()
+        assert torch.get_num_threads() == 3
+
+
+@pytest.mark.parametrize("case", ["disabled", "not cpu", "nested", "one thread", "outside"])
+def test_no_change_where_it_does_not_apply(clocks, monkeypatch, case):
+    if case == "disabled":
+        monkeypatch.setattr(threads, "ENABLED", False)
+    if case == "one thread":
+        torch.set_num_threads(1)
+    n = torch.get_num_threads()
+    device = torch.device("meta") if case == "not cpu" else CPU
+    with threads.adaptive(CPU) if case == "nested" else torch.no_grad():
+        if case == "nested":
+            clocks.advance(threads.WINDOW_S / 2, n)
+        with threads.adaptive(device) if case != "outside" else torch.no_grad():
+            clocks.advance(threads.WINDOW_S, 0.5)
+            threads.check()
+            if case == "nested":  # the outer context measured the whole window: it lowers
+                assert torch.get_num_threads() < n
+                return
+            assert torch.get_num_threads() == n
+    assert threads._hold["until"] == float("-inf")
+
+
+def test_a_call_that_lowers_its_threads_gives_the_same_results(clocks, monkeypatch):
+    """The torch path's blocked loops check at each block: a call whose clocks say one core
+    falls short lowers the count mid-call, and its outputs and gradients are the full count's."""
+    from rfattn import blocked
+
+    monkeypatch.setattr(blocked, "BLOCK_ELEMENTS", 2 * 32 * 128)  # blocks of 128 tokens
+    torch.set_num_threads(2)
+    rf = rfattn.RandomFeatures(8, 32, seed=0).double()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 600, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    cot = torch.randn(1, 2, 600, 8, generator=g, dtype=torch.float64)
+
+    def run(causal):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = rfattn.rf_attention(*leaves, rf, causal=causal, backend="torch")
+        return [out.detach(), *torch.autograd.grad(out, leaves, cot)]
+
+    real_check = threads.check
+
+    def busy_check():
+        clocks.advance(threads.WINDOW_S, 1.2)  # each block: 1.2 cores for 2 threads
+        real_check()
+
+    for causal in (True, False):
+        threads.ENABLED = False
+        want = run(causal)
+        threads.ENABLED = True
+        threads._hold["until"] = float("-inf")
+        monkeypatch.setattr(threads, "check", busy_check)
+        got = run(causal)
+        monkeypatch.setattr(threads, "check", real_check)
+        assert threads._hold["threads"] == 1 and torch.get_num_threads() == 2
+        for a, b in zip(got, want, strict=True):
+            assert rel_rms(a, b) <= tolerance(torch.float64, "grad")
