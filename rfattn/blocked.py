@@ -223,9 +223,12 @@ class _Cut:
     projection and the per-row term), ``phi`` itself is computed outside autograd, in place in
     kept buffers (:mod:`rfattn.workspace`), and :meth:`backprop` turns ``d phi`` into the
     cotangents of the recorded parts by hand: ``d u = d phi * phi`` (0 at padded keys), ``d r =
-    sum_f d u``, ``d g = d phi * exp(...)``. The offsets are detached, as in the forward, so
-    these are the gradients autograd gives through :func:`_query_side` and :func:`_key_side`,
-    without the ``[T, F]`` temporaries it would record and allocate. Plain features: recorded
+    sum_f d u`` (keys only: a query's features do not depend on its per-row term, which cancels
+    in their row max), ``d g = d phi * exp(...)``. The offsets are detached, as in the forward,
+    so these are the gradients autograd gives through :func:`_query_side` and
+    :func:`_key_side` (up to the query rows' ``sum_f d phi phi``, 0 up to rounding: the ratio
+    does not change with a row's scale), without the ``[T, F]`` temporaries it would record and
+    allocate. Plain features: recorded
     whole (``phi`` is the root).
 
     Query side (``key_offsets``: the non-causal per-feature ``[B, H, F]``, or None); key side
@@ -245,6 +248,7 @@ class _Cut:
             self.roots, self.phi, self.e = (phi,), phi.detach(), None
             return
         u0, r = fm.logit_parts(x, w, side, params)
+        self.side = side
         g = fm.amplitude(x, w, side, params) if side == "query" else fm.key_amplitude(x, w, params)
         self.u0, self.r, self.g = u0, r, g
         with torch.no_grad():
@@ -287,7 +291,7 @@ class _Cut:
             roots.append(self.g)
             cots.append(d_phi * self.e)
         du = d_phi.mul_(self.phi)
-        if self.r is not None and self.r.requires_grad:
+        if self.r is not None and self.r.requires_grad and self.side == "key":
             roots.append(self.r)
             cots.append(du.sum(dim=-1, keepdim=True))
         if self.u0.requires_grad:
@@ -489,7 +493,7 @@ def _ratio_grad(dout, out, den, poisoned, width: int):
         empty = None
     live = den.abs() >= torch.finfo(den.dtype).tiny
     dnh = torch.empty(*dout.shape[:-1], width, dtype=dout.dtype, device=dout.device)
-    torch.div(dout, den_s[..., None], out=dnh[..., :E])
+    dnh[..., :E] = dout / den_s[..., None]  # (a division into the strided columns: 8x slower)
     dnh[..., E] = (-(dout * out).sum(dim=-1) / den_s).masked_fill_(~live, 0.0)
     dnh[..., E + 1 :] = 0.0
     if empty is not None:
@@ -589,9 +593,10 @@ class _CausalAttention(torch.autograd.Function):
         need = ctx.needs_input_grad
         need_q, need_k, need_v, need_w, need_s = need[1:6]
         need_p = need[8:]
-        dq = torch.zeros_like(q) if need_q else None
-        dk = torch.zeros_like(k) if need_k else None
-        dv = torch.zeros_like(v) if need_v else None
+        # every block sets its own rows of dq, dk, dv once
+        dq = torch.empty_like(q) if need_q else None
+        dk = torch.empty_like(k) if need_k else None
+        dv = torch.empty_like(v) if need_v else None
         dw = torch.zeros_like(w) if need_w else None
         dps = [torch.zeros_like(p) if n else None for p, n in zip(ptensors, need_p, strict=True)]
         dout = torch.zeros_like(out) if dout is None else dout.to(out.dtype)
@@ -626,7 +631,7 @@ class _CausalAttention(torch.autograd.Function):
                 if any(x is not None for x in accs):
                     rq, cq = pq.backprop(dpq)
                     rk, ck = pk.backprop(dpk)
-                    _backprop(rq + rk, cq + ck, (qb, kb, wl, *pl), accs)
+                    _backprop(rq + rk, cq + ck, (qb, kb, wl, *pl), accs, assign=2)
                 del pq, pk
         return (None, dq, dk, dv, dw, dstate if need_s else None, None, None, *dps)
 
@@ -842,11 +847,17 @@ def _noncausal_forward(spec: _Spec, q, k, v, w, params: dict):
 
 
 def _key_values(v, mask, width: int, dtype) -> torch.Tensor:
-    """``[V, 1, 0...]`` ``[B, H, T, width]`` in ``dtype``, zero for padded keys."""
+    """``[V, 1, 0...]`` ``[B, H, T, width]`` in ``dtype``, zero for padded keys (a kept buffer
+    where one is kept: :func:`rfattn.workspace.buffer`)."""
     E = v.shape[-1]
-    vh = nnf.pad(v.to(dtype), (0, width - E))
+    vh = workspace.buffer("values", (*v.shape[:-1], width), dtype, v.device)
+    if vh is None:
+        vh = nnf.pad(v.to(dtype), (0, width - E))
+    else:
+        vh[..., :E] = v
+        vh[..., E + 1 :] = 0.0
     vh[..., E] = 1.0
-    return vh if mask is None else vh.masked_fill(mask[:, None, :, None], 0.0)
+    return vh if mask is None else vh.masked_fill_(mask[:, None, :, None], 0.0)
 
 
 def _leaves(spec: _Spec, xs, need_x, w, need_w: bool, ptensors, need_p):
@@ -857,16 +868,18 @@ def _leaves(spec: _Spec, xs, need_x, w, need_w: bool, ptensors, need_p):
     return xs, w.detach().requires_grad_(need_w), pl, spec.params(pl)
 
 
-def _backprop(feats, d_feats, leaves, accs) -> None:
+def _backprop(feats, d_feats, leaves, accs, assign: int = 0) -> None:
     """Add the gradients of ``feats`` (cotangent ``d_feats``) for the ``leaves`` that require
-    grad into their accumulators ``accs`` (None where not needed)."""
+    grad into their accumulators ``accs`` (None where not needed); the first ``assign``
+    accumulators (a block's own rows of dq, dk: uninitialised until here) are set instead."""
     wrt = [x for x, a in zip(leaves, accs, strict=True) if a is not None]
-    if not feats or not wrt:
-        return
-    grads = iter(torch.autograd.grad(feats, wrt, d_feats, allow_unused=True))
-    for a in accs:
-        g = next(grads) if a is not None else None
-        if g is not None:
+    grads = torch.autograd.grad(feats, wrt, d_feats, allow_unused=True) if feats and wrt else ()
+    grads = iter(grads)
+    for i, a in enumerate(accs):
+        g = next(grads, None) if a is not None else None
+        if i < assign and a is not None:
+            a.copy_(g) if g is not None else a.zero_()
+        elif g is not None:
             a += g
 
 
@@ -896,9 +909,10 @@ class _NoncausalAttention(torch.autograd.Function):
         need_p = ctx.needs_input_grad[5:]
         dw = torch.zeros_like(w) if need_w else None
         dps = [torch.zeros_like(p) if n else None for p, n in zip(ptensors, need_p, strict=True)]
-        dq = torch.zeros_like(q) if need_q else None
-        dk = torch.zeros_like(k) if need_k else None
-        dv = torch.zeros_like(v) if need_v else None
+        # every block sets its own rows of dq (or dk, dv) once
+        dq = torch.empty_like(q) if need_q else None
+        dk = torch.empty_like(k) if need_k else None
+        dv = torch.empty_like(v) if need_v else None
         dout = dout.to(out.dtype)
         ds = torch.zeros_like(s)
         block = block_tokens(k.shape[0] * k.shape[1], s.shape[-2])
@@ -918,8 +932,8 @@ class _NoncausalAttention(torch.autograd.Function):
                 ds = _addmm(ds, pq.phi.transpose(-1, -2), dnh, inplace=True)
                 if grads:
                     d_phi = _product(dnh, s.transpose(-1, -2), "d_phi")
-                    _backprop(*pq.backprop(d_phi), (qb, wl, *pl),
-                              (dq[:, :, r0:r1] if need_q else None, dw, *dps))  # fmt: skip
+                    acc = dq[:, :, r0:r1] if need_q else None
+                    _backprop(*pq.backprop(d_phi), (qb, wl, *pl), (acc, dw, *dps), assign=1)
                 del pq
             grads = need_k or need_w or any(need_p)
             for t0 in range(0, k.shape[2], block):
@@ -936,8 +950,8 @@ class _NoncausalAttention(torch.autograd.Function):
                     dv[:, :, t0:t1] = (pk.phi @ ds)[..., : v.shape[-1]]
                 if grads:
                     d_phi = _product(vh, ds.transpose(-1, -2), "d_phi")
-                    _backprop(*pk.backprop(d_phi), (kb, wl, *pl),
-                              (dk[:, :, t0:t1] if need_k else None, dw, *dps))  # fmt: skip
+                    acc = dk[:, :, t0:t1] if need_k else None
+                    _backprop(*pk.backprop(d_phi), (kb, wl, *pl), (acc, dw, *dps), assign=1)
                 del pk
         return (None, dq, dk, dv, dw, *dps)
 

@@ -268,3 +268,19 @@ def test_projection_recorded_into_a_kept_buffer_has_the_products_gradients(w_sha
     workspace.clear()
     for a, b in zip(got, want, strict=True):
         assert a.shape == b.shape and rel_rms(a, b) <= OUT
+
+
+def test_backprop_sets_a_blocks_rows_even_where_no_gradient_reaches_them():
+    """The backwards leave dq, dk uninitialised and let each block set its own rows
+    (``_backprop(..., assign=n)``): a leaf the features do not depend on gets zeros there, not
+    whatever the memory held; accumulators after the first ``assign`` are added to."""
+    x, y = rand(3, 2, seed=1), rand(3, 2, seed=2)
+    feats = (y * 2.0,)
+    rows = torch.full((3, 2), float("nan"), dtype=f64)
+    acc_y = torch.ones(3, 2, dtype=f64)
+    blocked._backprop(feats, (torch.ones(3, 2, dtype=f64),), (x, y), (rows, acc_y), assign=1)
+    assert torch.equal(rows, torch.zeros(3, 2, dtype=f64))
+    assert torch.equal(acc_y, torch.full((3, 2), 3.0, dtype=f64))
+    feats = (y * 2.0,)
+    blocked._backprop(feats, (torch.ones(3, 2, dtype=f64),), (y, x), (rows, None), assign=1)
+    assert torch.equal(rows, torch.full((3, 2), 2.0, dtype=f64))
