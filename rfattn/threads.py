@@ -3,8 +3,8 @@
 Each torch op runs its parallel region on all intra-op threads and waits at its end for the
 slowest. When another process keeps a core busy, the thread that shares that core gets a slice of
 it, and every region waits for that slice: on this project's 2-core machine with one core busy,
-the blocked causal forward at T = 8192 ran 2.8x slower than quiet on 2 threads, but only 1.7x
-slower than the quiet 2-thread time on 1 thread (``bench.cpu_backend``'s contention case).
+the blocked causal forward at T = 8192 ran 3.4x slower than quiet on 2 threads, and 1.76x with
+this module lowering them to 1 (``bench.cpu_backend``'s contention case, README).
 
 :func:`adaptive` (entered by the blocked forwards and backwards, :mod:`rfattn.blocked`, for CPU
 tensors) compares the process's CPU time with the wall time between blocks (:func:`check`, at
