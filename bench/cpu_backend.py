@@ -16,7 +16,7 @@ median and 20/80 % quantiles. Peak memory: ``bench.memory``'s worker process (ab
 Contention: causal forward at the largest T, quiet and then with another process spinning on one
 core (``while True: pass``), both providers, back to back.
 
-    python -m bench.cpu_backend --save-results    # about 15 minutes on 2 cores
+    python -m bench.cpu_backend --save-results    # about 7 minutes on 2 cores
 """
 
 from __future__ import annotations
