@@ -161,10 +161,19 @@ def _query_side(fm, xq, w, params, key_offsets=None) -> torch.Tensor:
     u, _ = fm.logit_parts(xq, w, "query", params)  # a per-row term cancels in the row max
     if not _owned(u):
         return query_features(u, g, key_offsets)
-    if key_offsets is not None:
-        u.add_(key_offsets[:, :, None, :])
-    u = u.sub_(u.amax(dim=-1, keepdim=True)).exp_()
+    u = _query_exp(u, key_offsets, u)
     return u if g is None else u.mul_(g)
+
+
+def _query_exp(u, key_offsets, out) -> torch.Tensor:
+    """The stabilised query exponentials ``exp(u + c - max_f (u + c))`` (``c``: the non-causal
+    per-feature key offsets ``[B, H, F]``, or None), written to ``out`` (``u`` itself: in
+    place); no autograd."""
+    if key_offsets is not None:
+        torch.add(u, key_offsets[:, :, None, :], out=out)
+    elif out is not u:
+        out.copy_(u)
+    return out.sub_(out.amax(dim=-1, keepdim=True)).exp_()
 
 
 def _key_side(fm, xk, w, params, mask, offsets=None):
@@ -254,26 +263,13 @@ class _Cut:
         with torch.no_grad():
             e = _kept("phi", u0.detach())
             if side == "query":  # the per-row term cancels in the row max
-                if key_offsets is None:
-                    e.copy_(u0)
-                else:
-                    torch.add(u0, key_offsets[:, :, None, :], out=e)
-                e.sub_(e.amax(dim=-1, keepdim=True))
+                e = _query_exp(u0, key_offsets, e)
             elif offsets is None:  # each key at its own max logit (the per-row term cancels)
-                e.copy_(u0)
-                if self.pad is not None:
-                    e.masked_fill_(self.pad, _NINF)
-                m = e.amax(dim=-1) if e.shape[-1] else e.new_full(e.shape[:-1], _NINF)
-                e.sub_(torch.where(torch.isfinite(m), m, 0.0)[..., None])
+                e, m = _keys(e.copy_(u0), None, mask, True, inplace=True)
                 self.m = m if r is None else m + r[..., 0]
-            else:
+            else:  # the per-feature offsets: the per-row term stays in the logits
                 torch.add(u0, r, out=e) if r is not None else e.copy_(u0)
-                if self.pad is not None:
-                    e.masked_fill_(self.pad, _NINF)
-                e.sub_(offsets[:, :, None, :])
-            e.exp_()
-            if self.pad is not None:
-                e.masked_fill_(self.pad, 0.0)
+                e, _ = _keys(e, None, mask, True, True, lambda u: offsets[:, :, None, :])
             self.e = e
             self.phi = e if g is None else torch.mul(e, g, out=_kept("phi_g", e))
             if g is not None and self.pad is not None:
@@ -300,20 +296,11 @@ class _Cut:
         return roots, cots
 
 
-def _kept(role: str, like: torch.Tensor, shape=None) -> torch.Tensor:
-    """A kept buffer (:func:`rfattn.workspace.buffer`) of ``like``'s dtype and device, shaped as
-    ``like`` or ``shape``, or a new tensor where none is kept."""
-    shape = like.shape if shape is None else shape
-    buf = workspace.buffer(role, shape, like.dtype, like.device)
-    return torch.empty(shape, dtype=like.dtype, device=like.device) if buf is None else buf
-
-
-def _product(a: torch.Tensor, b: torch.Tensor, role: str) -> torch.Tensor:
-    """``a @ b`` (leading dims broadcast), into a kept buffer of ``role`` where one is kept
-    (:func:`rfattn.workspace.buffer`: never while autograd records)."""
-    shape = (*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
-    buf = workspace.buffer(role, shape, a.dtype, a.device)
-    return a @ b if buf is None else torch.matmul(a, b, out=buf)
+def _kept(role: str, like: torch.Tensor) -> torch.Tensor:
+    """A kept buffer (:func:`rfattn.workspace.buffer`) shaped and typed as ``like``, or a new
+    tensor where none is kept."""
+    buf = workspace.buffer(role, like.shape, like.dtype, like.device)
+    return torch.empty(like.shape, dtype=like.dtype, device=like.device) if buf is None else buf
 
 
 class _Offsets:
@@ -355,8 +342,7 @@ def _chain(own: torch.Tensor, s_in: torch.Tensor, step: torch.Tensor):
         for c in range(n):
             states.append(torch.addcmul(own[:, :, c], states[-1], step[:, :, c]))
         return torch.stack(states[:-1], dim=2), states[-1]
-    prefix = workspace.buffer("prefix", own.shape, own.dtype, own.device)
-    prefix = torch.empty_like(own) if prefix is None else prefix
+    prefix = _kept("prefix", own)
     prefix[:, :, 0] = s_in
     for c in range(1, n):
         torch.addcmul(own[:, :, c - 1], prefix[:, :, c - 1], step[:, :, c - 1],
@@ -429,7 +415,7 @@ class _Block:
         ve = o.e[..., None]  # each value at its weight in its chunk's state
         buf = workspace.buffer("ve", vh.shape, vh.dtype, vh.device)
         self.ve = vh * ve if buf is None else torch.mul(vh, ve, out=buf)
-        own = _product(self.ve.transpose(-1, -2), pk, "own")  # [B, H, n, E+1, F]
+        own = workspace.product(self.ve.transpose(-1, -2), pk, "own")  # [B, H, n, E+1, F]
         self.prefix, s_out = _chain(own, s_in, o.step)
         if self.dirty:
             s_out = torch.where(bad.any(dim=(2, 3))[..., None], float("nan"), s_out)
@@ -460,11 +446,11 @@ class _Block:
         (``[B, H, n, G*C, E+1]``) and of the state after the block."""
         G, o = self.groups, self.o
         dnh_a = _rows(dnh, o.a, G)
-        dP = _product(dnh_a.transpose(-1, -2), self.pq, "dP")  # [B, H, n, E+1, F]
+        dP = workspace.product(dnh_a.transpose(-1, -2), self.pq, "dP")  # [B, H, n, E+1, F]
         dA = _decayed(dnh @ self.vh.transpose(-1, -2), o.decay, G)  # [B, H, n, G*C, C]
-        dpq = _addmm(_product(dnh_a, self.prefix, "dpq"), dA, self.pk, inplace=True)
+        dpq = _addmm(workspace.product(dnh_a, self.prefix, "dpq"), dA, self.pk, inplace=True)
         d_own, ds_in = _chain_back(dP, ds_out, o.step)
-        dpk = _product(self.ve, d_own, "dpk")
+        dpk = workspace.product(self.ve, d_own, "dpk")
         dpk = _addmm(dpk, dA.transpose(-1, -2), self.pq, inplace=True)
         dvh = _rows(self.pk @ d_own.transpose(-1, -2), o.e, 1, inplace=True)
         dvh = _addmm(dvh, self.A.transpose(-1, -2), dnh, inplace=True)
@@ -931,7 +917,7 @@ class _NoncausalAttention(torch.autograd.Function):
                                   s.shape[-1])  # fmt: skip
                 ds = _addmm(ds, pq.phi.transpose(-1, -2), dnh, inplace=True)
                 if grads:
-                    d_phi = _product(dnh, s.transpose(-1, -2), "d_phi")
+                    d_phi = workspace.product(dnh, s.transpose(-1, -2), "d_phi")
                     acc = dq[:, :, r0:r1] if need_q else None
                     _backprop(*pq.backprop(d_phi), (qb, wl, *pl), (acc, dw, *dps), assign=1)
                 del pq
@@ -949,7 +935,7 @@ class _NoncausalAttention(torch.autograd.Function):
                 if need_v:
                     dv[:, :, t0:t1] = (pk.phi @ ds)[..., : v.shape[-1]]
                 if grads:
-                    d_phi = _product(vh, ds.transpose(-1, -2), "d_phi")
+                    d_phi = workspace.product(vh, ds.transpose(-1, -2), "d_phi")
                     acc = dk[:, :, t0:t1] if need_k else None
                     _backprop(*pk.backprop(d_phi), (kb, wl, *pl), (acc, dw, *dps), assign=1)
                 del pk

@@ -26,7 +26,7 @@ from collections import OrderedDict
 
 import torch
 
-__all__ = ["blocks", "next_block", "keeps", "buffer", "clear", "kept_bytes", "MAX_BYTES"]
+__all__ = ["blocks", "next_block", "keeps", "buffer", "product", "clear", "kept_bytes", "MAX_BYTES"]
 
 #: the most bytes kept per thread (a default-sized block's products are about 20 MiB)
 MAX_BYTES = 128 << 20
@@ -94,6 +94,14 @@ def buffer(role: str, shape, dtype: torch.dtype, device: torch.device) -> torch.
         _, old = _state.buffers.popitem(last=False)
         _state.bytes -= old.nbytes
     return buf
+
+
+def product(a: torch.Tensor, b: torch.Tensor, role: str) -> torch.Tensor:
+    """``a @ b`` (leading dims broadcast), written to a kept buffer of ``role`` where
+    :func:`buffer` gives one (never while autograd records), else a new tensor."""
+    shape = (*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
+    buf = buffer(role, shape, a.dtype, a.device)
+    return a @ b if buf is None else torch.matmul(a, b, out=buf)
 
 
 def clear() -> None:

@@ -105,14 +105,9 @@ def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     Inside the torch path's blocked forwards and backwards the product goes to a kept buffer
     (:mod:`rfattn.workspace`); where autograd records it there, through :class:`_KeptProduct`."""
     wt = w.transpose(-1, -2).to(x.dtype)
-    lead = torch.broadcast_shapes(x.shape[:-2], w.shape[:-2])
-    shape = (*lead, x.shape[-2], w.shape[-2])
-    out = workspace.buffer("project", shape, x.dtype, x.device)
-    if out is not None:
-        return torch.matmul(x, wt, out=out)
     if torch.is_grad_enabled() and workspace.keeps(x.device):
-        return _KeptProduct.apply(x, wt, shape)
-    return x @ wt
+        return _KeptProduct.apply(x, wt)
+    return workspace.product(x, wt, "project")
 
 
 class _KeptProduct(torch.autograd.Function):
@@ -122,10 +117,9 @@ class _KeptProduct(torch.autograd.Function):
     the product's: ``dx = g wt^T``, ``dwt = x^T g``, summed over broadcast dims."""
 
     @staticmethod
-    def forward(ctx, x, wt, shape):
+    def forward(ctx, x, wt):
         ctx.save_for_backward(x, wt)
-        out = workspace.buffer("project", shape, x.dtype, x.device)
-        return torch.matmul(x, wt, out=out) if out is not None else x @ wt
+        return workspace.product(x, wt, "project")
 
     @staticmethod
     def backward(ctx, g):
@@ -138,7 +132,7 @@ class _KeptProduct(torch.autograd.Function):
                 dwt = x.reshape(-1, x.shape[-1]).transpose(0, 1) @ g.reshape(-1, g.shape[-1])
             else:
                 dwt = (x.transpose(-1, -2) @ g).sum_to_size(wt.shape)
-        return dx, dwt, None
+        return dx, dwt
 
 
 def row_sq_norms(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
