@@ -11,12 +11,17 @@ Providers (``bench.providers``):
 * ``...-compiled`` (T = 4096 only): ``torch.compile`` of the previous path and of ``rf_attention``
   (default inductor; compile time reported apart, excluded from the timing).
 
-Time: ``bench.timing.time_cpu`` (one warm-up call, then at least ``--reps`` calls and up to 2 s),
-median and 20/80 % quantiles. Peak memory: ``bench.memory``'s worker process (above the inputs).
+Time: rfattn and SDPA flash side by side (``bench.timing.time_cpu_rounds``: one warm-up call
+each, then alternating rounds of one call each, at least ``--reps`` rounds and up to 4 s or 20
+rounds), each one's median and 20/80 % quantiles and SDPA's time over rfattn's per round
+(``over_rfattn``, its median and quantiles: a ratio of calls moments apart, which a shared host's
+drift over minutes does not move); at ``--compile-T`` likewise rfattn eager with both compiled
+providers (6 s). The previous path alone (``bench.timing.time_cpu``, up to 2 s or 20 calls).
+Peak memory: ``bench.memory``'s worker process (above the inputs).
 Contention: causal forward at the largest T, quiet and then with another process spinning on one
 core (``while True: pass``), both providers, back to back.
 
-    python -m bench.cpu_backend --save-results    # about 7 minutes on 2 cores
+    python -m bench.cpu_backend --save-results    # about 10 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -33,28 +38,65 @@ import rfattn
 from bench.env import environment, write_results
 from bench.memory import CpuMemoryWorker
 from bench.providers import make_call, make_inputs
-from bench.timing import time_cpu
+from bench.timing import paired_ratio, summary, time_cpu, time_cpu_rounds
 
 __all__ = ["main"]
 
 B, H, D, E, M = 1, 8, 64, 64, 256
 FEATURE, WEIGHTS = "posrf", "orf"
-PROVIDERS = ("rfattn", "sdpa-flash", "rfattn-previous")
+#: timed side by side, in alternating rounds (the targets' ratios); then the previous path alone
+PAIRED = ("rfattn", "sdpa-flash")
+PREVIOUS = "rfattn-previous"
 COMPILED = ("rfattn-previous-compiled", "rfattn-compiled")
 
 
-def _time(provider, T, causal, mode, rf, reps):
+def _build(provider, T, causal, mode, rf):
+    """``(call, first_call_s)``: ``provider``'s call on its own inputs, called once (the warm-up
+    and, compiled, the compilation)."""
     x = make_inputs(B, H, T, D, E, torch.float32, "cpu", mode == "fwd+bwd")
     call, _ = make_call(provider, x, rf, causal, mode == "fwd+bwd")
     t0 = time.perf_counter()
-    call()  # warm-up (and, compiled, the compilation)
-    first = time.perf_counter() - t0
+    call()
+    return call, time.perf_counter() - t0
+
+
+def _time(provider, T, causal, mode, rf, reps):
+    """One provider timed alone."""
+    call, first = _build(provider, T, causal, mode, rf)
     p50, p20, p80, n = time_cpu(call, warmup=0, min_reps=reps, budget_s=2.0, max_reps=20)
     return dict(ms_p50=p50, ms_p20=p20, ms_p80=p80, n=n, first_call_s=first)
 
 
+def _side_by_side(providers, T, causal, mode, rf, reps, budget_s) -> dict:
+    """Providers timed in alternating rounds (:func:`bench.timing.time_cpu_rounds`): each one's
+    time and, but for the first (rfattn), its ratio to the first's time round by round
+    (``over_rfattn``: > 1 where rfattn is faster). A provider that fails to build (a compile
+    error) is recorded with its error."""
+    calls, res = {}, {}
+    for p in providers:
+        try:
+            calls[p], first = _build(p, T, causal, mode, rf)
+            res[p] = dict(first_call_s=first)
+        except Exception as exc:  # noqa: BLE001 - recorded: a compile that fails is a result
+            res[p] = dict(error=f"{type(exc).__name__}: {exc}"[:300])
+    times = time_cpu_rounds(calls, min_rounds=reps, max_rounds=20, budget_s=budget_s)
+    base = providers[0]
+    for p, ts in times.items():
+        p50, p20, p80, n = summary(ts)
+        res[p].update(ms_p50=p50, ms_p20=p20, ms_p80=p80, n=n)
+        if p != base and base in times:
+            r50, r20, r80 = paired_ratio(ts, times[base])
+            res[p]["over_rfattn"] = dict(p50=r50, p20=r20, p80=r80)
+    return res
+
+
 def _row(provider, T, causal, mode, **kw):
     return dict(provider=provider, T=T, causal=causal, mode=mode, **kw)
+
+
+def _ratio_note(row) -> str:
+    r = row.get("over_rfattn")
+    return "" if r is None else f" ({r['p50']:.2f}x rfattn's, side by side)"
 
 
 def _busy_core():
@@ -72,15 +114,15 @@ def run(args) -> dict:
     for causal in (True, False):
         for mode in ("fwd", "fwd+bwd"):
             for T in args.T:
-                for provider in PROVIDERS:
-                    if provider == "rfattn-previous" and T > args.previous_max_T:
-                        continue
-                    row = _row(provider, T, causal, mode, **_time(provider, T, causal, mode, rf,
-                                                                  args.reps))  # fmt: skip
+                timed = _side_by_side(PAIRED, T, causal, mode, rf, args.reps, 4.0)
+                if T <= args.previous_max_T:  # not a target: alone (8 s a call at 8192)
+                    timed[PREVIOUS] = _time(PREVIOUS, T, causal, mode, rf, args.reps)
+                for provider, res in timed.items():
+                    row = _row(provider, T, causal, mode, **res)
                     doc["results"].append(row)
                     print(f"{provider:18} causal={int(causal)} {mode:8} T={T:6} "
-                          f"{row['ms_p50']:9.1f} ms", flush=True)  # fmt: skip
-                    if provider == "rfattn-previous" or args.no_memory:
+                          f"{row['ms_p50']:9.1f} ms" + _ratio_note(row), flush=True)  # fmt: skip
+                    if provider == PREVIOUS or args.no_memory:
                         continue
                     spec = dict(provider=provider, feature=FEATURE if provider != "sdpa-flash"
                                 else None, weights=WEIGHTS, D=D, M=M, dtype="float32", mode=mode,
@@ -91,16 +133,18 @@ def run(args) -> dict:
     worker.close()
     for causal in (True, False):
         for mode in ("fwd", "fwd+bwd"):
-            for provider in COMPILED if args.compile_T else ():
-                try:
-                    res = _time(provider, args.compile_T, causal, mode, rf, args.reps)
-                except Exception as exc:  # noqa: BLE001 - recorded: a compile that fails is a result
-                    res = dict(error=f"{type(exc).__name__}: {exc}"[:300])
+            if not args.compile_T:
+                break
+            timed = _side_by_side(("rfattn",) + COMPILED, args.compile_T, causal, mode, rf,
+                                  args.reps, 6.0)  # fmt: skip
+            for provider, res in timed.items():
                 doc["compiled"].append(_row(provider, args.compile_T, causal, mode, **res))
                 print(
                     f"{provider:26} causal={int(causal)} {mode:8} T={args.compile_T} "
                     f"{res.get('ms_p50', float('nan')):9.1f} ms "
-                    f"(first call {res.get('first_call_s', float('nan')):.0f} s)",
+                    f"(first call {res.get('first_call_s', float('nan')):.0f} s)"
+                    + _ratio_note(res)
+                    + (f" {res['error']}" if "error" in res else ""),
                     flush=True,
                 )
     T = max(args.T)

@@ -42,7 +42,45 @@ def time_cpu(
         dt = time.perf_counter() - t0
         spent += dt
         times.append(dt * 1e3)
+    return summary(times)
+
+
+def time_cpu_rounds(
+    fns: dict[str, Callable[[], object]],
+    min_rounds: int = 3,
+    max_rounds: int = 50,
+    budget_s: float = 2.0,
+) -> dict[str, list[float]]:
+    """Wall-clock several calls side by side: rounds of one call each (in the given order, then
+    reversed, alternately, so neither goes first more often), at least ``min_rounds`` and then
+    more until ``budget_s`` seconds or ``max_rounds``. Returns each name's times in ms, one per
+    round: the i-th times of two names were taken moments apart, so their ratio is robust to a
+    host whose speed drifts (a shared machine's), which separate timings minutes apart are not.
+    No warm-up: call each once before."""
+    names = list(fns)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    spent, rounds = 0.0, 0
+    while rounds < min_rounds or (rounds < max_rounds and spent < budget_s):
+        for n in names if rounds % 2 == 0 else names[::-1]:
+            t0 = time.perf_counter()
+            fns[n]()
+            dt = time.perf_counter() - t0
+            spent += dt
+            times[n].append(dt * 1e3)
+        rounds += 1
+    return times
+
+
+def summary(times: list[float]) -> tuple[float, float, float, int]:
+    """``(p50, p20, p80, n)`` of times in ms (:data:`QUANTILES`)."""
     return tuple(quantile(times, q) for q in QUANTILES) + (len(times),)
+
+
+def paired_ratio(num: list[float], den: list[float]) -> tuple[float, float, float]:
+    """``(p50, p20, p80)`` of the per-round ratios ``num[i] / den[i]`` of two names' times from
+    :func:`time_cpu_rounds` (e.g. softmax / rfattn: the speed-up, measured moments apart)."""
+    ratios = [a / b for a, b in zip(num, den, strict=True)]
+    return tuple(quantile(ratios, q) for q in QUANTILES)
 
 
 def time_gpu(

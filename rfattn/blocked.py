@@ -158,7 +158,7 @@ def _query_side(fm, xq, w, params, key_offsets=None) -> torch.Tensor:
     g = fm.amplitude(xq, w, "query", params)
     if torch.is_grad_enabled():
         return query_features(fm.logits(xq, w, "query", params), g, key_offsets)
-    u, _ = fm.logit_parts(xq, w, "query", params)  # a per-row term cancels in the row max
+    u, _ = fm.logit_parts(xq, w, "query", params, row=False)  # a per-row term cancels
     if not _owned(u):
         return query_features(u, g, key_offsets)
     u = _query_exp(u, key_offsets, u)
@@ -256,8 +256,7 @@ class _Cut:
                 phi = _query_side(fm, x, w, params)
             self.roots, self.phi, self.e = (phi,), phi.detach(), None
             return
-        u0, r = fm.logit_parts(x, w, side, params)
-        self.side = side
+        u0, r = fm.logit_parts(x, w, side, params, row=side == "key")
         g = fm.amplitude(x, w, side, params) if side == "query" else fm.key_amplitude(x, w, params)
         self.u0, self.r, self.g = u0, r, g
         with torch.no_grad():
@@ -287,7 +286,7 @@ class _Cut:
             roots.append(self.g)
             cots.append(d_phi * self.e)
         du = d_phi.mul_(self.phi)
-        if self.r is not None and self.r.requires_grad and self.side == "key":
+        if self.r is not None and self.r.requires_grad:
             roots.append(self.r)
             cots.append(du.sum(dim=-1, keepdim=True))
         if self.u0.requires_grad:
@@ -933,7 +932,7 @@ class _NoncausalAttention(torch.autograd.Function):
                     pk = _Cut(spec.fm, _keys_in(kb, spec.scale, pp, mb), wl, pp, "key", mb,
                               offsets=off)  # fmt: skip
                 if need_v:
-                    dv[:, :, t0:t1] = (pk.phi @ ds)[..., : v.shape[-1]]
+                    dv[:, :, t0:t1] = pk.phi @ ds[..., : v.shape[-1]]
                 if grads:
                     d_phi = workspace.product(vh, ds.transpose(-1, -2), "d_phi")
                     acc = dk[:, :, t0:t1] if need_k else None

@@ -3,6 +3,7 @@ schema, finite numbers, crossover arithmetic, figures from a synthetic JSON."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -211,3 +212,55 @@ def test_allocator_worker_and_plot(monkeypatch, tmp_path):
     )
     allocator.plot(doc, tmp_path / "allocator.png")
     assert (tmp_path / "allocator.png").stat().st_size > 0
+
+
+def test_time_cpu_rounds_alternates_and_pairs():
+    """Rounds call each function once, first in the given order and then reversed, until the
+    round count is reached; ``paired_ratio`` divides round by round."""
+    from bench.timing import paired_ratio, time_cpu_rounds
+
+    order = []
+    times = time_cpu_rounds(
+        {"a": lambda: order.append("a"), "b": lambda: order.append("b")},
+        min_rounds=3,
+        max_rounds=3,
+        budget_s=0.0,
+    )
+    assert order == ["a", "b", "b", "a", "a", "b"]
+    assert [len(t) for t in times.values()] == [3, 3] and all(x >= 0 for x in times["a"])
+    p50, p20, p80 = paired_ratio([2.0, 6.0, 3.0, 8.0], [1.0, 2.0, 3.0, 2.0])
+    # ratios 1, 2, 3, 4: numpy's linear quantiles
+    assert (p50, p20, p80) == pytest.approx((2.5, 1.6, 3.4), rel=1e-12)
+
+
+def test_cpu_backend_side_by_side(monkeypatch, tmp_path):
+    """bench.cpu_backend end to end on a tiny T (compiled providers replaced by an eager one,
+    no memory worker): every row timed, the side-by-side ones with their ratio to rfattn's, a
+    provider that fails to build recorded with its error, and the plot drawn."""
+    from bench import cpu_backend
+
+    monkeypatch.setattr(cpu_backend, "COMPILED", ("rfattn-previous", "no-such-provider"))
+    args = argparse.Namespace(
+        T=[64, 128], reps=2, previous_max_T=64, compile_T=64, no_memory=True, notes=""
+    )
+    doc = cpu_backend.run(args)
+    rows = doc["results"]
+    assert {(r["provider"], r["T"]) for r in rows if r["causal"] and r["mode"] == "fwd"} == {
+        ("rfattn", 64), ("sdpa-flash", 64), ("rfattn-previous", 64),
+        ("rfattn", 128), ("sdpa-flash", 128),
+    }  # fmt: skip
+    for r in rows:
+        assert r["ms_p50"] > 0 and r["n"] >= 2
+        assert ("over_rfattn" in r) == (r["provider"] == "sdpa-flash")
+    ratio = next(r for r in rows if r["provider"] == "sdpa-flash")["over_rfattn"]
+    assert ratio["p20"] <= ratio["p50"] <= ratio["p80"] and ratio["p50"] > 0
+    compiled = {(r["provider"], r["causal"], r["mode"]): r for r in doc["compiled"]}
+    assert len(compiled) == 3 * 4
+    for (provider, _, _), r in compiled.items():
+        if provider == "no-such-provider":
+            assert "error" in r and "ms_p50" not in r
+        else:
+            assert r["ms_p50"] > 0 and ("over_rfattn" in r) == (provider != "rfattn")
+    assert [c["provider"] for c in doc["contention"]] == ["rfattn", "sdpa-flash"]
+    cpu_backend.plot(doc, tmp_path / "cpu_backend.png")
+    assert (tmp_path / "cpu_backend.png").stat().st_size > 0

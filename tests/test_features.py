@@ -124,8 +124,8 @@ def test_sgq_weights_in_the_causal_path():
 
 @pytest.mark.parametrize("feature", ["posrf", "hyprf", "gerf", "oprf", "saderf", "poisrf"])
 def test_logit_parts_split_off_a_per_row_term(feature):
-    """``logit_parts`` sums to ``logits`` and its second part is one number per row; for posrf
-    the parts are ``x W^T`` and ``-|x|^2/2`` themselves."""
+    """``logit_parts`` sums to ``logits`` and its second part is one number per row (not
+    computed with ``row=False``); for posrf the parts are ``x W^T`` and ``-|x|^2/2`` themselves."""
     D, M = 6, 16
     rf = rfattn.RandomFeatures(D, M, feature=feature, seed=2).double()
     fm = rf.feature_map
@@ -140,6 +140,8 @@ def test_logit_parts_split_off_a_per_row_term(feature):
             continue
         assert r.shape == (*x.shape[:-1], 1)
         assert torch.allclose(u + r, full, rtol=1e-13, atol=1e-13)
+        u_only, none = fm.logit_parts(x, w, side, params, row=False)  # the query sides' call
+        assert none is None and torch.equal(u_only, u)
         if feature == "posrf":
             assert torch.allclose(u, x @ w.T, rtol=1e-13, atol=0)
             assert torch.allclose(r, -0.5 * (x**2).sum(-1, keepdim=True), rtol=1e-13, atol=0)

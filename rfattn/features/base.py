@@ -340,11 +340,18 @@ class FeatureMap(nn.Module):
         raise NotImplementedError(f"feature={self.name!r} is not exponential")
 
     def logit_parts(
-        self, x: torch.Tensor, w: torch.Tensor, side: str, params: dict | None = None
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        side: str,
+        params: dict | None = None,
+        row: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(u0, r)`` with :meth:`logits` ``= u0 + r`` and ``r`` ``[B, H, T, 1]`` a per-row term
         (None: none split off). A per-row term cancels in a query's features and only moves a
-        key's offset, so the torch path's blocks skip the ``[T, F]`` pass that adds it."""
+        key's offset, so the torch path's blocks skip the ``[T, F]`` pass that adds it.
+        ``row=False``: the caller has no use for ``r`` (a query's); it is not computed and None
+        is returned in its place (``u0`` unchanged)."""
         return self.logits(x, w, side, params), None
 
     def amplitude(

@@ -52,10 +52,20 @@ def gerf_real_logits(x, w, a, b, log_d) -> torch.Tensor:
     return u + r
 
 
-def gerf_real_parts(x, w, a, b, log_d) -> tuple[torch.Tensor, torch.Tensor]:
+def gerf_real_parts(x, w, a, b, log_d, row: bool = True) -> tuple:
     """:func:`gerf_real_logits` as ``(A |omega|^2 + B omega . x, log D - |x|^2 / 2)``: the
-    per-row part ``[..., T, 1]`` apart (:meth:`FeatureMap.logit_parts`)."""
-    return a * row_sq_norms(w, x.dtype) + b * project(x, w), log_d - 0.5 * sq_norm(x)
+    per-row part ``[..., T, 1]`` apart (:meth:`FeatureMap.logit_parts`; ``row=False``: None in
+    its place)."""
+    return a * row_sq_norms(w, x.dtype) + b * project(x, w), _row_term(x, log_d, row)
+
+
+def _row_term(x, log_d, row: bool):
+    """``log D - |x|^2 / 2`` ``[..., T, 1]`` (``log_d`` None: 0), or None when ``row`` is False
+    (not computed)."""
+    if not row:
+        return None
+    r = -0.5 * sq_norm(x)
+    return r if log_d is None else log_d + r
 
 
 def real_gerf_form(rows: torch.Tensor, a: float, params: dict | None) -> KernelForm:
@@ -103,8 +113,8 @@ class PosRF(FeatureMap):
         u, r = self.logit_parts(x, w, side, params)
         return u + r
 
-    def logit_parts(self, x, w, side, params=None):
-        return project(x, w), -0.5 * sq_norm(x)
+    def logit_parts(self, x, w, side, params=None, row=True):
+        return project(x, w), _row_term(x, None, row)
 
     def kernel_form(self, w, params=None):
         return real_gerf_form(w, 0.0, params)
@@ -125,9 +135,9 @@ class HypRF(FeatureMap):
         u, r = self.logit_parts(x, w, side, params)
         return u + r
 
-    def logit_parts(self, x, w, side, params=None):
+    def logit_parts(self, x, w, side, params=None, row=True):
         z = project(x, w)
-        return torch.cat((z, -z), dim=-1), -0.5 * sq_norm(x)
+        return torch.cat((z, -z), dim=-1), _row_term(x, None, row)
 
     def num_samples(self, w):
         return 2 * w.shape[-2]
@@ -202,14 +212,14 @@ class GERF(FeatureMap):
         re, _ = self._z(x, w, side)
         return torch.cat((re, re), dim=-1)
 
-    def logit_parts(self, x, w, side, params=None):
+    def logit_parts(self, x, w, side, params=None, row=True):
         if self.complex_form:
-            return super().logit_parts(x, w, side, params)
+            return super().logit_parts(x, w, side, params, row)
         if params is not None and "A" in params:  # a learnable A, per (b, h)
-            return gerf_real_parts(x, w, params["A"], params["B"], params["log_D"])
+            return gerf_real_parts(x, w, params["A"], params["B"], params["log_D"], row)
         a = self.A.real
         return gerf_real_parts(x, w, a, math.sqrt(1.0 - 4.0 * a),
-                               0.25 * x.shape[-1] * math.log(1.0 - 4.0 * a))  # fmt: skip
+                               0.25 * x.shape[-1] * math.log(1.0 - 4.0 * a), row)  # fmt: skip
 
     def amplitude(self, x, w, side, params=None):
         if not self.complex_form:
@@ -285,9 +295,9 @@ class OPRF(StatsFeature):
         p = params
         return gerf_real_logits(x, w, p["A"], p["B"], p["log_D"])
 
-    def logit_parts(self, x, w, side, params=None):
+    def logit_parts(self, x, w, side, params=None, row=True):
         p = params
-        return gerf_real_parts(x, w, p["A"], p["B"], p["log_D"])
+        return gerf_real_parts(x, w, p["A"], p["B"], p["log_D"], row)
 
     def kernel_form(self, w, params=None):
         return stats_form(w, params, self.name)
@@ -355,10 +365,10 @@ class SADERF(StatsFeature):
         u, r = self.logit_parts(x, w, side, params)
         return u + r
 
-    def logit_parts(self, x, w, side, params=None):
+    def logit_parts(self, x, w, side, params=None, row=True):
         p = params
         x = x * p["psi"] if side == "query" else x / p["psi"]
-        return gerf_real_parts(x, w, p["A"], p["B"], p["log_D"])
+        return gerf_real_parts(x, w, p["A"], p["B"], p["log_D"], row)
 
     def kernel_form(self, w, params=None):
         return stats_form(w, params, self.name)
