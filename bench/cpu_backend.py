@@ -20,6 +20,9 @@ providers (6 s). The previous path alone (``bench.timing.time_cpu``, up to 2 s o
 Peak memory: ``bench.memory``'s worker process (above the inputs).
 Contention: causal forward at the largest T, quiet and then with another process spinning on one
 core (``while True: pass``), both providers, back to back.
+``exp_paths``: ``exp(u - shift)`` formed with torch's CPU ``exp`` (as the torch path did) and
+with ``exp2`` (``rfattn.blocked._exp_shifted_``, as it does now), each including a copy of the
+2^20 fp32 arguments, whose results are normal, subnormal, 0 or come from -inf (median of 20).
 
     python -m bench.cpu_backend --save-results    # about 10 minutes on 2 cores
 """
@@ -103,13 +106,47 @@ def _busy_core():
     return subprocess.Popen([sys.executable, "-c", "while True: pass"])
 
 
+#: arguments of exp, by what the result is: (name, value)
+EXP_ARGUMENTS = (("normal", -5.0), ("subnormal", -95.0), ("zero", -200.0), ("-inf", float("-inf")))
+
+
+def _exp_paths(n: int = 1 << 20) -> list[dict]:
+    """``exp(u - shift)`` as the torch path formed it before (``sub_``, ``exp_``) and as it does
+    now (``rfattn.blocked._exp_shifted_``: ``sub_``, ``mul_``, ``exp2_``), each from a copy of
+    ``n`` fp32 arguments of one value: the time per call (median of 20)."""
+    from rfattn.blocked import _exp_shifted_
+
+    rows, out, zero = [], torch.empty(n), torch.zeros(())
+    for name, value in EXP_ARGUMENTS:
+        x = torch.full((n,), value)
+        row = dict(result=name, argument=value, n=n)
+        forms = {
+            "exp_ms": lambda x=x: out.copy_(x).sub_(zero).exp_(),
+            "exp2_form_ms": lambda x=x: _exp_shifted_(out.copy_(x), zero),
+        }
+        for key, fn in forms.items():
+            row[key] = summary([_one_call_ms(fn) for _ in range(20)])[0]
+        rows.append(row)
+    return rows
+
+
+def _one_call_ms(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def run(args) -> dict:
     rf = rfattn.RandomFeatures(D, M, feature=FEATURE, weights=WEIGHTS, seed=0)
     doc = dict(
         title=f"torch path on the CPU: B={B} H={H} D=E={D} M={M} {FEATURE}/{WEIGHTS} fp32",
         env=environment(torch.device("cpu")), config=vars(args), notes=args.notes,
         method=__doc__, results=[], memory=[], compiled=[], contention=[],
+        exp_paths=_exp_paths(),
     )  # fmt: skip
+    for row in doc["exp_paths"]:
+        print(f"exp, {row['result']:9} results: torch.exp {row['exp_ms']:.2f} ms, exp2 form "
+              f"{row['exp2_form_ms']:.2f} ms ({row['n']} fp32)", flush=True)  # fmt: skip
     worker = CpuMemoryWorker()
     for causal in (True, False):
         for mode in ("fwd", "fwd+bwd"):

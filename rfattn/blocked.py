@@ -29,6 +29,7 @@ position on (by selection, never by multiplying with 0).
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.nn.functional as nnf
@@ -43,6 +44,7 @@ CHUNK = 64
 BLOCK_ELEMENTS = 1 << 20
 
 _NINF = float("-inf")
+_LOG2E = math.log2(math.e)
 
 
 def block_tokens(rows: int, width: int) -> int:
@@ -69,6 +71,18 @@ def _next_block() -> None:
     """A block boundary: its kept buffers may be handed out again; the threads' check."""
     workspace.next_block()
     threads.check()
+
+
+def _exp_shifted_(u: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """``exp(u - shift)`` written into ``u`` (a tensor of the caller's own; ``shift`` broadcasts
+    against it), as ``exp2((u - shift) log2 e)``. torch's CPU ``exp`` (MKL's vector exp) takes a
+    slow path for every element whose result underflows: 12x to 37x the time of a normal one on
+    this project's 2-core CPU, and a logit far below its row's max or a masked -inf is just
+    that; ``exp2`` has no such path and is about twice as fast besides, so the extra multiply
+    pays for itself. The difference is formed first (exact where ``u`` and ``shift`` are close:
+    logits of -1000 keep their small differences), then scaled: one more rounding of the
+    argument, about 1e-6 relative in float32 for arguments of magnitude 10."""
+    return u.sub_(shift).mul_(_LOG2E).exp2_()
 
 
 def _exp_or_zero(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -173,7 +187,7 @@ def _query_exp(u, key_offsets, out) -> torch.Tensor:
         torch.add(u, key_offsets[:, :, None, :], out=out)
     elif out is not u:
         out.copy_(u)
-    return out.sub_(out.amax(dim=-1, keepdim=True)).exp_()
+    return _exp_shifted_(out, out.amax(dim=-1, keepdim=True))
 
 
 def _key_side(fm, xk, w, params, mask, offsets=None):
@@ -211,7 +225,7 @@ def _keys(u, g, mask, exponential: bool, inplace: bool = False, offsets=None):
             off = torch.where(torch.isfinite(m), m, 0.0)[..., None]
         else:
             m, off = None, offsets(u)
-        pk = u.sub_(off).exp_() if inplace else torch.exp(u - off)
+        pk = _exp_shifted_(u, off) if inplace else torch.exp(u - off)
         if g is not None:
             pk = pk.mul_(g) if inplace else g * pk
     else:
@@ -324,7 +338,7 @@ class _Offsets:
         mj = m[..., None, :]
         # exp(-inf) = 0 for j > i and empty keys (whatever m_j - r_i is there: NaN for -inf - -inf)
         decay = (mj - r[..., :, None]).masked_fill_(above | (mj == _NINF), _NINF)
-        self.decay = decay.exp_()
+        self.decay = decay.mul_(_LOG2E).exp2_()  # exp, as _exp_shifted_ forms it
         self.e = _exp_or_zero(m - R[..., 1:, None], m > _NINF)
         self.step = _exp_or_zero(prev[..., 0] - R[..., 1:], prev[..., 0] > _NINF)[..., None, None]
 

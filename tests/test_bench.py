@@ -262,5 +262,7 @@ def test_cpu_backend_side_by_side(monkeypatch, tmp_path):
         else:
             assert r["ms_p50"] > 0 and ("over_rfattn" in r) == (provider != "rfattn")
     assert [c["provider"] for c in doc["contention"]] == ["rfattn", "sdpa-flash"]
+    assert [r["result"] for r in doc["exp_paths"]] == [n for n, _ in cpu_backend.EXP_ARGUMENTS]
+    assert all(r["exp_ms"] > 0 and r["exp2_form_ms"] > 0 for r in doc["exp_paths"])
     cpu_backend.plot(doc, tmp_path / "cpu_backend.png")
     assert (tmp_path / "cpu_backend.png").stat().st_size > 0

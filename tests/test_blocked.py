@@ -284,3 +284,31 @@ def test_backprop_sets_a_blocks_rows_even_where_no_gradient_reaches_them():
     feats = (y * 2.0,)
     blocked._backprop(feats, (torch.ones(3, 2, dtype=f64),), (y, x), (rows, None), assign=1)
     assert torch.equal(rows, torch.full((3, 2), 2.0, dtype=f64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_exp_shifted_is_exp_of_the_difference(dtype):
+    """``_exp_shifted_`` (exp2 of the log2-scaled difference, in place) equals ``exp(u - shift)``
+    to a few roundings of the argument, across normal, underflowing (down to -1000) and
+    non-finite arguments: 1 where u == shift (also at -1000: the difference is formed first),
+    0 for -inf, NaN for NaN, and 0 for results below the dtype's smallest normal where exp gives
+    a subnormal or 0."""
+    g = torch.Generator().manual_seed(0)
+    u = torch.randn(4, 3, 50, 40, generator=g, dtype=torch.float64) * 30 - 40
+    shift = u.amax(dim=-1, keepdim=True)
+    u[0, 0, 0, :3] = torch.tensor([-torch.inf, torch.nan, 2.0], dtype=torch.float64)
+    u[0, 0, 0, 2] += shift[0, 0, 0, 0]
+    u[1, 0, :, 0] = shift[1, 0, :, 0]
+    u, shift = u.to(dtype), shift.to(dtype)
+    u[2] += -1000.0
+    shift[2] += -1000.0
+    want = torch.exp(u.double() - shift.double())
+    got = blocked._exp_shifted_(u.clone(), shift)
+    eps = torch.finfo(dtype).eps
+    arg = (u.double() - shift.double()).abs().nan_to_num(0.0, 0.0, 0.0)
+    tiny = torch.finfo(dtype).tiny
+    # exp2's own error (1 ulp) plus the scaled argument's rounding (|arg| eps), relative
+    ok = (got.double() - want).abs() <= (2 + 2 * arg) * eps * want + tiny
+    assert ok[~want.isnan()].all()
+    assert got[0, 0, 0, 0] == 0 and got[0, 0, 0, 1].isnan() and got[0, 0, 0, 2] > 7  # e^2
+    assert (got[1, 0, :, 0] == 1).all() and got.dtype == dtype
