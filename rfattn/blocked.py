@@ -86,8 +86,9 @@ def _exp_shifted_(u: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
 
 
 def _exp_or_zero(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """``exp(x)`` where ``keep``, else 0 (``x`` may be NaN or inf there)."""
-    return torch.where(keep, torch.exp(torch.where(keep, x, torch.zeros_like(x))), 0.0)
+    """``exp(x)`` where ``keep``, else 0 (``x`` may be NaN or inf there). For the small
+    per-chunk factors (no autograd)."""
+    return torch.where(keep, x, _NINF).exp_()
 
 
 class _Spec:
@@ -334,11 +335,20 @@ class _Offsets:
         r = torch.maximum(prev, torch.cummax(m, dim=-1).values)  # [B, H, n, C]
         self.R = R
         self.a = _exp_or_zero(prev - r, prev > _NINF)
-        above = torch.ones(C, C, dtype=torch.bool, device=m.device).triu(1)
         mj = m[..., None, :]
-        # exp(-inf) = 0 for j > i and empty keys (whatever m_j - r_i is there: NaN for -inf - -inf)
-        decay = (mj - r[..., :, None]).masked_fill_(above | (mj == _NINF), _NINF)
-        self.decay = decay.mul_(_LOG2E).exp2_()  # exp, as _exp_shifted_ forms it
+        buf = workspace.buffer("decay", (*r.shape, C), r.dtype, r.device)
+        diff = mj - r[..., :, None] if buf is None else torch.sub(mj, r[..., :, None], out=buf)
+        # (exp as _exp_shifted_ forms it.) For j <= i, m_j - r_i <= 0 exactly (r_i is a max
+        # over m_j). With an empty key in the block (padding, the last chunk's tail), -inf -
+        # -inf is NaN: those and j > i are selected away (exp(-inf) = 0). Without one, j > i
+        # is capped at 0 (a later key's larger max would overflow) and multiplied by 0: the
+        # same values, without the mask's slow broadcast select.
+        if torch.compiler.is_compiling() or bool((m == _NINF).any()):
+            above = torch.ones(C, C, dtype=torch.bool, device=m.device).triu(1)
+            self.decay = diff.masked_fill_(above | (mj == _NINF), _NINF).mul_(_LOG2E).exp2_()
+        else:
+            lower = torch.ones(C, C, dtype=m.dtype, device=m.device).tril_()
+            self.decay = diff.mul_(_LOG2E).clamp_max_(0.0).exp2_().mul_(lower)
         self.e = _exp_or_zero(m - R[..., 1:, None], m > _NINF)
         self.step = _exp_or_zero(prev[..., 0] - R[..., 1:], prev[..., 0] > _NINF)[..., None, None]
 
@@ -356,11 +366,12 @@ def _chain(own: torch.Tensor, s_in: torch.Tensor, step: torch.Tensor):
             states.append(torch.addcmul(own[:, :, c], states[-1], step[:, :, c]))
         return torch.stack(states[:-1], dim=2), states[-1]
     prefix = _kept("prefix", own)
-    prefix[:, :, 0] = s_in
+    # the chunks' views taken at once (one call each, not four indexing calls per chunk)
+    own_c, pre_c, step_c = own.unbind(2), prefix.unbind(2), step.unbind(2)
+    pre_c[0].copy_(s_in)
     for c in range(1, n):
-        torch.addcmul(own[:, :, c - 1], prefix[:, :, c - 1], step[:, :, c - 1],
-                      out=prefix[:, :, c])  # fmt: skip
-    return prefix, torch.addcmul(own[:, :, n - 1], prefix[:, :, n - 1], step[:, :, n - 1])
+        torch.addcmul(own_c[c - 1], pre_c[c - 1], step_c[c - 1], out=pre_c[c])
+    return prefix, torch.addcmul(own_c[n - 1], pre_c[n - 1], step_c[n - 1])
 
 
 def _chain_back(d_prefix: torch.Tensor, ds_out: torch.Tensor, step: torch.Tensor):
@@ -368,11 +379,11 @@ def _chain_back(d_prefix: torch.Tensor, ds_out: torch.Tensor, step: torch.Tensor
     before each chunk (``d_prefix`` ``[B, H, n, E+1, F]``) and of the state after the block."""
     n = d_prefix.shape[2]
     d_own = _kept("d_own", d_prefix)
-    d_own[:, :, n - 1] = ds_out
+    dp_c, do_c, step_c = d_prefix.unbind(2), d_own.unbind(2), step.unbind(2)
+    do_c[n - 1].copy_(ds_out)
     for c in range(n - 2, -1, -1):
-        torch.addcmul(d_prefix[:, :, c + 1], d_own[:, :, c + 1], step[:, :, c + 1],
-                      out=d_own[:, :, c])  # fmt: skip
-    return d_own, torch.addcmul(d_prefix[:, :, 0], d_own[:, :, 0], step[:, :, 0])
+        torch.addcmul(dp_c[c + 1], do_c[c + 1], step_c[c + 1], out=do_c[c])
+    return d_own, torch.addcmul(dp_c[0], do_c[0], step_c[0])
 
 
 def _rows(x: torch.Tensor, f: torch.Tensor, groups: int, inplace: bool = False):
@@ -410,13 +421,19 @@ class _Block:
         self.pq = pq.unflatten(2, (n, groups * C))  # [B, H, n, G*C, F]
         m = m.unflatten(2, (n, C))
         pk = pk.unflatten(2, (n, C))
-        bad_k = torch.isnan(m) | (m == float("inf"))  # [B, H, n, C]: features not finite
-        # traced (torch.compile): no data-dependent branch, always select. Eager: a sum of the
-        # values is finite when every value is (one pass, no [T, E] flags), else check each
+        # traced (torch.compile): no data-dependent branch, always select. Eager: the keys' max
+        # offset is NaN or +inf when some key's features are not finite (-inf: padding only),
+        # and a sum of the values is finite when every value is (one pass, no [T, E] flags);
+        # one read of both, else check each
         compiling = torch.compiler.is_compiling()
-        self.dirty = compiling or bool(bad_k.any() | ~torch.isfinite(vh.sum()))
+        if compiling:
+            self.dirty = True
+        else:
+            top, total = torch.stack((m.amax().to(vh.dtype), vh.sum())).tolist()
+            self.dirty = not (math.isfinite(total) and (top == _NINF or math.isfinite(top)))
         bad = None
         if self.dirty:
+            bad_k = torch.isnan(m) | (m == float("inf"))  # [B, H, n, C]: features not finite
             bad = ~torch.isfinite(vh) | bad_k[..., None]  # [B, H, n, C, E+1]
             self.dirty = compiling or bool(bad.any())  # (the sum may overflow)
         if self.dirty:  # non-finite terms are removed by selection, their rows poisoned

@@ -312,3 +312,30 @@ def test_exp_shifted_is_exp_of_the_difference(dtype):
     assert ok[~want.isnan()].all()
     assert got[0, 0, 0, 0] == 0 and got[0, 0, 0, 1].isnan() and got[0, 0, 0, 2] > 7  # e^2
     assert (got[1, 0, :, 0] == 1).all() and got.dtype == dtype
+
+
+@pytest.mark.parametrize("empty", [False, True])
+def test_chunk_decay_is_exp_of_each_keys_max_over_the_rows_offset(empty):
+    """``_Offsets.decay[i, j] = exp(m_j - r_i)`` for j <= i, 0 for j > i and for empty keys
+    (m_j = -inf), with ``r_i = max(offset before the chunk, m_l for l <= i)``; a later key whose
+    max is far above (overflowing exp) still gives 0, never NaN. Without empty keys the decay
+    is capped and multiplied, with them selected: both hold the formula."""
+    g = torch.Generator().manual_seed(3)
+    C = blocked.CHUNK
+    m = torch.randn(2, 3, 4, C, generator=g, dtype=torch.float64) * 5
+    m[0, 0, 1, 40] = 900.0  # a later key far above: exp(900 - r_i) overflows
+    off = torch.randn(2, 3, generator=g, dtype=torch.float64)
+    if empty:
+        m[1, 2, 0, :10] = -torch.inf  # the first keys empty, no offset before: r_i = -inf there
+        off[1, 2] = -torch.inf
+        m[0, 1, 2, 5] = -torch.inf
+    o = blocked._Offsets(m, off)
+    prev = torch.cummax(torch.cat((off[..., None], m.amax(-1)), dim=-1), dim=-1).values[..., :-1]
+    r = torch.maximum(prev[..., None], torch.cummax(m, dim=-1).values)
+    want = torch.zeros(2, 3, 4, C, C, dtype=torch.float64)
+    for i in range(C):
+        for j in range(i + 1):
+            live = m[..., j] > -torch.inf
+            want[..., i, j] = torch.where(live, torch.exp(m[..., j] - r[..., i]), 0.0)
+    assert not o.decay.isnan().any()
+    torch.testing.assert_close(o.decay, want, rtol=1e-13, atol=0)
