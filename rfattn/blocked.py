@@ -73,16 +73,16 @@ def _next_block() -> None:
     threads.check()
 
 
-def _exp_shifted_(u: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+def _exp_shifted_(u: torch.Tensor, shift: torch.Tensor, out=None) -> torch.Tensor:
     """``exp(u - shift)`` written into ``u`` (a tensor of the caller's own; ``shift`` broadcasts
-    against it), as ``exp2((u - shift) log2 e)``. torch's CPU ``exp`` (MKL's vector exp) takes a
-    slow path for every element whose result underflows: 12x to 37x the time of a normal one on
-    this project's 2-core CPU, and a logit far below its row's max or a masked -inf is just
-    that; ``exp2`` has no such path and is about twice as fast besides, so the extra multiply
-    pays for itself. The difference is formed first (exact where ``u`` and ``shift`` are close:
-    logits of -1000 keep their small differences), then scaled: one more rounding of the
-    argument, about 1e-6 relative in float32 for arguments of magnitude 10."""
-    return u.sub_(shift).mul_(_LOG2E).exp2_()
+    against it) or into ``out``, as ``exp2((u - shift) log2 e)``. torch's CPU ``exp`` (MKL's
+    vector exp) takes a slow path for every element whose result underflows: 12x to 37x the
+    time of a normal one on this project's 2-core CPU, and a logit far below its row's max or a
+    masked -inf is just that; ``exp2`` has no such path and is about twice as fast besides, so
+    the extra multiply pays for itself. The difference is formed first (exact where ``u`` and
+    ``shift`` are close: logits of -1000 keep their small differences), then scaled: one more
+    rounding of the argument, about 1e-6 relative in float32 for arguments of magnitude 10."""
+    return torch.sub(u, shift, out=u if out is None else out).mul_(_LOG2E).exp2_()
 
 
 def _exp_or_zero(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -185,10 +185,8 @@ def _query_exp(u, key_offsets, out) -> torch.Tensor:
     per-feature key offsets ``[B, H, F]``, or None), written to ``out`` (``u`` itself: in
     place); no autograd."""
     if key_offsets is not None:
-        torch.add(u, key_offsets[:, :, None, :], out=out)
-    elif out is not u:
-        out.copy_(u)
-    return _exp_shifted_(out, out.amax(dim=-1, keepdim=True))
+        u = torch.add(u, key_offsets[:, :, None, :], out=out)
+    return _exp_shifted_(u, u.amax(dim=-1, keepdim=True), out)
 
 
 def _key_side(fm, xk, w, params, mask, offsets=None):
@@ -211,22 +209,29 @@ def _key_side(fm, xk, w, params, mask, offsets=None):
     return _keys(pk if c is None else pk * c, None, mask, False, False)
 
 
-def _keys(u, g, mask, exponential: bool, inplace: bool = False, offsets=None):
+def _keys(u, g, mask, exponential: bool, inplace: bool = False, offsets=None, out=None):
     """``(phi_k, m)``: keys at their own max logit ``g exp(u - m)`` (plain features: ``u`` is the
     features, m = 0) and ``m`` ``[B, H, T]`` (detached; -inf for padded keys, not finite for a
     key whose features are not), padded keys 0. ``offsets``: a function of the masked logits
     giving the offsets (``[B, H, 1, F]``, non-causal) to use instead of ``m``. ``inplace``: ``u``
-    is a tensor of this call's own, turned into the features."""
+    is a tensor of this call's own, turned into the features; ``out`` (exponential features, no
+    autograd): a tensor of the caller's own that receives them, ``u`` left as it is."""
     pad = None if mask is None else mask[:, None, :, None]
     if exponential:
-        if pad is not None:
+        if pad is not None and out is not None:  # the masked logits go to out, then in place
+            u = torch.where(pad, u.new_full((), _NINF), u, out=out)
+            inplace, out = True, None
+        elif pad is not None:
             u = u.masked_fill_(pad, _NINF) if inplace else u.masked_fill(pad, _NINF)
         if offsets is None:
             m = u.detach().amax(dim=-1) if u.shape[-1] else u.new_full(u.shape[:-1], _NINF)
             off = torch.where(torch.isfinite(m), m, 0.0)[..., None]
         else:
             m, off = None, offsets(u)
-        pk = _exp_shifted_(u, off) if inplace else torch.exp(u - off)
+        if out is not None:
+            pk, inplace = _exp_shifted_(u, off, out), True
+        else:
+            pk = _exp_shifted_(u, off) if inplace else torch.exp(u - off)
         if g is not None:
             pk = pk.mul_(g) if inplace else g * pk
     else:
@@ -279,7 +284,7 @@ class _Cut:
             if side == "query":  # the per-row term cancels in the row max
                 e = _query_exp(u0, key_offsets, e)
             elif offsets is None:  # each key at its own max logit (the per-row term cancels)
-                e, m = _keys(e.copy_(u0), None, mask, True, inplace=True)
+                e, m = _keys(u0.detach(), None, mask, True, out=e)
                 self.m = m if r is None else m + r[..., 0]
             else:  # the per-feature offsets: the per-row term stays in the logits
                 torch.add(u0, r, out=e) if r is not None else e.copy_(u0)
@@ -509,8 +514,8 @@ def _ratio_grad(dout, out, den, poisoned, width: int):
         empty = None
     live = den.abs() >= torch.finfo(den.dtype).tiny
     dnh = torch.empty(*dout.shape[:-1], width, dtype=dout.dtype, device=dout.device)
-    dnh[..., :E] = dout / den_s[..., None]  # (a division into the strided columns: 8x slower)
-    dnh[..., E] = (-(dout * out).sum(dim=-1) / den_s).masked_fill_(~live, 0.0)
+    d_num = torch.div(dout, den_s[..., None], out=dnh[..., :E])  # into the strided columns
+    dnh[..., E] = (d_num * out).sum(dim=-1).neg_().masked_fill_(~live, 0.0)
     dnh[..., E + 1 :] = 0.0
     if empty is not None:
         dnh.masked_fill_(empty[..., None], 0.0)
