@@ -492,14 +492,14 @@ class _Block:
         return dpq.flatten(2, 3), dpk.flatten(2, 3), dvh, ds_in
 
 
-def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+def _ratio(num: torch.Tensor, den: torch.Tensor, out=None) -> torch.Tensor:
     """:func:`rfattn.reference.attention_ratio` of a block. Not recorded by autograd, it is
     ``num / safe_denominator(den)``: the same values (an empty row's ``num`` is exactly 0), without
     the ``[T, E]`` passes that find the empty rows, which only the gradient needs (there it is
-    :func:`_ratio_grad`)."""
+    :func:`_ratio_grad`); ``out``: written there (no autograd only)."""
     if torch.is_grad_enabled():
         return attention_ratio(num, den)
-    return num / safe_denominator(den)[..., None]
+    return torch.div(num, safe_denominator(den)[..., None], out=out)
 
 
 def _ratio_grad(dout, out, den, poisoned, width: int):
@@ -554,7 +554,12 @@ def _scan_forward(make_block, T: int, block: int, out, den, s, off, keep: bool):
         _next_block()
         blk = make_block(t0, t1, s, off)
         num, d = blk.num_den()
-        out[:, :, :, t0:t1] = _from_rows(_ratio(num, d), G)[:, :, :, : t1 - t0]
+        if (t1 - t0) % CHUNK or torch.is_grad_enabled():  # a padded tail, or traced
+            out[:, :, :, t0:t1] = _from_rows(_ratio(num, d), G)[:, :, :, : t1 - t0]
+        else:  # divided straight into out's rows (no block-sized quotient, no copy)
+            n = (t1 - t0) // CHUNK
+            dst = out[:, :, :, t0:t1].unflatten(3, (n, CHUNK)).transpose(2, 3)  # a view
+            _ratio(num.unflatten(3, (G, CHUNK)), d.unflatten(3, (G, CHUNK)), out=dst)
         den[:, :, :, t0:t1] = _from_rows(d[..., None], G)[:, :, :, : t1 - t0, 0]
         s, off = blk.s_out, blk.off_out
         del blk, num, d  # before the next block's features
@@ -862,7 +867,7 @@ def _noncausal_forward(spec: _Spec, q, k, v, w, params: dict):
         r1 = min(q.shape[2], r0 + block)
         _next_block()
         nh = _query_side(fm, _queries(q[:, :, r0:r1], scale, params), w, params, off) @ s
-        out[:, :, r0:r1] = _ratio(nh[..., :E], nh[..., E])
+        _ratio(nh[..., :E], nh[..., E], out=out[:, :, r0:r1])  # (no autograd here)
         den[:, :, r0:r1] = nh[..., E]
     return out, den, s, off
 
