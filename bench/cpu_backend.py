@@ -21,10 +21,10 @@ Peak memory: ``bench.memory``'s worker process (above the inputs).
 Contention: causal forward at the largest T, quiet and then with another process spinning on one
 core (``while True: pass``), both providers, back to back.
 ``exp_paths``: ``exp(u - shift)`` formed with torch's CPU ``exp`` (as the torch path did) and
-with ``exp2`` (``rfattn.blocked._exp_shifted_``, as it does now), each including a copy of the
+with ``exp2`` (``rfattn.features.base.exp_diff``, as it does now), each including a copy of the
 2^20 fp32 arguments, whose results are normal, subnormal, 0 or come from -inf (median of 20).
 
-    python -m bench.cpu_backend --save-results    # about 10 minutes on 2 cores
+    python -m bench.cpu_backend --save-results    # about 6 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -112,9 +112,9 @@ EXP_ARGUMENTS = (("normal", -5.0), ("subnormal", -95.0), ("zero", -200.0), ("-in
 
 def _exp_paths(n: int = 1 << 20) -> list[dict]:
     """``exp(u - shift)`` as the torch path formed it before (``sub_``, ``exp_``) and as it does
-    now (``rfattn.blocked._exp_shifted_``: ``sub_``, ``mul_``, ``exp2_``), each from a copy of
+    now (``rfattn.features.base.exp_diff``: ``sub``, ``mul_``, ``exp2_``), each from a copy of
     ``n`` fp32 arguments of one value: the time per call (median of 20)."""
-    from rfattn.blocked import _exp_shifted_
+    from rfattn.features.base import exp_diff
 
     rows, out, zero = [], torch.empty(n), torch.zeros(())
     for name, value in EXP_ARGUMENTS:
@@ -122,7 +122,7 @@ def _exp_paths(n: int = 1 << 20) -> list[dict]:
         row = dict(result=name, argument=value, n=n)
         forms = {
             "exp_ms": lambda x=x: out.copy_(x).sub_(zero).exp_(),
-            "exp2_form_ms": lambda x=x: _exp_shifted_(out.copy_(x), zero),
+            "exp2_form_ms": lambda x=x: exp_diff(out.copy_(x), zero, out=out),
         }
         for key, fn in forms.items():
             row[key] = summary([_one_call_ms(fn) for _ in range(20)])[0]

@@ -36,6 +36,7 @@ import torch.nn.functional as nnf
 
 from rfattn import threads, workspace
 from rfattn.features import prescale, query_features
+from rfattn.features.base import LOG2E, exp_diff
 from rfattn.reference import attention_ratio, linear_attention, safe_denominator
 
 #: tokens per chunk (the intra-chunk block is [C, C] per (b, h, query head))
@@ -44,7 +45,6 @@ CHUNK = 64
 BLOCK_ELEMENTS = 1 << 20
 
 _NINF = float("-inf")
-_LOG2E = math.log2(math.e)
 
 
 def block_tokens(rows: int, width: int) -> int:
@@ -71,18 +71,6 @@ def _next_block() -> None:
     """A block boundary: its kept buffers may be handed out again; the threads' check."""
     workspace.next_block()
     threads.check()
-
-
-def _exp_shifted_(u: torch.Tensor, shift: torch.Tensor, out=None) -> torch.Tensor:
-    """``exp(u - shift)`` written into ``u`` (a tensor of the caller's own; ``shift`` broadcasts
-    against it) or into ``out``, as ``exp2((u - shift) log2 e)``. torch's CPU ``exp`` (MKL's
-    vector exp) takes a slow path for every element whose result underflows: 12x to 37x the
-    time of a normal one on this project's 2-core CPU, and a logit far below its row's max or a
-    masked -inf is just that; ``exp2`` has no such path and is about twice as fast besides, so
-    the extra multiply pays for itself. The difference is formed first (exact where ``u`` and
-    ``shift`` are close: logits of -1000 keep their small differences), then scaled: one more
-    rounding of the argument, about 1e-6 relative in float32 for arguments of magnitude 10."""
-    return torch.sub(u, shift, out=u if out is None else out).mul_(_LOG2E).exp2_()
 
 
 def _exp_or_zero(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -186,7 +174,7 @@ def _query_exp(u, key_offsets, out) -> torch.Tensor:
     place); no autograd."""
     if key_offsets is not None:
         u = torch.add(u, key_offsets[:, :, None, :], out=out)
-    return _exp_shifted_(u, u.amax(dim=-1, keepdim=True), out)
+    return exp_diff(u, u.amax(dim=-1, keepdim=True), out)
 
 
 def _key_side(fm, xk, w, params, mask, offsets=None):
@@ -229,9 +217,9 @@ def _keys(u, g, mask, exponential: bool, inplace: bool = False, offsets=None, ou
         else:
             m, off = None, offsets(u)
         if out is not None:
-            pk, inplace = _exp_shifted_(u, off, out), True
+            pk, inplace = exp_diff(u, off, out), True
         else:
-            pk = _exp_shifted_(u, off) if inplace else torch.exp(u - off)
+            pk = exp_diff(u, off, u if inplace else None)
         if g is not None:
             pk = pk.mul_(g) if inplace else g * pk
     else:
@@ -343,17 +331,17 @@ class _Offsets:
         mj = m[..., None, :]
         buf = workspace.buffer("decay", (*r.shape, C), r.dtype, r.device)
         diff = mj - r[..., :, None] if buf is None else torch.sub(mj, r[..., :, None], out=buf)
-        # (exp as _exp_shifted_ forms it.) For j <= i, m_j - r_i <= 0 exactly (r_i is a max
+        # (exp as exp_diff forms it.) For j <= i, m_j - r_i <= 0 exactly (r_i is a max
         # over m_j). With an empty key in the block (padding, the last chunk's tail), -inf -
         # -inf is NaN: those and j > i are selected away (exp(-inf) = 0). Without one, j > i
         # is capped at 0 (a later key's larger max would overflow) and multiplied by 0: the
         # same values, without the mask's slow broadcast select.
         if torch.compiler.is_compiling() or bool((m == _NINF).any()):
             above = torch.ones(C, C, dtype=torch.bool, device=m.device).triu(1)
-            self.decay = diff.masked_fill_(above | (mj == _NINF), _NINF).mul_(_LOG2E).exp2_()
+            self.decay = diff.masked_fill_(above | (mj == _NINF), _NINF).mul_(LOG2E).exp2_()
         else:
             lower = torch.ones(C, C, dtype=m.dtype, device=m.device).tril_()
-            self.decay = diff.mul_(_LOG2E).clamp_max_(0.0).exp2_().mul_(lower)
+            self.decay = diff.mul_(LOG2E).clamp_max_(0.0).exp2_().mul_(lower)
         self.e = _exp_or_zero(m - R[..., 1:, None], m > _NINF)
         self.step = _exp_or_zero(prev[..., 0] - R[..., 1:], prev[..., 0] > _NINF)[..., None, None]
 

@@ -11,6 +11,7 @@ import torch
 import rfattn
 from rfattn import blocked
 from rfattn.attention import _torch_inputs
+from rfattn.features.base import exp_diff
 from rfattn.reference import linear_attention
 from rfattn.testing import rel_rms, tolerance
 
@@ -287,8 +288,9 @@ def test_backprop_sets_a_blocks_rows_even_where_no_gradient_reaches_them():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_exp_shifted_is_exp_of_the_difference(dtype):
-    """``_exp_shifted_`` (exp2 of the log2-scaled difference, in place) equals ``exp(u - shift)``
+def test_exp_diff_is_exp_of_the_difference(dtype):
+    """``exp_diff`` (exp2 of the log2-scaled difference; in place, into another tensor and
+    recorded by autograd) equals ``exp(u - shift)``
     to a few roundings of the argument, across normal, underflowing (down to -1000) and
     non-finite arguments: 1 where u == shift (also at -1000: the difference is formed first),
     0 for -inf, NaN for NaN, and 0 for results below the dtype's smallest normal where exp gives
@@ -303,7 +305,12 @@ def test_exp_shifted_is_exp_of_the_difference(dtype):
     u[2] += -1000.0
     shift[2] += -1000.0
     want = torch.exp(u.double() - shift.double())
-    got = blocked._exp_shifted_(u.clone(), shift)
+    x = u.clone()
+    got = exp_diff(x, shift, out=x)
+    assert got is x
+    for other in (exp_diff(u, shift, out=torch.empty_like(u)), exp_diff(u, shift)):
+        # into another tensor, and the autograd form: the same values, bitwise (NaN included)
+        torch.testing.assert_close(other, got, rtol=0, atol=0, equal_nan=True)
     eps = torch.finfo(dtype).eps
     arg = (u.double() - shift.double()).abs().nan_to_num(0.0, 0.0, 0.0)
     tiny = torch.finfo(dtype).tiny
