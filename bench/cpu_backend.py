@@ -125,15 +125,9 @@ def _exp_paths(n: int = 1 << 20) -> list[dict]:
             "exp2_form_ms": lambda x=x: exp_diff(out.copy_(x), zero, out=out),
         }
         for key, fn in forms.items():
-            row[key] = summary([_one_call_ms(fn) for _ in range(20)])[0]
+            row[key] = time_cpu(fn, warmup=0, min_reps=20, max_reps=20, budget_s=0.0)[0]
         rows.append(row)
     return rows
-
-
-def _one_call_ms(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
 
 
 def run(args) -> dict:
@@ -168,10 +162,8 @@ def run(args) -> dict:
                     doc["memory"].append(_row(provider, T, causal, mode, **got))
                     print(f"{'':18} peak {got.get('peak_bytes', 0) / 2**20:.1f} MiB", flush=True)
     worker.close()
-    for causal in (True, False):
+    for causal in (True, False) if args.compile_T else ():
         for mode in ("fwd", "fwd+bwd"):
-            if not args.compile_T:
-                break
             timed = _side_by_side(("rfattn",) + COMPILED, args.compile_T, causal, mode, rf,
                                   args.reps, 6.0)  # fmt: skip
             for provider, res in timed.items():

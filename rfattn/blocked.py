@@ -162,19 +162,7 @@ def _query_side(fm, xq, w, params, key_offsets=None) -> torch.Tensor:
     if torch.is_grad_enabled():
         return query_features(fm.logits(xq, w, "query", params), g, key_offsets)
     u, _ = fm.logit_parts(xq, w, "query", params, row=False)  # a per-row term cancels
-    if not _owned(u):
-        return query_features(u, g, key_offsets)
-    u = _query_exp(u, key_offsets, u)
-    return u if g is None else u.mul_(g)
-
-
-def _query_exp(u, key_offsets, out) -> torch.Tensor:
-    """The stabilised query exponentials ``exp(u + c - max_f (u + c))`` (``c``: the non-causal
-    per-feature key offsets ``[B, H, F]``, or None), written to ``out`` (``u`` itself: in
-    place); no autograd."""
-    if key_offsets is not None:
-        u = torch.add(u, key_offsets[:, :, None, :], out=out)
-    return exp_diff(u, u.amax(dim=-1, keepdim=True), out)
+    return query_features(u, g, key_offsets, out=u if _owned(u) else None)
 
 
 def _key_side(fm, xk, w, params, mask, offsets=None):
@@ -216,10 +204,8 @@ def _keys(u, g, mask, exponential: bool, inplace: bool = False, offsets=None, ou
             off = torch.where(torch.isfinite(m), m, 0.0)[..., None]
         else:
             m, off = None, offsets(u)
-        if out is not None:
-            pk, inplace = exp_diff(u, off, out), True
-        else:
-            pk = exp_diff(u, off, u if inplace else None)
+        pk = exp_diff(u, off, out if out is not None else u if inplace else None)
+        inplace = inplace or out is not None
         if g is not None:
             pk = pk.mul_(g) if inplace else g * pk
     else:
@@ -270,7 +256,7 @@ class _Cut:
         with torch.no_grad():
             e = _kept("phi", u0.detach())
             if side == "query":  # the per-row term cancels in the row max
-                e = _query_exp(u0, key_offsets, e)
+                e = query_features(u0.detach(), None, key_offsets, out=e)
             elif offsets is None:  # each key at its own max logit (the per-row term cancels)
                 e, m = _keys(u0.detach(), None, mask, True, out=e)
                 self.m = m if r is None else m + r[..., 0]
@@ -329,8 +315,8 @@ class _Offsets:
         self.R = R
         self.a = _exp_or_zero(prev - r, prev > _NINF)
         mj = m[..., None, :]
-        buf = workspace.buffer("decay", (*r.shape, C), r.dtype, r.device)
-        diff = mj - r[..., :, None] if buf is None else torch.sub(mj, r[..., :, None], out=buf)
+        buf = workspace.buffer("decay", (*r.shape, C), r.dtype, r.device)  # None: a new one
+        diff = torch.sub(mj, r[..., :, None], out=buf)
         # (exp as exp_diff forms it.) For j <= i, m_j - r_i <= 0 exactly (r_i is a max
         # over m_j). With an empty key in the block (padding, the last chunk's tail), -inf -
         # -inf is NaN: those and j > i are selected away (exp(-inf) = 0). Without one, j > i
@@ -436,8 +422,7 @@ class _Block:
         self.pk, self.vh, self.bad = pk, vh, bad
         self.o = o = _Offsets(m, off_in)
         ve = o.e[..., None]  # each value at its weight in its chunk's state
-        buf = workspace.buffer("ve", vh.shape, vh.dtype, vh.device)
-        self.ve = vh * ve if buf is None else torch.mul(vh, ve, out=buf)
+        self.ve = torch.mul(vh, ve, out=workspace.buffer("ve", vh.shape, vh.dtype, vh.device))
         own = workspace.product(self.ve.transpose(-1, -2), pk, "own")  # [B, H, n, E+1, F]
         self.prefix, s_out = _chain(own, s_in, o.step)
         if self.dirty:

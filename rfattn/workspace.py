@@ -100,8 +100,7 @@ def product(a: torch.Tensor, b: torch.Tensor, role: str) -> torch.Tensor:
     """``a @ b`` (leading dims broadcast), written to a kept buffer of ``role`` where
     :func:`buffer` gives one (never while autograd records), else a new tensor."""
     shape = (*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
-    buf = buffer(role, shape, a.dtype, a.device)
-    return a @ b if buf is None else torch.matmul(a, b, out=buf)
+    return torch.matmul(a, b, out=buffer(role, shape, a.dtype, a.device))
 
 
 def clear() -> None:

@@ -170,15 +170,22 @@ def exp_diff(u: torch.Tensor, shift: torch.Tensor, out: torch.Tensor | None = No
 
 
 def query_features(
-    u_q: torch.Tensor, g_q: torch.Tensor | None = None, key_offsets: torch.Tensor | None = None
+    u_q: torch.Tensor,
+    g_q: torch.Tensor | None = None,
+    key_offsets: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Stabilised query features ``g * exp(u + c - max_f (u + c))`` (per-row max, exact in the
     ratio). ``key_offsets`` ``c`` ``[B, H, F]`` (None = 0): the per-feature key offsets of
-    :func:`key_offset`, moved to the query side so that the pair products stay exact."""
+    :func:`key_offset`, moved to the query side so that the pair products stay exact. ``out``
+    (no autograd): a tensor of the caller's own (``u_q`` itself: in place) that receives them,
+    with no further temporaries (:func:`exp_diff`)."""
     if key_offsets is not None:
-        u_q = u_q + key_offsets[:, :, None, :]
-    phi = exp_diff(u_q, u_q.amax(dim=-1, keepdim=True).detach())
-    return phi if g_q is None else g_q * phi
+        u_q = torch.add(u_q, key_offsets[:, :, None, :], out=out)
+    phi = exp_diff(u_q, u_q.amax(dim=-1, keepdim=True).detach(), out)
+    if g_q is None:
+        return phi
+    return g_q * phi if out is None else phi.mul_(g_q)
 
 
 def component_weights(params: dict | None, width: int) -> torch.Tensor | None:
