@@ -74,9 +74,10 @@ def _next_block() -> None:
 
 
 def _exp_or_zero(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """``exp(x)`` where ``keep``, else 0 (``x`` may be NaN or inf there). For the small
+    """``exp(x)`` where ``keep``, else 0 (``x`` may be NaN or inf there), formed as
+    :func:`rfattn.features.base.exp_diff` forms it (the same bits where ``keep``). For the small
     per-chunk factors (no autograd)."""
-    return torch.where(keep, x, _NINF).exp_()
+    return torch.where(keep, x, _NINF).mul_(LOG2E).exp2_()
 
 
 class _Spec:
@@ -201,7 +202,7 @@ def _keys(u, g, mask, exponential: bool, inplace: bool = False, offsets=None, ou
             u = u.masked_fill_(pad, _NINF) if inplace else u.masked_fill(pad, _NINF)
         if offsets is None:
             m = u.detach().amax(dim=-1) if u.shape[-1] else u.new_full(u.shape[:-1], _NINF)
-            off = torch.where(torch.isfinite(m), m, 0.0)[..., None]
+            off = torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0)[..., None]
         else:
             m, off = None, offsets(u)
         pk = exp_diff(u, off, out if out is not None else u if inplace else None)
@@ -305,31 +306,53 @@ class _Offsets:
     ``e``: ``[n, C]`` ``exp(m_j - R_c)``, key j's weight in the state after its chunk;
     ``step``: ``[n, 1, 1]`` ``exp(R_{c-1} - R_c)``, the factor that carries the state before
     chunk c over to the offset after it (0 while no key has been seen).
+
+    ``empty``: whether some key of the block is empty (``m = -inf``: padding, the last chunk's
+    tail, a key cleaned away); the caller knows it from the block's one read. Without one every
+    ``r_i`` and ``R_c`` is finite, so each factor is a plain exponential of its difference (an
+    offset of -inf before the first key gives exp(-inf) = 0); with one, -inf - -inf is NaN there
+    and the factors are selected (:func:`_exp_or_zero`).
     """
 
-    def __init__(self, m: torch.Tensor, off: torch.Tensor):
+    def __init__(self, m: torch.Tensor, off: torch.Tensor, empty: bool):
         n, C = m.shape[-2:]
         R = torch.cummax(torch.cat((off[..., None], m.amax(dim=-1)), dim=-1), dim=-1).values
         prev = R[..., :-1, None]  # [B, H, n, 1]
         r = torch.maximum(prev, torch.cummax(m, dim=-1).values)  # [B, H, n, C]
         self.R = R
-        self.a = _exp_or_zero(prev - r, prev > _NINF)
         mj = m[..., None, :]
         buf = workspace.buffer("decay", (*r.shape, C), r.dtype, r.device)  # None: a new one
         diff = torch.sub(mj, r[..., :, None], out=buf)
         # (exp as exp_diff forms it.) For j <= i, m_j - r_i <= 0 exactly (r_i is a max
-        # over m_j). With an empty key in the block (padding, the last chunk's tail), -inf -
-        # -inf is NaN: those and j > i are selected away (exp(-inf) = 0). Without one, j > i
-        # is capped at 0 (a later key's larger max would overflow) and multiplied by 0: the
-        # same values, without the mask's slow broadcast select.
-        if torch.compiler.is_compiling() or bool((m == _NINF).any()):
+        # over m_j). With an empty key in the block, -inf - -inf is NaN: those and j > i are
+        # selected away (exp(-inf) = 0). Without one, j > i is capped at 0 (a later key's
+        # larger max would overflow) and multiplied by 0: the same values, without the mask's
+        # slow broadcast select.
+        if empty:
             above = torch.ones(C, C, dtype=torch.bool, device=m.device).triu(1)
             self.decay = diff.masked_fill_(above | (mj == _NINF), _NINF).mul_(LOG2E).exp2_()
+            self.a = _exp_or_zero(prev - r, prev > _NINF)
+            self.e = _exp_or_zero(m - R[..., 1:, None], m > _NINF)
+            step = _exp_or_zero(prev[..., 0] - R[..., 1:], prev[..., 0] > _NINF)
         else:
-            lower = torch.ones(C, C, dtype=m.dtype, device=m.device).tril_()
-            self.decay = diff.mul_(LOG2E).clamp_max_(0.0).exp2_().mul_(lower)
-        self.e = _exp_or_zero(m - R[..., 1:, None], m > _NINF)
-        self.step = _exp_or_zero(prev[..., 0] - R[..., 1:], prev[..., 0] > _NINF)[..., None, None]
+            self.decay = diff.mul_(LOG2E).clamp_max_(0.0).exp2_().mul_(_lower(C, m))
+            self.a = exp_diff(prev, r)
+            self.e = exp_diff(m, R[..., 1:, None])
+            step = exp_diff(prev[..., 0], R[..., 1:])
+        self.step = step[..., None, None]
+
+
+_LOWER: dict = {}
+
+
+def _lower(C: int, like: torch.Tensor) -> torch.Tensor:
+    """The ``[C, C]`` lower triangle of ones (diagonal included) in ``like``'s dtype and device,
+    made once."""
+    key = (C, like.dtype, like.device)
+    t = _LOWER.get(key)
+    if t is None:
+        t = _LOWER[key] = torch.ones(C, C, dtype=like.dtype, device=like.device).tril_()
+    return t
 
 
 def _chain(own: torch.Tensor, s_in: torch.Tensor, step: torch.Tensor):
@@ -403,13 +426,14 @@ class _Block:
         # traced (torch.compile): no data-dependent branch, always select. Eager: the keys' max
         # offset is NaN or +inf when some key's features are not finite (-inf: padding only),
         # and a sum of the values is finite when every value is (one pass, no [T, E] flags);
-        # one read of both, else check each
+        # one read of both and of the smallest offset (-inf: an empty key), else check each
         compiling = torch.compiler.is_compiling()
         if compiling:
-            self.dirty = True
+            self.dirty = empty = True
         else:
-            top, total = torch.stack((m.amax().to(vh.dtype), vh.sum())).tolist()
+            top, low, total = torch.stack((m.amax(), m.amin(), vh.sum().to(m.dtype))).tolist()
             self.dirty = not (math.isfinite(total) and (top == _NINF or math.isfinite(top)))
+            empty = low == _NINF
         bad = None
         if self.dirty:
             bad_k = torch.isnan(m) | (m == float("inf"))  # [B, H, n, C]: features not finite
@@ -419,8 +443,9 @@ class _Block:
             pk = torch.where(bad_k[..., None], 0.0, pk)
             vh = torch.where(bad, 0.0, vh)
             m = torch.where(bad_k, _NINF, m)
+            empty = True  # (cleaned keys are empty now)
         self.pk, self.vh, self.bad = pk, vh, bad
-        self.o = o = _Offsets(m, off_in)
+        self.o = o = _Offsets(m, off_in, empty)
         ve = o.e[..., None]  # each value at its weight in its chunk's state
         self.ve = torch.mul(vh, ve, out=workspace.buffer("ve", vh.shape, vh.dtype, vh.device))
         own = workspace.product(self.ve.transpose(-1, -2), pk, "own")  # [B, H, n, E+1, F]
@@ -550,9 +575,11 @@ def _block_backward(blk: _Block, out, dout, den, t0: int, t1: int, dstate):
     return blk.backward(dnh, dstate)
 
 
-def _finite_values(dvh, v):
-    """``d v`` of a block from ``d [V, 1]``: non-finite values get 0 (they were selected away)."""
-    return torch.where(torch.isfinite(v), dvh.flatten(2, 3)[:, :, : v.shape[2], : v.shape[3]], 0.0)
+def _finite_values(dvh, v, dirty: bool):
+    """``d v`` of a block from ``d [V, 1]``: non-finite values get 0 (they were selected away;
+    ``dirty``: the block's flag, False when every value is finite)."""
+    dv = dvh.flatten(2, 3)[:, :, : v.shape[2], : v.shape[3]]
+    return torch.where(torch.isfinite(v), dv, 0.0) if dirty else dv
 
 
 class _CausalAttention(torch.autograd.Function):
@@ -622,9 +649,10 @@ class _CausalAttention(torch.autograd.Function):
                 blk = _Block(pq.phi, pk.phi, pk.m, vh.detach(), starts[i], offs[i], spec.groups,
                              v.shape[-1])  # fmt: skip
                 dpq, dpk, dvh, dstate = _block_backward(blk, out, dout, den, t0, t1, dstate)
+                dirty = blk.dirty
                 del blk
                 if need_v:
-                    dv[:, :, t0:t1] = _finite_values(dvh, v[:, :, t0:t1])
+                    dv[:, :, t0:t1] = _finite_values(dvh, v[:, :, t0:t1], dirty)
                 accs = (dq[:, :, t0:t1] if need_q else None, dk[:, :, t0:t1] if need_k else None,
                         dw, *dps)  # fmt: skip
                 if any(x is not None for x in accs):
@@ -699,7 +727,7 @@ class _CausalScan(torch.autograd.Function):
             dq_b = _from_rows(dq_rows.unflatten(2, (n, G * CHUNK)), G)
             dpq[:, :, :, t0:t1] = dq_b[:, :, :, : t1 - t0]
             dpk[:, :, t0:t1] = dk_b[:, :, : t1 - t0]
-            dv[:, :, t0:t1] = _finite_values(dvh, v[:, :, t0:t1])
+            dv[:, :, t0:t1] = _finite_values(dvh, v[:, :, t0:t1], blk.dirty)
         return dpq, dpk, None, dv, dstate, None, None, None
 
 

@@ -36,9 +36,7 @@ __all__ = [
 def safe_denominator(den: torch.Tensor) -> torch.Tensor:
     """Clamp ``|den|`` to at least ``tiny`` keeping its sign (0 counts as positive); NaN stays."""
     tiny = torch.finfo(den.dtype).tiny
-    small = den.abs() < tiny
-    floor = torch.full_like(den, tiny)
-    return torch.where(small, torch.where(den < 0, -floor, floor), den)
+    return torch.where(den < 0, den.clamp(max=-tiny), den.clamp(min=tiny))
 
 
 def attention_ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:

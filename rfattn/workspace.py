@@ -70,8 +70,9 @@ def keeps(device: torch.device) -> bool:
     return bool(
         _state.active
         and ENABLED
+        and (device.type if isinstance(device, torch.device) else torch.device(device).type)
+        == "cpu"
         and not torch.compiler.is_compiling()
-        and torch.device(device).type == "cpu"
     )
 
 
@@ -99,7 +100,9 @@ def buffer(role: str, shape, dtype: torch.dtype, device: torch.device) -> torch.
 def product(a: torch.Tensor, b: torch.Tensor, role: str) -> torch.Tensor:
     """``a @ b`` (leading dims broadcast), written to a kept buffer of ``role`` where
     :func:`buffer` gives one (never while autograd records), else a new tensor."""
-    shape = (*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
+    la, lb = a.shape[:-2], b.shape[:-2]
+    lead = la if la == lb or not lb else torch.broadcast_shapes(la, lb)  # (the usual cases first)
+    shape = (*lead, a.shape[-2], b.shape[-1])
     return torch.matmul(a, b, out=buffer(role, shape, a.dtype, a.device))
 
 

@@ -326,7 +326,9 @@ def test_chunk_decay_is_exp_of_each_keys_max_over_the_rows_offset(empty):
     """``_Offsets.decay[i, j] = exp(m_j - r_i)`` for j <= i, 0 for j > i and for empty keys
     (m_j = -inf), with ``r_i = max(offset before the chunk, m_l for l <= i)``; a later key whose
     max is far above (overflowing exp) still gives 0, never NaN. Without empty keys the decay
-    is capped and multiplied, with them selected: both hold the formula."""
+    is capped and multiplied, with them selected: both hold the formula, and so do the
+    per-chunk factors ``a``, ``e`` and ``step`` (plain exponentials without empty keys, an
+    offset of -inf before the first key included)."""
     g = torch.Generator().manual_seed(3)
     C = blocked.CHUNK
     m = torch.randn(2, 3, 4, C, generator=g, dtype=torch.float64) * 5
@@ -336,7 +338,8 @@ def test_chunk_decay_is_exp_of_each_keys_max_over_the_rows_offset(empty):
         m[1, 2, 0, :10] = -torch.inf  # the first keys empty, no offset before: r_i = -inf there
         off[1, 2] = -torch.inf
         m[0, 1, 2, 5] = -torch.inf
-    o = blocked._Offsets(m, off)
+    off[0, 1] = -torch.inf  # no key before the block
+    o = blocked._Offsets(m, off, empty)
     prev = torch.cummax(torch.cat((off[..., None], m.amax(-1)), dim=-1), dim=-1).values[..., :-1]
     r = torch.maximum(prev[..., None], torch.cummax(m, dim=-1).values)
     want = torch.zeros(2, 3, 4, C, C, dtype=torch.float64)
@@ -346,3 +349,17 @@ def test_chunk_decay_is_exp_of_each_keys_max_over_the_rows_offset(empty):
             want[..., i, j] = torch.where(live, torch.exp(m[..., j] - r[..., i]), 0.0)
     assert not o.decay.isnan().any()
     torch.testing.assert_close(o.decay, want, rtol=1e-13, atol=0)
+    R = torch.cummax(torch.cat((off[..., None], m.amax(-1)), dim=-1), dim=-1).values[..., 1:]
+
+    def exp_live(x, live):
+        return torch.where(live, torch.exp(torch.where(live, x, 0.0)), 0.0)
+
+    live_prev = prev > -torch.inf
+    factors = {
+        "a": (o.a, exp_live(prev[..., None] - r, live_prev[..., None])),
+        "e": (o.e, exp_live(m - R[..., None], m > -torch.inf)),
+        "step": (o.step[..., 0, 0], exp_live(prev - R, live_prev)),
+    }
+    for name, (got, want) in factors.items():
+        assert not got.isnan().any(), name
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=0, msg=name)
