@@ -8,8 +8,9 @@ kernels are: features are computed for one block of tokens at a time and dropped
   chunks' own states and the intra-chunk products ``(phi_q phi_k^T ⊙ decay) [V, 1]`` are a few
   batched products per block; the scan that carries the states is one in-place multiply-add per
   chunk (:func:`_chain`), states held as ``[V, F]``. The forward keeps the state at each block
-  start (``F (E+1)`` numbers per (b, h) per block); the backward recomputes each block's features
-  and states from it, runs the reverse scan (:func:`_chain_back`) and returns the features'
+  start (``F (E+1)`` numbers per (b, h) per block) and the decayed intra-chunk products ``A``
+  (``C`` numbers per token and query head); the backward recomputes each block's features
+  and states from them, runs the reverse scan (:func:`_chain_back`) and returns the features'
   cotangents through autograd over the feature map (so every feature, its parameters and a
   learnable W get their gradients), the graph cut at the logits (:class:`_Cut`: the exponential
   and its offsets are differentiated by hand, in place).
@@ -415,9 +416,12 @@ def _addmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, inplace: bool = Fa
 class _Block:
     """One block's forward quantities (detached). ``dirty``: some key or value of the block is
     not finite; only then are they cleaned and rows poisoned (one flag per block, so a clean
-    block costs no ``[T, F]`` pass for it)."""
+    block costs no ``[T, F]`` pass for it). ``scores``: the block's decayed intra-chunk products
+    ``A`` as the forward computed them (a backward's recomputed block reuses them: one product
+    of the features and the decay's multiply fewer, for ``C`` numbers per token and query head
+    kept)."""
 
-    def __init__(self, pq, pk, m, vh, s_in, off_in, groups: int, values: int):
+    def __init__(self, pq, pk, m, vh, s_in, off_in, groups: int, values: int, scores=None):
         n, C = vh.shape[2:4]
         self.E, self.groups = values, groups
         self.pq = pq.unflatten(2, (n, groups * C))  # [B, H, n, G*C, F]
@@ -453,7 +457,11 @@ class _Block:
         if self.dirty:
             s_out = torch.where(bad.any(dim=(2, 3))[..., None], float("nan"), s_out)
         self.s_out, self.off_out = s_out, o.R[..., -1]
-        self.A = _decayed(self.pq @ pk.transpose(-1, -2), o.decay, groups)
+        # the decayed intra-chunk products [B, H, n, G*C, C]: as the forward made them, when it
+        # kept them for the backward (``scores``), else computed
+        self.A = (
+            _decayed(self.pq @ pk.transpose(-1, -2), o.decay, groups) if scores is None else scores
+        )
 
     def poisoned(self) -> torch.Tensor | None:
         """Where a non-finite key or value at or before a row poisons it: ``[B, H, n, G*C,
@@ -540,10 +548,10 @@ def _scan_forward(make_block, T: int, block: int, out, den, s, off, keep: bool):
     """Run the causal blocks in order: ``make_block(t0, t1, s, off)`` gives a block's
     :class:`_Block` from the state before it; fills ``out`` ``[B, H, G, T, E]`` and ``den``
     ``[B, H, G, T]``; returns the final ``(s, off)`` (copies of the initial ones when no block
-    ran: outputs never alias inputs) and, with ``keep``, the states before each block (what the
-    backward starts each block from)."""
+    ran: outputs never alias inputs) and, with ``keep``, what the backward starts each block
+    from: the states and offsets before it and its decayed intra-chunk products (``A``)."""
     G = out.shape[2]
-    starts, offs = [], []
+    starts, offs, scores = [], [], []
     for t0 in range(0, T, block):
         t1 = min(T, t0 + block)
         if keep:
@@ -551,6 +559,8 @@ def _scan_forward(make_block, T: int, block: int, out, den, s, off, keep: bool):
             offs.append(off)
         _next_block()
         blk = make_block(t0, t1, s, off)
+        if keep:
+            scores.append(blk.A)  # a tensor of its own (not a kept buffer)
         num, d = blk.num_den()
         if (t1 - t0) % CHUNK or torch.is_grad_enabled():  # a padded tail, or traced
             out[:, :, :, t0:t1] = _from_rows(_ratio(num, d), G)[:, :, :, : t1 - t0]
@@ -563,7 +573,7 @@ def _scan_forward(make_block, T: int, block: int, out, den, s, off, keep: bool):
         del blk, num, d  # before the next block's features
     if T == 0:
         s, off = s.clone(), off.clone()
-    return s, off, starts, offs
+    return s, off, (starts, offs, scores)
 
 
 def _block_backward(blk: _Block, out, dout, den, t0: int, t1: int, dstate):
@@ -604,10 +614,10 @@ class _CausalAttention(torch.autograd.Function):
                                   params, _mask(spec, t0, t1), s, off)  # fmt: skip
 
         with _blocks(v.device):
-            s, off, starts, offs = _scan_forward(make_block, T, block, out, den, s0, off0,
-                                                 spec.keep_states)  # fmt: skip
-        ctx.spec, ctx.block, ctx.n_blocks = spec, block, len(starts)
-        ctx.save_for_backward(q, k, v, w, out, den, *starts, *offs, *ptensors)
+            s, off, kept = _scan_forward(make_block, T, block, out, den, s0, off0,
+                                         spec.keep_states)  # fmt: skip
+        ctx.spec, ctx.block, ctx.n_blocks = spec, block, len(kept[0])
+        ctx.save_for_backward(q, k, v, w, out, den, *kept[0], *kept[1], *kept[2], *ptensors)
         ctx.mark_non_differentiable(off)
         return out, s, off
 
@@ -615,7 +625,8 @@ class _CausalAttention(torch.autograd.Function):
     def backward(ctx, dout, ds, _doff):
         spec, block, nb = ctx.spec, ctx.block, ctx.n_blocks
         q, k, v, w, out, den, *rest = ctx.saved_tensors
-        starts, offs, ptensors = rest[:nb], rest[nb : 2 * nb], rest[2 * nb :]
+        starts, offs, scores = rest[:nb], rest[nb : 2 * nb], rest[2 * nb : 3 * nb]
+        ptensors = rest[3 * nb :]
         need = ctx.needs_input_grad
         need_q, need_k, need_v, need_w, need_s = need[1:6]
         need_p = need[8:]
@@ -647,7 +658,7 @@ class _CausalAttention(torch.autograd.Function):
                     pq = _Cut(spec.fm, xq, wl, pp, "query")
                     pk = _Cut(spec.fm, xk, wl, pp, "key", mask)
                 blk = _Block(pq.phi, pk.phi, pk.m, vh.detach(), starts[i], offs[i], spec.groups,
-                             v.shape[-1])  # fmt: skip
+                             v.shape[-1], scores[i])  # fmt: skip
                 dpq, dpk, dvh, dstate = _block_backward(blk, out, dout, den, t0, t1, dstate)
                 dirty = blk.dirty
                 del blk
@@ -675,8 +686,9 @@ def _forward_block(spec, q, k, v, w, params, mask, s, off) -> _Block:
     return _Block(pq, pk, m, vh, s, off, spec.groups, v.shape[-1])
 
 
-def _given_block(pq, pk, m, v, mask, t0: int, t1: int, s, off) -> _Block:
-    """The :class:`_Block` of tokens ``t0:t1`` from given features (:class:`_CausalScan`)."""
+def _given_block(pq, pk, m, v, mask, t0: int, t1: int, s, off, scores=None) -> _Block:
+    """The :class:`_Block` of tokens ``t0:t1`` from given features (:class:`_CausalScan`;
+    ``scores``: :class:`_Block`'s)."""
     G, n = pq.shape[2], -(-(t1 - t0) // CHUNK)
     pad = n * CHUNK - (t1 - t0)
     mb = _tail_mask(None if mask is None else mask[:, t0:t1], v.shape[0], t1 - t0, pad, v.device)
@@ -684,7 +696,7 @@ def _given_block(pq, pk, m, v, mask, t0: int, t1: int, s, off) -> _Block:
     rows = _to_rows(_pad_tokens(pq[:, :, :, t0:t1], pad), n, G).flatten(2, 3)
     mk = nnf.pad(m[:, :, t0:t1], (0, pad), value=_NINF)
     return _Block(rows, _pad_tokens(pk[:, :, t0:t1], pad), mk, vh.unflatten(2, (n, CHUNK)), s,
-                  off, G, v.shape[-1])  # fmt: skip
+                  off, G, v.shape[-1], scores)  # fmt: skip
 
 
 class _CausalScan(torch.autograd.Function):
@@ -704,9 +716,9 @@ class _CausalScan(torch.autograd.Function):
             return _given_block(pq, pk, m, v, mask, t0, t1, s, off)
 
         with _blocks(v.device):
-            s, off, starts, offs = _scan_forward(make_block, T, block, out, den, s0, off0, True)
-        ctx.block, ctx.mask, ctx.n_blocks = block, mask, len(starts)
-        ctx.save_for_backward(pq, pk, m, v, out, den, *starts, *offs)
+            s, off, kept = _scan_forward(make_block, T, block, out, den, s0, off0, True)
+        ctx.block, ctx.mask, ctx.n_blocks = block, mask, len(kept[0])
+        ctx.save_for_backward(pq, pk, m, v, out, den, *kept[0], *kept[1], *kept[2])
         ctx.mark_non_differentiable(off)
         return out, s, off
 
@@ -714,14 +726,14 @@ class _CausalScan(torch.autograd.Function):
     def backward(ctx, dout, ds, _doff):
         block, mask, nb = ctx.block, ctx.mask, ctx.n_blocks
         pq, pk, m, v, out, den, *rest = ctx.saved_tensors
-        starts, offs = rest[:nb], rest[nb:]
+        starts, offs, scores = rest[:nb], rest[nb : 2 * nb], rest[2 * nb :]
         dpq, dpk, dv = torch.zeros_like(pq), torch.zeros_like(pk), torch.zeros_like(v)
         dout = torch.zeros_like(out) if dout is None else dout
         dstate = ds if ds is not None or not nb else torch.zeros_like(starts[0])
         G = pq.shape[2]
         for i in reversed(range(nb)):
             t0, t1 = i * block, min(pq.shape[3], (i + 1) * block)
-            blk = _given_block(pq, pk, m, v, mask, t0, t1, starts[i], offs[i])
+            blk = _given_block(pq, pk, m, v, mask, t0, t1, starts[i], offs[i], scores[i])
             dq_rows, dk_b, dvh, dstate = _block_backward(blk, out, dout, den, t0, t1, dstate)
             n = blk.vh.shape[2]
             dq_b = _from_rows(dq_rows.unflatten(2, (n, G * CHUNK)), G)
@@ -820,7 +832,7 @@ def _scan_keys(phi_q, pk, m, v, mask, state, exponential: bool):
         def make_block(t0, t1, s, off):
             return _given_block(phi_q, pk, m, v, mask, t0, t1, s, off)
 
-        s, off, _, _ = _scan_forward(make_block, T, block, out, den, s0, off0, False)
+        s, off, _ = _scan_forward(make_block, T, block, out, den, s0, off0, False)
     else:
         out, s, off = _CausalScan.apply(phi_q, pk, m, v, s0, off0, block, mask)
     return out, _final(s, off, given, E, exponential)
