@@ -71,16 +71,18 @@ def cache_bytes(cache) -> int:
 def decode_times(model, impl: str, positions: int, prompt: int = 16):
     """Seconds per generated token for positions ``prompt + 1 .. positions`` and the cache bytes
     at each power of two."""
+    import rfattn.hf
+
     device = next(model.parameters()).device
     cache = _cache(impl, model.config)
     ids = torch.randint(0, model.config.vocab_size, (1, prompt),
                         generator=torch.Generator().manual_seed(0)).to(device)  # fmt: skip
-    logits = model(ids, past_key_values=cache, use_cache=True).logits
+    logits = model(ids, **{rfattn.hf.CACHE_KWARG: cache}, use_cache=True).logits
     tok = logits[:, -1:].argmax(-1)
     times, sizes = [], {}
     for pos in range(prompt + 1, positions + 1):
         t0 = time.perf_counter()
-        logits = model(tok, past_key_values=cache, use_cache=True).logits
+        logits = model(tok, **{rfattn.hf.CACHE_KWARG: cache}, use_cache=True).logits
         tok = logits[:, -1:].argmax(-1)
         if device.type == "cuda":
             torch.cuda.synchronize()

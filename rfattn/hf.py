@@ -32,6 +32,7 @@ unexpected keys; features the checkpoint lacks are drawn again from ``config.rfa
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import torch
@@ -41,6 +42,7 @@ from rfattn.attention import RFState, rf_attention
 from rfattn.modules import RandomFeatures, layer_seed
 
 try:
+    import transformers
     from transformers import AttentionInterface
     from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
     from transformers.masking_utils import (
@@ -57,6 +59,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 __all__ = [
     "NAME",
+    "CACHE_KWARG",
     "register",
     "rfattn_attention_forward",
     "rfattn_mask",
@@ -410,11 +413,12 @@ class RFCache(Cache):
     and memory does not grow (``O(H F E)`` numbers per layer, not ``O(T H D)``).
 
     ``generate()`` on a model with ``attn_implementation="rfattn"`` makes one when it is given no
-    ``past_key_values`` (greedy, sampling, beam search: states are reordered with the beams);
-    pass one explicitly to reuse or inspect it::
+    cache (greedy, sampling, beam search: states are reordered with the beams); pass one
+    explicitly to reuse or inspect it, as ``cache=`` (transformers >= 5.24) or
+    ``past_key_values=`` (before; deprecated from 5.24)::
 
         cache = rfattn.hf.RFCache()
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=64)
+        out = model.generate(ids, cache=cache, max_new_tokens=64)
         cache.nbytes()                     # constant in the context length
 
     The prompt runs the chunked causal path with ``return_state=True``; each new token one
@@ -480,20 +484,39 @@ def _cached_attention(layer, rf, query, key, value, attention_mask, scaling):
     return out
 
 
+#: the generation kwarg that holds the cache: ``cache`` from transformers 5.24 on (which
+#: deprecates ``past_key_values``), ``past_key_values`` before
+_CACHE_KWARGS = ("cache", "past_key_values")
+
+
+def _version(v: str) -> tuple[int, int]:
+    major, minor = (int(x) for x in re.findall(r"\d+", v)[:2])
+    return major, minor
+
+
+#: the keyword under which this transformers' ``generate()`` and model forwards take a cache
+#: (``model.generate(ids, **{rfattn.hf.CACHE_KWARG: rfattn.hf.RFCache()})``), and the name of
+#: the attribute of ``generate()``'s output that holds it: ``"cache"`` from transformers 5.24
+#: on, ``"past_key_values"`` before
+CACHE_KWARG = "cache" if _version(transformers.__version__) >= (5, 24) else "past_key_values"
+
+
 def _prepare_cache_with_rfcache(original):
     """``GenerationMixin._prepare_cache_for_generation`` giving an ``"rfattn"`` decoder an
-    :class:`RFCache` where transformers would make its default ``DynamicCache``."""
+    :class:`RFCache` where transformers would make its default ``DynamicCache`` (under whichever
+    of :data:`_CACHE_KWARGS` this transformers uses)."""
 
     def prepare(self, generation_config, model_kwargs, *args, **kwargs):
         result = original(self, generation_config, model_kwargs, *args, **kwargs)
-        cache = model_kwargs.get("past_key_values")
-        if (
-            type(cache) is DynamicCache
-            and not getattr(cache, "_is_user_defined", False)
-            and getattr(self.config, "_attn_implementation", None) == NAME
-            and not self.config.is_encoder_decoder
-        ):
-            model_kwargs["past_key_values"] = RFCache()
+        for name in _CACHE_KWARGS:
+            cache = model_kwargs.get(name)
+            if (
+                type(cache) is DynamicCache
+                and not getattr(cache, "_is_user_defined", False)
+                and getattr(self.config, "_attn_implementation", None) == NAME
+                and not self.config.is_encoder_decoder
+            ):
+                model_kwargs[name] = RFCache()
         return result
 
     prepare._rfattn_original = original

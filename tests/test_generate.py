@@ -25,6 +25,9 @@ def _ids(b, t, seed=0):
     return torch.randint(1, V, (b, t), generator=torch.Generator().manual_seed(seed))
 
 
+CACHE = rfhf.CACHE_KWARG  # the cache's keyword and output attribute in this transformers
+
+
 def _gen(model, ids, **kw):
     kw = {"max_new_tokens": 64, "do_sample": False, "pad_token_id": 0, **kw}
     with torch.no_grad():
@@ -39,10 +42,10 @@ def test_greedy_generation_on_the_state_equals_full_recompute(kv_heads):
     model = _llama(kv_heads)
     ids = _ids(1, 12)
     cache = rfhf.RFCache()
-    gen = _gen(model, ids, past_key_values=cache, return_dict_in_generate=True)
+    gen = _gen(model, ids, **{CACHE: cache}, return_dict_in_generate=True)
     ref = _gen(model, ids, use_cache=False)
     assert torch.equal(gen.sequences, ref)
-    assert gen.past_key_values is cache and cache.get_seq_length() == 12 + 63
+    assert getattr(gen, CACHE) is cache and cache.get_seq_length() == 12 + 63
     size = cache.nbytes()
     # per layer S, z, offset: [1, Hkv, F, E] ..., one state per key/value head (grouped-query:
     # the group factor less than repeating the heads), fp64
@@ -50,7 +53,7 @@ def test_greedy_generation_on_the_state_equals_full_recompute(kv_heads):
     assert cache.layers[0].state.s.shape == (1, kv_heads, 64, 8)
     # the automatic cache is an RFCache too, and the same tokens come out
     auto = _gen(model, ids, return_dict_in_generate=True)
-    assert isinstance(auto.past_key_values, rfhf.RFCache)
+    assert isinstance(getattr(auto, CACHE), rfhf.RFCache)
     assert torch.equal(auto.sequences, ref)
 
 
@@ -99,7 +102,7 @@ def test_cache_to_state_dict_reset_and_crop(tmp_path):
     model = _llama(2)
     ids = _ids(1, 9, seed=4)
     cache = rfhf.RFCache()
-    first = _gen(model, ids, past_key_values=cache, max_new_tokens=5)
+    first = _gen(model, ids, **{CACHE: cache}, max_new_tokens=5)
     path = tmp_path / "cache.pt"
     torch.save(cache.state_dict(), path)
     restored = rfhf.RFCache.from_state_dict(torch.load(path)).to(torch.float64)
@@ -107,8 +110,8 @@ def test_cache_to_state_dict_reset_and_crop(tmp_path):
     # continuing from the restored cache equals continuing from the original
     nxt = first[:, -1:]
     with torch.no_grad():
-        a = model(nxt, past_key_values=cache).logits
-        b = model(nxt, past_key_values=restored).logits
+        a = model(nxt, **{CACHE: cache}).logits
+        b = model(nxt, **{CACHE: restored}).logits
     assert torch.equal(a, b)
     with pytest.raises(NotImplementedError, match="cannot crop"):
         cache.crop(-1)
