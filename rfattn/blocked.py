@@ -716,7 +716,9 @@ class _CausalScan(torch.autograd.Function):
             return _given_block(pq, pk, m, v, mask, t0, t1, s, off)
 
         with _blocks(v.device):
-            s, off, kept = _scan_forward(make_block, T, block, out, den, s0, off0, True)
+            # kept for a backward only (without one the intra-chunk products would pile up)
+            keep = any(ctx.needs_input_grad)
+            s, off, kept = _scan_forward(make_block, T, block, out, den, s0, off0, keep)
         ctx.block, ctx.mask, ctx.n_blocks = block, mask, len(kept[0])
         ctx.save_for_backward(pq, pk, m, v, out, den, *kept[0], *kept[1], *kept[2])
         ctx.mark_non_differentiable(off)

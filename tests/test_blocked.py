@@ -363,3 +363,38 @@ def test_chunk_decay_is_exp_of_each_keys_max_over_the_rows_offset(empty):
     for name, (got, want) in factors.items():
         assert not got.isnan().any(), name
         torch.testing.assert_close(got, want, rtol=1e-13, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_causal_forwards_keep_block_quantities_only_for_a_backward(grad, tiny_blocks, monkeypatch):
+    """The causal forwards keep each block's start state and intra-chunk products for the
+    backward only: without autograd (inference, the sharded path's local states) nothing is
+    kept, block after block; with it, one of each per block, and the gradients are the
+    reference's (those kept products are what the backward uses)."""
+    kept = []
+    scan = blocked._scan_forward
+
+    def spy(*args):
+        s, off, held = scan(*args)
+        kept.append([len(x) for x in held])
+        return s, off, held
+
+    monkeypatch.setattr(blocked, "_scan_forward", spy)
+    q, k, v = (rand(1, 2, 30, 6 if i < 2 else 3, seed=i).requires_grad_(grad) for i in range(3))
+    rf = make_rf("posrf", "orf")
+    out = rfattn.rf_attention(q, k, v, rf, causal=True)
+    pq = rand(1, 2, 1, 30, 16, seed=5).detach().exp().requires_grad_(grad)
+    u_k = rand(1, 2, 30, 16, seed=6).requires_grad_(grad)  # key logits: features exp(u_k)
+    scanned, _ = blocked.causal_scan(pq, u_k, None, v, None, None)
+    blocks = -(-30 // blocked.block_tokens(2, 16))  # B * H rows, F = 16 features
+    assert blocks > 1
+    assert kept == ([[blocks] * 3] * 2 if grad else [[0, 0, 0]] * 2)
+    if grad:
+        ref = reference(q, k, v, rf, True, None)
+        for a, b in zip(grads(out, (q, k, v)), grads(ref, (q, k, v)), strict=True):
+            assert rel_rms(a, b) <= GRAD
+        want = linear_attention(pq[:, :, 0], u_k.exp(), v, causal=True)
+        torch.testing.assert_close(scanned[:, :, 0], want, rtol=OUT, atol=0)
+        wrt = (pq, u_k, v)
+        for a, b in zip(grads(scanned[:, :, 0], wrt), grads(want, wrt), strict=True):
+            assert rel_rms(a, b) <= GRAD
