@@ -484,11 +484,6 @@ def _cached_attention(layer, rf, query, key, value, attention_mask, scaling):
     return out
 
 
-#: the generation kwarg that holds the cache: ``cache`` from transformers 5.24 on (which
-#: deprecates ``past_key_values``), ``past_key_values`` before
-_CACHE_KWARGS = ("cache", "past_key_values")
-
-
 def _version(v: str) -> tuple[int, int]:
     major, minor = (int(x) for x in re.findall(r"\d+", v)[:2])
     return major, minor
@@ -497,26 +492,25 @@ def _version(v: str) -> tuple[int, int]:
 #: the keyword under which this transformers' ``generate()`` and model forwards take a cache
 #: (``model.generate(ids, **{rfattn.hf.CACHE_KWARG: rfattn.hf.RFCache()})``), and the name of
 #: the attribute of ``generate()``'s output that holds it: ``"cache"`` from transformers 5.24
-#: on, ``"past_key_values"`` before
+#: on (which deprecates ``past_key_values``), ``"past_key_values"`` before
 CACHE_KWARG = "cache" if _version(transformers.__version__) >= (5, 24) else "past_key_values"
 
 
 def _prepare_cache_with_rfcache(original):
     """``GenerationMixin._prepare_cache_for_generation`` giving an ``"rfattn"`` decoder an
-    :class:`RFCache` where transformers would make its default ``DynamicCache`` (under whichever
-    of :data:`_CACHE_KWARGS` this transformers uses)."""
+    :class:`RFCache` where transformers would make its default ``DynamicCache`` (under
+    :data:`CACHE_KWARG`)."""
 
     def prepare(self, generation_config, model_kwargs, *args, **kwargs):
         result = original(self, generation_config, model_kwargs, *args, **kwargs)
-        for name in _CACHE_KWARGS:
-            cache = model_kwargs.get(name)
-            if (
-                type(cache) is DynamicCache
-                and not getattr(cache, "_is_user_defined", False)
-                and getattr(self.config, "_attn_implementation", None) == NAME
-                and not self.config.is_encoder_decoder
-            ):
-                model_kwargs[name] = RFCache()
+        cache = model_kwargs.get(CACHE_KWARG)
+        if (
+            type(cache) is DynamicCache
+            and not getattr(cache, "_is_user_defined", False)
+            and getattr(self.config, "_attn_implementation", None) == NAME
+            and not self.config.is_encoder_decoder
+        ):
+            model_kwargs[CACHE_KWARG] = RFCache()
         return result
 
     prepare._rfattn_original = original
