@@ -85,10 +85,9 @@ class _Spec:
     """What a call fixes besides its tensors: the feature map, scale, masks, group size and
     the names of the feature parameters (tensors, passed to the Function as inputs)."""
 
-    def __init__(self, fm, scale: float, mask, groups: int, names: tuple, consts: dict,
-                 keep_states: bool = True):  # fmt: skip
+    def __init__(self, fm, scale: float, mask, groups: int, names: tuple, consts: dict):
         self.fm, self.scale, self.mask, self.groups = fm, scale, mask, groups
-        self.names, self.consts, self.keep_states = names, consts, keep_states
+        self.names, self.consts = names, consts
 
     def params(self, tensors) -> dict:
         return {**self.consts, **dict(zip(self.names, tensors, strict=True))}
@@ -576,6 +575,28 @@ def _scan_forward(make_block, T: int, block: int, out, den, s, off, keep: bool):
     return s, off, (starts, offs, scores)
 
 
+def _backward_follows(*tensors) -> bool:
+    """Whether autograd records a call on ``tensors`` (None allowed), i.e. whether a backward
+    may follow: only then does a causal forward keep its blocks' quantities. Decided before
+    ``apply``: inside a Function's forward ``ctx.needs_input_grad`` says only which inputs
+    require grad, even under ``torch.no_grad()``."""
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
+
+
+def _save_blocks(ctx, head: tuple, kept: tuple, tail: tuple = ()) -> None:
+    """Save ``head``, the per-block lists ``kept`` of :func:`_scan_forward` and ``tail`` for a
+    backward (:func:`_saved_blocks` unpacks them)."""
+    ctx.n_blocks, ctx.n_head = len(kept[0]), len(head)
+    ctx.save_for_backward(*head, *(x for lst in kept for x in lst), *tail)
+
+
+def _saved_blocks(ctx) -> tuple[list, tuple, list]:
+    """``(head, (starts, offsets, scores), tail)`` as :func:`_save_blocks` saved them."""
+    saved, nh, nb = ctx.saved_tensors, ctx.n_head, ctx.n_blocks
+    kept = tuple(saved[nh + i * nb : nh + (i + 1) * nb] for i in range(3))
+    return list(saved[:nh]), kept, list(saved[nh + 3 * nb :])
+
+
 def _block_backward(blk: _Block, out, dout, den, t0: int, t1: int, dstate):
     """``(d phi_q rows, d phi_k, d [V, 1], d state before the block)`` of one block from the
     cotangents of its outputs (in ``dout``) and of the state after it."""
@@ -597,13 +618,15 @@ class _CausalAttention(torch.autograd.Function):
 
     Inputs: ``spec``, q ``[B, Hk*G, T, D]``, k ``[B, Hk, T, D]``, v ``[B, Hk, T, E]``, W, the
     initial ``[S, z, 0...]^T`` ``[B, Hk, value_width(E), F]`` and offset ``[B, Hk]`` (compute
-    dtype), the block length, then the feature parameters. Outputs: out ``[B, Hk, G, T, E]``
-    (compute dtype), the final ``[S, z, 0...]^T`` and offset. (States are held transposed, rows
-    of F: the chunk products that make and read them run faster on the CPU that way.)
+    dtype), the block length, whether a backward follows (:func:`_backward_follows`: only then
+    are the blocks' start states and products kept), then the feature parameters. Outputs: out
+    ``[B, Hk, G, T, E]`` (compute dtype), the final ``[S, z, 0...]^T`` and offset. (States are
+    held transposed, rows of F: the chunk products that make and read them run faster on the
+    CPU that way.)
     """
 
     @staticmethod
-    def forward(ctx, spec, q, k, v, w, s0, off0, block, *ptensors):
+    def forward(ctx, spec, q, k, v, w, s0, off0, block, keep, *ptensors):
         params = spec.params(ptensors)
         B, Hk, T, G, E = k.shape[0], k.shape[1], k.shape[2], spec.groups, v.shape[-1]
         out = torch.empty(B, Hk, G, T, E, dtype=w.dtype, device=q.device)
@@ -614,22 +637,19 @@ class _CausalAttention(torch.autograd.Function):
                                   params, _mask(spec, t0, t1), s, off)  # fmt: skip
 
         with _blocks(v.device):
-            s, off, kept = _scan_forward(make_block, T, block, out, den, s0, off0,
-                                         spec.keep_states)  # fmt: skip
-        ctx.spec, ctx.block, ctx.n_blocks = spec, block, len(kept[0])
-        ctx.save_for_backward(q, k, v, w, out, den, *kept[0], *kept[1], *kept[2], *ptensors)
+            s, off, kept = _scan_forward(make_block, T, block, out, den, s0, off0, keep)
+        ctx.spec, ctx.block = spec, block
+        _save_blocks(ctx, (q, k, v, w, out, den), kept, ptensors)
         ctx.mark_non_differentiable(off)
         return out, s, off
 
     @staticmethod
     def backward(ctx, dout, ds, _doff):
         spec, block, nb = ctx.spec, ctx.block, ctx.n_blocks
-        q, k, v, w, out, den, *rest = ctx.saved_tensors
-        starts, offs, scores = rest[:nb], rest[nb : 2 * nb], rest[2 * nb : 3 * nb]
-        ptensors = rest[3 * nb :]
+        (q, k, v, w, out, den), (starts, offs, scores), ptensors = _saved_blocks(ctx)
         need = ctx.needs_input_grad
         need_q, need_k, need_v, need_w, need_s = need[1:6]
-        need_p = need[8:]
+        need_p = need[9:]
         # every block sets its own rows of dq, dk, dv once
         dq = torch.empty_like(q) if need_q else None
         dk = torch.empty_like(k) if need_k else None
@@ -671,7 +691,7 @@ class _CausalAttention(torch.autograd.Function):
                     rk, ck = pk.backprop(dpk)
                     _backprop(rq + rk, cq + ck, (qb, kb, wl, *pl), accs, assign=2)
                 del pq, pk
-        return (None, dq, dk, dv, dw, dstate if need_s else None, None, None, *dps)
+        return (None, dq, dk, dv, dw, dstate if need_s else None, None, None, None, *dps)
 
 
 def _mask(spec: _Spec, t0: int, t1: int):
@@ -703,11 +723,11 @@ class _CausalScan(torch.autograd.Function):
     """The causal scan of :class:`_CausalAttention` on given features (no feature map): inputs
     phi_q ``[B, H, G, T, F]``, phi_k ``[B, H, T, F]`` at the keys' own max logits ``m`` ``[B, H,
     T]`` (zero and -inf for padded keys), v ``[B, H, T, E]`` (compute dtype), the initial
-    state, the block length and the key mask; outputs as :class:`_CausalAttention`'s, gradients
-    for phi_q, phi_k, v and the initial ``[S, z]``."""
+    state, the block length, the key mask and whether a backward follows; outputs as
+    :class:`_CausalAttention`'s, gradients for phi_q, phi_k, v and the initial ``[S, z]``."""
 
     @staticmethod
-    def forward(ctx, pq, pk, m, v, s0, off0, block, mask):
+    def forward(ctx, pq, pk, m, v, s0, off0, block, mask, keep):
         B, H, G, T = pq.shape[:4]
         out = torch.empty(B, H, G, T, v.shape[-1], dtype=v.dtype, device=v.device)
         den = torch.empty(B, H, G, T, dtype=v.dtype, device=v.device)
@@ -716,19 +736,16 @@ class _CausalScan(torch.autograd.Function):
             return _given_block(pq, pk, m, v, mask, t0, t1, s, off)
 
         with _blocks(v.device):
-            # kept for a backward only (without one the intra-chunk products would pile up)
-            keep = any(ctx.needs_input_grad)
             s, off, kept = _scan_forward(make_block, T, block, out, den, s0, off0, keep)
-        ctx.block, ctx.mask, ctx.n_blocks = block, mask, len(kept[0])
-        ctx.save_for_backward(pq, pk, m, v, out, den, *kept[0], *kept[1], *kept[2])
+        ctx.block, ctx.mask = block, mask
+        _save_blocks(ctx, (pq, pk, m, v, out, den), kept)
         ctx.mark_non_differentiable(off)
         return out, s, off
 
     @staticmethod
     def backward(ctx, dout, ds, _doff):
         block, mask, nb = ctx.block, ctx.mask, ctx.n_blocks
-        pq, pk, m, v, out, den, *rest = ctx.saved_tensors
-        starts, offs, scores = rest[:nb], rest[nb : 2 * nb], rest[2 * nb :]
+        (pq, pk, m, v, out, den), (starts, offs, scores), _ = _saved_blocks(ctx)
         dpq, dpk, dv = torch.zeros_like(pq), torch.zeros_like(pk), torch.zeros_like(v)
         dout = torch.zeros_like(out) if dout is None else dout
         dstate = ds if ds is not None or not nb else torch.zeros_like(starts[0])
@@ -742,7 +759,7 @@ class _CausalScan(torch.autograd.Function):
             dpq[:, :, :, t0:t1] = dq_b[:, :, :, : t1 - t0]
             dpk[:, :, t0:t1] = dk_b[:, :, : t1 - t0]
             dv[:, :, t0:t1] = _finite_values(dvh, v[:, :, t0:t1], blk.dirty)
-        return dpq, dpk, None, dv, dstate, None, None, None
+        return dpq, dpk, None, dv, dstate, None, None, None, None
 
 
 def _initial(state, B: int, H: int, F: int, E: int, exponential: bool, like):
@@ -779,14 +796,12 @@ def causal_attention(fm, q, k, v, w, params: dict, scale: float, mask, state):
     B, Hk, G = k.shape[0], k.shape[1], q.shape[1] // max(1, k.shape[1])
     E = v.shape[-1]
     names, ptensors, consts = split_params(params)
-    grad = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, v, w, *ptensors, *(state or ()))
-    )
-    spec = _Spec(fm, scale, mask, G, names, consts, keep_states=grad)
+    keep = _backward_follows(q, k, v, w, *ptensors, *(state or ()))
+    spec = _Spec(fm, scale, mask, G, names, consts)
     F = fm.width(w.shape[-2])
     s0, off0, given = _initial(state, B, Hk, F, E, fm.exponential, w)
     block = block_tokens(B * Hk * max(G, 1), F)
-    out, s, off = _CausalAttention.apply(spec, q, k, v, w, s0, off0, block, *ptensors)
+    out, s, off = _CausalAttention.apply(spec, q, k, v, w, s0, off0, block, keep, *ptensors)
     return out, _final(s, off, given, E, fm.exponential)
 
 
@@ -836,7 +851,8 @@ def _scan_keys(phi_q, pk, m, v, mask, state, exponential: bool):
 
         s, off, _ = _scan_forward(make_block, T, block, out, den, s0, off0, False)
     else:
-        out, s, off = _CausalScan.apply(phi_q, pk, m, v, s0, off0, block, mask)
+        keep = _backward_follows(phi_q, pk, v, s0)
+        out, s, off = _CausalScan.apply(phi_q, pk, m, v, s0, off0, block, mask, keep)
     return out, _final(s, off, given, E, exponential)
 
 

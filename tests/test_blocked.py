@@ -5,6 +5,8 @@ boundaries, ends in a partial chunk and carries states between blocks; the refer
 ``rfattn.reference.linear_attention`` on the feature map's own features, in float64, with
 gradients by autograd through it."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -365,13 +367,16 @@ def test_chunk_decay_is_exp_of_each_keys_max_over_the_rows_offset(empty):
         torch.testing.assert_close(got, want, rtol=1e-13, atol=0, msg=name)
 
 
-@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("grad", [False, "no_grad", True])
 def test_causal_forwards_keep_block_quantities_only_for_a_backward(grad, tiny_blocks, monkeypatch):
     """The causal forwards keep each block's start state and intra-chunk products for the
     backward only: without autograd (inference, the sharded path's local states) nothing is
-    kept, block after block; with it, one of each per block, and the gradients are the
-    reference's (those kept products are what the backward uses)."""
-    kept = []
+    kept, block after block, also for inputs that require grad under ``torch.no_grad()``
+    ("no_grad"); with it, one of each per block, and the gradients are the reference's (those
+    kept products are what the backward uses)."""
+    recording = grad is True  # "no_grad": inputs that require grad, autograd off
+    context = torch.no_grad() if grad == "no_grad" else contextlib.nullcontext()
+    grad, kept = bool(grad), []
     scan = blocked._scan_forward
 
     def spy(*args):
@@ -382,14 +387,15 @@ def test_causal_forwards_keep_block_quantities_only_for_a_backward(grad, tiny_bl
     monkeypatch.setattr(blocked, "_scan_forward", spy)
     q, k, v = (rand(1, 2, 30, 6 if i < 2 else 3, seed=i).requires_grad_(grad) for i in range(3))
     rf = make_rf("posrf", "orf")
-    out = rfattn.rf_attention(q, k, v, rf, causal=True)
     pq = rand(1, 2, 1, 30, 16, seed=5).detach().exp().requires_grad_(grad)
     u_k = rand(1, 2, 30, 16, seed=6).requires_grad_(grad)  # key logits: features exp(u_k)
-    scanned, _ = blocked.causal_scan(pq, u_k, None, v, None, None)
+    with context:
+        out = rfattn.rf_attention(q, k, v, rf, causal=True)
+        scanned, _ = blocked.causal_scan(pq, u_k, None, v, None, None)
     blocks = -(-30 // blocked.block_tokens(2, 16))  # B * H rows, F = 16 features
     assert blocks > 1
-    assert kept == ([[blocks] * 3] * 2 if grad else [[0, 0, 0]] * 2)
-    if grad:
+    assert kept == ([[blocks] * 3] * 2 if recording else [[0, 0, 0]] * 2)
+    if recording:
         ref = reference(q, k, v, rf, True, None)
         for a, b in zip(grads(out, (q, k, v)), grads(ref, (q, k, v)), strict=True):
             assert rel_rms(a, b) <= GRAD
