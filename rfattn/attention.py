@@ -320,9 +320,7 @@ def _triton_attention(q, k, v, rf, causal, key_padding_mask, scale, initial_stat
             "learnable gerf_A runs backend='torch' (or run this one under torch.no_grad())"
         )
     given = (q, k, v, rf.weight) + tuple(initial_state or ())
-    grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in given + tuple(maps or ())
-    )
+    grad = blocked.backward_follows(*given, *(maps or ()))
     if maps is not None and grad:
         q, k, maps = _mapped(q, maps[0]), _mapped(k, maps[1], key_padding_mask), None
     form = _kernel_form(rf, q, k, key_padding_mask, scale, causal, query_padding_mask,

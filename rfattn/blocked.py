@@ -575,9 +575,9 @@ def _scan_forward(make_block, T: int, block: int, out, den, s, off, keep: bool):
     return s, off, (starts, offs, scores)
 
 
-def _backward_follows(*tensors) -> bool:
+def backward_follows(*tensors) -> bool:
     """Whether autograd records a call on ``tensors`` (None allowed), i.e. whether a backward
-    may follow: only then does a causal forward keep its blocks' quantities. Decided before
+    may follow (only then does a causal forward keep its blocks' quantities). Decide it before
     ``apply``: inside a Function's forward ``ctx.needs_input_grad`` says only which inputs
     require grad, even under ``torch.no_grad()``."""
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
@@ -618,7 +618,7 @@ class _CausalAttention(torch.autograd.Function):
 
     Inputs: ``spec``, q ``[B, Hk*G, T, D]``, k ``[B, Hk, T, D]``, v ``[B, Hk, T, E]``, W, the
     initial ``[S, z, 0...]^T`` ``[B, Hk, value_width(E), F]`` and offset ``[B, Hk]`` (compute
-    dtype), the block length, whether a backward follows (:func:`_backward_follows`: only then
+    dtype), the block length, whether a backward follows (:func:`backward_follows`: only then
     are the blocks' start states and products kept), then the feature parameters. Outputs: out
     ``[B, Hk, G, T, E]`` (compute dtype), the final ``[S, z, 0...]^T`` and offset. (States are
     held transposed, rows of F: the chunk products that make and read them run faster on the
@@ -796,7 +796,7 @@ def causal_attention(fm, q, k, v, w, params: dict, scale: float, mask, state):
     B, Hk, G = k.shape[0], k.shape[1], q.shape[1] // max(1, k.shape[1])
     E = v.shape[-1]
     names, ptensors, consts = split_params(params)
-    keep = _backward_follows(q, k, v, w, *ptensors, *(state or ()))
+    keep = backward_follows(q, k, v, w, *ptensors, *(state or ()))
     spec = _Spec(fm, scale, mask, G, names, consts)
     F = fm.width(w.shape[-2])
     s0, off0, given = _initial(state, B, Hk, F, E, fm.exponential, w)
@@ -851,7 +851,7 @@ def _scan_keys(phi_q, pk, m, v, mask, state, exponential: bool):
 
         s, off, _ = _scan_forward(make_block, T, block, out, den, s0, off0, False)
     else:
-        keep = _backward_follows(phi_q, pk, v, s0)
+        keep = backward_follows(phi_q, pk, v, s0)
         out, s, off = _CausalScan.apply(phi_q, pk, m, v, s0, off0, block, mask, keep)
     return out, _final(s, off, given, E, exponential)
 
