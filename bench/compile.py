@@ -15,7 +15,9 @@ layouts, shared memory. This tool closes that gap without a GPU, in two steps:
    (against the target's per-block limit), registers and spilled bytes.
 
 A launch fails when no config of it compiles within the limits (the autotuner drops configs that
-run out of resources; a kernel without autotuning has one config). What this cannot show:
+run out of resources; a kernel without autotuning has one config, whose pipeline depth
+``kernels.common.launch`` lowers one stage at a time until it fits: the rows say from how many
+stages it fell back). What this cannot show:
 numerics and speed, which need the GPU (``make test``, ``python -m bench`` there).
 
     python -m bench.compile                       # every scenario, sm_90, table + exit status
@@ -326,10 +328,20 @@ def _compile_one(job: dict) -> dict:
                 constexprs[param.name] = const
         src = ASTSource(fn=jit, signature=signature, constexprs=constexprs)
         options = {**rec["options"], **cfg["options"]}
-        kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+        limit = SMEM_LIMIT.get(arch, 48 * 1024)
+        while True:
+            kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+            stages = options.get("num_stages", 3)  # Triton's default
+            fits = kernel.metadata.shared <= limit
+            # a launch without autotuning steps its pipeline depth down (kernels.common.launch)
+            if fits or stages <= 1 or isinstance(obj, triton.runtime.Autotuner):
+                break
+            row.setdefault("fell_back_from", stages)
+            options = {**options, "num_stages": stages - 1}
+        row["stages"] = stages
         row["shared_bytes"] = kernel.metadata.shared
         row.update(_cubin_resources(kernel.asm["cubin"]))
-        if kernel.metadata.shared > SMEM_LIMIT.get(arch, 48 * 1024):
+        if kernel.metadata.shared > limit:
             row["status"] = "shared memory over the limit"
     except Exception as e:  # noqa: BLE001 -- reported per row
         row["status"] = "error: " + _describe(e)
@@ -450,13 +462,14 @@ def failures(rows: list[dict]) -> list[str]:
 
 
 def _print_table(rows: list[dict]) -> None:
-    """Worst case per kernel: most shared memory, most registers, any spill, failures."""
+    """Worst case per kernel: most shared memory, most registers, any spill, failures, and the
+    launches that fitted only with fewer pipeline stages than asked."""
     kernels: dict[str, list[dict]] = {}
     for r in rows:
         kernels.setdefault(r["kernel"], []).append(r)
     print(
         f"{'kernel':<26}{'configs':>8}{'failed':>8}{'max smem KiB':>14}{'max regs':>10}"
-        f"{'spilling':>10}"
+        f"{'spilling':>10}{'fell back':>11}"
     )
     for name, rs in sorted(kernels.items()):
         ok = [r for r in rs if "shared_bytes" in r]
@@ -464,7 +477,8 @@ def _print_table(rows: list[dict]) -> None:
         regs = max((r["registers"] or 0 for r in ok), default=0)
         spill = sum(1 for r in ok if r.get("stack_bytes"))
         fail = sum(1 for r in rs if r["status"] != "ok")
-        print(f"{name:<26}{len(rs):>8}{fail:>8}{smem:>14.1f}{regs:>10}{spill:>10}")
+        back = sum(1 for r in rs if "fell_back_from" in r)
+        print(f"{name:<26}{len(rs):>8}{fail:>8}{smem:>14.1f}{regs:>10}{spill:>10}{back:>11}")
 
 
 def main(argv=None) -> int:

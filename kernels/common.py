@@ -38,9 +38,47 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 #: Whether kernels were decorated under the Triton interpreter (read once, at import).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+#: launches that needed fewer pipeline stages than asked: (kernel, specialisation) -> stages
+_FITTED_STAGES: dict = {}
+
+
+def launch(kernel, grid, *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)`` for a kernel launched without autotuning, falling back
+    to fewer pipeline stages when the one asked for does not fit the GPU's shared memory.
+
+    The launch options (:meth:`_Setup.launch_options`) are sized and checked for sm_90
+    (``python -m bench.compile``) with the Triton versions the project has compiled with; another
+    version can lay out the same tiles larger (Triton 3.8 needs 305 KiB at three stages for the
+    bf16 causal backward at D = 64, where 3.9 fits it in 209 KiB), which would otherwise be an
+    ``OutOfResources`` error. Each step down is one stage, to one; the depth that fitted is
+    remembered per kernel and specialisation, so later calls launch it at once. Any other error,
+    or shared memory still short at one stage, is raised.
+    """
+    asked = kwargs.pop("num_stages", 3)  # Triton's default
+    key = (
+        kernel,
+        asked,
+        tuple(sorted((k, str(v)) for k, v in kwargs.items())),
+        tuple((a.dtype, a.device) for a in args if isinstance(a, torch.Tensor)),
+    )
+    stages = _FITTED_STAGES.get(key, asked)
+    while True:
+        try:
+            out = kernel[grid](*args, num_stages=stages, **kwargs)
+        except OutOfResources as e:
+            if e.name != "shared memory" or stages <= 1:
+                raise
+            stages -= 1
+            continue
+        if stages != asked:
+            _FITTED_STAGES[key] = stages
+        return out
 
 
 def interpreter_numpy_problem(triton_version: str, numpy_version: str) -> str | None:
@@ -596,7 +634,8 @@ class _Setup:
         """num_warps (unless given) and num_stages of the kernels launched without autotuning
         (causal, decode), sized so that every launch fits a Hopper SM's shared memory (checked by
         ``python -m bench.compile``): 8 warps for 128-wide tiles, else 4; two pipeline stages
-        for 256-wide tiles, else Triton's default three. float64, a checking dtype, runs
+        for 256-wide tiles, else Triton's default three (:func:`launch` takes fewer where a
+        Triton version needs more shared memory for them). float64, a checking dtype, runs
         unpipelined, and with 2 warps at 256-wide tiles (rmf's causal backward needs 262 KiB
         at 4 or 8 warps, 214 KiB at 2)."""
         if not self.gpu_tiles:

@@ -81,6 +81,7 @@ from .common import (
     _store_tile,
     _valid_keys,
     check_forward_only,
+    launch,
 )
 
 __all__ = ["rf_chunk_fwd", "rf_chunk_bwd"]
@@ -524,7 +525,7 @@ def _states(c: _Setup, k, v, initial_state):
     hz = c.acc_empty(B * H * NC, M)
     hm = c.acc_empty(B * H * NC, NMT)
     meta = dict(**c.launch_options(), **c.meta)
-    _chunk_local_kernel[(NMT, NC, B * H)](
+    launch(_chunk_local_kernel, (NMT, NC, B * H),
         k, v, c.w, c.pad[0], *c.form_ptrs, c.maps[1], h, hz, hm,
         T, H, NC, *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
         BT=bt, HAS_PAD=c.has_pad, HAS_MAP=c.has_map, **meta,
@@ -537,7 +538,7 @@ def _states(c: _Setup, k, v, initial_state):
         s0, z0, r0 = (x.to(c.acc).contiguous() for x in initial_state)
     else:
         s0 = z0 = r0 = sT  # never read
-    _chunk_scan_kernel[(NMT, B * H)](
+    launch(_chunk_scan_kernel, (NMT, B * H),
         h, hz, hm, s0, z0, r0, s, z, r, sT, zT, rT, NC,
         M=M, E=E, BM=c.BM, BE=c.BE, BP=_next_pow2(NMT), HAS_INIT=initial_state is not None,
         PLAIN=c.plain, ACC=c.ACC, **c.launch_options(),
@@ -589,7 +590,7 @@ def rf_chunk_fwd(
         return (out, state, aux) if return_aux else (out, state)
     NC, (s, z, r), state = _states(c, k, v, initial_state)
     if T:
-        _chunk_out_kernel[(NC, B * H)](
+        launch(_chunk_out_kernel, (NC, B * H),
             q, k, v, c.w, c.pad[0], *c.form_ptrs, *c.maps, s, z, r, out, mq, den, mk,
             T, H, NC, G, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
             *out.stride(), BT=bt, HAS_PAD=c.has_pad, HAS_MAP=c.has_map, **c.launch_options(),
@@ -639,7 +640,7 @@ def rf_chunk_bwd(
     L = c.acc_empty(B * H * NC, M, E)
     l_ = c.acc_empty(B * H * NC, M)
     if T:
-        _chunk_local_grad_kernel[(NMT, NC, B * H)](
+        launch(_chunk_local_grad_kernel, (NMT, NC, B * H),
             q, c.w, *c.form_ptrs, out, do, mq, den, mk, r, L, l_,
             T, H, NC, c.G, *q.stride(), *c.w.stride(), *out.stride(), *do.stride(), **meta,
         )  # fmt: skip
@@ -652,13 +653,13 @@ def rf_chunk_bwd(
         dsT, dzT = (x.to(c.acc).contiguous() for x in dstate)
     else:
         dsT = dzT = ds  # never read
-    _chunk_rscan_kernel[(NMT, B * H)](
+    launch(_chunk_rscan_kernel, (NMT, B * H),
         L, l_, r, rT, dsT, dzT, ds, dz, ds0 if has_init else ds, dz0 if has_init else dz, NC,
         M=M, E=E, BM=c.BM, BE=c.BE, HAS_DFINAL=dstate is not None, HAS_INIT=has_init,
         ACC=c.ACC, **c.launch_options(),
     )  # fmt: skip
     if T:
-        _chunk_bwd_kernel[(NC, B * H)](
+        launch(_chunk_bwd_kernel, (NC, B * H),
             q, k, v, c.w, c.pad[0], *c.form_ptrs,
             s, z, r, ds, dz, out, do, mq, den, mk, dq, dk, dv, T, H, NC, c.G,
             *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],

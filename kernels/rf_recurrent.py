@@ -38,6 +38,7 @@ from .common import (
     _setup,
     _store_offset,
     _valid_keys,
+    launch,
 )
 
 __all__ = ["rf_recurrent_fwd", "MAX_TOKENS"]
@@ -201,7 +202,7 @@ def rf_recurrent_fwd(
             s.copy_(s0), z.copy_(z0), r.copy_(r0)
         return out, (s, z, r)
     if B * H:
-        _recurrent_kernel[(B * H,)](
+        launch(_recurrent_kernel, (B * H,),
             q, k, v, c.w, c.pad[0], *c.form_ptrs, *c.maps, s0, z0, r0, s, z, r, out,
             T, H, G, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
             *out.stride(), HAS_PAD=c.has_pad, HAS_INIT=initial_state is not None,

@@ -332,3 +332,56 @@ def test_decode_step_equals_chunked(feature, weights, opts, kernel_device):
     )
     assert all(a is b for a, b in zip(new, init, strict=True)) and torch.equal(out, step)
     assert all(torch.equal(a, b) for a, b in zip(init, st1, strict=True))
+
+
+class _FakeKernel:
+    """Launched like a Triton kernel (``kernel[grid](*args, **kwargs)``); its compile needs more
+    shared memory than the GPU has above ``fits`` pipeline stages (or runs short of ``resource``
+    at any depth)."""
+
+    def __init__(self, fits: int, resource: str = "shared memory"):
+        self.fits, self.resource, self.tried = fits, resource, []
+
+    def __getitem__(self, grid):
+        from triton.runtime.errors import OutOfResources
+
+        def run(*args, num_stages, **kwargs):
+            self.tried.append(num_stages)
+            if num_stages > self.fits or self.resource != "shared memory":
+                raise OutOfResources(1000 * num_stages, 1000, self.resource)
+            return grid, args, kwargs
+
+        return run
+
+
+def test_launch_steps_down_the_pipeline_until_it_fits():
+    """A launch whose asked pipeline depth runs out of shared memory (another Triton version's
+    layout) runs at the deepest that fits, remembers it per specialisation, and raises what
+    stepping down cannot fix."""
+    from rfattn.kernels.common import launch
+
+    x = torch.zeros(2)
+    k = _FakeKernel(fits=1)
+    assert launch(k, (4, 2), x, 7, BT=64, num_stages=3) == ((4, 2), (x, 7), {"BT": 64})
+    assert k.tried == [3, 2, 1]
+    launch(k, (1,), torch.ones(3), 8, BT=64, num_stages=3)  # same specialisation: straight to 1
+    assert k.tried == [3, 2, 1, 1]
+    launch(k, (1,), x.double(), 7, BT=64, num_stages=3)  # another dtype: asks again
+    launch(k, (1,), x, 7, BT=32, num_stages=3)  # another constexpr: asks again
+    assert k.tried == [3, 2, 1, 1, 3, 2, 1, 3, 2, 1]
+
+    fits = _FakeKernel(fits=3)
+    launch(fits, (1,), x, num_stages=3)
+    launch(fits, (1,), x, num_stages=3)
+    assert fits.tried == [3, 3]
+
+    from triton.runtime.errors import OutOfResources
+
+    never = _FakeKernel(fits=0)
+    with pytest.raises(OutOfResources, match="shared memory"):
+        launch(never, (1,), x, num_stages=2)
+    assert never.tried == [2, 1]
+    regs = _FakeKernel(fits=3, resource="registers")
+    with pytest.raises(OutOfResources, match="registers"):
+        launch(regs, (1,), x, num_stages=3)
+    assert regs.tried == [3]
