@@ -15,9 +15,9 @@ layouts, shared memory. This tool closes that gap without a GPU, in two steps:
    (against the target's per-block limit), registers and spilled bytes.
 
 A launch fails when no config of it compiles within the limits (the autotuner drops configs that
-run out of resources; a kernel without autotuning has one config, whose pipeline depth
-``kernels.common.launch`` lowers one stage at a time until it fits: the rows say from how many
-stages it fell back). What this cannot show:
+run out of resources; a kernel without autotuning has one config, which ``kernels.common.launch``
+steps down, to fewer pipeline stages and then a smaller loop tile, until it fits: this tool
+compiles the same steps, and its rows say where a launch fell back to). What this cannot show:
 numerics and speed, which need the GPU (``make test``, ``python -m bench`` there).
 
     python -m bench.compile                       # every scenario, sm_90, table + exit status
@@ -308,11 +308,29 @@ def _cubin_resources(cubin: bytes) -> dict:
     }
 
 
-def _compile_one(job: dict) -> dict:
-    """Compile one (launch, config) for ``job["arch"]``; never raises."""
+def _compile_args(jit, args: dict, options: dict, arch: int):
+    """Triton's compile of ``jit`` for ``arch`` with the recorded ``args`` (``[kind, value]`` by
+    name) and launch ``options``."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    signature, constexprs = {}, {}
+    for param in jit.params:
+        kind, value = args[param.name]
+        signature[param.name], const = _specialise(param, kind, value)
+        if signature[param.name] == "constexpr":
+            constexprs[param.name] = const
+    src = ASTSource(fn=jit, signature=signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def _compile_one(job: dict) -> dict:
+    """Compile one (launch, config) for ``job["arch"]``; never raises. A launch without
+    autotuning is compiled with each of its fallbacks in turn until one fits
+    (``kernels.common.fallbacks``; ``fell_back_to`` in the row names it)."""
+    import triton
+    from rfattn.kernels.common import fallbacks
 
     rec, cfg, arch = job["launch"], job["config"], job["arch"]
     row = {"kernel": rec["name"], "tag": rec["tag"], "config": cfg, "status": "ok"}
@@ -320,25 +338,20 @@ def _compile_one(job: dict) -> dict:
         obj = getattr(importlib.import_module(rec["module"]), rec["name"])
         jit = obj.fn if isinstance(obj, triton.runtime.Autotuner) else obj
         args = {**rec["args"], **{k: ["int", v] for k, v in cfg["kwargs"].items()}}
-        signature, constexprs = {}, {}
-        for param in jit.params:
-            kind, value = args[param.name]
-            signature[param.name], const = _specialise(param, kind, value)
-            if signature[param.name] == "constexpr":
-                constexprs[param.name] = const
-        src = ASTSource(fn=jit, signature=signature, constexprs=constexprs)
         options = {**rec["options"], **cfg["options"]}
         limit = SMEM_LIMIT.get(arch, 48 * 1024)
-        while True:
-            kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
-            stages = options.get("num_stages", 3)  # Triton's default
-            fits = kernel.metadata.shared <= limit
-            # a launch without autotuning steps its pipeline depth down (kernels.common.launch)
-            if fits or stages <= 1 or isinstance(obj, triton.runtime.Autotuner):
+        asked = options.get("num_stages", 3)  # Triton's default
+        if isinstance(obj, triton.runtime.Autotuner):  # the autotuner drops what does not fit
+            tries = [({}, asked)]
+        else:  # what kernels.common.launch tries in turn
+            tries = fallbacks(rec["name"], {k: v for k, (_, v) in args.items()}, asked)
+        for i, (over, stages) in enumerate(tries):  # noqa: B007 -- i is read after the loop
+            kernel = _compile_args(jit, {**args, **{k: ["int", v] for k, v in over.items()}},
+                                   {**options, "num_stages": stages}, arch)  # fmt: skip
+            if kernel.metadata.shared <= limit:
                 break
-            row.setdefault("fell_back_from", stages)
-            options = {**options, "num_stages": stages - 1}
-        row["stages"] = stages
+        if i:
+            row["fell_back_to"] = {**over, "num_stages": stages}
         row["shared_bytes"] = kernel.metadata.shared
         row.update(_cubin_resources(kernel.asm["cubin"]))
         if kernel.metadata.shared > limit:
@@ -477,7 +490,7 @@ def _print_table(rows: list[dict]) -> None:
         regs = max((r["registers"] or 0 for r in ok), default=0)
         spill = sum(1 for r in ok if r.get("stack_bytes"))
         fail = sum(1 for r in rs if r["status"] != "ok")
-        back = sum(1 for r in rs if "fell_back_from" in r)
+        back = sum(1 for r in rs if "fell_back_to" in r)
         print(f"{name:<26}{len(rs):>8}{fail:>8}{smem:>14.1f}{regs:>10}{spill:>10}{back:>11}")
 
 

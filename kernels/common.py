@@ -44,22 +44,42 @@ from triton.runtime.errors import OutOfResources
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-#: launches that needed fewer pipeline stages than asked: (kernel, specialisation) -> stages
-_FITTED_STAGES: dict = {}
+#: kernels launched without autotuning -> a constexpr tile that only loops inside the kernel (no
+#: layout another launch shares), which :func:`fallbacks` may halve
+LOOP_TILES = {"_chunk_bwd_kernel": "BM"}
+#: launches that fitted only with a fallback: (kernel, specialisation) -> (overrides, stages)
+_FITTED: dict = {}
+
+
+def fallbacks(name: str, constexprs: dict, stages: int):
+    """The ``(constexpr overrides, num_stages)`` a launch of kernel ``name`` without autotuning
+    tries in turn until one fits the GPU's shared memory: the pipeline depth asked, then one
+    stage fewer down to one; then, for a kernel in :data:`LOOP_TILES`, the same with that tile
+    halved, down to 16 (``tl.dot``'s least).
+
+    The launch options (:meth:`_Setup.launch_options`) and tiles are sized and checked for sm_90
+    (``python -m bench.compile``) with the Triton versions the project compiles with; another
+    version can lay the same tiles out larger: Triton 3.8 (torch 2.14's) needs 305 KiB of the
+    227 for the bf16 causal backward at D = 64 at three stages and 208 at one, where 3.9 takes
+    209 at three; with grouped-query heads or rmf, 240-256 KiB even at one stage, and 208-225 at
+    three with the feature tile halved.
+    """
+    tile = LOOP_TILES.get(name)
+    size = constexprs.get(tile) if tile else None
+    while True:
+        for s in range(max(stages, 1), 0, -1):
+            yield ({tile: size} if tile else {}), s
+        if size is None or size <= 16:
+            return
+        size //= 2
 
 
 def launch(kernel, grid, *args, **kwargs):
-    """``kernel[grid](*args, **kwargs)`` for a kernel launched without autotuning, falling back
-    to fewer pipeline stages when the one asked for does not fit the GPU's shared memory.
-
-    The launch options (:meth:`_Setup.launch_options`) are sized and checked for sm_90
-    (``python -m bench.compile``) with the Triton versions the project has compiled with; another
-    version can lay out the same tiles larger (Triton 3.8 needs 305 KiB at three stages for the
-    bf16 causal backward at D = 64, where 3.9 fits it in 209 KiB), which would otherwise be an
-    ``OutOfResources`` error. Each step down is one stage, to one; the depth that fitted is
-    remembered per kernel and specialisation, so later calls launch it at once. Any other error,
-    or shared memory still short at one stage, is raised.
-    """
+    """``kernel[grid](*args, **kwargs)`` for a kernel launched without autotuning, taking the
+    first of its :func:`fallbacks` that fits where the one asked for runs out of shared memory
+    (which would otherwise be an ``OutOfResources`` error). What fitted is remembered per kernel
+    and specialisation, so later calls launch it at once. Any other error, or shared memory
+    short at every fallback, is raised."""
     asked = kwargs.pop("num_stages", 3)  # Triton's default
     key = (
         kernel,
@@ -67,18 +87,21 @@ def launch(kernel, grid, *args, **kwargs):
         tuple(sorted((k, str(v)) for k, v in kwargs.items())),
         tuple((a.dtype, a.device) for a in args if isinstance(a, torch.Tensor)),
     )
-    stages = _FITTED_STAGES.get(key, asked)
-    while True:
+    if key in _FITTED:
+        over, stages = _FITTED[key]
+        return kernel[grid](*args, **{**kwargs, **over}, num_stages=stages)
+    for i, (over, stages) in enumerate(fallbacks(kernel.fn.__name__, kwargs, asked)):
         try:
-            out = kernel[grid](*args, num_stages=stages, **kwargs)
+            out = kernel[grid](*args, **{**kwargs, **over}, num_stages=stages)
         except OutOfResources as e:
-            if e.name != "shared memory" or stages <= 1:
+            if e.name != "shared memory":
                 raise
-            stages -= 1
+            error = e
             continue
-        if stages != asked:
-            _FITTED_STAGES[key] = stages
+        if i:
+            _FITTED[key] = over, stages
         return out
+    raise error
 
 
 def interpreter_numpy_problem(triton_version: str, numpy_version: str) -> str | None:
@@ -634,7 +657,7 @@ class _Setup:
         """num_warps (unless given) and num_stages of the kernels launched without autotuning
         (causal, decode), sized so that every launch fits a Hopper SM's shared memory (checked by
         ``python -m bench.compile``): 8 warps for 128-wide tiles, else 4; two pipeline stages
-        for 256-wide tiles, else Triton's default three (:func:`launch` takes fewer where a
+        for 256-wide tiles, else Triton's default three (:func:`launch` falls back where a
         Triton version needs more shared memory for them). float64, a checking dtype, runs
         unpipelined, and with 2 warps at 256-wide tiles (rmf's causal backward needs 262 KiB
         at 4 or 8 warps, 214 KiB at 2)."""

@@ -336,52 +336,96 @@ def test_decode_step_equals_chunked(feature, weights, opts, kernel_device):
 
 class _FakeKernel:
     """Launched like a Triton kernel (``kernel[grid](*args, **kwargs)``); its compile needs more
-    shared memory than the GPU has above ``fits`` pipeline stages (or runs short of ``resource``
-    at any depth)."""
+    shared memory than the GPU has above ``fits`` bytes, taking ``tile * stages`` (the tile
+    constexpr ``BM``, 64 when not given), or runs short of ``resource`` at any size."""
 
-    def __init__(self, fits: int, resource: str = "shared memory"):
+    def __init__(self, name: str, fits: int, resource: str = "shared memory"):
+        self.fn = type(name, (), {})  # named as the kernel, like JITFunction.fn
         self.fits, self.resource, self.tried = fits, resource, []
 
     def __getitem__(self, grid):
         from triton.runtime.errors import OutOfResources
 
         def run(*args, num_stages, **kwargs):
-            self.tried.append(num_stages)
-            if num_stages > self.fits or self.resource != "shared memory":
-                raise OutOfResources(1000 * num_stages, 1000, self.resource)
+            need = kwargs.get("BM", 64) * num_stages
+            self.tried.append((kwargs.get("BM"), num_stages))
+            if need > self.fits or self.resource != "shared memory":
+                raise OutOfResources(need, self.fits, self.resource)
             return grid, args, kwargs
 
         return run
 
 
-def test_launch_steps_down_the_pipeline_until_it_fits():
-    """A launch whose asked pipeline depth runs out of shared memory (another Triton version's
-    layout) runs at the deepest that fits, remembers it per specialisation, and raises what
-    stepping down cannot fix."""
+def test_launch_falls_back_until_it_fits():
+    """A launch whose asked config runs out of shared memory (another Triton version's layout)
+    runs with the first fallback that fits, fewer pipeline stages and then (the causal backward's
+    feature tile) a halved loop tile; what fitted is remembered per specialisation, and what
+    falling back cannot fix is raised."""
     from rfattn.kernels.common import launch
-
-    x = torch.zeros(2)
-    k = _FakeKernel(fits=1)
-    assert launch(k, (4, 2), x, 7, BT=64, num_stages=3) == ((4, 2), (x, 7), {"BT": 64})
-    assert k.tried == [3, 2, 1]
-    launch(k, (1,), torch.ones(3), 8, BT=64, num_stages=3)  # same specialisation: straight to 1
-    assert k.tried == [3, 2, 1, 1]
-    launch(k, (1,), x.double(), 7, BT=64, num_stages=3)  # another dtype: asks again
-    launch(k, (1,), x, 7, BT=32, num_stages=3)  # another constexpr: asks again
-    assert k.tried == [3, 2, 1, 1, 3, 2, 1, 3, 2, 1]
-
-    fits = _FakeKernel(fits=3)
-    launch(fits, (1,), x, num_stages=3)
-    launch(fits, (1,), x, num_stages=3)
-    assert fits.tried == [3, 3]
-
     from triton.runtime.errors import OutOfResources
 
-    never = _FakeKernel(fits=0)
+    x = torch.zeros(2)
+    k = _FakeKernel("_chunk_local_kernel", fits=64)  # no loop tile to halve: stages only
+    assert launch(k, (4, 2), x, 7, BT=64, num_stages=3) == ((4, 2), (x, 7), {"BT": 64})
+    assert k.tried == [(None, 3), (None, 2), (None, 1)]
+    launch(k, (1,), torch.ones(3), 8, BT=64, num_stages=3)  # same specialisation: straight there
+    assert k.tried[3:] == [(None, 1)]
+    launch(k, (1,), x.double(), 7, BT=64, num_stages=3)  # another dtype: asks again
+    launch(k, (1,), x, 7, BT=32, num_stages=3)  # another constexpr: asks again
+    assert k.tried[4:] == [(None, 3), (None, 2), (None, 1)] * 2
+
+    bwd = _FakeKernel("_chunk_bwd_kernel", fits=48)  # BM 64 never fits; 32 at one stage; 16 at 3
+    assert launch(bwd, (1,), x, BM=64, num_stages=2)[2] == {"BM": 32}
+    assert bwd.tried == [(64, 2), (64, 1), (32, 2), (32, 1)]
+    assert launch(bwd, (1,), x, BM=64, num_stages=2)[2] == {"BM": 32}
+    assert bwd.tried[4:] == [(32, 1)]
+
+    fits = _FakeKernel("_chunk_bwd_kernel", fits=10**6)
+    launch(fits, (1,), x, BM=64, num_stages=3)
+    launch(fits, (1,), x, BM=64, num_stages=3)
+    assert fits.tried == [(64, 3), (64, 3)]
+
+    never = _FakeKernel("_chunk_bwd_kernel", fits=8)
     with pytest.raises(OutOfResources, match="shared memory"):
-        launch(never, (1,), x, num_stages=2)
-    assert never.tried == [2, 1]
-    regs = _FakeKernel(fits=3, resource="registers")
+        launch(never, (1,), x, BM=32, num_stages=2)
+    assert never.tried == [(32, 2), (32, 1), (16, 2), (16, 1)]
+    regs = _FakeKernel("_chunk_bwd_kernel", fits=10**6, resource="registers")
     with pytest.raises(OutOfResources, match="registers"):
-        launch(regs, (1,), x, num_stages=3)
-    assert regs.tried == [3]
+        launch(regs, (1,), x, BM=64, num_stages=3)
+    assert regs.tried == [(64, 3)]
+
+
+class _Refusing:
+    """A real kernel that "runs out of shared memory" while its tile ``BM`` is above ``most``."""
+
+    def __init__(self, kernel, most: int):
+        self.kernel, self.fn, self.most, self.tiles = kernel, kernel.fn, most, []
+
+    def __getitem__(self, grid):
+        from triton.runtime.errors import OutOfResources
+
+        def run(*args, **kwargs):
+            self.tiles.append(kwargs["BM"])
+            if kwargs["BM"] > self.most:
+                raise OutOfResources(kwargs["BM"], self.most, "shared memory")
+            return self.kernel[grid](*args, **kwargs)
+
+        return run
+
+
+@pytest.mark.parametrize("feature,weights", [("posrf", "orf"), ("rmf", "rademacher")])
+def test_backward_with_the_feature_tile_halved(feature, weights, monkeypatch, kernel_device):
+    """The causal backward's fallback (its feature tile halved, :data:`LOOP_TILES`) gives the
+    same gradients: the tile only loops inside the kernel."""
+    from rfattn.kernels import rf_chunk
+
+    refusing = _Refusing(rf_chunk._chunk_bwd_kernel, most=16)
+    monkeypatch.setattr(rf_chunk, "_chunk_bwd_kernel", refusing)
+    B, H, T, D, M, E = 2, 3, 63, 16, 40, 24
+    q = rand(B, H, T, D, seed=1, scale=0.7, device=kernel_device)
+    k = rand(B, H, T, D, seed=2, scale=0.7, device=kernel_device)
+    v = rand(B, H, T, E, seed=3, device=kernel_device)
+    rf = rfattn.RandomFeatures(D, M, feature=feature, weights=weights, seed=4).to(kernel_device)
+    errs = compare(q, k, v, rf)
+    assert refusing.tiles[0] > 16 and refusing.tiles[-1] == 16  # it fell back, to 16
+    assert max(errs.values()) <= tolerance(f32, "grad"), errs
