@@ -78,15 +78,11 @@ def launch(kernel, grid, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)`` for a kernel launched without autotuning, taking the
     first of its :func:`fallbacks` that fits where the one asked for runs out of shared memory
     (which would otherwise be an ``OutOfResources`` error). What fitted is remembered per kernel
-    and specialisation, so later calls launch it at once. Any other error, or shared memory
+    and specialisation, so later calls launch it at once (while nothing has fallen back, a launch
+    costs no lookup: the decode step launches once per token). Any other error, or shared memory
     short at every fallback, is raised."""
     asked = kwargs.pop("num_stages", 3)  # Triton's default
-    key = (
-        kernel,
-        asked,
-        tuple(sorted((k, str(v)) for k, v in kwargs.items())),
-        tuple((a.dtype, a.device) for a in args if isinstance(a, torch.Tensor)),
-    )
+    key = _specialisation(kernel, asked, args, kwargs) if _FITTED else None
     if key in _FITTED:
         over, stages = _FITTED[key]
         return kernel[grid](*args, **{**kwargs, **over}, num_stages=stages)
@@ -99,9 +95,20 @@ def launch(kernel, grid, *args, **kwargs):
             error = e
             continue
         if i:
-            _FITTED[key] = over, stages
+            _FITTED[_specialisation(kernel, asked, args, kwargs)] = over, stages
         return out
     raise error
+
+
+def _specialisation(kernel, stages: int, args: tuple, kwargs: dict) -> tuple:
+    """What decides a launch's shared memory: the kernel, its constexprs and options, and its
+    tensors' dtypes and devices."""
+    return (
+        kernel,
+        stages,
+        tuple(sorted((k, str(v)) for k, v in kwargs.items())),
+        tuple((a.dtype, a.device) for a in args if isinstance(a, torch.Tensor)),
+    )
 
 
 def interpreter_numpy_problem(triton_version: str, numpy_version: str) -> str | None:
