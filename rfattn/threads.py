@@ -116,3 +116,80 @@ def check() -> None:
         _state.measuring = False
     else:
         _start()
+
+
+# ------------------------------------------------------------------------------------------------
+# heads in parallel
+
+#: False: never split a call's heads over worker threads (:func:`over_heads` runs them at once)
+HEADS_ENABLED = True
+#: the least work (query rows x tokens x features) a call needs to be split over threads
+HEADS_MIN_ELEMENTS = 1 << 21
+
+_pool: dict = {"executor": None, "workers": 0}
+_pool_lock = threading.Lock()
+
+
+def _one_thread() -> None:
+    torch.set_num_threads(1)  # this worker's OpenMP and MKL counts (thread-local)
+
+
+def _executor(workers: int):
+    """The worker threads, ``workers`` of them, each running torch ops on one intra-op thread
+    (created on first use and again when torch's thread count changes)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with _pool_lock:
+        if _pool["workers"] != workers:
+            if _pool["executor"] is not None:
+                _pool["executor"].shutdown(wait=True)
+            full = torch.get_num_threads()
+            ex = ThreadPoolExecutor(workers, thread_name_prefix="rfattn-heads")
+            # each worker sets its own count once (a barrier so that every worker has started)
+            barrier = threading.Barrier(workers)
+            list(ex.map(lambda _: (_one_thread(), barrier.wait()), range(workers)))
+            # torch.set_num_threads also records the count that new torch threads start from:
+            # put the caller's back (its own count is unchanged)
+            torch.set_num_threads(full)
+            _pool["executor"], _pool["workers"] = ex, workers
+        return _pool["executor"]
+
+
+def split_heads(device, heads: int, elements: int) -> bool:
+    """Whether a blocked call over ``heads`` independent heads and ``elements`` (query rows x
+    tokens x features) of work runs its heads on worker threads (:func:`over_heads`): a CPU
+    call outside ``torch.compile`` and autocast, with more than one intra-op thread, more than
+    one head, enough work, from a thread that is not itself a worker, ``HEADS_ENABLED``."""
+    return bool(
+        HEADS_ENABLED
+        and heads > 1
+        and elements >= HEADS_MIN_ELEMENTS
+        and torch.device(device).type == "cpu"
+        and torch.get_num_threads() > 1
+        and not torch.compiler.is_compiling()
+        and not torch.is_autocast_enabled("cpu")
+        and not threading.current_thread().name.startswith("rfattn-heads")
+    )
+
+
+def over_heads(fn, heads: int, split: bool) -> list:
+    """``[fn(h, h + 1) for h in range(heads)]`` run by the worker threads, as many as torch's
+    intra-op threads, each on one intra-op thread (``split``; :func:`split_heads`), else
+    ``[fn(0, heads)]`` here.
+
+    Every op of a blocked call runs its parallel region on all intra-op threads and waits for
+    the slowest at its end; a shared or noisy CPU stalls each of those waits. Heads are
+    independent, so here each worker takes the next head when it is done with one: the work
+    balances itself over the cores the process gets, with no wait but the last. The workers
+    run with the caller's grad and inference modes."""
+    if not split:
+        return [fn(0, heads)]
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+    def task(h):
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            return fn(h, h + 1)
+
+    ex = _executor(torch.get_num_threads())
+    futures = [ex.submit(task, h) for h in range(heads)]
+    return [f.result() for f in futures]
