@@ -632,66 +632,109 @@ class _CausalAttention(torch.autograd.Function):
         out = torch.empty(B, Hk, G, T, E, dtype=w.dtype, device=q.device)
         den = torch.empty(B, Hk, G, T, dtype=w.dtype, device=q.device)
 
-        def make_block(t0, t1, s, off):
-            return _forward_block(spec, q[:, :, t0:t1], k[:, :, t0:t1], v[:, :, t0:t1], w,
-                                  params, _mask(spec, t0, t1), s, off)  # fmt: skip
+        def run(h0, h1):  # heads h0:h1
+            qh, kh, vh = q[:, h0 * G : h1 * G], k[:, h0:h1], v[:, h0:h1]
 
-        with _blocks(v.device):
-            s, off, kept = _scan_forward(make_block, T, block, out, den, s0, off0, keep)
-        ctx.spec, ctx.block = spec, block
+            def make_block(t0, t1, s, off):
+                return _forward_block(spec, qh[:, :, t0:t1], kh[:, :, t0:t1], vh[:, :, t0:t1],
+                                      w, params, _mask(spec, t0, t1), s, off)  # fmt: skip
+
+            with _blocks(v.device):
+                return _scan_forward(make_block, T, block, out[:, h0:h1], den[:, h0:h1],
+                                     s0[:, h0:h1], off0[:, h0:h1], keep)  # fmt: skip
+
+        bounds = threads.head_parts(Hk, _split(spec, q, w, ptensors, Hk, T))
+        parts = threads.over_heads(run, bounds)
+        s, off = (torch.cat(x, dim=1) for x in zip(*(p[:2] for p in parts), strict=True))
+        kept = tuple(sum((list(p[2][i]) for p in parts), []) for i in range(3))
+        ctx.spec, ctx.block, ctx.bounds = spec, block, bounds
         _save_blocks(ctx, (q, k, v, w, out, den), kept, ptensors)
         ctx.mark_non_differentiable(off)
         return out, s, off
 
     @staticmethod
     def backward(ctx, dout, ds, _doff):
-        spec, block, nb = ctx.spec, ctx.block, ctx.n_blocks
+        spec, block = ctx.spec, ctx.block
         (q, k, v, w, out, den), (starts, offs, scores), ptensors = _saved_blocks(ctx)
         need = ctx.needs_input_grad
         need_q, need_k, need_v, need_w, need_s = need[1:6]
         need_p = need[9:]
+        G = spec.groups
         # every block sets its own rows of dq, dk, dv once
         dq = torch.empty_like(q) if need_q else None
         dk = torch.empty_like(k) if need_k else None
         dv = torch.empty_like(v) if need_v else None
-        dw = torch.zeros_like(w) if need_w else None
-        dps = [torch.zeros_like(p) if n else None for p, n in zip(ptensors, need_p, strict=True)]
         dout = torch.zeros_like(out) if dout is None else dout.to(out.dtype)
-        dstate = ds if ds is not None or not nb else torch.zeros_like(starts[0])
-        with _blocks(v.device):
-            for i in reversed(range(nb)):
-                t0, t1 = i * block, min(k.shape[2], (i + 1) * block)
-                _next_block()
-                with torch.enable_grad():
-                    (qb, kb), wl, pl, pp = _leaves(
-                        spec,
-                        (q[:, :, t0:t1], k[:, :, t0:t1]),
-                        (need_q, need_k),
-                        w,
-                        need_w,
-                        ptensors,
-                        need_p,
-                    )
-                    xq, xk, vh, mask = _block_inputs(
-                        spec, qb, kb, v[:, :, t0:t1], _mask(spec, t0, t1), CHUNK, w.dtype, pp
-                    )
-                    pq = _Cut(spec.fm, xq, wl, pp, "query")
-                    pk = _Cut(spec.fm, xk, wl, pp, "key", mask)
-                blk = _Block(pq.phi, pk.phi, pk.m, vh.detach(), starts[i], offs[i], spec.groups,
-                             v.shape[-1], scores[i])  # fmt: skip
-                dpq, dpk, dvh, dstate = _block_backward(blk, out, dout, den, t0, t1, dstate)
-                dirty = blk.dirty
-                del blk
-                if need_v:
-                    dv[:, :, t0:t1] = _finite_values(dvh, v[:, :, t0:t1], dirty)
-                accs = (dq[:, :, t0:t1] if need_q else None, dk[:, :, t0:t1] if need_k else None,
-                        dw, *dps)  # fmt: skip
-                if any(x is not None for x in accs):
-                    rq, cq = pq.backprop(dpq)
-                    rk, ck = pk.backprop(dpk)
-                    _backprop(rq + rk, cq + ck, (qb, kb, wl, *pl), accs, assign=2)
-                del pq, pk
+        bounds = ctx.bounds
+        nb = ctx.n_blocks // len(bounds)  # blocks per part (the parts' lists one after another)
+
+        def run(h0, h1):  # heads h0:h1: (d state before the call, dW, d params) of theirs
+            j = [b[0] for b in bounds].index(h0)
+            qs, ks = slice(h0 * G, h1 * G), slice(h0, h1)
+            st, of, sc = (x[j * nb : (j + 1) * nb] for x in (starts, offs, scores))
+            dw = torch.zeros_like(w) if need_w else None
+            dps = [torch.zeros_like(p) if n else None
+                   for p, n in zip(ptensors, need_p, strict=True)]  # fmt: skip
+            dstate = ds[:, ks] if ds is not None else torch.zeros_like(st[0]) if nb else None
+            with _blocks(v.device):
+                for i in reversed(range(nb)):
+                    t0, t1 = i * block, min(k.shape[2], (i + 1) * block)
+                    _next_block()
+                    with torch.enable_grad():
+                        (qb, kb), wl, pl, pp = _leaves(
+                            spec,
+                            (q[:, qs, t0:t1], k[:, ks, t0:t1]),
+                            (need_q, need_k),
+                            w,
+                            need_w,
+                            ptensors,
+                            need_p,
+                        )
+                        xq, xk, vh, mask = _block_inputs(
+                            spec, qb, kb, v[:, ks, t0:t1], _mask(spec, t0, t1), CHUNK, w.dtype, pp
+                        )
+                        pq = _Cut(spec.fm, xq, wl, pp, "query")
+                        pk = _Cut(spec.fm, xk, wl, pp, "key", mask)
+                    blk = _Block(pq.phi, pk.phi, pk.m, vh.detach(), st[i], of[i], G, v.shape[-1],
+                                 sc[i])  # fmt: skip
+                    dpq, dpk, dvh, dstate = _block_backward(blk, out[:, ks], dout[:, ks],
+                                                            den[:, ks], t0, t1, dstate)  # fmt: skip
+                    dirty = blk.dirty
+                    del blk
+                    if need_v:
+                        dv[:, ks, t0:t1] = _finite_values(dvh, v[:, ks, t0:t1], dirty)
+                    accs = (dq[:, qs, t0:t1] if need_q else None,
+                            dk[:, ks, t0:t1] if need_k else None, dw, *dps)  # fmt: skip
+                    if any(x is not None for x in accs):
+                        rq, cq = pq.backprop(dpq)
+                        rk, ck = pk.backprop(dpk)
+                        _backprop(rq + rk, cq + ck, (qb, kb, wl, *pl), accs, assign=2)
+                    del pq, pk
+            return dstate, dw, dps
+
+        res = threads.over_heads(run, bounds)
+        dstate = None if res[0][0] is None else torch.cat([r[0] for r in res], dim=1)
+        dw = _summed([r[1] for r in res])
+        dps = [_summed(x) for x in zip(*(r[2] for r in res), strict=True)] if ptensors else []
         return (None, dq, dk, dv, dw, dstate if need_s else None, None, None, None, *dps)
+
+
+def _summed(xs: list):
+    """The sum of the per-part gradients ``xs`` (None where not needed)."""
+    if xs[0] is None:
+        return None
+    total = xs[0]
+    for x in xs[1:]:
+        total = total + x
+    return total
+
+
+def _split(spec: _Spec, q, w, ptensors, heads: int, T: int) -> bool:
+    """Whether a call runs its heads on worker threads (:func:`rfattn.threads.split_heads`):
+    when W and every feature parameter are shared by the heads (no per-head tensor to slice)."""
+    shared = w.dim() == 2 and all(p.dim() >= 3 and p.shape[-3] == 1 for p in ptensors)
+    rows = q.shape[0] * q.shape[1] * T
+    return shared and threads.split_heads(q.device, heads, rows * spec.fm.width(w.shape[-2]))
 
 
 def _mask(spec: _Spec, t0: int, t1: int):

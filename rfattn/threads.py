@@ -116,3 +116,92 @@ def check() -> None:
         _state.measuring = False
     else:
         _start()
+
+
+# ------------------------------------------------------------------------------------------------
+# heads in parallel
+
+#: False: never split a call's heads over worker threads (:func:`over_heads` runs them at once)
+HEADS_ENABLED = True
+#: the least work (query rows x tokens x features) a call needs to be split over threads
+HEADS_MIN_ELEMENTS = 1 << 21
+
+_pool: dict = {"executor": None, "workers": 0}
+_pool_lock = threading.Lock()
+
+
+def _one_thread(barrier) -> None:
+    # torch sets a thread's counts on its first parallel op, from the count last passed to
+    # torch.set_num_threads anywhere: run one first, or that would undo the count set here
+    torch.ones(1 << 16).sum()
+    torch.set_num_threads(1)  # this worker's OpenMP and MKL counts (thread-local)
+    barrier.wait()  # every worker starts (and sets its count) before the pool is used
+
+
+def _executor(workers: int):
+    """The worker threads, ``workers`` of them, each running torch ops on one intra-op thread
+    (created on first use and again when torch's thread count changes)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with _pool_lock:
+        if _pool["workers"] != workers:
+            if _pool["executor"] is not None:
+                _pool["executor"].shutdown(wait=True)
+            full = torch.get_num_threads()
+            ex = ThreadPoolExecutor(workers, thread_name_prefix="rfattn-heads")
+            barrier = threading.Barrier(workers)
+            list(ex.map(lambda _: _one_thread(barrier), range(workers)))
+            # torch.set_num_threads also records the count that threads starting later take
+            # up: put the caller's back (its own count is unchanged)
+            torch.set_num_threads(full)
+            _pool["executor"], _pool["workers"] = ex, workers
+        return _pool["executor"]
+
+
+def split_heads(device, heads: int, elements: int) -> bool:
+    """Whether a blocked call over ``heads`` independent heads and ``elements`` (query rows x
+    tokens x features) of work runs its heads on worker threads (:func:`over_heads`): a CPU
+    call outside ``torch.compile`` and CPU autocast, with more than one intra-op thread, more
+    than one head, enough work, from a thread that is not itself a worker, ``HEADS_ENABLED``."""
+    return bool(
+        HEADS_ENABLED
+        and heads > 1
+        and elements >= HEADS_MIN_ELEMENTS
+        and torch.device(device).type == "cpu"
+        and torch.get_num_threads() > 1
+        and not torch.compiler.is_compiling()
+        and not torch.is_autocast_enabled("cpu")
+        and not threading.current_thread().name.startswith("rfattn-heads")
+    )
+
+
+def head_parts(heads: int, split: bool) -> list[tuple[int, int]]:
+    """The heads ``[h0, h1)`` of each part of a call: one per worker thread (torch's intra-op
+    count), contiguous and as even as can be, when ``split`` (:func:`split_heads`); else all
+    of them at once."""
+    n = min(heads, torch.get_num_threads()) if split else 1
+    bounds = [heads * i // n for i in range(n + 1)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def over_heads(fn, parts: list[tuple[int, int]]) -> list:
+    """``[fn(h0, h1) for h0, h1 in parts]`` (:func:`head_parts`), each part on a worker thread
+    that runs its torch ops on one intra-op thread when there is more than one part.
+
+    Every op of a blocked call runs its parallel region on all intra-op threads and waits for
+    the slowest at its end (some 40 regions per block); on a shared or noisy CPU each wait
+    stalls. Heads are independent, so each worker runs its heads' whole call instead, one
+    thread per core, with one wait at the end; each part's ops are as batched as the call's
+    (a part is a contiguous range of heads). The workers run in the caller's grad and
+    inference modes."""
+    if len(parts) == 1:
+        return [fn(*parts[0])]
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+    def task(bounds):
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            return fn(*bounds)
+
+    ex = _executor(torch.get_num_threads())
+    futures = [ex.submit(task, b) for b in parts]
+    return [f.result() for f in futures]

@@ -14,14 +14,16 @@ ordinals), shape, dtype and device, reused by the next block and the next call. 
 takes them drops a block's tensors before the next block starts, and nothing a call returns
 aliases a buffer. Only CPU tensors outside autograd (or in a product that records its own
 backward, :func:`keeps`) and outside ``torch.compile`` use them; the buffers are per thread, at
-most :data:`MAX_BYTES` in all (least recently used dropped first), and :func:`clear` releases
-them.
+most :data:`MAX_BYTES` per thread (least recently used dropped first; a call split over worker
+threads, :func:`rfattn.threads.over_heads`, keeps each part's buffers in its worker), and
+:func:`clear` releases those of every thread.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -34,12 +36,26 @@ MAX_BYTES = 128 << 20
 ENABLED = True
 
 
+class _Kept:
+    """One thread's kept buffers (by key, the most recently used last) and their bytes."""
+
+    def __init__(self):
+        self.buffers: OrderedDict = OrderedDict()
+        self.bytes = 0
+
+
+#: every live thread's :class:`_Kept` (a thread's goes when the thread ends)
+_all_kept: weakref.WeakSet = weakref.WeakSet()
+_all_lock = threading.Lock()
+
+
 class _State(threading.local):
     def __init__(self):
         self.active = 0
         self.counts: dict = {}
-        self.buffers: OrderedDict = OrderedDict()
-        self.bytes = 0
+        self.kept = _Kept()
+        with _all_lock:
+            _all_kept.add(self.kept)
 
 
 _state = _State()
@@ -86,14 +102,15 @@ def buffer(role: str, shape, dtype: torch.dtype, device: torch.device) -> torch.
     n = _state.counts.get(role, 0)
     _state.counts[role] = n + 1
     key = (role, n, tuple(shape), dtype, torch.device(device))
-    buf = _state.buffers.pop(key, None)
+    kept = _state.kept
+    buf = kept.buffers.pop(key, None)
     if buf is None:
         buf = torch.empty(tuple(shape), dtype=dtype, device=device)
-        _state.bytes += buf.nbytes
-    _state.buffers[key] = buf  # the most recently used last
-    while _state.bytes > MAX_BYTES and len(_state.buffers) > 1:
-        _, old = _state.buffers.popitem(last=False)
-        _state.bytes -= old.nbytes
+        kept.bytes += buf.nbytes
+    kept.buffers[key] = buf  # the most recently used last
+    while kept.bytes > MAX_BYTES and len(kept.buffers) > 1:
+        _, old = kept.buffers.popitem(last=False)
+        kept.bytes -= old.nbytes
     return buf
 
 
@@ -106,12 +123,20 @@ def product(a: torch.Tensor, b: torch.Tensor, role: str) -> torch.Tensor:
     return torch.matmul(a, b, out=buffer(role, shape, a.dtype, a.device))
 
 
+def _every_thread() -> list:
+    with _all_lock:
+        return list(_all_kept)
+
+
 def clear() -> None:
-    """Release this thread's kept buffers."""
-    _state.buffers.clear()
-    _state.bytes = 0
+    """Release the kept buffers of every thread (the caller's and those of the worker threads
+    that run a call's heads, :func:`rfattn.threads.over_heads`). Call it while no blocked call
+    runs."""
+    for kept in _every_thread():
+        kept.buffers.clear()
+        kept.bytes = 0
 
 
 def kept_bytes() -> int:
-    """Bytes of this thread's kept buffers."""
-    return _state.bytes
+    """Bytes of the kept buffers of every thread."""
+    return sum(kept.bytes for kept in _every_thread())

@@ -404,3 +404,131 @@ def test_causal_forwards_keep_block_quantities_only_for_a_backward(grad, tiny_bl
         wrt = (pq, u_k, v)
         for a, b in zip(grads(scanned[:, :, 0], wrt), grads(want, wrt), strict=True):
             assert rel_rms(a, b) <= GRAD
+
+
+@pytest.fixture
+def heads_split(monkeypatch):
+    """Causal calls run their heads on two worker threads (rfattn.threads.over_heads) whatever
+    their size; records whether each call split (ran more than one part)."""
+    from rfattn import threads
+
+    monkeypatch.setattr(threads, "HEADS_MIN_ELEMENTS", 0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    calls = []
+    over = threads.over_heads
+
+    def spy(fn, parts):
+        calls.append(len(parts) > 1)
+        return over(fn, parts)
+
+    monkeypatch.setattr(threads, "over_heads", spy)
+    yield calls
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("feature, weights", [("posrf", "orf"), ("saderf", "orf")])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_causal_heads_on_worker_threads_match_the_reference(feature, weights, groups,
+                                                            tiny_blocks, heads_split):  # fmt: skip
+    """Heads split over worker threads: outputs, the returned state and the gradients of q, k,
+    v and the initial state are the reference's (float64), forward and backward both split."""
+    B, Hk, T, D, E = 2, 3, 29, 6, 3
+    rf = make_rf(feature, weights).eval()
+    q = rand(B, Hk * groups, T, D, seed=1, scale=0.7)
+    k, v = rand(B, Hk, T, D, seed=2, scale=0.7), rand(B, Hk, T, E, seed=3)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask[0, [0, 5, 13]] = True
+    mask[1, 20:] = True
+    cut = 11  # a first call gives the initial state, so its gradient is checked too
+    a, st = rfattn.rf_attention(q[:, :, :cut], k[:, :, :cut], v[:, :, :cut], rf, causal=True,
+                                key_padding_mask=mask[:, :cut], return_state=True)  # fmt: skip
+    b = rfattn.rf_attention(q[:, :, cut:], k[:, :, cut:], v[:, :, cut:], rf, causal=True,
+                            key_padding_mask=mask[:, cut:], initial_state=st)  # fmt: skip
+    out = torch.cat((a, b), dim=2)
+    ref = reference(q, k, v, rf, True, mask, groups)
+    assert heads_split[:2] == [True, True]
+    assert rel_rms(out, ref) <= OUT
+    got, want = grads(out, (q, k, v)), grads(ref, (q, k, v))
+    assert heads_split[2:] == [True, True]  # both backwards
+    for name, x, y in zip("qkv", got, want, strict=True):
+        assert rel_rms(x, y) <= GRAD, name
+
+
+def test_causal_heads_on_worker_threads_sum_learnable_weights_gradient(tiny_blocks, heads_split):
+    """A learnable W (fastfoodl) is shared by the heads: each worker's part of its gradient is
+    summed."""
+    q, k, v = (rand(2, 2, 21, 4, seed=i, scale=0.7) for i in range(3))
+    rf = make_rf("posrf", "fastfoodl", D=4, M=16)
+    out = rfattn.rf_attention(q, k, v, rf, causal=True)
+    ref = reference(q, k, v, rf, True, None)
+    params = [p for p in rf.parameters() if p.requires_grad]
+    assert params and heads_split == [True]
+    for x, y in zip(grads(out, params), grads(ref, params), strict=True):
+        assert x.abs().sum() > 0 and rel_rms(x, y) <= GRAD
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_causal_heads_on_worker_threads_without_autograd(mode, tiny_blocks, heads_split):
+    """The workers run in the caller's grad and inference modes: an inference-mode call (its
+    output an inference tensor written by the workers) equals the reference."""
+    q, k, v = (rand(1, 4, 23, 6, seed=i, scale=0.7).detach() for i in range(3))
+    rf = make_rf("posrf", "orf").eval()
+    ctx = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+    with ctx:
+        out, st = rfattn.rf_attention(q, k, v, rf, causal=True, return_state=True)
+    with torch.no_grad():
+        ref = reference(q, k, v, rf, True, None)
+    assert heads_split == [True]
+    assert rel_rms(out, ref) <= OUT
+    assert st.s.shape[:2] == (1, 4) and torch.isfinite(st.s).all()
+
+
+def test_causal_heads_stay_together_where_the_work_is_small(tiny_blocks, monkeypatch):
+    """Below HEADS_MIN_ELEMENTS, with one intra-op thread, or with the split turned off, a call
+    runs its heads together on the caller's thread; a split call's parts are contiguous head
+    ranges, one per intra-op thread, and its workers run on one intra-op thread each."""
+    from rfattn import threads
+
+    q, k, v = (rand(1, 4, 23, 6, seed=i, scale=0.7).detach() for i in range(3))
+    rf = make_rf("posrf", "orf").eval()
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert threads.split_heads("cpu", 4, threads.HEADS_MIN_ELEMENTS)
+        assert not threads.split_heads("cpu", 4, threads.HEADS_MIN_ELEMENTS - 1)
+        assert not threads.split_heads("cpu", 1, threads.HEADS_MIN_ELEMENTS)
+        assert threads.head_parts(5, True) == [(0, 2), (2, 5)]
+        assert threads.head_parts(5, False) == [(0, 5)]
+        # a worker's first parallel op must not put its count back to the caller's
+        counts = threads.over_heads(
+            lambda h0, h1: (torch.ones(1 << 17).sum(), torch.get_num_threads())[1], [(0, 1), (1, 2)]
+        )
+        assert counts == [1, 1] and torch.get_num_threads() == 2
+        monkeypatch.setattr(threads, "HEADS_ENABLED", False)
+        assert not threads.split_heads("cpu", 4, threads.HEADS_MIN_ELEMENTS)
+        torch.set_num_threads(1)
+        monkeypatch.setattr(threads, "HEADS_ENABLED", True)
+        assert not threads.split_heads("cpu", 4, threads.HEADS_MIN_ELEMENTS)
+    finally:
+        torch.set_num_threads(before)
+    with torch.no_grad():
+        out = rfattn.rf_attention(q, k, v, rf, causal=True)
+        assert rel_rms(out, reference(q, k, v, rf, True, None)) <= OUT
+
+
+def test_clear_releases_the_worker_threads_kept_buffers(tiny_blocks, heads_split):
+    """A split call's parts keep their buffers in their workers; workspace.clear() (what
+    bench.memory calls before the call it measures) releases those too."""
+    from rfattn import workspace
+
+    q, k, v = (rand(1, 4, 23, 6, seed=i, scale=0.7).detach() for i in range(3))
+    rf = make_rf("posrf", "orf").eval()
+    workspace.clear()
+    assert workspace.kept_bytes() == 0
+    with torch.no_grad():
+        rfattn.rf_attention(q, k, v, rf, causal=True)
+    assert heads_split == [True]
+    assert workspace._state.kept.bytes == 0 < workspace.kept_bytes()  # all in the workers
+    workspace.clear()
+    assert workspace.kept_bytes() == 0
