@@ -19,6 +19,10 @@ kernels are: features are computed for one block of tokens at a time and dropped
   blocks, then key blocks at the forward's offsets.
 * Given features (:class:`_CausalScan`, behind :func:`rfattn.attention._causal_torch`): the same
   causal blocks for the operators' torch kernels and the sharded path's local states.
+* Heads in parallel: on a CPU with more than one intra-op thread, a large call of either
+  Function runs its heads in contiguous parts, one per intra-op thread, each part's forward and
+  backward on a worker thread with one intra-op thread (:func:`rfattn.threads.over_heads`;
+  where W and the feature parameters are shared by the heads, :func:`_split`).
 
 Offsets are those of DESIGN §3 and of the fused chunk kernel: query row i reads
 key j <= i at ``r_i = max(offset before the chunk, m_l for l <= i in the chunk)``, key j entering
@@ -914,12 +918,12 @@ class _OnlineOffsets:
         return safe[:, :, None]
 
 
-def _noncausal_forward(spec: _Spec, q, k, v, w, params: dict):
-    """``(out, den, [S, z], offsets)`` of non-causal attention, in blocks (compute dtype)."""
+def _noncausal_forward(spec: _Spec, q, k, v, w, params: dict, block: int, out, den):
+    """``([S, z], offsets)`` of non-causal attention in blocks of ``block`` tokens, its output
+    and denominator written to ``out`` and ``den`` (compute dtype)."""
     fm, scale, mask = spec.fm, spec.scale, spec.mask
     B, H, Tk, E = k.shape[0], k.shape[1], k.shape[2], v.shape[-1]
     F, dt = fm.width(w.shape[-2]), w.dtype
-    block = block_tokens(B * H, F)
     s = torch.zeros(B, H, F, value_width(E), dtype=dt, device=q.device)
     c = torch.full((B, H, F), _NINF, dtype=dt, device=q.device)
     for t0 in range(0, Tk, block):
@@ -935,15 +939,13 @@ def _noncausal_forward(spec: _Spec, q, k, v, w, params: dict):
         s = _addmm(s, pk.transpose(-1, -2), vh, inplace=True)
         del pk
     off = torch.where(c == _NINF, 0.0, c)  # no valid key: offset 0 (key_offset's rule)
-    out = torch.empty(*q.shape[:3], E, dtype=dt, device=q.device)
-    den = torch.empty(q.shape[:3], dtype=dt, device=q.device)
     for r0 in range(0, q.shape[2], block):
         r1 = min(q.shape[2], r0 + block)
         _next_block()
         nh = _query_side(fm, _queries(q[:, :, r0:r1], scale, params), w, params, off) @ s
         _ratio(nh[..., :E], nh[..., E], out=out[:, :, r0:r1])  # (no autograd here)
         den[:, :, r0:r1] = nh[..., E]
-    return out, den, s, off
+    return s, off
 
 
 def _key_values(v, mask, width: int, dtype) -> torch.Tensor:
@@ -995,64 +997,85 @@ class _NoncausalAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, spec, q, k, v, w, *ptensors):
-        with _blocks(v.device):
-            out, den, s, off = _noncausal_forward(spec, q, k, v, w, spec.params(ptensors))
-        ctx.spec = spec
+        params = spec.params(ptensors)
+        B, H, E = k.shape[0], k.shape[1], v.shape[-1]
+        block = block_tokens(B * H, spec.fm.width(w.shape[-2]))
+        out = torch.empty(*q.shape[:3], E, dtype=w.dtype, device=q.device)
+        den = torch.empty(q.shape[:3], dtype=w.dtype, device=q.device)
+
+        def run(h0, h1):  # heads h0:h1
+            with _blocks(v.device):
+                return _noncausal_forward(spec, q[:, h0:h1], k[:, h0:h1], v[:, h0:h1], w, params,
+                                          block, out[:, h0:h1], den[:, h0:h1])  # fmt: skip
+
+        T = max(q.shape[2], k.shape[2])
+        bounds = threads.head_parts(H, _split(spec, q, w, ptensors, H, T))
+        parts = threads.over_heads(run, bounds)
+        s, off = (torch.cat(x, dim=1) for x in zip(*parts, strict=True))
+        ctx.spec, ctx.block, ctx.bounds = spec, block, bounds
         ctx.save_for_backward(q, k, v, w, out, den, s, off, *ptensors)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        spec = ctx.spec
+        spec, block = ctx.spec, ctx.block
         q, k, v, w, out, den, s, off, *ptensors = ctx.saved_tensors
         need_q, need_k, need_v, need_w = ctx.needs_input_grad[1:5]
         need_p = ctx.needs_input_grad[5:]
-        dw = torch.zeros_like(w) if need_w else None
-        dps = [torch.zeros_like(p) if n else None for p, n in zip(ptensors, need_p, strict=True)]
         # every block sets its own rows of dq (or dk, dv) once
         dq = torch.empty_like(q) if need_q else None
         dk = torch.empty_like(k) if need_k else None
         dv = torch.empty_like(v) if need_v else None
         dout = dout.to(out.dtype)
-        ds = torch.zeros_like(s)
-        block = block_tokens(k.shape[0] * k.shape[1], s.shape[-2])
 
-        grads = need_q or need_w or any(need_p)
-        with _blocks(v.device):
-            for r0 in range(0, q.shape[2], block):
-                r1 = min(q.shape[2], r0 + block)
-                _next_block()
-                with torch.enable_grad():
-                    (qb,), wl, pl, pp = _leaves(spec, (q[:, :, r0:r1],), (need_q,), w, need_w,
-                                                ptensors, need_p)  # fmt: skip
-                    pq = _Cut(spec.fm, _queries(qb, spec.scale, pp), wl, pp, "query",
-                              key_offsets=off)  # fmt: skip
-                dnh = _ratio_grad(dout[:, :, r0:r1], out[:, :, r0:r1], den[:, :, r0:r1], None,
-                                  s.shape[-1])  # fmt: skip
-                ds = _addmm(ds, pq.phi.transpose(-1, -2), dnh, inplace=True)
-                if grads:
-                    d_phi = workspace.product(dnh, s.transpose(-1, -2), "d_phi")
-                    acc = dq[:, :, r0:r1] if need_q else None
-                    _backprop(*pq.backprop(d_phi), (qb, wl, *pl), (acc, dw, *dps), assign=1)
-                del pq
-            grads = need_k or need_w or any(need_p)
-            for t0 in range(0, k.shape[2], block):
-                t1 = min(k.shape[2], t0 + block)
-                _next_block()
-                mb = None if spec.mask is None else spec.mask[:, t0:t1]
-                vh = _key_values(v[:, :, t0:t1], mb, s.shape[-1], s.dtype)
-                with torch.enable_grad():
-                    (kb,), wl, pl, pp = _leaves(spec, (k[:, :, t0:t1],), (need_k,), w, need_w,
-                                                ptensors, need_p)  # fmt: skip
-                    pk = _Cut(spec.fm, _keys_in(kb, spec.scale, pp, mb), wl, pp, "key", mb,
-                              offsets=off)  # fmt: skip
-                if need_v:
-                    dv[:, :, t0:t1] = pk.phi @ ds[..., : v.shape[-1]]
-                if grads:
-                    d_phi = workspace.product(vh, ds.transpose(-1, -2), "d_phi")
-                    acc = dk[:, :, t0:t1] if need_k else None
-                    _backprop(*pk.backprop(d_phi), (kb, wl, *pl), (acc, dw, *dps), assign=1)
-                del pk
+        def run(h0, h1):  # heads h0:h1: (dW, d params) of theirs
+            hs = slice(h0, h1)
+            dw = torch.zeros_like(w) if need_w else None
+            dps = [torch.zeros_like(p) if n else None
+                   for p, n in zip(ptensors, need_p, strict=True)]  # fmt: skip
+            sh, offh = s[:, hs], off[:, hs]
+            ds = torch.zeros_like(sh)
+            grads = need_q or need_w or any(need_p)
+            with _blocks(v.device):
+                for r0 in range(0, q.shape[2], block):
+                    r1 = min(q.shape[2], r0 + block)
+                    _next_block()
+                    with torch.enable_grad():
+                        (qb,), wl, pl, pp = _leaves(spec, (q[:, hs, r0:r1],), (need_q,), w,
+                                                    need_w, ptensors, need_p)  # fmt: skip
+                        pq = _Cut(spec.fm, _queries(qb, spec.scale, pp), wl, pp, "query",
+                                  key_offsets=offh)  # fmt: skip
+                    dnh = _ratio_grad(dout[:, hs, r0:r1], out[:, hs, r0:r1], den[:, hs, r0:r1],
+                                      None, sh.shape[-1])  # fmt: skip
+                    ds = _addmm(ds, pq.phi.transpose(-1, -2), dnh, inplace=True)
+                    if grads:
+                        d_phi = workspace.product(dnh, sh.transpose(-1, -2), "d_phi")
+                        acc = dq[:, hs, r0:r1] if need_q else None
+                        _backprop(*pq.backprop(d_phi), (qb, wl, *pl), (acc, dw, *dps), assign=1)
+                    del pq
+                grads = need_k or need_w or any(need_p)
+                for t0 in range(0, k.shape[2], block):
+                    t1 = min(k.shape[2], t0 + block)
+                    _next_block()
+                    mb = None if spec.mask is None else spec.mask[:, t0:t1]
+                    vh = _key_values(v[:, hs, t0:t1], mb, sh.shape[-1], sh.dtype)
+                    with torch.enable_grad():
+                        (kb,), wl, pl, pp = _leaves(spec, (k[:, hs, t0:t1],), (need_k,), w,
+                                                    need_w, ptensors, need_p)  # fmt: skip
+                        pk = _Cut(spec.fm, _keys_in(kb, spec.scale, pp, mb), wl, pp, "key", mb,
+                                  offsets=offh)  # fmt: skip
+                    if need_v:
+                        dv[:, hs, t0:t1] = pk.phi @ ds[..., : v.shape[-1]]
+                    if grads:
+                        d_phi = workspace.product(vh, ds.transpose(-1, -2), "d_phi")
+                        acc = dk[:, hs, t0:t1] if need_k else None
+                        _backprop(*pk.backprop(d_phi), (kb, wl, *pl), (acc, dw, *dps), assign=1)
+                    del pk
+            return dw, dps
+
+        res = threads.over_heads(run, ctx.bounds)
+        dw = _summed([r[0] for r in res])
+        dps = [_summed(x) for x in zip(*(r[1] for r in res), strict=True)] if ptensors else []
         return (None, dq, dk, dv, dw, *dps)
 
 

@@ -532,3 +532,31 @@ def test_clear_releases_the_worker_threads_kept_buffers(tiny_blocks, heads_split
     assert workspace._state.kept.bytes == 0 < workspace.kept_bytes()  # all in the workers
     workspace.clear()
     assert workspace.kept_bytes() == 0
+
+
+@pytest.mark.parametrize("feature, weights", [("posrf", "orf"), ("saderf", "orf"),
+                                              ("posrf", "fastfoodl")])  # fmt: skip
+def test_noncausal_heads_on_worker_threads_match_the_reference(feature, weights, tiny_blocks,
+                                                               heads_split):  # fmt: skip
+    """Non-causal heads split over worker threads (more keys than queries, padded keys):
+    outputs and the gradients of q, k, v and of a learnable W are the reference's. saderf's
+    statistics of the call are per head (``[B, H, 1, D]``): nothing to slice them by, so that
+    call is not split, and still right."""
+    B, H, Tq, Tk, D, E = 2, 3, 17, 29, 6, 3
+    rf = make_rf(feature, weights).eval()
+    q = rand(B, H, Tq, D, seed=1, scale=0.7)
+    k, v = rand(B, H, Tk, D, seed=2, scale=0.7), rand(B, H, Tk, E, seed=3)
+    mask = torch.zeros(B, Tk, dtype=torch.bool)
+    mask[0, [0, 5, 13]] = True
+    mask[1, 20:] = True
+    out = rfattn.rf_attention(q, k, v, rf, key_padding_mask=mask)
+    ref = reference(q, k, v, rf, False, mask)
+    split = feature != "saderf"
+    assert heads_split == [split]
+    assert rel_rms(out, ref) <= OUT
+    inputs = (q, k, v, *(p for p in rf.parameters() if p.requires_grad))
+    got, want = grads(out, inputs), grads(ref, inputs)
+    assert heads_split == [split, split]
+    assert (len(inputs) > 3) == (weights == "fastfoodl")  # its learnable W parts
+    for i, (x, y) in enumerate(zip(got, want, strict=True)):
+        assert x.abs().sum() > 0 and rel_rms(x, y) <= GRAD, i
