@@ -21,6 +21,12 @@ whatever the size of the calls (measured here at T = 512 to 8192, both modes).
 It changes ``torch.set_num_threads`` for the duration of a call: process-wide for MKL, so a
 second thread of the process running torch ops at that moment runs its matrix products on the
 lowered count too. ``ENABLED = False`` turns it off.
+
+A large call is not left to that: :func:`over_heads` runs its heads in contiguous parts, one
+per intra-op thread, each on a worker thread with one intra-op thread of its own, so no op
+waits at a barrier for a thread on a busy core (:func:`split_heads` says when;
+``HEADS_ENABLED = False`` turns it off). The adaptation then has nothing to lower: it acts on
+the calls that are not split (small ones, per-head feature parameters, one head).
 """
 
 from __future__ import annotations
@@ -31,7 +37,19 @@ import time
 
 import torch
 
-__all__ = ["adaptive", "check", "ENABLED", "WINDOW_S", "HOLD_S", "SLACK"]
+__all__ = [
+    "adaptive",
+    "check",
+    "ENABLED",
+    "WINDOW_S",
+    "HOLD_S",
+    "SLACK",
+    "split_heads",
+    "head_parts",
+    "over_heads",
+    "HEADS_ENABLED",
+    "HEADS_MIN_ELEMENTS",
+]
 
 #: False: always run on torch's configured thread count
 ENABLED = True
