@@ -32,6 +32,7 @@ the calls that are not split (small ones, per-head feature parameters, one head)
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 
@@ -146,6 +147,17 @@ HEADS_MIN_ELEMENTS = 1 << 21
 
 _pool: dict = {"executor": None, "workers": 0}
 _pool_lock = threading.Lock()
+
+
+def _forget_pool() -> None:
+    # a forked child has none of its parent's worker threads (an executor that believes it has
+    # them never runs a task) and may hold a copy of a lock taken in the parent: start afresh
+    global _pool_lock
+    _pool_lock = threading.Lock()
+    _pool["executor"], _pool["workers"] = None, 0
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _one_thread(barrier) -> None:

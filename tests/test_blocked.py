@@ -560,3 +560,29 @@ def test_noncausal_heads_on_worker_threads_match_the_reference(feature, weights,
     assert (len(inputs) > 3) == (weights == "fastfoodl")  # its learnable W parts
     for i, (x, y) in enumerate(zip(got, want, strict=True)):
         assert x.abs().sum() > 0 and rel_rms(x, y) <= GRAD, i
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_a_forked_child_runs_split_calls_on_workers_of_its_own(tiny_blocks, heads_split):
+    """After a fork the parent's worker threads do not exist in the child: a split call there
+    starts its own (with the parent's, it would wait forever for tasks that never run)."""
+    import os
+    import signal
+
+    q, k, v = (rand(1, 4, 23, 6, seed=i, scale=0.7).detach() for i in range(3))
+    rf = make_rf("posrf", "orf").eval()
+    with torch.no_grad():
+        want = rfattn.rf_attention(q, k, v, rf, causal=True)  # the parent's pool exists now
+    assert heads_split == [True]
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 if the split call returns the parent's result in time
+        code = 1
+        try:
+            signal.alarm(60)
+            with torch.no_grad():
+                got = rfattn.rf_attention(q, k, v, rf, causal=True)
+            code = 0 if heads_split[-1] and torch.equal(got, want) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
