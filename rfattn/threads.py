@@ -232,6 +232,9 @@ def over_heads(fn, parts: list[tuple[int, int]]) -> list:
         with torch.inference_mode(inference), torch.set_grad_enabled(grad):
             return fn(*bounds)
 
+    from concurrent.futures import wait
+
     ex = _executor(torch.get_num_threads())
     futures = [ex.submit(task, b) for b in parts]
+    wait(futures)  # every part done (writing into the caller's tensors) before any error is raised
     return [f.result() for f in futures]

@@ -586,3 +586,28 @@ def test_a_forked_child_runs_split_calls_on_workers_of_its_own(tiny_blocks, head
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_over_heads_raises_a_parts_error_after_every_part_is_done():
+    """An error in one part is raised to the caller, only once the other parts have finished
+    (they write into the caller's tensors)."""
+    import time
+
+    from rfattn import threads
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    done = []
+
+    def part(h0, h1):
+        if h0 == 0:
+            raise ValueError("part 0")
+        time.sleep(0.2)
+        done.append(h0)
+
+    try:
+        with pytest.raises(ValueError, match="part 0"):
+            threads.over_heads(part, [(0, 1), (1, 2)])
+        assert done == [1]
+    finally:
+        torch.set_num_threads(before)
