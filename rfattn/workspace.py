@@ -105,7 +105,10 @@ def buffer(role: str, shape, dtype: torch.dtype, device: torch.device) -> torch.
     kept = _state.kept
     buf = kept.buffers.pop(key, None)
     if buf is None:
-        buf = torch.empty(tuple(shape), dtype=dtype, device=device)
+        # a normal tensor even under inference mode: an inference tensor could not be written
+        # in place by a later call outside it
+        with torch.inference_mode(False):
+            buf = torch.empty(tuple(shape), dtype=dtype, device=device)
         kept.bytes += buf.nbytes
     kept.buffers[key] = buf  # the most recently used last
     while kept.bytes > MAX_BYTES and len(kept.buffers) > 1:
