@@ -649,7 +649,7 @@ class _CausalAttention(torch.autograd.Function):
 
         bounds = threads.head_parts(Hk, _split(spec, q, w, ptensors, Hk, T))
         parts = threads.over_heads(run, bounds)
-        s, off = (torch.cat(x, dim=1) for x in zip(*(p[:2] for p in parts), strict=True))
+        s, off = (_joined(x) for x in zip(*(p[:2] for p in parts), strict=True))
         kept = tuple(sum((list(p[2][i]) for p in parts), []) for i in range(3))
         ctx.spec, ctx.block, ctx.bounds = spec, block, bounds
         _save_blocks(ctx, (q, k, v, w, out, den), kept, ptensors)
@@ -673,7 +673,7 @@ class _CausalAttention(torch.autograd.Function):
         nb = ctx.n_blocks // len(bounds)  # blocks per part (the parts' lists one after another)
 
         def run(h0, h1):  # heads h0:h1: (d state before the call, dW, d params) of theirs
-            j = [b[0] for b in bounds].index(h0)
+            j = bounds.index((h0, h1))
             qs, ks = slice(h0 * G, h1 * G), slice(h0, h1)
             st, of, sc = (x[j * nb : (j + 1) * nb] for x in (starts, offs, scores))
             dw = torch.zeros_like(w) if need_w else None
@@ -717,10 +717,16 @@ class _CausalAttention(torch.autograd.Function):
             return dstate, dw, dps
 
         res = threads.over_heads(run, bounds)
-        dstate = None if res[0][0] is None else torch.cat([r[0] for r in res], dim=1)
+        dstate = None if res[0][0] is None else _joined([r[0] for r in res])
         dw = _summed([r[1] for r in res])
         dps = [_summed(x) for x in zip(*(r[2] for r in res), strict=True)] if ptensors else []
         return (None, dq, dk, dv, dw, dstate if need_s else None, None, None, None, *dps)
+
+
+def _joined(xs) -> torch.Tensor:
+    """The per-part tensors ``xs`` joined along the head dim (a single part's as it is: an
+    unsplit call copies nothing)."""
+    return xs[0] if len(xs) == 1 else torch.cat(xs, dim=1)
 
 
 def _summed(xs: list):
@@ -1011,7 +1017,7 @@ class _NoncausalAttention(torch.autograd.Function):
         T = max(q.shape[2], k.shape[2])
         bounds = threads.head_parts(H, _split(spec, q, w, ptensors, H, T))
         parts = threads.over_heads(run, bounds)
-        s, off = (torch.cat(x, dim=1) for x in zip(*parts, strict=True))
+        s, off = (_joined(x) for x in zip(*parts, strict=True))
         ctx.spec, ctx.block, ctx.bounds = spec, block, bounds
         ctx.save_for_backward(q, k, v, w, out, den, s, off, *ptensors)
         return out
