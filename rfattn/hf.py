@@ -74,6 +74,8 @@ __all__ = [
 NAME = "rfattn"
 #: defaults of ``config.rfattn``
 DEFAULT_OPTIONS = {"num_features": 256, "feature": "posrf", "weights": "orf", "seed": 0}
+#: what :func:`rfattn.calibrate` notes in ``config.rfattn`` besides feature options
+CALIBRATION_NOTES = ("head_maps", "gerf_A")
 
 
 def _options(config) -> dict:
@@ -126,15 +128,39 @@ def attach_random_features(model: torch.nn.Module, **options) -> int:
     Args:
         model: a transformers model.
         **options: ``num_features``, ``feature``, ``weights``, ``seed`` and feature options
-            (stored in ``model.config.rfattn``; unspecified ones keep their current values).
+            (stored in ``model.config.rfattn``). Unspecified ones keep their current values,
+            except that a new ``feature`` starts without the previous feature's own options,
+            and the calibration notes of :func:`rfattn.calibrate` (``head_maps``, ``gerf_A``)
+            go unless given: the layers' features are drawn afresh, without what it trained.
 
     Returns:
         The number of layers equipped. Layers without a ``layer_idx`` are numbered in module
         order. The features follow the model's device (``.to`` moves them later too).
+
+    Raises:
+        ValueError, TypeError: options :class:`RandomFeatures` rejects; the model and its
+            ``config.rfattn`` are then left as they were.
+
+    ``config.rfattn`` lives on ``model.config``: models built from one config object share it
+    (give each its own copy, ``copy.deepcopy(config)``, to attach different features).
     """
-    model.config.rfattn = {**_options(model.config), **options}
+    config = model.config
+    before = getattr(config, "rfattn", None)
+    current = _options(config)
+    if "feature" in options and options["feature"] != current["feature"]:
+        current = {key: current[key] for key in DEFAULT_OPTIONS}
+    for key in CALIBRATION_NOTES:
+        current.pop(key, None)
+    config.rfattn = {**current, **options}
     ref = next(model.parameters(), None)
-    return _attach(model, None if ref is None else ref.device)
+    try:
+        return _attach(model, None if ref is None else ref.device)
+    except Exception:
+        if before is None:
+            delattr(config, "rfattn")
+        else:
+            config.rfattn = before
+        raise
 
 
 def set_context_parallel_group(model: torch.nn.Module, group) -> int:
@@ -152,15 +178,18 @@ def set_context_parallel_group(model: torch.nn.Module, group) -> int:
 
 
 def _attach(model: torch.nn.Module, device) -> int:
-    """Layer features from ``model.config.rfattn`` on ``device`` (None: where they are drawn)."""
-    count = 0
+    """Layer features from ``model.config.rfattn`` on ``device`` (None: where they are drawn);
+    every layer's are built before any layer gets them."""
+    built, count = [], 0
     for mod, head_dim in _attention_layers(model):
         idx = getattr(mod, "layer_idx", None)
         idx = count if idx is None else idx
         rf = random_features_from_config(model.config, idx, head_dim)
         rf._rfattn_layer = (idx, head_dim)  # to redraw the same features (_init_weights hook)
-        mod.rfattn_features = rf if device is None else rf.to(device)
+        built.append((mod, rf if device is None else rf.to(device)))
         count += 1
+    for mod, rf in built:
+        mod.rfattn_features = rf
     return count
 
 

@@ -195,3 +195,34 @@ def test_output_attentions_warns():
     with pytest.warns(UserWarning, match="output_attentions"):
         out = model(_ids(), output_attentions=True)
     assert all(a is None for a in (out.attentions or ()))
+
+
+def test_attach_again_starts_the_new_feature_without_the_old_ones_options():
+    model = _llama()
+    rfhf.attach_random_features(model, num_features=16, feature="oprf", stats="running")
+    model.config.rfattn["head_maps"] = True  # as rfattn.calibrate notes it
+    assert rfhf.attach_random_features(model, feature="posrf") == 2
+    assert model.config.rfattn == dict(rfhf.DEFAULT_OPTIONS, num_features=16)
+    rf = model.model.layers[0].self_attn.rfattn_features
+    assert rf.feature == "posrf" and rf.num_features == 16 and rf.query_map is None
+    # the same feature again keeps its options; what is given replaces
+    rfhf.attach_random_features(model, feature="oprf", stats="running")
+    rfhf.attach_random_features(model, seed=3)
+    assert model.config.rfattn["stats"] == "running" and model.config.rfattn["seed"] == 3
+
+
+@pytest.mark.parametrize("attached", [False, True])
+def test_a_rejected_attach_changes_nothing(attached):
+    model = _llama()
+    if attached:
+        rfhf.attach_random_features(model, num_features=16)
+    before = dict(model.config.rfattn) if attached else None
+    layers = [m.self_attn.rfattn_features if attached else None for m in model.model.layers]
+    with pytest.raises(ValueError, match="num_featuers"):
+        rfhf.attach_random_features(model, num_featuers=8)
+    assert getattr(model.config, "rfattn", None) == before
+    assert [getattr(m.self_attn, "rfattn_features", None) for m in model.model.layers] == layers
+    # the config still builds models, and a corrected call works
+    transformers.LlamaForCausalLM(model.config)
+    assert rfhf.attach_random_features(model, num_features=8) == 2
+    assert model.model.layers[1].self_attn.rfattn_features.num_features == 8
