@@ -102,6 +102,53 @@ def test_drop_in_transformer_encoder_layer_uses_rf_attention():
     torch.testing.assert_close(out, manual)  # ...and it is our attention
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_swapped_into_a_built_encoder_with_padding():
+    """nn.TransformerEncoder built around nn.MultiheadAttention decides at construction to
+    hand its layers nested batches in eval mode when there is padding: the swapped-in layer
+    takes them (before: a nested tensor error), giving the padded layer-by-layer result."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(E, H, 64, dropout=0.0, batch_first=True)
+    stack = nn.TransformerEncoder(layer, 2)
+    for enc in stack.layers:
+        enc.self_attn = rfattn.RFMultiheadAttention.from_torch(enc.self_attn, num_features=16)
+    stack.eval()
+    x = torch.randn(N, L, E)
+    pad = torch.zeros(N, L, dtype=torch.bool)
+    pad[1, 12:] = True
+    pad[2, 5:] = True
+    x[pad] = float("nan")  # junk where padded
+    with torch.no_grad():
+        out = stack(x, src_key_padding_mask=pad)
+        ref = x
+        for enc in stack.layers:  # one layer at a time: no nested batch
+            ref = enc(ref, src_key_padding_mask=pad)
+    torch.testing.assert_close(out[~pad], ref[~pad])
+    assert (out[pad] == 0).all()  # the encoder pads its nested output with 0
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+def test_nested_self_attention_equals_padded(layout):
+    layer = rfattn.RFMultiheadAttention(E, H, batch_first=True, num_features=16)
+    lengths = (7, 3, 11)
+    rows = [torch.randn(n, E) for n in lengths]
+    x = torch.nested.nested_tensor(rows, layout=layout)
+    padded = torch.zeros(len(rows), max(lengths), E)
+    pad = torch.ones(len(rows), max(lengths), dtype=torch.bool)
+    for i, r in enumerate(rows):
+        padded[i, : len(r)], pad[i, : len(r)] = r, False
+    for causal in (False, True):
+        out, _ = layer(x, x, x, is_causal=causal)
+        ref, _ = layer(padded, padded, padded, key_padding_mask=pad, is_causal=causal)
+        assert out.is_nested and out.layout == layout
+        for o, r, n in zip(out.unbind(), ref, lengths, strict=True):
+            torch.testing.assert_close(o, r[:n])
+    with pytest.raises(ValueError, match="self-attention"):
+        layer(x, x.clone(), x)
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        layer(x, x, x, key_padding_mask=pad)
+
+
 def test_bad_arguments_name_the_argument():
     layer = rfattn.RFMultiheadAttention(E, H, num_features=16)
     x = torch.randn(L, N, E)

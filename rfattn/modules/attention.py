@@ -501,6 +501,27 @@ class RFMultiheadAttention(_RandomFeatureLayer):
             "patterns"
         )
 
+    def _nested(self, query, key, value, key_padding_mask, attn_mask, is_causal) -> torch.Tensor:
+        """Self-attention over a nested batch ``[N, (L_i), E]``, as ``nn.TransformerEncoder``'s
+        fast path hands one in (eval mode, padding given, built with a multi-head attention
+        that this layer replaced): padded, its rows' lengths as ``key_padding_mask``, and the
+        output nested again."""
+        if not (query is key and key is value):
+            raise ValueError("nested query, key, value: only self-attention (the same tensor)")
+        if not self.batch_first or key_padding_mask is not None or attn_mask is not None:
+            raise ValueError(
+                "nested query: needs batch_first=True and no key_padding_mask or attn_mask "
+                "(the nested rows' lengths are the padding)"
+            )
+        rows = query.unbind()
+        x = torch.nested.to_padded_tensor(query, 0.0)
+        lengths = torch.tensor([r.shape[0] for r in rows], device=x.device)
+        pad = torch.arange(x.shape[1], device=x.device) >= lengths[:, None]
+        out, _ = self.forward(x, x, x, key_padding_mask=pad, is_causal=is_causal)
+        return torch.nested.as_nested_tensor(
+            [o[: r.shape[0]] for o, r in zip(out, rows, strict=True)], layout=query.layout
+        )
+
     def forward(
         self,
         query: torch.Tensor,
@@ -515,7 +536,9 @@ class RFMultiheadAttention(_RandomFeatureLayer):
         """``nn.MultiheadAttention.forward`` with random-feature attention.
 
         Args:
-            query: ``[L, N, E]`` (``[N, L, E]`` with ``batch_first``, or unbatched ``[L, E]``).
+            query: ``[L, N, E]`` (``[N, L, E]`` with ``batch_first``, or unbatched ``[L, E]``),
+                or a nested batch ``[N, (L_i), E]`` for self-attention (``batch_first``; what
+                ``nn.TransformerEncoder`` passes in eval mode with padding).
             key: ``[S, N, kdim]``; value: ``[S, N, vdim]`` (same layout rules).
             key_padding_mask: ``[N, S]`` (or ``[S]``) bool True = ignore, or float 0/-inf.
             need_weights: must be False (no attention matrix exists; see the class docstring).
@@ -531,6 +554,8 @@ class RFMultiheadAttention(_RandomFeatureLayer):
                 "need_weights=True is not supported: random-feature attention never forms the "
                 "attention-weight matrix; call with need_weights=False"
             )
+        if any(isinstance(x, torch.Tensor) and x.is_nested for x in (query, key, value)):
+            return self._nested(query, key, value, key_padding_mask, attn_mask, is_causal), None
         same = query is key  # self-attention: the key mask is also the query mask (statistics)
         unbatched = query.dim() == 2
         for name, x in (("query", query), ("key", key), ("value", value)):
