@@ -130,12 +130,6 @@ def _returned_state(out: torch.Tensor, state: RFState, rf, return_state: bool):
 def _check_state(state, q, v, rf) -> None:
     if not (isinstance(state, tuple) and len(state) == 3):
         raise TypeError("initial_state must be an RFState (s, z, offset)")
-    made_by = None if torch.compiler.is_compiling() else _STATE_DRAW.get(state[0])
-    if made_by is not None and made_by != getattr(rf, "draw_id", None):
-        raise ValueError(
-            "initial_state was returned by a call with another RandomFeatures, or with this one "
-            "before rf.redraw(): a state only continues the features that made it"
-        )
     B, H, E = q.shape[0], v.shape[1], v.shape[3]  # key/value heads (grouped-query attention)
     F = rf.feature_map.width(rf.num_features)
     expected = {"s": (B, H, F, E), "z": (B, H, F), "offset": (B, H)}
@@ -149,6 +143,12 @@ def _check_state(state, q, v, rf) -> None:
             raise ValueError(f"initial_state.{name} is on {x.device}, expected {q.device}")
         if not x.dtype.is_floating_point:  # (other float dtypes are cast to fp32/fp64)
             raise TypeError(f"initial_state.{name} must be floating point, got dtype {x.dtype}")
+    made_by = None if torch.compiler.is_compiling() else _STATE_DRAW.get(state[0])
+    if made_by is not None and made_by != getattr(rf, "draw_id", None):
+        raise ValueError(
+            "initial_state was returned by a call with another RandomFeatures, or with this one "
+            "before rf.redraw(): a state only continues the features that made it"
+        )
 
 
 def _causal_torch(
@@ -413,6 +413,8 @@ def rf_attention(
     elif causal:
         query_padding_mask = key_padding_mask
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if 0 in (q.shape[0], q.shape[1], k.shape[1]):
+        return _empty_batch(q, k, v, rf, causal, initial_state, return_state)
     args = (causal, key_padding_mask, scale, backend, initial_state, return_state,
             query_padding_mask, group)  # fmt: skip
 
@@ -422,6 +424,23 @@ def rf_attention(
     if calibration.recording():  # inside rfattn.calibrate: this call is a layer to calibrate
         return calibration.record(q, k, v, rf, args, run)
     return run(q, k, v)
+
+
+def _empty_batch(q, k, v, rf, causal: bool, initial_state, return_state: bool):
+    """:func:`rf_attention` of a call with no batch rows or no heads: the empty output (its
+    gradients, all empty, reach every input) and, causal with ``return_state``, the state
+    given (or the empty one before any key). Nothing is computed: no statistic moves."""
+    tie = sum(x.sum() for x in (q, k, v, *(initial_state or ())) if x.is_floating_point())
+    out = q.new_zeros(*q.shape[:3], v.shape[-1]) + (tie * 0).to(q.dtype)
+    if not (causal and return_state):
+        return out
+    if initial_state is None:
+        B, H, E, F = q.shape[0], k.shape[1], v.shape[-1], rf.feature_map.width(rf.num_features)
+        dt = compute_dtype(q.dtype)
+        off = -math.inf if rf.feature_map.exponential else 0.0
+        initial_state = RFState(q.new_zeros(B, H, F, E, dtype=dt), q.new_zeros(B, H, F, dtype=dt),
+                                q.new_full((B, H), off, dtype=dt))  # fmt: skip
+    return _returned_state(out, RFState(*initial_state), rf, True)
 
 
 def _attend(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_state, return_state,

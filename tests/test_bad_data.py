@@ -392,3 +392,73 @@ def test_large_norms_match_float64_in_float32(feature, head_dim, kernel_device):
         assert err <= 2e-5, (backend, err)
         for x in (q32, k32, v32):
             assert x.grad.isfinite().all(), backend
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(0, 2, 5, 8), (2, 0, 5, 8)])
+def test_no_batch_rows_or_no_heads(causal, shape):
+    """B = 0 or H = 0: the empty output with its graph, the state passed through, running
+    statistics untouched, every feature and backend (before: causal calls raised on a reshape
+    or an amax/amin over nothing, non-causal oprf/saderf too)."""
+    from rfattn.features import ALL_FEATURES, VALID_WEIGHTS
+
+    cases = [(f, {}) for f in ALL_FEATURES] + [("oprf", dict(stats="running"))]
+    for feature, opts in cases:  # training mode: running statistics would move
+        weights = "rademacher" if feature == "rmf" else VALID_WEIGHTS[feature][0]
+        rf = rfattn.RandomFeatures(8, 12, feature, weights=weights, seed=0, **opts)
+        buffers = copy.deepcopy(dict(rf.named_buffers()))
+        for backend in backends(rf, causal):
+            q, k = (torch.randn(shape, requires_grad=True) for _ in range(2))
+            v = torch.randn(*shape[:3], 4, requires_grad=True)
+            res = rfattn.rf_attention(q, k, v, rf, causal=causal, backend=backend,
+                                      return_state=causal)  # fmt: skip
+            out = res[0] if causal else res
+            assert out.shape == (*shape[:3], 4), (feature, backend)
+            out.sum().backward()
+            assert all(x.grad is not None and x.grad.shape == x.shape for x in (q, k, v))
+            if causal:
+                F = rf.feature_map.width(12)
+                assert res[1].s.shape == (*shape[:2], F, 4) and res[1].offset.shape == shape[:2]
+                _, again = rfattn.rf_attention(q, k, v, rf, causal=True, backend=backend,
+                                               initial_state=res[1], return_state=True)  # fmt: skip
+                assert all(a is b for a, b in zip(again, res[1], strict=True))
+        for name, b in rf.named_buffers():
+            assert torch.equal(b, buffers[name]), (feature, name)
+
+
+def test_layers_take_empty_batches_and_sequences():
+    for causal in (False, True):
+        layers = (rfattn.RFAttention(16, 2, num_features=8, causal=causal),
+                  rfattn.RFMultiheadAttention(16, 2, num_features=8, batch_first=True))  # fmt: skip
+        for shape in ((0, 5, 16), (2, 0, 16)):
+            for layer in layers:
+                x = torch.randn(shape, requires_grad=True)
+                args = (x,) if isinstance(layer, rfattn.RFAttention) else (x, x, x)
+                kw = {} if isinstance(layer, rfattn.RFAttention) else dict(is_causal=causal)
+                out = layer(*args, **kw)
+                out = out[0] if isinstance(out, tuple) else out
+                assert out.shape == shape
+                out.sum().backward()
+                assert x.grad.shape == shape
+
+
+def test_a_state_of_non_tensors_is_named():
+    rf = rfattn.RandomFeatures(8, 12, seed=0)
+    q = torch.randn(1, 2, 3, 8)
+    with pytest.raises(TypeError, match="initial_state.s"):  # before: a weakref TypeError
+        rfattn.rf_attention(q, q, q, rf, causal=True, initial_state=(1, 2, 3))
+
+
+def test_layer_inputs_and_options_are_named():
+    layer = rfattn.RFAttention(32, 2, num_features=8)
+    x = torch.randn(2, 5, 32)
+    with pytest.raises(ValueError, match="embed_dim=32"):  # before: torch's mat1/mat2 message
+        layer(torch.randn(2, 5, 33))
+    with pytest.raises(ValueError, match="batch size"):
+        layer(x, torch.randn(3, 5, 32))
+    with pytest.raises(ValueError, match="same length"):
+        layer(x, x, torch.randn(2, 6, 32))
+    with pytest.raises(ValueError, match=r"'num_featuress' -> 'num_features'"):
+        rfattn.RandomFeatures(8, 12, "posrf", num_featuress=4)
+    with pytest.raises(ValueError, match=r"'stat' -> 'stats'"):
+        rfattn.RFAttention(32, 2, num_features=8, feature="oprf", stat="running")

@@ -319,7 +319,7 @@ def test_hrf_max_relative_error_below_both_bases():
         ("rmf", "rademacher", {"max_degree": 0}, "option max_degree"),
         ("rmf", "rademacher", {"mode": "lit"}, "option mode="),
         ("rmf", "rademacher", {"dot_kernel": "poly", "poly_degree": 0}, "no positive coefficient"),
-        ("trigrf", "gaussian", {"A": 1}, "takes no options"),
+        ("trigrf", "gaussian", {"A": 1}, r"no option\(s\) \[.A.\] \(it takes no options\)"),
         ("oprf", "gaussian", {"lam": 1}, r"has no option\(s\) \['lam'\]"),
     ],
 )

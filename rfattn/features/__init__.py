@@ -18,6 +18,7 @@ features never reach it except for a query with no valid key (output 0).
 
 from __future__ import annotations
 
+import difflib
 import inspect
 
 from rfattn.features.base import (
@@ -114,6 +115,7 @@ def make_feature_map(
     weights: str,
     num_rows: int | None = None,
     head_dim: int | None = None,
+    related: tuple[str, ...] = (),
     **options,
 ) -> FeatureMap:
     """Build the feature map ``name`` for weight matrices ``weights``, validating the pair.
@@ -122,7 +124,9 @@ def make_feature_map(
         name: a feature name (:data:`FEATURES`).
         weights: the weight-matrix name it will be used with.
         num_rows, head_dim: M and D (needed by features with buffers or statistics).
-        **options: the feature's options; invalid ones raise ValueError naming the option.
+        related: the caller's own argument names, for the hint after a misspelled option.
+        **options: the feature's options; invalid ones raise ValueError naming the option (and
+            the nearest valid name).
     """
     check_feature_name(name)
     valid = VALID_WEIGHTS[name]
@@ -134,9 +138,13 @@ def make_feature_map(
     known = [k for k in inspect.signature(cls.__init__).parameters if k not in _NOT_OPTIONS]
     unknown = sorted(set(options) - set(known))
     if unknown:
-        if not known:
-            raise ValueError(f"feature={name!r} takes no options, got {unknown}")
-        raise ValueError(f"feature={name!r} has no option(s) {unknown}; its options: {known}")
+        takes = f"its options: {known}" if known else "it takes no options"
+        near = [f"{u!r} -> {m[0]!r}?" for u in unknown
+                if (m := difflib.get_close_matches(u, [*known, *related], n=1))]  # fmt: skip
+        raise ValueError(
+            f"feature={name!r} has no option(s) {unknown} ({takes})"
+            + (f"; did you mean {', '.join(near)}" if near else "")
+        )
     return cls(num_rows, head_dim, **options)
 
 

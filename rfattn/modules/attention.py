@@ -258,7 +258,7 @@ class RFAttention(_RandomFeatureLayer):
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, T, E]`` -> ``[B, H, T, E/H]`` (a strided view)."""
         B, T, _ = x.shape
-        return x.view(B, T, self.num_heads, -1).transpose(1, 2)
+        return x.view(B, T, self.num_heads, x.shape[-1] // self.num_heads).transpose(1, 2)
 
     def forward(
         self,
@@ -296,6 +296,20 @@ class RFAttention(_RandomFeatureLayer):
         for name, x in (("query", query), ("key", key), ("value", value)):
             if not isinstance(x, torch.Tensor) or x.dim() != 3:
                 raise ValueError(f"{name} must be a tensor of rank 3 ([B, T, E] or [T, B, E])")
+        for name, x, arg, width in (("query", query, "embed_dim", self.embed_dim),
+                                    ("key", key, "kdim", self.kdim),
+                                    ("value", value, "vdim", self.vdim)):  # fmt: skip
+            if x.shape[-1] != width:
+                raise ValueError(f"{name} has {x.shape[-1]} channels, expected {arg}={width}")
+        b, t = (0, 1) if self.batch_first else (1, 0)
+        if not query.shape[b] == key.shape[b] == value.shape[b]:
+            raise ValueError(
+                f"query, key and value must share the batch size (dim {b}), got "
+                f"{query.shape[b]}, {key.shape[b]}, {value.shape[b]}"
+            )
+        if key.shape[t] != value.shape[t]:
+            raise ValueError(f"key and value must have the same length, got {key.shape[t]}, "
+                             f"{value.shape[t]}")  # fmt: skip
         if not self.batch_first:
             query, key, value = (x.transpose(0, 1) for x in (query, key, value))
         self._before_forward()
@@ -600,7 +614,7 @@ class RFMultiheadAttention(_RandomFeatureLayer):
         if extra and key_padding_mask is not None:
             key_padding_mask = F.pad(key_padding_mask, (0, extra), value=False)
         H = self.num_heads
-        q, k, v = (x.reshape(x.shape[0], N, H, -1).permute(1, 2, 0, 3) for x in (q, k, v))
+        q, k, v = (x.reshape(x.shape[0], N, H, E // H).permute(1, 2, 0, 3) for x in (q, k, v))
         out = self._attend(q, k, v, key_padding_mask, causal, None, None, None, None, False,
                            same and not extra)  # fmt: skip
         out = out.permute(2, 0, 1, 3).reshape(L, N, E)  # [L, N, E]

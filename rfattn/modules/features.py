@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 
 import torch
@@ -80,8 +81,9 @@ class RandomFeatures(nn.Module):
         self.num_features = num_features
         self.feature = feature
         self.weights = weights
+        own = tuple(inspect.signature(RandomFeatures.__init__).parameters)[1:-1]
         self.feature_map = make_feature_map(
-            feature, weights, num_rows=num_features, head_dim=head_dim, **feature_options
+            feature, weights, num_features, head_dim, related=own, **feature_options
         )
         self._generator = torch.Generator(device="cpu")
         if weights in LEARNABLE_WEIGHTS:
