@@ -32,6 +32,7 @@ unexpected keys; features the checkpoint lacks are drawn again from ``config.rfa
 
 from __future__ import annotations
 
+import copy
 import re
 import warnings
 
@@ -141,10 +142,11 @@ def attach_random_features(model: torch.nn.Module, **options) -> int:
         ValueError, TypeError: options :class:`RandomFeatures` rejects; the model and its
             ``config.rfattn`` are then left as they were.
 
-    ``config.rfattn`` lives on ``model.config``: models built from one config object share it
-    (give each its own copy, ``copy.deepcopy(config)``, to attach different features).
+    The model is first given a config object of its own (a copy, set on every submodule that
+    held the old one): a config a caller built several models from is left as it was, so the
+    other models, and models built from it later, keep their own attention.
     """
-    config = model.config
+    config = _own_config(model)
     before = getattr(config, "rfattn", None)
     current = _options(config)
     if "feature" in options and options["feature"] != current["feature"]:
@@ -161,6 +163,23 @@ def attach_random_features(model: torch.nn.Module, **options) -> int:
         else:
             config.rfattn = before
         raise
+
+
+def _own_config(model: torch.nn.Module):
+    """``model.config``, first replaced by a copy on the model and every submodule holding it
+    unless this module made it already."""
+    config = model.config
+    if _OWN_CONFIG.get(model) is not config:
+        shared, config = config, copy.deepcopy(config)
+        for mod in model.modules():
+            if getattr(mod, "config", None) is shared:
+                mod.config = config
+        _OWN_CONFIG[model] = config
+    return config
+
+
+#: model -> the config object :func:`_own_config` gave it
+_OWN_CONFIG = WeakIdKeyDictionary()
 
 
 def set_context_parallel_group(model: torch.nn.Module, group) -> int:

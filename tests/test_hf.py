@@ -226,3 +226,28 @@ def test_a_rejected_attach_changes_nothing(attached):
     transformers.LlamaForCausalLM(model.config)
     assert rfhf.attach_random_features(model, num_features=8) == 2
     assert model.model.layers[1].self_attn.rfattn_features.num_features == 8
+
+
+def test_attach_leaves_a_shared_config_alone(tmp_path):
+    """Two models built from one config object: attaching to one changes neither the other
+    nor the config (before: the second attach rewrote the first model's config.rfattn, whose
+    checkpoint then failed to load, and every later model got features uninvited)."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**SMALL, num_key_value_heads=2, max_position_embeddings=128)
+    a, b = transformers.LlamaForCausalLM(cfg), transformers.LlamaForCausalLM(cfg)
+    rfhf.attach_random_features(a, num_features=16)
+    rfhf.attach_random_features(b, num_features=8)
+    assert a.config.rfattn["num_features"] == 16 and b.config.rfattn["num_features"] == 8
+    assert not hasattr(cfg, "rfattn")
+    assert a.model.layers[0].self_attn.config is a.config  # every holder has the model's copy
+    assert not hasattr(transformers.LlamaForCausalLM(cfg).model.layers[0].self_attn,
+                       "rfattn_features")  # fmt: skip
+    config_id = id(a.config)
+    rfhf.attach_random_features(a, seed=1)  # a model's own config is kept
+    assert id(a.config) == config_id
+    a.set_attn_implementation("rfattn")
+    a.save_pretrained(tmp_path)
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="rfattn")
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, a(ids).logits)
