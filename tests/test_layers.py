@@ -271,3 +271,25 @@ def test_layer_decodes_token_by_token_on_its_state():
     layer.redraw_features()
     with pytest.raises(ValueError, match="another RandomFeatures"):
         layer(x[:, :1], initial_state=state)
+
+
+def test_encoder_layer_compiles_whole_with_a_padding_mask():
+    """nn.TransformerEncoderLayer hands its padding mask on as an additive float mask, whose
+    values the layer checks: under torch.compile(fullgraph=True) the check runs in the graph
+    (before: a data-dependent branch, no full graph), a bad mask still raising."""
+    torch.manual_seed(0)
+    enc = nn.TransformerEncoderLayer(E, H, 64, dropout=0.0, batch_first=True)
+    enc.self_attn = rfattn.RFMultiheadAttention.from_torch(enc.self_attn, num_features=8)
+    x = torch.randn(N, L, E)
+    pad = torch.zeros(N, L, dtype=torch.bool)
+    pad[1, 14:] = True
+    ref = enc(x, src_key_padding_mask=pad)
+    torch._dynamo.reset()
+    compiled = torch.compile(enc, fullgraph=True, backend="aot_eager")
+    out = compiled(x, src_key_padding_mask=pad)
+    torch.testing.assert_close(out[~pad], ref[~pad])
+    layer = torch.compile(enc.self_attn, fullgraph=True, backend="aot_eager")
+    bias = torch.zeros(N, L)
+    bias[0, 3] = 0.5  # an additive bias, not padding
+    with pytest.raises(RuntimeError, match="only 0 and -inf"):
+        layer(x, x, x, key_padding_mask=bias)

@@ -335,11 +335,13 @@ def _blocked(mask: torch.Tensor, name: str) -> torch.Tensor:
     if not mask.dtype.is_floating_point:
         raise TypeError(f"{name} must be bool or floating point, got dtype {mask.dtype}")
     blocked = mask == float("-inf")
-    if bool(((mask != 0) & ~blocked).any()):
-        raise ValueError(
-            f"{name}: additive float masks must hold only 0 and -inf; an additive bias has no "
-            "random-feature (linear) form"
-        )
+    other = ((mask != 0) & ~blocked).any()
+    why = (f"{name}: additive float masks must hold only 0 and -inf; an additive bias has no "
+           "random-feature (linear) form")  # fmt: skip
+    if torch.compiler.is_compiling():  # checked when the graph runs (no data-dependent branch)
+        torch._assert_async(~other, why)
+    elif bool(other):
+        raise ValueError(why)
     return blocked
 
 
