@@ -372,10 +372,24 @@ def calibrate(
         raise ValueError(f"steps must be an int >= 0, got {steps!r}")
     if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
         raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
+    if isinstance(batches, (torch.Tensor, dict)):
+        raise ValueError(
+            f"batches must be an iterable of batches (e.g. [input_ids] or [dict(input_ids=...)]), "
+            f"got one {type(batches).__name__}: wrap a single batch in a list"
+        )
     batches = list(batches)
     if not batches:
         raise ValueError("batches is empty: calibrate needs at least one batch of model inputs")
     layers = _layers(model)
+    if "stats" in params:
+        from rfattn.features.base import StatsFeature
+
+        plain = [n for n, rf in layers.items() if not isinstance(rf.feature_map, StatsFeature)]
+        if plain:
+            raise ValueError(
+                "params='stats' fixes the data statistics of oprf/saderf/poisrf/geomrf; layer "
+                f"{plain[0]!r} has feature={layers[plain[0]].feature!r}, which has none"
+            )
     if "A" in params:
         plain = [n for n, rf in layers.items()
                  if rf.feature != "gerf" or rf.feature_map.complex_form]  # fmt: skip

@@ -239,6 +239,14 @@ def rfattn_mask(
     ``[B, 1, Tq, Tk]`` bool view (True = attend), or None without padding; anything else is
     materialised by ``sdpa_mask`` and checked by the attention function.
     """
+    if mask_function is causal_mask_function and kv_offset + kv_length > q_offset + q_length:
+        # keys past the last query: a preallocated cache (transformers' StaticCache); the
+        # attention function takes the queries to be the last of the keys' positions
+        raise NotImplementedError(
+            "rfattn: preallocated caches (cache_implementation='static', StaticCache) are not "
+            "supported; use the default cache (rfattn.hf.RFCache, a fixed-size state) or "
+            "DynamicCache"
+        )
     if mask_function in (causal_mask_function, bidirectional_mask_function) and local_size is None:
         pad = prepare_padding_mask(attention_mask, kv_length, kv_offset)
         if pad is None:
@@ -358,7 +366,10 @@ def _mask_attention(module, rf, query, key, value, attention_mask, scaling, is_c
     pad = None
     if attention_mask is not None:
         pad, causal = _split_mask(attention_mask, bool(causal), tq, tk)
-    causal = bool(causal) and tq > 1  # a single query (decoding) sees every cached key
+    group = getattr(module, "rfattn_group", None)
+    # a single query (decoding) sees every cached key; a sharded sequence's one-token shard
+    # stays causal (its ranks' collectives must match)
+    causal = bool(causal) and (tq > 1 or group is not None)
     if causal and tq != tk:
         # queries are the last Tq of Tk positions (a cache): run causal over Tk, keep the tail
         front = query.new_zeros(*query.shape[:2], tk - tq, query.shape[-1])
@@ -376,8 +387,7 @@ def _mask_attention(module, rf, query, key, value, attention_mask, scaling, is_c
     cross = getattr(module, "is_cross_attention", False) or "cross" in type(module).__name__.lower()
     qpad = pad if pad is not None and tq == tk and not cross else None
     return rf_attention(query, key, value, rf, causal=causal, key_padding_mask=pad,
-                        scale=scaling, query_padding_mask=qpad,
-                        group=getattr(module, "rfattn_group", None))  # fmt: skip
+                        scale=scaling, query_padding_mask=qpad, group=group)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------

@@ -307,6 +307,11 @@ def test_bad_calls_raise_clear_errors():
         rfattn.calibrate(model, _batches(), params=("B",))
     with pytest.raises(ValueError, match="batches is empty"):
         rfattn.calibrate(model, [])
+    ids = torch.randint(0, V, (2, T))
+    with pytest.raises(ValueError, match="wrap a single batch in a list"):
+        rfattn.calibrate(model, ids)  # before: "not enough values to unpack"
+    with pytest.raises(ValueError, match="params='stats'.*'posrf'"):
+        rfattn.calibrate(model, [ids], params="stats")  # before: silently nothing
     with pytest.raises(ValueError, match="fastfoodl"):
         rfattn.calibrate(model, _batches(1), steps=1, params="weights", progress=False)
     with pytest.raises(ValueError, match="no RandomFeatures"):

@@ -240,25 +240,28 @@ def _model_outputs(layer, model, sl=slice(None), group=None):
     return dict(y=y.detach(), dx=x.grad, grads=grads, logits=logits)
 
 
-def _model_worker(rank, world, init_file, out_dir):
+def _model_worker(rank, world, init_file, out_dir, shards):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=120))  # fmt: skip
     try:
         layer, model = _layer_and_model()
-        res = _model_outputs(layer, model, cuts(T, world, seed=50)[rank], dist.group.WORLD)
+        res = _model_outputs(layer, model, shards[rank], dist.group.WORLD)
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def test_layers_and_hugging_face_take_the_group(tmp_path):
+@pytest.mark.parametrize("one_token", [False, True], ids=["uneven", "one-token shard"])
+def test_layers_and_hugging_face_take_the_group(tmp_path, one_token):
     """RFAttention (``layer.group``) and a Llama (``set_context_parallel_group``, shards fed
     with their global position_ids) over 2 processes: outputs, input gradients and the layer's
-    parameter gradients summed over the ranks equal one process's."""
+    parameter gradients summed over the ranks equal one process's. A one-token shard stays
+    causal (before: the Llama's rank with one token ran non-causal, and the ranks hung)."""
     world = 2
-    mp.spawn(_model_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world,
-             join=True)  # fmt: skip
+    shards = [slice(0, 1), slice(1, T)] if one_token else cuts(T, world, seed=50)
+    mp.spawn(_model_worker, args=(world, str(tmp_path / "init"), str(tmp_path), shards),
+             nprocs=world, join=True)  # fmt: skip
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     full = _model_outputs(*_layer_and_model())
     for key, dim in (("y", 1), ("dx", 1), ("logits", 1)):

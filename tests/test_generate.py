@@ -117,3 +117,13 @@ def test_cache_to_state_dict_reset_and_crop(tmp_path):
         cache.crop(-1)
     cache.reset()
     assert cache.get_seq_length() == 0 and cache.nbytes() == 0
+
+
+def test_a_preallocated_cache_is_refused():
+    """transformers' StaticCache holds keys past the last query (unfilled slots): the attention
+    function cannot place the queries there, so generation says so (before: wrong tokens from
+    the first step on, silently)."""
+    model = _llama(2)
+    with pytest.raises(NotImplementedError, match="static"):
+        model.generate(_ids(1, 6), max_new_tokens=3, do_sample=False,
+                       cache_implementation="static")  # fmt: skip
