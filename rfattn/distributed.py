@@ -12,7 +12,9 @@ whatever the shard's length.
   rescaled to their max, log-sum-exp style) into the prefix state it starts from, then runs the
   usual chunked pass (either backend) with that prefix as ``initial_state``. ``initial_state``
   is the state before the whole sequence (give the same on every rank); the returned state is
-  the one after the last rank's shard, on every rank.
+  the one after the last rank's shard, on every rank. Running statistics (oprf/saderf/...
+  in training) are read as they stand on every rank, then moved by the whole sequence's
+  moments (one more ``all_reduce``), so every rank's buffers stay those of one process.
 * non-causal: the per-feature key offsets are reduced with one ``all_reduce`` (max), then
   ``S = sum phi_k v^T`` and ``z`` with one ``all_reduce`` (sum); queries read the total. The
   global statistics of oprf/saderf/poisrf/geomrf (``stats="global"``) are reduced too, so they
@@ -45,7 +47,7 @@ from rfattn.attention import (
 )
 from rfattn.features import compute_dtype, prescale
 from rfattn.reference import linear_attention
-from rfattn.stats import Moments, sequence_moments
+from rfattn.stats import Moments, sequence_moments, update_running
 
 __all__ = ["check_group", "combine_states", "sharded_attention"]
 
@@ -153,6 +155,20 @@ def _all_gather_states(state: RFState, group) -> list[RFState]:
 
 def _causal(q, k, v, rf, key_padding_mask, scale, backend, initial_state, return_state,
             query_padding_mask, group):  # fmt: skip
+    fm = rf.feature_map
+    if getattr(fm, "uses_batch_moments", None) and fm.uses_batch_moments(True):
+        # running statistics in training: every rank reads them as they stand, then moves them
+        # by the whole sequence's moments (a shard's own would set each rank's apart)
+        xq, xk = prescale(q, scale), prescale(k, scale, key_padding_mask)
+        moments = _global_moments(xq, xk, key_padding_mask, query_padding_mask, group)
+        fm.train(False)
+        try:
+            res = _causal(q, k, v, rf, key_padding_mask, scale, backend, initial_state,
+                          return_state, query_padding_mask, group)  # fmt: skip
+        finally:
+            fm.train(True)
+        update_running(fm, moments, fm.momentum)
+        return res
     rank = dist.get_rank(group)
     local = _shard_state(q, k, v, rf, key_padding_mask, scale, query_padding_mask)
     states = _all_gather_states(local, group)
