@@ -154,7 +154,8 @@ def paths() -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.callpath",
+                                     description=__doc__.split("\n\n")[0])  # fmt: skip
     parser.add_argument("--out", type=Path, help="also write the results as JSON here")
     args = parser.parse_args(argv)
     for mod in (rfattn, kernels):

@@ -251,6 +251,7 @@ def main(argv=None) -> int:
     if args.train:
         doc = train(args.steps)
         (out / "context_parallel_train.json").write_text(json.dumps(doc, indent=1))
+        print(f"# wrote {out / 'context_parallel_train.json'}")
         return 0
     doc = bench(args)
     (out / "context_parallel.json").write_text(json.dumps(doc, indent=1))

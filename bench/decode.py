@@ -117,11 +117,16 @@ def greedy_decode(model: TinyLM, prompt: torch.Tensor, steps: int, timer=None):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--steps", type=int, default=1024)
-    p.add_argument("--buckets", type=int, default=8)
-    p.add_argument("--num-features", type=int, default=256)
-    p.add_argument("--out", default="plots/out")
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    p.formatter_class = fmt
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="device to decode on")  # fmt: skip
+    p.add_argument("--steps", type=int, default=1024, help="tokens to generate")
+    p.add_argument("--buckets", type=int, default=8,
+                   help="groups of positions, each reported by its median time per token "
+                        "(the last steps %% buckets tokens are left out)")  # fmt: skip
+    p.add_argument("--num-features", type=int, default=256, help="random features M per head")
+    p.add_argument("--out", default="plots/out", help="folder for decode.json")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     model = TinyLM(num_features=args.num_features).to(device).eval()
@@ -146,6 +151,7 @@ def main(argv=None) -> int:
     (out / "decode.json").write_text(
         json.dumps(dict(device=str(device), rows=rows, ratio_last_first=ratio), indent=1)
     )
+    print(f"# wrote {out / 'decode.json'}")
     return 0
 
 

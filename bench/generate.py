@@ -160,7 +160,10 @@ def main(argv=None) -> int:
     # the first bucket from which rfattn stays faster (None: never)
     start = next((i for i in range(len(faster)) if all(faster[i:])), None)
     doc["rfattn_faster_from"] = None if start is None else rf[start]["first"]
-    print(f"# rfattn faster per token than sdpa from position {doc['rfattn_faster_from']}")
+    if start is None:
+        print("# rfattn not faster per token than sdpa from any position measured on")
+    else:
+        print(f"# rfattn faster per token than sdpa from position {doc['rfattn_faster_from']} on")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "generate.json").write_text(json.dumps(doc, indent=1))

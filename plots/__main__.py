@@ -247,6 +247,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="folder for the PNGs (default: beside the JSON)")
     args = p.parse_args(argv)
     doc = json.loads(Path(args.json).read_text())
+    keys = ("B", "H", "D", "E", "M", "dtype")
+    if not (isinstance(doc, dict) and isinstance(doc.get("results"), list)
+            and all(k in doc.get("config", {}) for k in keys)):  # fmt: skip
+        p.error(f"{args.json} is not a JSON of python -m bench (bench.json), the only kind "
+                "python -m plots draws")  # fmt: skip
     out = Path(args.out) if args.out else Path(args.json).parent
     out.mkdir(parents=True, exist_ok=True)
     written = [
@@ -270,9 +275,11 @@ def main(argv=None) -> int:
         plot_speedup(doc, out / "speedup_vs_T.png"),
         plot_error_vs_m(doc, out / "error_vs_M.png"),
     ]
+    written = [path for path in written if path is not None]
     for path in written:
-        if path is not None:
-            print(f"# wrote {path}")
+        print(f"# wrote {path}")
+    if not written:
+        p.error(f"{args.json} holds no results to plot")
     return 0
 
 

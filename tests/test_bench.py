@@ -266,3 +266,15 @@ def test_cpu_backend_side_by_side(monkeypatch, tmp_path):
     assert all(r["exp_ms"] > 0 and r["exp2_form_ms"] > 0 for r in doc["exp_paths"])
     cpu_backend.plot(doc, tmp_path / "cpu_backend.png")
     assert (tmp_path / "cpu_backend.png").stat().st_size > 0
+
+
+def test_plots_refuses_other_json(tmp_path, capsys):
+    """A JSON of another benchmark is named, not plotted as nothing (before: exit 0 and no
+    output, or a KeyError)."""
+    for doc in (dict(device="cpu", rows=[], ratio_last_first=1.0), dict(results=[])):
+        path = tmp_path / "other.json"
+        path.write_text(json.dumps(doc))
+        with pytest.raises(SystemExit) as exc:
+            plots_main([str(path), "--out", str(tmp_path)])
+        assert exc.value.code == 2
+        assert "not a JSON of python -m bench" in capsys.readouterr().err
