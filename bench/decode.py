@@ -116,9 +116,8 @@ def greedy_decode(model: TinyLM, prompt: torch.Tensor, steps: int, timer=None):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__)
-    fmt = argparse.ArgumentDefaultsHelpFormatter
-    p.formatter_class = fmt
+    p = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="device to decode on")  # fmt: skip
     p.add_argument("--steps", type=int, default=1024, help="tokens to generate")

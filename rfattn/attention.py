@@ -434,12 +434,10 @@ def _empty_batch(q, k, v, rf, causal: bool, initial_state, return_state: bool):
     out = q.new_zeros(*q.shape[:3], v.shape[-1]) + (tie * 0).to(q.dtype)
     if not (causal and return_state):
         return out
-    if initial_state is None:
+    if initial_state is None:  # the torch path's state before any key
         B, H, E, F = q.shape[0], k.shape[1], v.shape[-1], rf.feature_map.width(rf.num_features)
-        dt = compute_dtype(q.dtype)
-        off = -math.inf if rf.feature_map.exponential else 0.0
-        initial_state = RFState(q.new_zeros(B, H, F, E, dtype=dt), q.new_zeros(B, H, F, dtype=dt),
-                                q.new_full((B, H), off, dtype=dt))  # fmt: skip
+        exp, like = rf.feature_map.exponential, q.new_empty(0, dtype=compute_dtype(q.dtype))
+        initial_state = blocked._final(*blocked._initial(None, B, H, F, E, exp, like), E, exp)
     return _returned_state(out, RFState(*initial_state), rf, True)
 
 

@@ -81,9 +81,8 @@ class RandomFeatures(nn.Module):
         self.num_features = num_features
         self.feature = feature
         self.weights = weights
-        own = tuple(inspect.signature(RandomFeatures.__init__).parameters)[1:-1]
         self.feature_map = make_feature_map(
-            feature, weights, num_features, head_dim, related=own, **feature_options
+            feature, weights, num_features, head_dim, related=_OWN_ARGS, **feature_options
         )
         self._generator = torch.Generator(device="cpu")
         if weights in LEARNABLE_WEIGHTS:
@@ -357,6 +356,10 @@ class RandomFeatures(nn.Module):
         self._check(q, k)
         xq, xk, _ = self._inputs(q, k, scale)
         return self.feature_map.target_kernel(xq, xk)
+
+
+#: RandomFeatures' own argument names (the nearest-name hint for a misspelled feature option)
+_OWN_ARGS = tuple(inspect.signature(RandomFeatures.__init__).parameters)[1:-1]
 
 
 class PPSBN(nn.Module):
