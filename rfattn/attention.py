@@ -195,6 +195,16 @@ def _grouped_mask(mask: torch.Tensor | None, groups: int) -> torch.Tensor | None
     return None if mask is None else mask.repeat(1, groups)
 
 
+def _query_rows(xq: torch.Tensor, k: torch.Tensor, query_padding_mask: torch.Tensor | None):
+    """``(xq, query_padding_mask)`` with grouped-query queries as rows of their key/value head
+    (:func:`_grouped`, :func:`_grouped_mask`): the queries whose moments a key/value head's
+    statistics take, on every path (torch, fused, sharded). Unchanged without GQA."""
+    G = _group_size(xq, k)
+    if G == 1:
+        return xq, query_padding_mask
+    return _grouped(xq, k.shape[1]), _grouped_mask(query_padding_mask, G)
+
+
 def _torch_inputs(q, k, rf, key_padding_mask, scale: float, causal: bool, query_padding_mask,
                   update: bool = True, maps=None) -> tuple:  # fmt: skip
     """``(w, xq, xk, params)`` of the torch path: W and the pre-scaled inputs in the compute
@@ -205,10 +215,7 @@ def _torch_inputs(q, k, rf, key_padding_mask, scale: float, causal: bool, query_
     qmap, kmap = (None, None) if maps is None else maps
     w = rf.weight.to(device=q.device, dtype=compute_dtype(q.dtype))
     xq, xk = prescale(q, scale, None, qmap), prescale(k, scale, key_padding_mask, kmap)
-    G = _group_size(q, k)
-    if G > 1:
-        xq = _grouped(xq, k.shape[1])
-        query_padding_mask = _grouped_mask(query_padding_mask, G)
+    xq, query_padding_mask = _query_rows(xq, k, query_padding_mask)
     # statistics (global ones raise when causal) and the feature's own draws, once per call
     params = rf.feature_params(xq, xk, key_padding_mask, causal=causal, update=update,
                                query_padding_mask=query_padding_mask)  # fmt: skip
@@ -283,6 +290,8 @@ def _kernel_form(rf, q, k, key_padding_mask, scale: float, causal: bool,
     if moments is None and needs:
         if maps is not None:  # the moments are the only reader of the mapped q, k
             q, k = _mapped(q, maps[0]), _mapped(k, maps[1], key_padding_mask)
+        # a key/value head's statistics take its group's queries (a view of contiguous q)
+        q, query_padding_mask = _query_rows(q, k, query_padding_mask)
         if ops._on_torch(q):
             xq, xk = prescale(q, scale), prescale(k, scale)
         else:

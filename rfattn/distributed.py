@@ -42,6 +42,7 @@ from rfattn.attention import (
     _causal_torch,
     _kernel_form,
     _no_kernel_reason,
+    _query_rows,
     _torch_inputs,
     _use_triton,
 )
@@ -159,8 +160,9 @@ def _causal(q, k, v, rf, key_padding_mask, scale, backend, initial_state, return
     if getattr(fm, "uses_batch_moments", None) and fm.uses_batch_moments(True):
         # running statistics in training: every rank reads them as they stand, then moves them
         # by the whole sequence's moments (a shard's own would set each rank's apart)
-        xq, xk = prescale(q, scale), prescale(k, scale, key_padding_mask)
-        moments = _global_moments(xq, xk, key_padding_mask, query_padding_mask, group)
+        xq, qmask = _query_rows(prescale(q, scale), k, query_padding_mask)
+        xk = prescale(k, scale, key_padding_mask)
+        moments = _global_moments(xq, xk, key_padding_mask, qmask, group)
         fm.train(False)
         try:
             res = _causal(q, k, v, rf, key_padding_mask, scale, backend, initial_state,

@@ -272,49 +272,58 @@ def test_layers_and_hugging_face_take_the_group(tmp_path, one_token):
         torch.testing.assert_close(got, g, rtol=RTOL, atol=1e-12, msg=name)
 
 
-def _training_calls(rf, x, sl=slice(None), group=None):
+def _training_calls(rf, x, sl=slice(None), group=None, backend="torch"):
     """Three causal training-mode calls (running statistics moving) on the shard ``sl``: each
     call's output and the running buffers after them."""
     outs = []
     for i in range(3):
         q, k, v = (x[n][i][:, :, sl] for n in ("q", "k", "v"))
-        outs.append(rfattn.rf_attention(q, k, v, rf, causal=True, group=group,
+        outs.append(rfattn.rf_attention(q, k, v, rf, causal=True, group=group, backend=backend,
                                         key_padding_mask=x["mask"][:, sl]))  # fmt: skip
     buffers = {n: b.clone() for n, b in rf.feature_map.named_buffers()}
     return dict(outs=outs, buffers=buffers)
 
 
-def _training_inputs():
-    x = {n: [rand(B, H, T, d, seed=60 + 3 * i + j) for i in range(3)]
-         for j, (n, d) in enumerate((("q", D), ("k", D), ("v", E)))}  # fmt: skip
+def _training_inputs(kv_heads=H):
+    shapes = (("q", H, D), ("k", kv_heads, D), ("v", kv_heads, E))
+    x = {n: [rand(B, h, T, d, seed=60 + 3 * i + j) for i in range(3)]
+         for j, (n, h, d) in enumerate(shapes)}  # fmt: skip
     x["mask"] = torch.zeros(B, T, dtype=torch.bool)
     x["mask"][1, :4] = True
     return x
 
 
-def _training_worker(rank, world, init_file, out_dir):
+def _training_worker(rank, world, init_file, out_dir, kv_heads, backend):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=120))  # fmt: skip
     try:
         rf = rfattn.RandomFeatures(D, 16, "oprf", seed=0).double().train()
-        res = _training_calls(rf, _training_inputs(), cuts(T, world, seed=61)[rank],
-                              dist.group.WORLD)  # fmt: skip
+        res = _training_calls(rf, _training_inputs(kv_heads), cuts(T, world, seed=61)[rank],
+                              dist.group.WORLD, backend)  # fmt: skip
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def test_running_statistics_move_by_the_whole_sequence(tmp_path):
+@pytest.mark.parametrize(
+    "kv_heads,backend",
+    [(H, "torch"), (1, "torch"), pytest.param(1, "triton", marks=pytest.mark.slow)],
+    ids=["mha-torch", "gqa-torch", "gqa-triton"],
+)
+def test_running_statistics_move_by_the_whole_sequence(tmp_path, kv_heads, backend):
     """Causal oprf in training mode (running statistics) over 2 processes, three calls: every
     rank's buffers are one process's, and so are the later calls' outputs (before: each rank
-    moved them by its own shard's moments, and outputs drifted from the second call on)."""
+    moved them by its own shard's moments, and outputs drifted from the second call on; with
+    grouped-query heads every sharded call raised, stacking query moments [B, H, D] with key
+    moments [B, Hkv, D])."""
     world = 2
-    mp.spawn(_training_worker, args=(world, str(tmp_path / "init"), str(tmp_path)),
+    mp.spawn(_training_worker,
+             args=(world, str(tmp_path / "init"), str(tmp_path), kv_heads, backend),
              nprocs=world, join=True)  # fmt: skip
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     full = _training_calls(rfattn.RandomFeatures(D, 16, "oprf", seed=0).double().train(),
-                           _training_inputs())  # fmt: skip
+                           _training_inputs(kv_heads))  # fmt: skip
     for i, out in enumerate(full["outs"]):
         got = torch.cat([r["outs"][i] for r in ranks], dim=2)
         torch.testing.assert_close(got, out, rtol=RTOL, atol=1e-12, msg=f"call {i}")

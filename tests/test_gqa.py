@@ -139,6 +139,30 @@ def test_grouped_global_statistics_pool_the_group(kernel_device):
         torch.testing.assert_close(out, repeated(ref), rtol=1e-9, atol=1e-11, msg=backend)
 
 
+@pytest.mark.parametrize("feature", ["oprf", "saderf", "poisrf", "geomrf"])
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_grouped_running_statistics_in_training(feature, causal, kernel_device):
+    """Running statistics in training mode (the causal default) with grouped-query heads, every
+    feature with statistics and a fused form: the output and the buffers moved by the call equal
+    the call with k, v repeated to every query head, on both backends (the fused stats pass
+    stacked query moments [B, H, D] with key moments [B, Hkv, D] and raised)."""
+    import copy
+
+    rf = rfattn.RandomFeatures(D, 16, feature, seed=0, stats="running").to(kernel_device).train()
+    q, k, v, mask = inputs(19, kernel_device, seed=30)
+    ref_rf = copy.deepcopy(rf)
+    kw = dict(causal=causal, key_padding_mask=mask, query_padding_mask=mask)
+    ref = rfattn.rf_attention(q, repeated(k), repeated(v), ref_rf, backend="torch", **kw)
+    assert int(ref_rf.feature_map.num_batches_tracked) == 1
+    for backend in backends(rf, causal):
+        fm = copy.deepcopy(rf)
+        out = rfattn.rf_attention(q, k, v, fm, backend=backend, **kw)
+        torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-11, msg=backend)
+        for (name, b), r in zip(fm.feature_map.named_buffers(), ref_rf.feature_map.buffers(),
+                                strict=True):  # fmt: skip
+            torch.testing.assert_close(b, r, rtol=1e-12, atol=1e-14, msg=(backend, name))
+
+
 def test_grouped_heads_are_checked():
     rf = rfattn.RandomFeatures(D, 16, "posrf", seed=0)
     q, k, v = rand(1, 6, 4, D), rand(1, 4, 4, D), rand(1, 4, 4, E)
