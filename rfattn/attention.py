@@ -376,7 +376,9 @@ def rf_attention(
     """Random-feature linear attention, a drop-in for softmax attention in SDPA's layout.
 
     Approximates ``softmax(scale * Q K^T) V`` by ``phi(Q) (phi(K)^T V) / phi(Q) (phi(K)^T 1)``
-    with the feature map and weights of ``rf``.
+    with the feature map and weights of ``rf``. Under ``torch.autocast`` for q's device type,
+    q, k and v are first cast to the autocast dtype (as autocast casts SDPA's inputs; fp64 stays),
+    and the call computes in rfattn's own dtypes, its backward too.
 
     Args:
         q: ``[B, H, Tq, D]`` queries (any strides, e.g. a transposed ``[B, T, H, D]`` view).
@@ -415,6 +417,13 @@ def rf_attention(
     Returns:
         ``out`` ``[B, H, Tq, E]`` in the input dtype, or ``(out, state)`` with ``return_state``.
     """
+    if isinstance(q, torch.Tensor) and torch.is_autocast_enabled(q.device.type):
+        # autocast's lower precision for the inputs (as SDPA gets them), then rfattn's own
+        # compute dtypes inside: autocast would cast its products, not its fp32 buffers
+        with torch.autocast(q.device.type, enabled=False):
+            q, k, v = _autocast_inputs(q, k, v, torch.get_autocast_dtype(q.device.type))
+            return rf_attention(q, k, v, rf, causal, key_padding_mask, scale, backend,
+                                initial_state, return_state, query_padding_mask, group)  # fmt: skip
     causal, scale = python_scalar(causal), python_scalar(scale)  # numpy scalars, 0-d tensors
     _validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_state, return_state)
     if query_padding_mask is not None:
@@ -433,6 +442,15 @@ def rf_attention(
     if calibration.recording():  # inside rfattn.calibrate: this call is a layer to calibrate
         return calibration.record(q, k, v, rf, args, run)
     return run(q, k, v)
+
+
+def _autocast_inputs(q, k, v, dtype: torch.dtype) -> tuple:
+    """q, k, v as autocast casts a lower-precision op's inputs: fp32, fp16 and bf16 tensors in
+    ``dtype`` (the autocast dtype of their device type), anything else (fp64, a non-tensor: left
+    to the validation) unchanged."""
+    low = (torch.float32, torch.float16, torch.bfloat16)
+    return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.dtype in low else x
+                 for x in (q, k, v))  # fmt: skip
 
 
 def _empty_batch(q, k, v, rf, causal: bool, initial_state, return_state: bool):

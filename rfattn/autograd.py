@@ -43,6 +43,7 @@ import dataclasses
 import torch
 from torch.library import custom_op
 
+from rfattn.blocked import no_autocast
 from rfattn.features.base import (
     compute_dtype,
     key_features,
@@ -251,6 +252,7 @@ def _parallel_setup(ctx, inputs, output):
     ctx.kind, ctx.scale, ctx.opts = inputs[3], inputs[_SCALE], inputs[_SCALE + 2 :]
 
 
+@no_autocast
 def _parallel_backward(ctx, d_out, *_aux):
     q, k, v, *form, mask, out, s, z, mk, mq, den = ctx.saved_tensors
     need_dw = ctx.needs_input_grad[4]
@@ -349,6 +351,7 @@ def _chunk_setup(ctx, inputs, output):
     ctx.kind, ctx.scale, ctx.opts = inputs[3], inputs[_SCALE], inputs[_SCALE + 5 :]
 
 
+@no_autocast
 def _chunk_backward(ctx, d_out, d_s, d_z, *_rest):
     q, k, v, *form, mask, s0, z0, off0, out, mq, den, mk = ctx.saved_tensors
     d_out = torch.zeros_like(out) if d_out is None else d_out

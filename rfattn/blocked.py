@@ -34,6 +34,7 @@ position on (by selection, never by multiplying with 0).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -579,6 +580,21 @@ def _scan_forward(make_block, T: int, block: int, out, den, s, off, keep: bool):
     return s, off, (starts, offs, scores)
 
 
+def no_autocast(backward):
+    """A custom backward run with autocast off (for its cotangents' device type): one called
+    inside an autocast region then computes in the dtypes its forward did, which
+    :func:`rfattn.rf_attention` runs with autocast off (autocast would cast its products and
+    not the fp32 buffers they add into)."""
+
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        dev = next((g.device.type for g in grads if isinstance(g, torch.Tensor)), "cpu")
+        with torch.autocast(dev, enabled=False):
+            return backward(ctx, *grads)
+
+    return run
+
+
 def backward_follows(*tensors) -> bool:
     """Whether autograd records a call on ``tensors`` (None allowed), i.e. whether a backward
     may follow (only then does a causal forward keep its blocks' quantities). Decide it before
@@ -657,6 +673,7 @@ class _CausalAttention(torch.autograd.Function):
         return out, s, off
 
     @staticmethod
+    @no_autocast
     def backward(ctx, dout, ds, _doff):
         spec, block = ctx.spec, ctx.block
         (q, k, v, w, out, den), (starts, offs, scores), ptensors = _saved_blocks(ctx)
@@ -796,6 +813,7 @@ class _CausalScan(torch.autograd.Function):
         return out, s, off
 
     @staticmethod
+    @no_autocast
     def backward(ctx, dout, ds, _doff):
         block, mask, nb = ctx.block, ctx.mask, ctx.n_blocks
         (pq, pk, m, v, out, den), (starts, offs, scores), _ = _saved_blocks(ctx)
@@ -1023,6 +1041,7 @@ class _NoncausalAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @no_autocast
     def backward(ctx, dout):
         spec, block = ctx.spec, ctx.block
         q, k, v, w, out, den, s, off, *ptensors = ctx.saved_tensors

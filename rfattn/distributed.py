@@ -46,6 +46,7 @@ from rfattn.attention import (
     _torch_inputs,
     _use_triton,
 )
+from rfattn.blocked import no_autocast
 from rfattn.features import compute_dtype, prescale
 from rfattn.reference import linear_attention
 from rfattn.stats import Moments, sequence_moments, update_running
@@ -245,6 +246,7 @@ class _FusedNoncausal(torch.autograd.Function):
         return out
 
     @staticmethod
+    @no_autocast
     def backward(ctx, do):
         from rfattn.kernels import rf_parallel as kernels
 
