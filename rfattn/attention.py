@@ -401,11 +401,12 @@ def rf_attention(
         initial_state: causal only: the :class:`RFState` returned by a previous call, to continue
             that sequence (split/resume equals one shot).
         return_state: causal only: also return the final :class:`RFState`.
-        query_padding_mask: ``[B, Tq]`` bool, True = padded queries, left out of the data
-            statistics (oprf, saderf, poisrf, geomrf); their outputs are computed as any other
-            row. Default: ``key_padding_mask`` when causal (self-attention), else none (every
-            query counts; pass it for non-causal self-attention with padding, as the layers and
-            the Hugging Face integration do).
+        query_padding_mask: ``[B, Tq]`` bool, True = padded queries: left out of the data
+            statistics (oprf, saderf, poisrf, geomrf), read as 0 and given output 0, so junk
+            there (NaN, inf) reaches no output, statistic or gradient (their cotangents are
+            dropped). Default: ``key_padding_mask`` when causal (self-attention), else none
+            (every query counts; pass it for non-causal self-attention with padding, as the
+            layers and the Hugging Face integration do).
         group: a ``torch.distributed`` process group over which the sequence is split (context
             parallelism, :mod:`rfattn.distributed`): q, k, v and the masks hold this rank's
             contiguous shard (shards in rank order, any lengths) and the output is this rank's
@@ -437,11 +438,26 @@ def rf_attention(
             query_padding_mask, group)  # fmt: skip
 
     def run(q, k, v):  # learnable per-head maps (calibration), applied where q, k are read
-        return _attend(q, k, v, rf, *args, maps=rf.map_tensors(q, k))
+        q = _padded_rows(q, query_padding_mask)
+        res = _attend(q, k, v, rf, *args, maps=rf.map_tensors(q, k))
+        if query_padding_mask is None:
+            return res
+        return (_padded_rows(res[0], query_padding_mask), res[1]) if return_state else \
+            _padded_rows(res, query_padding_mask)
 
     if calibration.recording():  # inside rfattn.calibrate: this call is a layer to calibrate
         return calibration.record(q, k, v, rf, args, run)
     return run(q, k, v)
+
+
+def _padded_rows(x: torch.Tensor, query_padding_mask: torch.Tensor | None) -> torch.Tensor:
+    """``x`` ``[B, H, Tq, .]`` with the padded query rows replaced by 0 (selected, not multiplied:
+    junk there never reaches a result). Applied to q and to the output, a padded query enters no
+    product of the forward or the backward: its output is 0 and its cotangent, whatever it is,
+    is dropped."""
+    if query_padding_mask is None:
+        return x
+    return x.masked_fill(query_padding_mask[:, None, :, None], 0.0)
 
 
 def _autocast_inputs(q, k, v, dtype: torch.dtype) -> tuple:

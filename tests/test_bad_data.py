@@ -462,3 +462,49 @@ def test_layer_inputs_and_options_are_named():
         rfattn.RandomFeatures(8, 12, "posrf", num_featuress=4)
     with pytest.raises(ValueError, match=r"'stat' -> 'stats'"):
         rfattn.RFAttention(32, 2, num_features=8, feature="oprf", stat="running")
+
+
+PADDED_QUERY_FEATURES = [
+    ("trigrf", "orf"), ("posrf", "orf"), ("hyprf", "orf"), ("gerf", "orf"), ("oprf", "orf"),
+    ("saderf", "orf"), ("hrf", "gaussian"), ("rmf", "rademacher"), ("poisrf", "gaussian"),
+    ("geomrf", "gaussian"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("feature,weights", PADDED_QUERY_FEATURES,
+                         ids=[f for f, _ in PADDED_QUERY_FEATURES])  # fmt: skip
+def test_junk_in_padded_queries_reaches_no_gradient(feature, weights, causal, kernel_device):
+    """NaN, inf and 1e30 in the padded positions of q, k and v (left and right padding,
+    grouped-query heads), a cotangent that is not 0 there: outputs and gradients are those of
+    the same call with other, finite values there; padded rows output 0 and get gradient 0
+    (before: NaN in k.grad and v.grad of every valid token, posrf and rmf on both backends; the
+    padded rows' own output was computed from their junk). Every feature, both backends."""
+    rf = rfattn.RandomFeatures(8, 16, feature, weights=weights, seed=0).double()
+    rf = rf.to(kernel_device).eval()
+    B, HQ, HK, T = 2, 4, 2, 9
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask[0, :3], mask[1, -2:] = True, True  # left padding, right padding
+    pad = mask[:, None, :, None]
+    clean = [rand(B, h, T, d, seed=i, dtype=f64) for i, (h, d) in enumerate(((HQ, 8), (HK, 8),
+                                                                             (HK, 4)))]  # fmt: skip
+    other = [torch.where(pad, rand(*x.shape, seed=10 + i, dtype=f64), x)
+             for i, x in enumerate(clean)]  # fmt: skip
+    junk = []
+    for x in clean:
+        x = x.clone()
+        x[0, :, 0], x[0, :, 1], x[0, :, 2], x[1, :, -2:] = NAN, float("inf"), 1e30, -1e30
+        junk.append(x)
+    do = rand(B, HQ, T, 4, seed=20, dtype=f64).to(kernel_device)  # not 0 on padded rows
+    for backend in backends(rf, causal):
+        results = []
+        for xs in (other, junk):
+            leaves = [x.to(kernel_device).requires_grad_() for x in xs]
+            out = rfattn.rf_attention(*leaves, rf, causal=causal, key_padding_mask=mask.to(
+                kernel_device), query_padding_mask=mask.to(kernel_device), backend=backend)
+            results.append((out, *torch.autograd.grad(out, leaves, do)))
+        for name, a, b in zip(("out", "dq", "dk", "dv"), *results, strict=True):
+            assert torch.isfinite(b).all(), (backend, name)
+            torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12, msg=(backend, name))
+            padded = mask.to(kernel_device)[:, None, :, None].expand_as(b)
+            assert (b[padded] == 0).all(), (backend, name)

@@ -49,7 +49,8 @@ def reference(q, k, v, rf, causal, mask, groups=1):
     qm = mask if causal else None
     w, xq, xk, params = _torch_inputs(q, k, rf, mask, q.shape[-1] ** -0.5, causal, qm)
     phi_q, phi_k = rf.feature_map.features(xq, xk, w, mask, params)
-    return linear_attention(phi_q, phi_k, v, causal=causal, key_padding_mask=mask)
+    out = linear_attention(phi_q, phi_k, v, causal=causal, key_padding_mask=mask)
+    return out if qm is None else out.masked_fill(qm[:, None, :, None], 0.0)  # padded queries
 
 
 def grads(out, inputs, seed=9):
