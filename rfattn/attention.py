@@ -394,7 +394,10 @@ def rf_attention(
         causal: query i attends to keys j <= i (needs Tq == Tk).
         key_padding_mask: ``[B, Tk]`` bool, True = padding: removed from numerator and
             denominator. A query with no valid key gets output 0.
-        scale: softmax temperature, default ``D ** -0.5``.
+        scale: softmax temperature, default ``D ** -0.5``: a number, or a one-element tensor;
+            one that requires grad (a learnable temperature) gets its gradient, on every
+            backend (q and k are multiplied by its square root, in q's dtype, and the call runs
+            with scale 1).
         backend: "auto" (Triton on CUDA where a fused kernel exists, else torch), "torch",
             or "triton" (the fused operators; CPU tensors run the Triton kernels under
             ``TRITON_INTERPRET=1``, else the operators' torch kernels; float64 runs too).
@@ -425,6 +428,11 @@ def rf_attention(
             q, k, v = _autocast_inputs(q, k, v, torch.get_autocast_dtype(q.device.type))
             return rf_attention(q, k, v, rf, causal, key_padding_mask, scale, backend,
                                 initial_state, return_state, query_padding_mask, group)  # fmt: skip
+    learned = _learned_scale(scale)
+    if learned is not None:  # applied to q and k (below); checked without a host sync
+        torch._assert_async((learned.detach() > 0) & learned.detach().isfinite(),
+                            "scale must be a finite number > 0")  # fmt: skip
+        scale = 1.0
     causal, scale = python_scalar(causal), python_scalar(scale)  # numpy scalars, 0-d tensors
     _validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_state, return_state)
     if query_padding_mask is not None:
@@ -439,6 +447,10 @@ def rf_attention(
 
     def run(q, k, v):  # learnable per-head maps (calibration), applied where q, k are read
         q = _padded_rows(q, query_padding_mask)
+        if learned is not None:  # scale (q kᵀ) = (√scale q)(√scale k)ᵀ, on every path
+            root = learned.reshape(()).to(device=q.device, dtype=compute_dtype(q.dtype)).sqrt()
+            q = (q * root).to(q.dtype)
+            k = (_padded_rows(k, key_padding_mask) * root).to(k.dtype)
         res = _attend(q, k, v, rf, *args, maps=rf.map_tensors(q, k))
         if query_padding_mask is None:
             return res
@@ -448,6 +460,21 @@ def rf_attention(
     if calibration.recording():  # inside rfattn.calibrate: this call is a layer to calibrate
         return calibration.record(q, k, v, rf, args, run)
     return run(q, k, v)
+
+
+def _learned_scale(scale) -> torch.Tensor | None:
+    """``scale`` when it is a one-element tensor autograd is to differentiate (a learnable
+    temperature), else None. rf_attention then runs with scale 1 on ``√scale q`` and
+    ``√scale k``, so every backend gives it its gradient (the fused kernels take scale as a
+    number)."""
+    if not (torch.is_tensor(scale) and scale.requires_grad and torch.is_grad_enabled()):
+        return None
+    if scale.numel() != 1 or not scale.dtype.is_floating_point:
+        raise ValueError(
+            f"scale must be a number or a one-element float tensor, got a tensor of shape "
+            f"{tuple(scale.shape)} and dtype {scale.dtype}"
+        )
+    return scale
 
 
 def _padded_rows(x: torch.Tensor, query_padding_mask: torch.Tensor | None) -> torch.Tensor:

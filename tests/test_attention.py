@@ -209,3 +209,55 @@ def test_bad_inputs_raise(case):
     _, kwargs, exc, match = case
     with pytest.raises(exc, match=match):
         rfattn.rf_attention(**kwargs)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_learnable_scale_gets_its_gradient(causal, kernel_device):
+    """A scale tensor that requires grad (a learnable temperature) is differentiated, on both
+    backends (before: silently detached): the output and the q, k, v gradients equal those of
+    the same scale as a number; d scale passes gradcheck (torch path) and the fused call's
+    equals it; padded junk reaches no gradient of the scale."""
+    from rfattn.attention import fused_kernel_available
+
+    rf = rfattn.RandomFeatures(16, 24, "posrf", seed=3).double().to(kernel_device)
+    q, k, v = (x.to(kernel_device) for x in qkv(T=13))
+    mask = torch.zeros(2, 13, dtype=torch.bool, device=kernel_device)
+    mask[1, :3] = True
+    k[1, :, 0], v[1, :, 1] = float("nan"), float("inf")  # junk in padded positions
+    do = rand(*q.shape[:3], v.shape[-1], seed=7).to(kernel_device)
+    kw = dict(causal=causal, key_padding_mask=mask, query_padding_mask=mask)
+    d_scale = {}
+    for backend in ["torch"] + (["triton"] if fused_kernel_available(rf, causal) else []):
+        temp = torch.tensor(0.3, dtype=f64, device=kernel_device, requires_grad=True)
+        xs = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = rfattn.rf_attention(*xs, rf, scale=temp, backend=backend, **kw)
+        *grads, d_scale[backend] = torch.autograd.grad(out, [*xs, temp], do)
+        xr = [x.clone().requires_grad_() for x in (q, k, v)]
+        ref = rfattn.rf_attention(*xr, rf, scale=0.3, backend=backend, **kw)
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-14, msg=backend)
+        for name, a, b in zip("qkv", grads, torch.autograd.grad(ref, xr, do), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-13, msg=(backend, name))
+        assert torch.isfinite(d_scale[backend]) and d_scale[backend] != 0
+    torch.testing.assert_close(d_scale.get("triton", d_scale["torch"]), d_scale["torch"],
+                               rtol=1e-10, atol=0)  # fmt: skip
+
+    def f(temp):
+        return rfattn.rf_attention(q, k, v, rf, scale=temp, backend="torch", **kw)
+
+    temp = torch.tensor(0.3, dtype=f64, device=kernel_device, requires_grad=True)
+    assert torch.autograd.gradcheck(f, (temp,), fast_mode=True)
+
+
+def test_learnable_scale_is_checked():
+    rf = rfattn.RandomFeatures(16, 24, "posrf", seed=3).double()
+    q, k, v = qkv(T=5)
+    with pytest.raises(ValueError, match="scale must be a number or a one-element"):
+        rfattn.rf_attention(q, k, v, rf, scale=torch.ones(2, dtype=f64, requires_grad=True))
+    for bad in (-0.5, float("nan")):
+        with pytest.raises(RuntimeError, match="scale must be a finite number > 0"):
+            rfattn.rf_attention(q, k, v, rf, scale=torch.tensor(bad, requires_grad=True))
+    # a one-element parameter of shape [1] serves too
+    temp = torch.nn.Parameter(torch.full((1,), 0.25, dtype=f64))
+    out = rfattn.rf_attention(q, k, v, rf, scale=temp)
+    torch.testing.assert_close(out, rfattn.rf_attention(q, k, v, rf, scale=0.25))
+    assert torch.autograd.grad(out.sum(), temp)[0].shape == (1,)
