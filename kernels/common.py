@@ -743,8 +743,9 @@ def _setup(q, k, v, form, scale, key_padding_mask, precision=None, causal=False,
     else:  # the interpreter keeps the big 16-bit tiles whatever the dtype: faster tests
         bt, rows = None, _feature_rows(big, itemsize if gpu else 2)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    # sqrt(scale) doubles as the placeholder of absent pointers
-    sqrt_scale = torch.tensor([float(scale) ** 0.5], device=q.device, dtype=acc)
+    # sqrt(scale) doubles as the placeholder of absent pointers; a fill on the device, not a
+    # copy from the host (no transfer, no stream sync, capturable in a CUDA graph)
+    sqrt_scale = torch.full((1,), float(scale) ** 0.5, device=q.device, dtype=acc)
     ptrs, flags = _form_args(form, B, H, D, acc, sqrt_scale)
     if key_padding_mask is not None:
         # int32, not a uint8 view: Triton 3.6 fails to compile fp64 tl.dot kernels that mask

@@ -127,7 +127,7 @@ def token_moments(
     splits, per = _splits(T, B * H, dev, num_splits)
     part = torch.empty(B * H, splits, _FIELDS.value, D, device=dev, dtype=acc)
     cnt = torch.empty(B * H, splits, device=dev, dtype=acc)
-    sc = torch.tensor([float(scale) ** 0.5], device=dev, dtype=acc)
+    sc = torch.full((1,), float(scale) ** 0.5, device=dev, dtype=acc)  # a fill, no host copy
     if key_padding_mask is not None:
         pad = key_padding_mask.view(torch.uint8)
         pad_args = (pad, pad.stride(0), pad.stride(1))

@@ -137,11 +137,11 @@ def running_moments(module: torch.nn.Module) -> Moments:
 def update_running(module: torch.nn.Module, batch: Moments, momentum: float) -> None:
     """EMA update of the running buffers with per-(b, h) ``batch`` moments (first call copies)."""
     pooled = pool_moments(batch)
-    first = int(module.num_batches_tracked) == 0
+    first = module.num_batches_tracked == 0  # selected on the device: reading it would sync
     for name, val in zip(Moments._fields, pooled, strict=True):
         buf = getattr(module, f"running_{name}")
         val = val.to(buf.dtype)
-        buf.copy_(val if first else (1.0 - momentum) * buf + momentum * val)
+        buf.copy_(torch.where(first, val, (1.0 - momentum) * buf + momentum * val))
     module.num_batches_tracked += 1
 
 

@@ -58,7 +58,11 @@ def coefficient_table(width: int, device, **rows) -> torch.Tensor:
     t = torch.zeros(2, len(TABLE_ROWS), width, dtype=torch.float64, device=device)
     for name, val in rows.items():
         for side, x in enumerate(val if isinstance(val, tuple) else (val, val)):
-            t[side, TABLE_ROWS.index(name)] = x.detach() if torch.is_tensor(x) else x
+            row = t[side, TABLE_ROWS.index(name)]
+            if torch.is_tensor(x):
+                row.copy_(x.detach())
+            else:  # fill_, not an item assignment (which copies the number from the host)
+                row.fill_(x)
     return t
 
 

@@ -149,9 +149,10 @@ class HRF(FeatureMap):
         ]
         tables += [coefficient_table(2 * mp, dev, bias=lp + lr, ga=(-1.0, 1.0), **p_blk)] * n
         tables += [coefficient_table(2 * mt, dev, bias=lt + lr, **t_blk)] * n
-        lam = [torch.full((2 * mp + 2 * mt,), -1)]
-        lam += [torch.full((2 * mp,), r) for r in range(n)]
-        lam += [torch.full((2 * mt,), r) for r in range(n)]
+        idx = dict(dtype=torch.long, device=dev)  # made on the device: no host copy
+        lam = [torch.full((2 * mp + 2 * mt,), -1, **idx)]
+        lam += [torch.full((2 * mp,), r, **idx) for r in range(n)]
+        lam += [torch.full((2 * mt,), r, **idx) for r in range(n)]
         rows = [wp, wp, wt, wt] + [wp, wp] * n + [wt, wt] * n
         tau = (params or self.drawn())["hrf_tau"]
         return KernelForm(
@@ -159,5 +160,5 @@ class HRF(FeatureMap):
             torch.cat(rows, dim=0),
             table=torch.cat(tables, dim=-1),
             tau=tau.detach(),
-            lam=torch.cat(lam).to(dev),
+            lam=torch.cat(lam),
         )

@@ -176,6 +176,7 @@ class RMF(FeatureMap):
         self.support = support
         self.pmf = [wt / total for wt in weights]
         self._register_draws()
+        self._row_cache = None  # (degrees, their version, _row_index's result)
 
     def extra_repr(self) -> str:
         return (
@@ -215,16 +216,29 @@ class RMF(FeatureMap):
             prod = prod * torch.where(degree > s, project(x, proj[..., s - 1, :, :]), one)
         return scale * prod
 
+    def _row_index(self, deg: torch.Tensor) -> tuple:
+        """``(starts, owner, stage)`` of the stacked projection rows for the degrees ``deg``
+        ``[M]``: feature f owns rows ``starts[f] .. starts[f + 1] - 1``, row r is stage
+        ``stage[r]`` of feature ``owner[r]``. Cached for this degrees tensor as it stands (the
+        same object, unmodified): sizing ``owner`` from the data is a host sync on a GPU, so
+        only the first call after a draw makes it."""
+        hit = self._row_cache
+        if hit is not None and hit[0] is deg and hit[1] == deg._version:
+            return hit[2]
+        starts = torch.cat((deg.new_zeros(1), deg.cumsum(0)))  # feature f: rows starts[f]..
+        owner = torch.repeat_interleave(torch.arange(deg.shape[0], device=deg.device), deg)
+        stage = torch.arange(owner.shape[0], device=deg.device) - starts[owner]
+        self._row_cache = (deg, deg._version, (starts, owner, stage))
+        return starts, owner, stage
+
     def kernel_form(self, w, params=None):
         """The "rmf" kind: feature f's projection rows (stage 0 = W's row, then the drawn
         stages) stacked feature-major, so one projection covers every stage."""
         p = params or self.drawn()
         m, dev = w.shape[0], w.device
-        deg = p["rmf_degree"].to(dev)
         stages = torch.cat((w.detach()[None], p["rmf_proj"].to(dev, w.dtype)), dim=0)
-        starts = torch.cat((deg.new_zeros(1), deg.cumsum(0)))  # feature f: rows starts[f]..
-        owner = torch.repeat_interleave(torch.arange(m, device=dev), deg)
-        rows = stages[torch.arange(owner.shape[0], device=dev) - starts[owner], owner]
+        starts, owner, stage = self._row_index(p["rmf_degree"].to(dev))
+        rows = stages[stage, owner]
         cq = p["rmf_scale"].to(dev, torch.float64)
         c = component_weights(p, m)
         ck = cq if c is None else cq * c.to(dev, torch.float64)
