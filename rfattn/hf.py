@@ -203,20 +203,30 @@ def _attach(model: torch.nn.Module, device) -> int:
     for mod, head_dim in _attention_layers(model):
         idx = getattr(mod, "layer_idx", None)
         idx = count if idx is None else idx
-        rf = random_features_from_config(model.config, idx, head_dim)
+        rf = _new_features(model.config, idx, head_dim, device)
         rf._rfattn_layer = (idx, head_dim)  # to redraw the same features (_init_weights hook)
-        built.append((mod, rf if device is None else rf.to(device)))
+        built.append((mod, rf))
         count += 1
     for mod, rf in built:
         mod.rfattn_features = rf
     return count
 
 
+def _new_features(config, idx: int, head_dim: int, device) -> RandomFeatures:
+    """A layer's features from ``config.rfattn`` on ``device`` (None: where they are drawn), as
+    normal tensors even when the call runs under ``torch.inference_mode()`` (the first forward
+    of a model switched without :func:`attach_random_features`, say): the model stays
+    trainable."""
+    with torch.inference_mode(False):
+        rf = random_features_from_config(config, idx, head_dim)
+        return rf if device is None else rf.to(device)
+
+
 def _layer_features(module: torch.nn.Module, head_dim: int, device) -> RandomFeatures:
     rf = getattr(module, "rfattn_features", None)
     if rf is None:
         idx = getattr(module, "layer_idx", None) or 0
-        rf = random_features_from_config(module.config, idx, head_dim).to(device)
+        rf = _new_features(module.config, idx, head_dim, device)
         module.rfattn_features = rf
     return rf
 

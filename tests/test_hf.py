@@ -251,3 +251,32 @@ def test_attach_leaves_a_shared_config_alone(tmp_path):
     ids = _ids()
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, a(ids).logits)
+
+
+def _features(model):
+    return [m.rfattn_features for m in model.modules() if hasattr(m, "rfattn_features")]
+
+
+@pytest.mark.parametrize("feature", ["posrf", "oprf"])
+def test_features_drawn_under_inference_mode_leave_the_model_trainable(feature):
+    """A model switched to "rfattn" without attach_random_features draws its features in its
+    first forward; under torch.inference_mode() (an evaluation pass before fine-tuning) they were
+    inference tensors for good, and training raised ("Inference tensors cannot be saved for
+    backward"; oprf's running statistics: "Inplace update to inference tensor outside
+    InferenceMode"). Training-mode forwards (statistics moved in place) and a redraw under
+    inference mode leave them normal too."""
+    model = _llama()
+    model.config.rfattn = {"num_features": 16, "feature": feature}
+    model.set_attn_implementation("rfattn")
+    ids = _ids()
+    with torch.inference_mode():
+        model.eval()(ids)  # the features are drawn here
+        model.train()(ids)
+        for rf in _features(model):
+            rf.redraw()
+    assert len(_features(model)) == 2
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    assert not [n for n, t in tensors.items() if t.is_inference()]
+    model(ids, labels=ids).loss.backward()
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())
+    assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
