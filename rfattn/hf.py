@@ -13,8 +13,9 @@ random-feature attention::
 
 :func:`attach_random_features` gives every attention layer its own :class:`RandomFeatures`
 (submodule ``rfattn_features``, seeded with :func:`rfattn.layer_seed` of ``seed`` and the layer
-index, saved in ``state_dict``) and records the options in ``config.rfattn``; a layer reached
-without one builds it lazily from ``config.rfattn`` (defaults: 256 posrf/orf features, seed 0).
+index, saved in ``state_dict``, in the layer's train/eval mode and following the model's later)
+and records the options in ``config.rfattn``; a layer reached without one builds it lazily from
+``config.rfattn`` (defaults: 256 posrf/orf features, seed 0), likewise.
 
 Masks: the causal structure comes from the layer's ``is_causal`` and padding from the 2-D
 attention mask; the mask builder hands the attention function the key-padding mask as a
@@ -136,7 +137,10 @@ def attach_random_features(model: torch.nn.Module, **options) -> int:
 
     Returns:
         The number of layers equipped. Layers without a ``layer_idx`` are numbered in module
-        order. The features follow the model's device (``.to`` moves them later too).
+        order. The features follow the model's device and mode: each layer's start in its
+        layer's mode (on an eval model, oprf/saderf running statistics stay as they are, so
+        the same input gives the same output), and as submodules ``.to``, ``.train()`` and
+        ``.eval()`` reach them later.
 
     Raises:
         ValueError, TypeError: options :class:`RandomFeatures` rejects; the model and its
@@ -203,7 +207,7 @@ def _attach(model: torch.nn.Module, device) -> int:
     for mod, head_dim in _attention_layers(model):
         idx = getattr(mod, "layer_idx", None)
         idx = count if idx is None else idx
-        rf = _new_features(model.config, idx, head_dim, device)
+        rf = _new_features(mod, model.config, idx, head_dim, device)
         rf._rfattn_layer = (idx, head_dim)  # to redraw the same features (_init_weights hook)
         built.append((mod, rf))
         count += 1
@@ -212,13 +216,14 @@ def _attach(model: torch.nn.Module, device) -> int:
     return count
 
 
-def _new_features(config, idx: int, head_dim: int, device) -> RandomFeatures:
-    """A layer's features from ``config.rfattn`` on ``device`` (None: where they are drawn), as
-    normal tensors even when the call runs under ``torch.inference_mode()`` (the first forward
-    of a model switched without :func:`attach_random_features`, say): the model stays
-    trainable."""
+def _new_features(module, config, idx: int, head_dim: int, device) -> RandomFeatures:
+    """The features of attention layer ``module`` from ``config.rfattn`` on ``device`` (None:
+    where they are drawn), in the layer's mode (an eval model's running statistics stay put; as
+    a submodule they follow ``model.train()`` / ``model.eval()`` later), and normal tensors even
+    when the call runs under ``torch.inference_mode()`` (the first forward of a model switched
+    without :func:`attach_random_features`, say): the model stays trainable."""
     with torch.inference_mode(False):
-        rf = random_features_from_config(config, idx, head_dim)
+        rf = random_features_from_config(config, idx, head_dim).train(module.training)
         return rf if device is None else rf.to(device)
 
 
@@ -226,7 +231,7 @@ def _layer_features(module: torch.nn.Module, head_dim: int, device) -> RandomFea
     rf = getattr(module, "rfattn_features", None)
     if rf is None:
         idx = getattr(module, "layer_idx", None) or 0
-        rf = _new_features(module.config, idx, head_dim, device)
+        rf = _new_features(module, module.config, idx, head_dim, device)
         module.rfattn_features = rf
     return rf
 

@@ -280,3 +280,53 @@ def test_features_drawn_under_inference_mode_leave_the_model_trainable(feature):
     model(ids, labels=ids).loss.backward()
     assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())
     assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+
+
+def _statistics(model):
+    return [b.clone() for rf in _features(model) for b in rf.feature_map.buffers()]
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["attached", "lazy"])
+def test_features_follow_the_models_mode(lazy):
+    """oprf attached to an eval model (or drawn in its first forward): two identical no_grad
+    forwards give identical logits and the running statistics stay put (before: the features
+    started in training mode, so every forward moved them, and a perplexity depended on what ran
+    before); model.train() lets them move, model.eval() stops them again."""
+    model = _llama().eval()
+    if lazy:
+        model.config.rfattn = {"num_features": 16, "feature": "oprf"}
+    else:
+        rfhf.attach_random_features(model, num_features=16, feature="oprf")
+    model.set_attn_implementation("rfattn")
+    ids = _ids()
+    with torch.no_grad():
+        first = model(ids).logits
+        stats = _statistics(model)
+        torch.testing.assert_close(model(ids).logits, first, rtol=0, atol=0)
+        assert all(torch.equal(a, b) for a, b in zip(_statistics(model), stats, strict=True))
+        assert len(_features(model)) == 2 and not any(rf.training for rf in _features(model))
+        model.train()
+        model(ids)
+        moved = _statistics(model)
+        assert not all(torch.equal(a, b) for a, b in zip(moved, stats, strict=True))
+        model.eval()
+        model(ids)
+        assert all(torch.equal(a, b) for a, b in zip(_statistics(model), moved, strict=True))
+
+
+def test_attached_features_take_their_layers_mode():
+    model = _llama().train()
+    model.model.layers[1].eval()
+    rfhf.attach_random_features(model, num_features=16, feature="oprf")
+    assert [rf.training for rf in _features(model)] == [True, False]
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_calibrate_leaves_the_features_in_the_models_mode(training):
+    import rfattn
+
+    model = _llama().train(training)
+    rfhf.attach_random_features(model, num_features=16, feature="oprf")
+    model.set_attn_implementation("rfattn")
+    rfattn.calibrate(model, [_ids()], steps=2, params=("map", "stats"))
+    assert all(m.training == training for m in model.modules())
