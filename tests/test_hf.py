@@ -330,3 +330,128 @@ def test_calibrate_leaves_the_features_in_the_models_mode(training):
     model.set_attn_implementation("rfattn")
     rfattn.calibrate(model, [_ids()], steps=2, params=("map", "stats"))
     assert all(m.training == training for m in model.modules())
+
+
+def _windowed(arch="mistral", **window):
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config if arch == "qwen2" else transformers.MistralConfig
+    cfg = config(**SMALL, num_key_value_heads=2, max_position_embeddings=128, **window)
+    model = (transformers.Qwen2ForCausalLM if arch == "qwen2" else
+             transformers.MistralForCausalLM)(cfg).eval()  # fmt: skip
+    rfhf.attach_random_features(model, num_features=16)
+    model.set_attn_implementation("rfattn")
+    return model
+
+
+def _decode(model, ids, prompt: int, cache):
+    """Last logits of a manual decoding loop: ``prompt`` tokens, then one token per forward."""
+    kw = {} if cache is None else {rfhf.CACHE_KWARG: cache}
+    out = model(ids[:, :prompt], use_cache=True, **kw)
+    for i in range(prompt, ids.shape[1]):
+        cache = getattr(out, rfhf.CACHE_KWARG)
+        out = model(ids[:, i : i + 1], use_cache=True, **{rfhf.CACHE_KWARG: cache})
+    return out.logits[:, -1]
+
+
+@pytest.mark.parametrize("path", ["forward", "generate", "loop-RFCache", "loop-DynamicCache"])
+def test_a_sliding_window_is_refused_where_it_matters(path):
+    """Mistral with sliding_window=4: every path runs while the sequence so far fits in the
+    window (the same tokens and logits as a full forward) and raises NotImplementedError naming
+    sliding_window from the first token that would see a key outside it (before: only a full
+    forward raised; generate and cached loops decoded on with full attention, silently)."""
+    model = _windowed(sliding_window=4)
+    ids = _ids()[:, :5]
+    with torch.no_grad():
+        if path == "forward":
+            model(ids[:, :4])
+            run = lambda: model(ids)  # noqa: E731
+        elif path == "generate":
+            gen = model.generate(ids[:, :3], max_new_tokens=2, do_sample=False, pad_token_id=0)
+            assert torch.equal(gen[:, 4], model(gen[:, :4]).logits[:, -1].argmax(-1))
+            run = lambda: model.generate(ids[:, :3], max_new_tokens=3, do_sample=False,  # noqa: E731
+                                         pad_token_id=0)  # fmt: skip
+        else:
+            cache = (lambda: rfhf.RFCache()) if path == "loop-RFCache" else (lambda: None)
+            last = _decode(model, ids[:, :4], 2, cache())
+            torch.testing.assert_close(last, model(ids[:, :4]).logits[:, -1])
+            run = lambda: _decode(model, ids, 2, cache())  # noqa: E731
+        with pytest.raises(NotImplementedError, match="sliding_window=4"):
+            run()
+
+
+def test_a_sliding_window_behind_padding_or_on_other_layers():
+    """The window matters by tokens, not padding: left-padded rows whose tokens fit in it run
+    (prompt and generation); Qwen2's layer_types put it on some layers (refused alike), and
+    use_sliding_window=False leaves none (any length runs)."""
+    model = _windowed(sliding_window=4)
+    ids = _ids()[:, :6]
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[:, :3] = 0
+    mask[1, 2] = 1  # row 1 has 4 tokens
+    with torch.no_grad():
+        model(ids, attention_mask=mask)
+        model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False,
+                       pad_token_id=0)  # fmt: skip
+        with pytest.raises(NotImplementedError, match="sliding_window=4"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
+                           pad_token_id=0)  # fmt: skip
+        mask[1, 1] = 1
+        with pytest.raises(NotImplementedError, match="sliding_window=4"):
+            model(ids, attention_mask=mask)
+    mixed = _windowed("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    assert mixed.config.layer_types == ["full_attention", "sliding_attention"]
+    full = _windowed("qwen2", use_sliding_window=False, sliding_window=4)
+    with torch.no_grad():
+        full.generate(ids[:, :3], max_new_tokens=6, do_sample=False, pad_token_id=0)
+        mixed(ids[:, :4])
+        with pytest.raises(NotImplementedError, match="sliding_window=4"):
+            mixed.generate(ids[:, :3], max_new_tokens=3, do_sample=False, pad_token_id=0)
+        with pytest.raises(NotImplementedError, match="sliding_window=4"):
+            _decode(mixed, ids, 3, rfhf.RFCache())
+
+
+def _window_shard(rank, length, group=None):
+    """Mistral (sliding_window=6) logits of ``length`` tokens, or the NotImplementedError's
+    message; over a group, this rank's shard (2 tokens on rank 0, the rest on rank 1)."""
+    model = _windowed(sliding_window=6)
+    ids, pos = _ids()[:, :length], torch.arange(length)[None].expand(2, -1)
+    if group is not None:
+        rfhf.set_context_parallel_group(model, group)
+        shard = slice(0, 2) if rank == 0 else slice(2, length)
+        ids, pos = ids[:, shard], pos[:, shard]
+    try:
+        with torch.no_grad():
+            return model(input_ids=ids, position_ids=pos).logits
+    except NotImplementedError as exc:
+        return str(exc)
+
+
+def _window_worker(rank, world, init_file, out_dir):
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))  # fmt: skip
+    try:
+        res = [_window_shard(rank, length, dist.group.WORLD) for length in (6, 8)]
+        torch.save(res, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sliding_window_over_a_process_group_is_refused_on_every_rank(tmp_path):
+    """set_context_parallel_group: the window is judged on the whole sequence, alike on every
+    rank: 6 tokens in a window of 6 run (the single process's logits), 8 are refused on both
+    ranks although each shard fits in the window (before: both ran, full attention, silently;
+    a shard beyond the window raised on its rank alone, and the others hung)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_window_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2,
+             join=True)  # fmt: skip
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    torch.testing.assert_close(torch.cat([r[0] for r in ranks], dim=1), _window_shard(0, 6))
+    refused = [isinstance(r[1], str) and "sliding_window=6" in r[1] for r in ranks]
+    assert refused == [True, True], [type(r[1]) for r in ranks]
+    assert "sliding_window=6" in _window_shard(0, 8)
