@@ -13,14 +13,19 @@ random-feature attention::
 
 :func:`attach_random_features` gives every attention layer its own :class:`RandomFeatures`
 (submodule ``rfattn_features``, seeded with :func:`rfattn.layer_seed` of ``seed`` and the layer
-index, saved in ``state_dict``) and records the options in ``config.rfattn``; a layer reached
-without one builds it lazily from ``config.rfattn`` (defaults: 256 posrf/orf features, seed 0).
+index, saved in ``state_dict``, in the layer's train/eval mode and following the model's later)
+and records the options in ``config.rfattn``; a layer reached without one builds it lazily from
+``config.rfattn`` (defaults: 256 posrf/orf features, seed 0), likewise.
 
 Masks: the causal structure comes from the layer's ``is_causal`` and padding from the 2-D
 attention mask; the mask builder hands the attention function the key-padding mask as a
-stride-0 ``[B, 1, Tq, Tk]`` view (no quadratic tensor). Other patterns (sliding windows, packed
-sequences, custom 4-D masks) are checked against "causal/bidirectional + key padding" and raise
-NotImplementedError when they differ. Attention dropout acts on the attention output (no weight
+stride-0 ``[B, 1, Tq, Tk]`` view (no quadratic tensor). Other patterns (packed sequences, custom
+4-D masks) are checked against "causal/bidirectional + key padding" and raise
+NotImplementedError when they differ. A sliding window (Mistral's ``sliding_window``, Qwen2's
+``use_sliding_window``, the ``"sliding_attention"`` layers of ``layer_types``) is refused alike
+on every path (a forward, ``generate``, a cached loop, context-parallel shards) as soon as it
+matters, i.e. a query would see a key the window leaves out; until then it runs as causal
+attention. Attention dropout acts on the attention output (no weight
 matrix exists) and ``output_attentions`` returns None weights, with a warning (once), as sdpa.
 
 Save/load: a model saved after :func:`attach_random_features` carries ``config.rfattn``; importing
@@ -37,6 +42,7 @@ import re
 import warnings
 
 import torch
+import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from rfattn.attention import RFState, rf_attention
@@ -136,7 +142,10 @@ def attach_random_features(model: torch.nn.Module, **options) -> int:
 
     Returns:
         The number of layers equipped. Layers without a ``layer_idx`` are numbered in module
-        order. The features follow the model's device (``.to`` moves them later too).
+        order. The features follow the model's device and mode: each layer's start in its
+        layer's mode (on an eval model, oprf/saderf running statistics stay as they are, so
+        the same input gives the same output), and as submodules ``.to``, ``.train()`` and
+        ``.eval()`` reach them later.
 
     Raises:
         ValueError, TypeError: options :class:`RandomFeatures` rejects; the model and its
@@ -193,7 +202,22 @@ def set_context_parallel_group(model: torch.nn.Module, group) -> int:
     layers = [module for module, _ in _attention_layers(model)]
     for module in layers:
         module.rfattn_group = group
+    # the mask builder's sliding-window check looks at the whole sequence (every rank alike)
+    config = _own_config(model)
+    if group is None:
+        _CONTEXT_PARALLEL.pop(config, None)
+    else:
+        _CONTEXT_PARALLEL[config] = group
     return len(layers)
+
+
+#: config of a model set by :func:`set_context_parallel_group` -> its process group
+_CONTEXT_PARALLEL = WeakIdKeyDictionary()
+
+
+def _group_of(config):
+    """The process group of the model with ``config`` (a mask builder's), or None."""
+    return None if config is None else _CONTEXT_PARALLEL.get(config)
 
 
 def _attach(model: torch.nn.Module, device) -> int:
@@ -203,20 +227,31 @@ def _attach(model: torch.nn.Module, device) -> int:
     for mod, head_dim in _attention_layers(model):
         idx = getattr(mod, "layer_idx", None)
         idx = count if idx is None else idx
-        rf = random_features_from_config(model.config, idx, head_dim)
+        rf = _new_features(mod, model.config, idx, head_dim, device)
         rf._rfattn_layer = (idx, head_dim)  # to redraw the same features (_init_weights hook)
-        built.append((mod, rf if device is None else rf.to(device)))
+        built.append((mod, rf))
         count += 1
     for mod, rf in built:
         mod.rfattn_features = rf
     return count
 
 
+def _new_features(module, config, idx: int, head_dim: int, device) -> RandomFeatures:
+    """The features of attention layer ``module`` from ``config.rfattn`` on ``device`` (None:
+    where they are drawn), in the layer's mode (an eval model's running statistics stay put; as
+    a submodule they follow ``model.train()`` / ``model.eval()`` later), and normal tensors even
+    when the call runs under ``torch.inference_mode()`` (the first forward of a model switched
+    without :func:`attach_random_features`, say): the model stays trainable."""
+    with torch.inference_mode(False):
+        rf = random_features_from_config(config, idx, head_dim).train(module.training)
+        return rf if device is None else rf.to(device)
+
+
 def _layer_features(module: torch.nn.Module, head_dim: int, device) -> RandomFeatures:
     rf = getattr(module, "rfattn_features", None)
     if rf is None:
         idx = getattr(module, "layer_idx", None) or 0
-        rf = random_features_from_config(module.config, idx, head_dim).to(device)
+        rf = _new_features(module, module.config, idx, head_dim, device)
         module.rfattn_features = rf
     return rf
 
@@ -236,8 +271,18 @@ def rfattn_mask(
     """Mask builder of ``"rfattn"`` (``AttentionMaskInterface``).
 
     Plain causal or bidirectional masks become the key-padding mask as a stride-0
-    ``[B, 1, Tq, Tk]`` bool view (True = attend), or None without padding; anything else is
-    materialised by ``sdpa_mask`` and checked by the attention function.
+    ``[B, 1, Tq, Tk]`` bool view (True = attend), or None without padding. Other patterns are
+    materialised by ``sdpa_mask`` and become that view too where they equal causal or
+    bidirectional attention plus key padding for every query that is not padding; otherwise
+    they are handed on, and the attention function raises.
+
+    Sliding windows (``local_size``, a model's ``sliding_window``) are refused wherever the
+    window matters: as soon as a query would attend to a key at least the window behind it (the
+    prompt, a cached decoding step or a context-parallel shard alike); within the window the
+    mask is plain causal attention.
+
+    Raises:
+        NotImplementedError: a preallocated cache; a sliding window that matters.
     """
     if mask_function is causal_mask_function and kv_offset + kv_length > q_offset + q_length:
         # keys past the last query: a preallocated cache (transformers' StaticCache); the
@@ -247,16 +292,25 @@ def rfattn_mask(
             "supported; use the default cache (rfattn.hf.RFCache, a fixed-size state) or "
             "DynamicCache"
         )
+    n = max(kv_offset + kv_length, q_offset + q_length)
+    valid = prepare_padding_mask(attention_mask, n, 0)  # [B, n] True = a token, or None
+    if valid is not None:
+        valid = valid[:, :n].to(device=device, dtype=torch.bool)
+    keep = None if valid is None else valid[:, kv_offset : kv_offset + kv_length]
     if mask_function in (causal_mask_function, bidirectional_mask_function) and local_size is None:
-        pad = prepare_padding_mask(attention_mask, kv_length, kv_offset)
-        if pad is None:
-            return None
-        keep = pad[:, kv_offset : kv_offset + kv_length].to(device=device, dtype=torch.bool)
-        if bool(keep.all()):
-            return None
-        return keep[:, None, None, :].expand(batch_size, 1, q_length, kv_length)
+        return _padding_view(keep, batch_size, q_length)
+    if valid is None:
+        valid = torch.ones(batch_size, n, dtype=torch.bool, device=device)
+    span = -1
+    if local_size is not None:
+        config = kwargs.get("config")
+        span, dropped = _window_span(valid, q_offset, q_length, kv_offset, config)
+        # keys a sliding-window cache dropped (DynamicCache) were out of the window; a sharded
+        # sequence decides on every rank alike, from the whole sequence's span
+        if dropped or (span >= local_size and _group_of(config) is not None):
+            raise _window_error(local_size, span, config)
     kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
-    return sdpa_mask(
+    mask = sdpa_mask(
         batch_size,
         q_length,
         kv_length,
@@ -267,6 +321,83 @@ def rfattn_mask(
         local_size,
         device=device,
         **kwargs,
+    )
+    if _plain_where_it_counts(mask, valid, q_offset, q_length, kv_offset, kv_length):
+        return _padding_view(keep, batch_size, q_length)
+    if local_size is not None and span >= local_size:
+        raise _window_error(local_size, span, kwargs.get("config"))
+    return mask
+
+
+def _padding_view(keep: torch.Tensor | None, batch_size: int, q_length: int):
+    """The key-padding mask ``keep [B, Tk]`` (True = a token) as a stride-0 ``[B, 1, Tq, Tk]``
+    view, or None when every key is a token."""
+    if keep is None or bool(keep.all()):
+        return None
+    return keep[:, None, None, :].expand(batch_size, 1, q_length, keep.shape[1])
+
+
+def _plain_where_it_counts(mask, valid, q_offset, q_length, kv_offset, kv_length) -> bool:
+    """Whether the materialised ``mask [B, 1, Tq, Tk]`` is causal or bidirectional attention
+    plus key padding on the rows of queries that are tokens (``valid [B, n]``, positions
+    ``0..n-1``; a padded query's output is never read)."""
+    q_pos = torch.arange(q_offset, q_offset + q_length, device=mask.device)
+    k_pos = torch.arange(kv_offset, kv_offset + kv_length, device=mask.device)
+    keys = valid[:, None, None, kv_offset : kv_offset + kv_length]
+    rows = valid[:, None, q_offset : q_offset + q_length, None]
+    for expected in (keys & (k_pos <= q_pos[:, None]), keys):
+        if bool(((mask == expected) | ~rows).all()):
+            return True
+    return False
+
+
+def _window_span(valid, q_offset, q_length, kv_offset, config) -> tuple[int, bool]:
+    """``(span, dropped)``: how far the farthest query that is a token lies behind the first
+    token of its sequence (the largest over the batch; -1 when there is none), and whether such
+    a token lies before ``kv_offset`` (a key a sliding-window cache dropped). On a model split
+    over a process group (:func:`set_context_parallel_group`), the span of the whole sequence,
+    the same on every rank (one ``all_gather`` of ``2 B + 1`` numbers)."""
+    n = valid.shape[1]
+    pos = torch.arange(n, device=valid.device)
+    first = torch.where(valid, pos, n).amin(-1)  # [B]
+    queries = slice(q_offset, q_offset + q_length)
+    last = torch.where(valid[:, queries], pos[queries], -1).amax(-1)
+    group = _group_of(config)
+    if group is not None:
+        first, last = _global_first_last(first, last, n, group)
+    rows = last >= first
+    span = int(torch.where(rows, last - first, -1).amax()) if len(rows) else -1
+    return span, bool((rows & (first < kv_offset)).any())
+
+
+def _global_first_last(first, last, n: int, group):
+    """Per row, the first token and the last query of a sequence whose shards, ``n`` positions
+    here, lie in rank order over ``group``, from each shard's (local positions; none: ``n``
+    and -1)."""
+    local = torch.cat((first.new_tensor([n]), first, last))
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
+    table = torch.stack(parts)  # [P, 1 + 2B]
+    lengths, b = table[:, :1], first.shape[0]
+    start = lengths.cumsum(0) - lengths
+    firsts, lasts = table[:, 1 : 1 + b], table[:, 1 + b :]
+    first = torch.where(firsts < lengths, start + firsts, lengths.sum()).amin(0)
+    last = torch.where(lasts >= 0, start + lasts, -1).amax(0)
+    return first, last
+
+
+def _window_error(local_size: int, span: int, config) -> NotImplementedError:
+    name = "sliding_window"
+    if getattr(config, "sliding_window", None) != local_size and \
+            getattr(config, "attention_chunk_size", None) == local_size:  # fmt: skip
+        name = "attention_chunk_size"
+    return NotImplementedError(
+        f"rfattn: {name}={local_size} matters here: a query would see a key {span} "
+        f"positions before it, outside the window, and random-feature attention has no "
+        f"windowed form (it attends to every key). A model with {name} runs under "
+        f"attn_implementation='rfattn' only while each sequence so far (prompt and generated "
+        f"tokens, padding aside) has at most {local_size} tokens; beyond that use a softmax "
+        f"attn_implementation ('sdpa', 'eager'), or set config.{name} = None for full attention"
     )
 
 

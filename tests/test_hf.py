@@ -251,3 +251,207 @@ def test_attach_leaves_a_shared_config_alone(tmp_path):
     ids = _ids()
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, a(ids).logits)
+
+
+def _features(model):
+    return [m.rfattn_features for m in model.modules() if hasattr(m, "rfattn_features")]
+
+
+@pytest.mark.parametrize("feature", ["posrf", "oprf"])
+def test_features_drawn_under_inference_mode_leave_the_model_trainable(feature):
+    """A model switched to "rfattn" without attach_random_features draws its features in its
+    first forward; under torch.inference_mode() (an evaluation pass before fine-tuning) they were
+    inference tensors for good, and training raised ("Inference tensors cannot be saved for
+    backward"; oprf's running statistics: "Inplace update to inference tensor outside
+    InferenceMode"). Training-mode forwards (statistics moved in place) and a redraw under
+    inference mode leave them normal too."""
+    model = _llama()
+    model.config.rfattn = {"num_features": 16, "feature": feature}
+    model.set_attn_implementation("rfattn")
+    ids = _ids()
+    with torch.inference_mode():
+        model.eval()(ids)  # the features are drawn here
+        model.train()(ids)
+        for rf in _features(model):
+            rf.redraw()
+    assert len(_features(model)) == 2
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    assert not [n for n, t in tensors.items() if t.is_inference()]
+    model(ids, labels=ids).loss.backward()
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())
+    assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+
+
+def _statistics(model):
+    return [b.clone() for rf in _features(model) for b in rf.feature_map.buffers()]
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["attached", "lazy"])
+def test_features_follow_the_models_mode(lazy):
+    """oprf attached to an eval model (or drawn in its first forward): two identical no_grad
+    forwards give identical logits and the running statistics stay put (before: the features
+    started in training mode, so every forward moved them, and a perplexity depended on what ran
+    before); model.train() lets them move, model.eval() stops them again."""
+    model = _llama().eval()
+    if lazy:
+        model.config.rfattn = {"num_features": 16, "feature": "oprf"}
+    else:
+        rfhf.attach_random_features(model, num_features=16, feature="oprf")
+    model.set_attn_implementation("rfattn")
+    ids = _ids()
+    with torch.no_grad():
+        first = model(ids).logits
+        stats = _statistics(model)
+        torch.testing.assert_close(model(ids).logits, first, rtol=0, atol=0)
+        assert all(torch.equal(a, b) for a, b in zip(_statistics(model), stats, strict=True))
+        assert len(_features(model)) == 2 and not any(rf.training for rf in _features(model))
+        model.train()
+        model(ids)
+        moved = _statistics(model)
+        assert not all(torch.equal(a, b) for a, b in zip(moved, stats, strict=True))
+        model.eval()
+        model(ids)
+        assert all(torch.equal(a, b) for a, b in zip(_statistics(model), moved, strict=True))
+
+
+def test_attached_features_take_their_layers_mode():
+    model = _llama().train()
+    model.model.layers[1].eval()
+    rfhf.attach_random_features(model, num_features=16, feature="oprf")
+    assert [rf.training for rf in _features(model)] == [True, False]
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_calibrate_leaves_the_features_in_the_models_mode(training):
+    import rfattn
+
+    model = _llama().train(training)
+    rfhf.attach_random_features(model, num_features=16, feature="oprf")
+    model.set_attn_implementation("rfattn")
+    rfattn.calibrate(model, [_ids()], steps=2, params=("map", "stats"))
+    assert all(m.training == training for m in model.modules())
+
+
+def _windowed(arch="mistral", **window):
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config if arch == "qwen2" else transformers.MistralConfig
+    cfg = config(**SMALL, num_key_value_heads=2, max_position_embeddings=128, **window)
+    model = (transformers.Qwen2ForCausalLM if arch == "qwen2" else
+             transformers.MistralForCausalLM)(cfg).eval()  # fmt: skip
+    rfhf.attach_random_features(model, num_features=16)
+    model.set_attn_implementation("rfattn")
+    return model
+
+
+def _decode(model, ids, prompt: int, cache):
+    """Last logits of a manual decoding loop: ``prompt`` tokens, then one token per forward."""
+    kw = {} if cache is None else {rfhf.CACHE_KWARG: cache}
+    out = model(ids[:, :prompt], use_cache=True, **kw)
+    for i in range(prompt, ids.shape[1]):
+        cache = getattr(out, rfhf.CACHE_KWARG)
+        out = model(ids[:, i : i + 1], use_cache=True, **{rfhf.CACHE_KWARG: cache})
+    return out.logits[:, -1]
+
+
+@pytest.mark.parametrize("path", ["forward", "generate", "loop-RFCache", "loop-DynamicCache"])
+def test_a_sliding_window_is_refused_where_it_matters(path):
+    """Mistral with sliding_window=4: every path runs while the sequence so far fits in the
+    window (the same tokens and logits as a full forward) and raises NotImplementedError naming
+    sliding_window from the first token that would see a key outside it (before: only a full
+    forward raised; generate and cached loops decoded on with full attention, silently)."""
+    model = _windowed(sliding_window=4)
+    ids = _ids()[:, :5]
+    with torch.no_grad():
+        if path == "forward":
+            model(ids[:, :4])
+            run = lambda: model(ids)  # noqa: E731
+        elif path == "generate":
+            gen = model.generate(ids[:, :3], max_new_tokens=2, do_sample=False, pad_token_id=0)
+            assert torch.equal(gen[:, 4], model(gen[:, :4]).logits[:, -1].argmax(-1))
+            run = lambda: model.generate(ids[:, :3], max_new_tokens=3, do_sample=False,  # noqa: E731
+                                         pad_token_id=0)  # fmt: skip
+        else:
+            cache = (lambda: rfhf.RFCache()) if path == "loop-RFCache" else (lambda: None)
+            last = _decode(model, ids[:, :4], 2, cache())
+            torch.testing.assert_close(last, model(ids[:, :4]).logits[:, -1])
+            run = lambda: _decode(model, ids, 2, cache())  # noqa: E731
+        with pytest.raises(NotImplementedError, match="sliding_window=4"):
+            run()
+
+
+def test_a_sliding_window_behind_padding_or_on_other_layers():
+    """The window matters by tokens, not padding: left-padded rows whose tokens fit in it run
+    (prompt and generation); Qwen2's layer_types put it on some layers (refused alike), and
+    use_sliding_window=False leaves none (any length runs)."""
+    model = _windowed(sliding_window=4)
+    ids = _ids()[:, :6]
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[:, :3] = 0
+    mask[1, 2] = 1  # row 1 has 4 tokens
+    with torch.no_grad():
+        model(ids, attention_mask=mask)
+        model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False,
+                       pad_token_id=0)  # fmt: skip
+        with pytest.raises(NotImplementedError, match="sliding_window=4"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
+                           pad_token_id=0)  # fmt: skip
+        mask[1, 1] = 1
+        with pytest.raises(NotImplementedError, match="sliding_window=4"):
+            model(ids, attention_mask=mask)
+    mixed = _windowed("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    assert mixed.config.layer_types == ["full_attention", "sliding_attention"]
+    full = _windowed("qwen2", use_sliding_window=False, sliding_window=4)
+    with torch.no_grad():
+        full.generate(ids[:, :3], max_new_tokens=6, do_sample=False, pad_token_id=0)
+        mixed(ids[:, :4])
+        with pytest.raises(NotImplementedError, match="sliding_window=4"):
+            mixed.generate(ids[:, :3], max_new_tokens=3, do_sample=False, pad_token_id=0)
+        with pytest.raises(NotImplementedError, match="sliding_window=4"):
+            _decode(mixed, ids, 3, rfhf.RFCache())
+
+
+def _window_shard(rank, length, group=None):
+    """Mistral (sliding_window=6) logits of ``length`` tokens, or the NotImplementedError's
+    message; over a group, this rank's shard (2 tokens on rank 0, the rest on rank 1)."""
+    model = _windowed(sliding_window=6)
+    ids, pos = _ids()[:, :length], torch.arange(length)[None].expand(2, -1)
+    if group is not None:
+        rfhf.set_context_parallel_group(model, group)
+        shard = slice(0, 2) if rank == 0 else slice(2, length)
+        ids, pos = ids[:, shard], pos[:, shard]
+    try:
+        with torch.no_grad():
+            return model(input_ids=ids, position_ids=pos).logits
+    except NotImplementedError as exc:
+        return str(exc)
+
+
+def _window_worker(rank, world, init_file, out_dir):
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))  # fmt: skip
+    try:
+        res = [_window_shard(rank, length, dist.group.WORLD) for length in (6, 8)]
+        torch.save(res, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sliding_window_over_a_process_group_is_refused_on_every_rank(tmp_path):
+    """set_context_parallel_group: the window is judged on the whole sequence, alike on every
+    rank: 6 tokens in a window of 6 run (the single process's logits), 8 are refused on both
+    ranks although each shard fits in the window (before: both ran, full attention, silently;
+    a shard beyond the window raised on its rank alone, and the others hung)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_window_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2,
+             join=True)  # fmt: skip
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    torch.testing.assert_close(torch.cat([r[0] for r in ranks], dim=1), _window_shard(0, 6))
+    refused = [isinstance(r[1], str) and "sliding_window=6" in r[1] for r in ranks]
+    assert refused == [True, True], [type(r[1]) for r in ranks]
+    assert "sliding_window=6" in _window_shard(0, 8)

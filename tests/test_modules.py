@@ -27,6 +27,33 @@ def test_weight_redraw_and_determinism():
     assert not torch.equal(a.weight, b.weight)
 
 
+@pytest.mark.parametrize("feature, backend", [("oprf", "torch"), ("oprf", "triton"),
+                                              ("gerf", "torch")])  # fmt: skip
+def test_what_inference_mode_makes_stays_trainable(feature, backend, kernel_device):
+    """Head maps, a learnt W or GERF A made under torch.inference_mode() are normal tensors: a
+    later training call runs its backward and they get gradients (before: inference tensors
+    for good, "Inference tensors cannot be saved for backward"). Buffers made before and
+    updated in place under inference mode (running statistics in training, a redraw) stay
+    normal too."""
+    rf = rfattn.RandomFeatures(8, 16, feature, seed=0).to(kernel_device).train()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 11, 8, generator=g).to(kernel_device) for _ in range(3))
+    with torch.inference_mode():
+        rfattn.rf_attention(q, k, v, rf, causal=True, backend=backend)  # statistics move
+        rf.redraw()
+        rf.add_head_maps(2)
+        learnt = []  # (the fused causal kernels take neither a learnt W nor a learnt A)
+        if backend == "torch":
+            learnt.append(rf.learn_gerf_A(2) if feature == "gerf" else rf.learn_weight())
+    tensors = {**dict(rf.named_parameters()), **dict(rf.named_buffers())}
+    assert not [n for n, t in tensors.items() if t.is_inference()]
+    q = q.clone().requires_grad_()
+    out = rfattn.rf_attention(q, k, v, rf, causal=True, backend=backend)
+    out.square().sum().backward()
+    for t in (q, rf.query_map, rf.key_map, *learnt):
+        assert t.grad is not None and t.grad.isfinite().all() and t.grad.abs().sum() > 0
+
+
 def test_state_dict_round_trip_and_to():
     rf = rfattn.RandomFeatures(8, 12, weights="gaussian", seed=1)
     other = rfattn.RandomFeatures(8, 12, weights="gaussian", seed=2)

@@ -102,13 +102,15 @@ def test_fourier_rpe():
 
 def test_hugging_face():
     transformers = pytest.importorskip("transformers")
-    ns = _run("model = transformers.LlamaForCausalLM(config)", transformers=transformers,
-              config=_tiny_llama())  # fmt: skip
-    model = ns["model"]
-    assert model.config._attn_implementation == "rfattn"
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
-    logits = model(ids).logits
+    ns = _run("model = transformers.LlamaForCausalLM(config)", transformers=transformers,
+              config=_tiny_llama(), ids=ids)  # fmt: skip
+    model, logits = ns["model"], ns["logits"]
+    assert model.config._attn_implementation == "rfattn"
     assert logits.shape == (2, 16, 64) and torch.isfinite(logits).all()
+    # "the same logits every time in eval mode" (oprf's running statistics stay put)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, logits, rtol=0, atol=0)
 
 
 def test_calibrate(tmp_path):

@@ -30,6 +30,13 @@ __all__ = ["RandomFeatures", "PPSBN", "ppSBN"]
 _DRAW_IDS = itertools.count()
 
 
+def _normal_tensors():
+    """Where a module's kept tensors are made after construction (head maps, a learnt W or A):
+    normal tensors even when the call runs under ``torch.inference_mode()``, where an inference
+    tensor would be one for good (no backward through it, no in-place update outside)."""
+    return torch.inference_mode(False)
+
+
 class RandomFeatures(nn.Module):
     """A random-feature map: weight matrix ``W [M, D]`` (rows omega_i) and a component function.
 
@@ -122,8 +129,9 @@ class RandomFeatures(nn.Module):
                 if old.shape[0] != h:
                     raise ValueError(f"{name} exists with {old.shape[0]} heads, not {h}")
                 continue
-            eye = torch.eye(self.head_dim, device=like.device, dtype=torch.float32)
-            setattr(self, name, nn.Parameter(eye.expand(h, -1, -1).clone()))
+            with _normal_tensors():
+                eye = torch.eye(self.head_dim, device=like.device, dtype=torch.float32)
+                setattr(self, name, nn.Parameter(eye.expand(h, -1, -1).clone()))
 
     @property
     def head_maps(self) -> tuple[int, int] | None:
@@ -153,8 +161,9 @@ class RandomFeatures(nn.Module):
                 raise ValueError(f"gerf_A exists with {self.gerf_A.shape[0]} heads, not {kv_heads}")
             return self.gerf_A
         w = self.weight
-        a = torch.full((kv_heads,), fm.A.real, dtype=w.dtype, device=w.device)
-        self.gerf_A = nn.Parameter(a)
+        with _normal_tensors():
+            a = torch.full((kv_heads,), fm.A.real, dtype=w.dtype, device=w.device)
+            self.gerf_A = nn.Parameter(a)
         return self.gerf_A
 
     def map_tensors(self, q: torch.Tensor, k: torch.Tensor):
@@ -247,7 +256,8 @@ class RandomFeatures(nn.Module):
             raise ValueError("weights='fastfoodl' learns its S, G, B; W itself is derived")
         if "weight" not in self._parameters:
             w = self._buffers.pop("weight")
-            self.register_parameter("weight", nn.Parameter(w.detach().clone()))
+            with _normal_tensors():
+                self.register_parameter("weight", nn.Parameter(w.detach().clone()))
         return self._parameters["weight"]
 
     @property
