@@ -11,11 +11,11 @@ import collections
 
 import pytest
 import torch
+from rfattn.kernels.common import INTERPRET
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import rfattn
 from rfattn.features import VALID_WEIGHTS
-from rfattn.kernels.common import INTERPRET
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="counts the launchers' host side under "
                                 "the interpreter (launches replaced by no-ops)")  # fmt: skip
