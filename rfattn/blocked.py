@@ -999,6 +999,10 @@ def _backprop(feats, d_feats, leaves, accs, assign: int = 0) -> None:
     grad into their accumulators ``accs`` (None where not needed); the first ``assign``
     accumulators (a block's own rows of dq, dk: uninitialised until here) are set instead."""
     wrt = [x for x, a in zip(leaves, accs, strict=True) if a is not None]
+    # features of a side no gradient is asked of (plain features of q, say, when only k needs
+    # one) are not in the graph
+    pairs = [(f, d) for f, d in zip(feats, d_feats, strict=True) if f.requires_grad]
+    feats, d_feats = [f for f, _ in pairs], [d for _, d in pairs]
     grads = torch.autograd.grad(feats, wrt, d_feats, allow_unused=True) if feats and wrt else ()
     grads = iter(grads)
     for i, a in enumerate(accs):

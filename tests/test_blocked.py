@@ -627,3 +627,23 @@ def test_a_call_after_an_inference_mode_call_reuses_its_kept_buffers(causal, tin
     with torch.no_grad():
         b = rfattn.rf_attention(q, k, v, rf, causal=causal)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("feature, weights", CASES)
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_one_input_alone_requires_grad(feature, weights, causal, tiny_blocks):
+    """Only q, only k or only v requiring grad: its gradient equals the one from the call where
+    all three do (before: plain features (rmf) in causal calls raised in the backward, 'element 1
+    of tensors does not require grad', the other side's features being outside the graph)."""
+    rf = make_rf(feature, weights).eval()
+    B, H, T, D, E = 1, 2, 21, 6, 3
+    xs = [rand(B, H, T, D if i < 2 else E, seed=i, scale=0.7).detach() for i in range(3)]
+    do = rand(B, H, T, E, seed=7).detach()
+    leaves = [x.clone().requires_grad_() for x in xs]
+    out = rfattn.rf_attention(*leaves, rf, causal=causal, backend="torch")
+    full = torch.autograd.grad(out, leaves, do)
+    for i, name in enumerate("qkv"):
+        one = [x.clone().requires_grad_(j == i) for j, x in enumerate(xs)]
+        out = rfattn.rf_attention(*one, rf, causal=causal, backend="torch")
+        (g,) = torch.autograd.grad(out, one[i], do)
+        torch.testing.assert_close(g, full[i], rtol=1e-12, atol=1e-14, msg=name)
