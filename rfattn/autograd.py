@@ -247,8 +247,17 @@ def _(do, q, k, v, *args):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dw
 
 
+def _auxiliary(ctx, outputs) -> None:
+    """Mark an operator's auxiliary outputs (offsets, row statistics kept for the backward) as
+    non-differentiable, and leave the cotangents of unused outputs None: autograd would
+    otherwise fill a zero tensor for each (one GPU op apiece) that the backward never reads."""
+    ctx.mark_non_differentiable(*outputs)
+    ctx.set_materialize_grads(False)
+
+
 def _parallel_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:3], *inputs[4:_SCALE], inputs[_SCALE + 1], *output)
+    _auxiliary(ctx, output[1:])
     ctx.kind, ctx.scale, ctx.opts = inputs[3], inputs[_SCALE], inputs[_SCALE + 2 :]
 
 
@@ -346,6 +355,7 @@ def _(do, ds, dz, q, k, v, *args):
 
 def _chunk_setup(ctx, inputs, output):
     out, mq, den, mk = output[0], *output[4:7]
+    _auxiliary(ctx, output[3:])  # the offsets and the backward's row statistics
     ctx.save_for_backward(*inputs[:3], *inputs[4:_SCALE], *inputs[_SCALE + 1 : _SCALE + 5], out,
                           mq, den, mk)  # fmt: skip
     ctx.kind, ctx.scale, ctx.opts = inputs[3], inputs[_SCALE], inputs[_SCALE + 5 :]

@@ -120,3 +120,16 @@ def test_the_counter_sees_copies_and_syncs(no_launches):
         torch.repeat_interleave(torch.arange(2), torch.tensor([1, 2]))
     seen = set(mode.ops)
     assert {"lift_fresh", "_local_scalar_dense", "repeat_interleave (sized by the data)"} <= seen
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_unused_outputs_get_no_zero_fill(causal, no_launches):
+    """The operators' auxiliary outputs (offsets, row statistics) are non-differentiable and
+    unused cotangents stay None: a posrf forward+backward fills no zero tensor (before: autograd
+    made one for each auxiliary output, 5 non-causal and 6 causal, each a GPU op)."""
+    call = _calls("posrf", False)[("causal" if causal else "noncausal") + " fwd+bwd"]
+    call()
+    with _Count() as mode:
+        call()
+    fills = {op: n for op, n in mode.ops.items() if op in ("zeros", "zeros_like", "zero_")}
+    assert not fills, fills
