@@ -3,6 +3,7 @@ time of one sharded call for 1, 2 and 4 gloo processes on CPU; a worked training
 
     python -m bench.context_parallel                     # T = 4096, about 3 minutes on 2 cores
     python -m bench.context_parallel --train             # the worked example (2 processes)
+    python -m bench.context_parallel --check             # the ranks' agreement check's cost
 
 Bytes: the collectives of one ``rf_attention(..., group=g)`` call are counted as they run (the
 payload each rank hands to each collective), then turned into bytes sent per rank by the usual
@@ -18,6 +19,14 @@ measure overhead and correctness of the scheme, not a speed-up.
 next vector of a noisy linear recurrence, the sequence split over 2 processes; parameter
 gradients are summed over the ranks (all_reduce, as data parallelism does). It checks the first
 step's gradients against one process on the whole sequence and prints the loss curve.
+
+``--check``: what the check that the ranks' calls agree (``rfattn.distributed.check_calls_agree``,
+one all-gather of 14 int64 per rank before the call's other collectives) costs per call, 2 gloo
+processes, one thread each, at a small and a medium shape, causal and not, forward only (the
+backward has no check, so this is its largest share): the call as it runs, the same call with
+the check replaced by the local validation it wraps, the check alone and nothing, timed side by
+side in rounds (``bench.timing.time_cpu_rounds`` on every rank, each entry a barrier and then
+its work, so the "nothing" entry times the barrier, taken off the others); rank 0's times.
 """
 
 from __future__ import annotations
@@ -160,6 +169,107 @@ def bench(args) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------
+# the cost of the agreement check
+
+CHECK_SHAPES = {
+    "small": dict(B=1, H=2, T=128, D=16, E=16, M=16, rounds=300),
+    "medium": dict(B=1, H=8, T=2048, D=64, E=64, M=128, rounds=100),
+}  # T: the whole sequence, half on each rank; rounds: the same on every rank (collectives)
+
+
+def _check_worker(rank, world, init_file, spec, out_file):
+    import rfattn
+    from bench.timing import summary, time_cpu_rounds
+    from rfattn import distributed
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=600))  # fmt: skip
+    try:
+        s, group, checked = spec, dist.group.WORLD, distributed.check_calls_agree
+        g = torch.Generator().manual_seed(0)
+        sl = _shard(s["T"], world, rank)
+        q, k, v = (torch.randn(s["B"], s["H"], s["T"], d, generator=g)[:, :, sl].contiguous()
+                   for d in (s["D"], s["D"], s["E"]))  # fmt: skip
+        rf = rfattn.RandomFeatures(s["D"], s["M"], "posrf", seed=0)
+
+        def unchecked(group, validate, *args):  # the local validation it wraps, no gather
+            validate()
+
+        def call(check):
+            distributed.check_calls_agree = check
+            try:
+                with torch.no_grad():
+                    rfattn.rf_attention(q, k, v, rf, causal=s["causal"], backend="torch",
+                                        group=group)  # fmt: skip
+            finally:
+                distributed.check_calls_agree = checked
+
+        def check_alone():
+            checked(group, lambda: None, q, k, v, rf, s["causal"], "torch", None)
+
+        fns = {"call": lambda: call(checked), "call_unchecked": lambda: call(unchecked),
+               "check": check_alone, "barrier": lambda: None}  # fmt: skip
+        for fn in fns.values():  # warm-up
+            fn()
+
+        def synced(fn):  # every rank starts a round together
+            def run():
+                dist.barrier()
+                fn()
+
+            return run
+
+        dist.barrier()
+        times = time_cpu_rounds({n: synced(f) for n, f in fns.items()}, min_rounds=s["rounds"],
+                                max_rounds=s["rounds"], budget_s=0.0)  # fmt: skip
+        if rank == 0:
+            Path(out_file).write_text(json.dumps(
+                {n: dict(zip(("p50", "p20", "p80", "n"), summary(t), strict=True))
+                 for n, t in times.items()}))  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+def check_cost() -> dict:
+    from bench.env import environment
+
+    doc = dict(
+        title="cost of the ranks' agreement check per sharded call: rf_attention posrf fp32 "
+              "forward, 2 gloo processes on CPU, 1 thread each",
+        env=environment(torch.device("cpu")), shapes=CHECK_SHAPES, results=[],
+        loadavg_before=os.getloadavg(),
+        method=("rounds of (call, call with the check replaced by the validation it wraps, "
+                "check alone, nothing), order alternating, a barrier before each, timed with "
+                "it; times in ms on rank 0, medians and 20/80% quantiles; *_net: the median "
+                "less the barrier's (the 'nothing' entry)"),
+    )  # fmt: skip
+    print(f"# {doc['title']}")
+    print(f"{'shape':7} {'causal':7} {'call ms':>8} {'unchecked ms':>13} {'check us':>9} "
+          f"{'check/call':>11}")  # fmt: skip
+    for name, shape in CHECK_SHAPES.items():
+        for causal in (True, False):
+            spec = dict(shape, causal=causal)
+            with tempfile.TemporaryDirectory() as tmp:
+                out = os.path.join(tmp, "rows.json")
+                mp.spawn(_check_worker, args=(2, os.path.join(tmp, "init"), spec, out),
+                         nprocs=2, join=True)  # fmt: skip
+                rows = json.loads(Path(out).read_text())
+            base = rows["barrier"]["p50"]
+            call, bare, check = (rows[n]["p50"] - base for n in ("call", "call_unchecked",
+                                                                  "check"))  # fmt: skip
+            row = dict(shape=name, causal=causal, **{f"{n}_ms": r for n, r in rows.items()},
+                       call_ms_net=call, call_unchecked_ms_net=bare, check_us_net=1e3 * check,
+                       check_share_of_call=check / call,
+                       call_minus_unchecked_us=1e3 * (call - bare))  # fmt: skip
+            doc["results"].append(row)
+            print(f"{name:7} {causal!s:7} {call:8.3f} {bare:13.3f} {1e3 * check:9.1f} "
+                  f"{100 * check / call:10.1f}%")  # fmt: skip
+    doc["loadavg_after"] = os.getloadavg()  # a shared host: other work inflates every time
+    return doc
+
+
+# ------------------------------------------------------------------------------------------------
 # the worked example
 
 
@@ -244,6 +354,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--train", action="store_true", help="run the worked example instead")
     p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--check", action="store_true",
+                   help="measure the ranks' agreement check instead")  # fmt: skip
     p.add_argument("--out", default="plots/out")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -252,6 +364,11 @@ def main(argv=None) -> int:
         doc = train(args.steps)
         (out / "context_parallel_train.json").write_text(json.dumps(doc, indent=1))
         print(f"# wrote {out / 'context_parallel_train.json'}")
+        return 0
+    if args.check:
+        doc = check_cost()
+        (out / "context_parallel_check.json").write_text(json.dumps(doc, indent=1))
+        print(f"# wrote {out / 'context_parallel_check.json'}")
         return 0
     doc = bench(args)
     (out / "context_parallel.json").write_text(json.dumps(doc, indent=1))

@@ -416,7 +416,11 @@ def rf_attention(
             shard of the attention over the whole sequence; one all-gather of states (causal)
             or all-reduce (non-causal) per call, gradients equal to one process's. Causal:
             ``initial_state`` is the state before the whole sequence (the same on every rank),
-            the returned state the one after it (on every rank). None: one process.
+            the returned state the one after it (on every rank). Every rank's call must
+            agree on causal, dtype, feature, num_features, D, E, B, H and key/value heads,
+            initial_state given or not, statistics and path: one all-gather of the calls'
+            signatures checks it first, and every rank raises naming what differs
+            (:func:`rfattn.distributed.check_calls_agree`). None: one process.
 
     Returns:
         ``out`` ``[B, H, Tq, E]`` in the input dtype, or ``(out, state)`` with ``return_state``.
@@ -434,10 +438,23 @@ def rf_attention(
                             "scale must be a finite number > 0")  # fmt: skip
         scale = 1.0
     causal, scale = python_scalar(causal), python_scalar(scale)  # numpy scalars, 0-d tensors
-    _validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_state, return_state)
-    if query_padding_mask is not None:
-        _check_mask("query_padding_mask", query_padding_mask, (q.shape[0], q.shape[2]), q.device)
-    elif causal:
+
+    def validate():
+        _validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_state,
+                  return_state)  # fmt: skip
+        if query_padding_mask is not None:
+            _check_mask("query_padding_mask", query_padding_mask, (q.shape[0], q.shape[2]),
+                        q.device)  # fmt: skip
+
+    if group is None:
+        validate()
+    else:  # every rank's call checked against the others' before any other collective
+        from rfattn import distributed
+
+        distributed.check_group(group)
+        distributed.check_calls_agree(group, validate, q, k, v, rf, causal, backend,
+                                      initial_state)  # fmt: skip
+    if query_padding_mask is None and causal:
         query_padding_mask = key_padding_mask
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if 0 in (q.shape[0], q.shape[1], k.shape[1]):

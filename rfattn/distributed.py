@@ -23,6 +23,13 @@ whatever the shard's length.
   fused kernel runs it where the call would run it (``backend``): the states are combined
   between its key and query passes, the state cotangents summed between its backward passes.
 
+Before any other collective, every sharded call checks that the ranks' calls agree
+(:func:`check_calls_agree`: one ``all_gather`` of a fixed-size signature, 14 int64 per rank):
+calls that would run different collectives (causal or not, dtype, feature, num_features, F, D,
+E, B, H, key/value heads, an initial state given or not, statistics reduced or not, the
+non-causal fused kernel or the torch path) or a call its own checks reject raise on every rank,
+naming the field and each rank's value, instead of hanging or aborting inside the backend.
+
 Backward: each collective's gradient takes the mirror collective (an all-gather's gradients are
 summed over the ranks and each rank keeps its own state's; an all-reduce's are all-reduced), so
 every gradient equals the single-process one; every rank must run the backward. Offsets are
@@ -31,6 +38,8 @@ stabilisers (detached). gloo on CPU, NCCL on GPU; the group is any ``ProcessGrou
 """
 
 from __future__ import annotations
+
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -47,11 +56,11 @@ from rfattn.attention import (
     _use_triton,
 )
 from rfattn.blocked import no_autocast
-from rfattn.features import compute_dtype, prescale
+from rfattn.features import FEATURES, compute_dtype, prescale
 from rfattn.reference import linear_attention
 from rfattn.stats import Moments, sequence_moments, update_running
 
-__all__ = ["check_group", "combine_states", "sharded_attention"]
+__all__ = ["check_calls_agree", "check_group", "combine_states", "runs_causal", "sharded_attention"]
 
 _FALSE = torch.tensor(False)
 
@@ -63,6 +72,110 @@ def check_group(group) -> None:
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(
             f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}"
+        )
+
+
+def runs_causal(causal: bool, tq: int, group) -> bool:
+    """Whether a call asked to be causal runs causal. With at most one query, causal and
+    non-causal attention read the same keys, so one process runs it non-causal (a decoding
+    step: the last query sees every cached key); a sharded call (``group`` set) stays causal,
+    since the other ranks run the causal path and its collectives must match theirs (a
+    one-token or empty shard of a causal sequence). The rule of :mod:`rfattn.hf` and of
+    :class:`rfattn.RFMultiheadAttention`'s masks."""
+    return bool(causal) and (tq > 1 or group is not None)
+
+
+def _code(name: str) -> int:
+    """A name as a number that every process computes alike (CRC-32)."""
+    return zlib.crc32(name.encode())
+
+
+_DTYPE_NAMES = {_code(str(d)): str(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
+_FEATURE_NAMES = {_code(n): n for n in FEATURES}
+_STATISTICS = {0: "none", 1: "reduced over the ranks", 2: "stats_grad (not supported)"}
+_BOOL = {0: "False", 1: "True"}
+#: a sharded call's signature: (label, how its values print), in order; every rank's must match
+_SIGNATURE = (
+    ("call rejected by the rank's own checks (that rank raises why)", _BOOL),
+    ("causal", _BOOL),
+    ("dtype", _DTYPE_NAMES),
+    ("feature", _FEATURE_NAMES),
+    ("num_features", None),
+    ("feature width F", None),
+    ("head dim D", None),
+    ("value width E", None),
+    ("batch B", None),
+    ("query heads H", None),
+    ("key/value heads Hkv", None),
+    ("initial_state given", _BOOL),
+    ("statistics", _STATISTICS),
+    ("non-causal fused kernel", _BOOL),
+)
+
+
+def _signature(q, k, v, rf, causal: bool, backend: str, initial_state) -> list[int]:
+    """What a validated call's collectives depend on (see :data:`_SIGNATURE`). ``return_state``
+    is not part of it: it adds no collective."""
+    fm = rf.feature_map
+    stats = int(bool(getattr(fm, "uses_batch_moments", None) and fm.uses_batch_moments(causal)))
+    if not causal and getattr(fm, "stats_grad", False):
+        stats = 2  # refused (NotImplementedError) before any collective: on every rank alike
+    fused = int(not causal and _fused_noncausal(q, rf, backend))
+    return [0, int(causal), _code(str(q.dtype)), _code(rf.feature), rf.num_features,
+            fm.width(rf.num_features), q.shape[3], v.shape[3], q.shape[0], q.shape[1],
+            k.shape[1], int(initial_state is not None), stats, fused]  # fmt: skip
+
+
+def _signature_device(group, like) -> torch.device:
+    """Where the signature is gathered: on the CPU for gloo, else on the inputs' device (NCCL
+    gathers only CUDA tensors)."""
+    if dist.get_backend(group) == "gloo":
+        return torch.device("cpu")
+    if isinstance(like, torch.Tensor):
+        return like.device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def check_calls_agree(group, validate, q, k, v, rf, causal, backend, initial_state) -> None:
+    """Run this rank's checks of an ``rf_attention(..., group=group)`` call (``validate()``,
+    raising on bad arguments) and check that every rank's call agrees with it, before any
+    other collective of the call: one ``all_gather`` of a fixed-size int64 signature
+    (:data:`_SIGNATURE`), the same size whatever the calls, so the check itself cannot hang or
+    abort when they differ. A rank whose own checks failed raises its error; every other rank
+    raises ValueError naming that rank, and where the calls disagree every rank raises
+    ValueError naming each field that differs with every rank's value. Either way the ranks
+    stay in step: their next call runs.
+
+    On CUDA the signature goes to the device without waiting on it, and reading the gathered
+    result is the one host synchronisation (it waits for the GPU work queued before it). Cost
+    on gloo: see the README (``python -m bench.context_parallel --check``)."""
+    try:
+        validate()
+        signature, rejected = _signature(q, k, v, rf, causal, backend, initial_state), None
+    except Exception as exc:  # still gathered: the other ranks must not wait for this one
+        signature, rejected = [1] + [0] * (len(_SIGNATURE) - 1), exc
+    device = _signature_device(group, q)
+    mine = torch.tensor(signature, dtype=torch.int64)
+    if device.type == "cuda":  # pinned and non-blocking: no host synchronisation here
+        mine = mine.pin_memory().to(device, non_blocking=True)
+    seen = mine.new_empty(dist.get_world_size(group), len(signature))
+    dist.all_gather(list(seen.unbind(0)), mine, group=group)
+    seen = seen.tolist()
+    if rejected is not None:
+        raise rejected
+    fields = range(1) if any(row[0] for row in seen) else range(1, len(_SIGNATURE))
+    differ = []
+    for i in fields:
+        values = [row[i] for row in seen]
+        if len(set(values)) > 1:
+            label, names = _SIGNATURE[i]
+            shown = ", ".join(f"rank {r}: {names.get(x, x) if names else x}"
+                              for r, x in enumerate(values))  # fmt: skip
+            differ.append(f"{label}: {shown}")
+    if differ:
+        raise ValueError(
+            "rf_attention(group=...): the ranks' calls disagree, so their collectives would not "
+            "match (every rank raises this): " + "; ".join(differ)
         )
 
 
@@ -258,6 +371,15 @@ class _FusedNoncausal(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
+def _fused_noncausal(q, rf, backend: str) -> bool:
+    """Whether a non-causal sharded call runs the fused kernel (its collectives differ from the
+    torch path's)."""
+    from rfattn.autograd import _on_torch
+
+    fused = backend == "triton" or (backend == "auto" and _use_triton(q, rf, False))
+    return fused and not _on_torch(q)
+
+
 def _noncausal(q, k, v, rf, key_padding_mask, scale, backend, query_padding_mask, group):
     fm = rf.feature_map
     if getattr(fm, "stats_grad", False):
@@ -271,10 +393,7 @@ def _noncausal(q, k, v, rf, key_padding_mask, scale, backend, query_padding_mask
     moments = None
     if getattr(fm, "uses_batch_moments", None) and fm.uses_batch_moments(False):
         moments = _global_moments(xq, xk, key_padding_mask, query_padding_mask, group)
-    from rfattn.autograd import _on_torch
-
-    fused = backend == "triton" or (backend == "auto" and _use_triton(q, rf, False))
-    if fused and not _on_torch(q):
+    if _fused_noncausal(q, rf, backend):
         reason = _no_kernel_reason(rf, False) or (
             "learnable weights need the torch path here" if rf.weight.requires_grad else None
         )

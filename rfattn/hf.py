@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from rfattn.attention import RFState, rf_attention
+from rfattn.distributed import runs_causal
 from rfattn.modules import RandomFeatures, layer_seed
 
 try:
@@ -500,7 +501,7 @@ def _mask_attention(module, rf, query, key, value, attention_mask, scaling, is_c
     group = getattr(module, "rfattn_group", None)
     # a single query (decoding) sees every cached key; a sharded sequence's one-token shard
     # stays causal (its ranks' collectives must match)
-    causal = bool(causal) and (tq > 1 or group is not None)
+    causal = runs_causal(causal, tq, group)
     if causal and tq != tk:
         # queries are the last Tq of Tk positions (a cache): run causal over Tk, keep the tail
         front = query.new_zeros(*query.shape[:2], tk - tq, query.shape[-1])

@@ -1,8 +1,10 @@
 """Context parallelism (issue 17): a sequence split over 2 and 4 gloo processes on CPU gives the
-single-process outputs, final state and gradients (q, k, v, initial state) in float64."""
+single-process outputs, final state and gradients (q, k, v, initial state) in float64; ranks whose
+calls disagree all raise, none hangs (issue 34). Every spawn has a deadline: a hang fails."""
 
 import datetime
 import os
+import time
 
 import pytest
 import torch
@@ -104,10 +106,33 @@ def case_shards(case, i, world):
     return ck, ck if "tq" not in case else cuts(case["tq"], world, seed=100 + i)
 
 
-def _worker(rank, world, init_file, out_dir, cases):
+def _init(rank, world, init_file, seconds=60):
+    """This process's gloo group: rank of world, one thread."""
     torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=seconds)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))  # fmt: skip
+                            world_size=world, timeout=timeout)  # fmt: skip
+
+
+def _spawn(fn, args, world, timeout=300):
+    """``mp.spawn(fn, args, world)`` with a deadline: ranks still running after ``timeout``
+    seconds (a rank waiting on a collective the others never run) fail the test and are
+    killed."""
+    ctx = mp.spawn(fn, args=args, nprocs=world, join=False)
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"{world} processes still running after {timeout} s: hung")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+            p.join()
+
+
+def _worker(rank, world, init_file, out_dir, cases):
+    _init(rank, world, init_file, seconds=120)
     try:
         results = []
         for i, case in enumerate(cases):
@@ -188,8 +213,7 @@ def test_sharded_calls_on_the_fused_kernels(tmp_path):
 
 def _check_cases(CASES, world, tmp_path):
     cases = list(CASES.values())
-    mp.spawn(_worker, args=(world, str(tmp_path / "init"), str(tmp_path), cases), nprocs=world,
-             join=True)  # fmt: skip
+    _spawn(_worker, (world, str(tmp_path / "init"), str(tmp_path), cases), world, timeout=900)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     for i, (name, case) in enumerate(CASES.items()):
         x = make_inputs(case)
@@ -241,9 +265,7 @@ def _model_outputs(layer, model, sl=slice(None), group=None):
 
 
 def _model_worker(rank, world, init_file, out_dir, shards):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    _init(rank, world, init_file, seconds=120)
     try:
         layer, model = _layer_and_model()
         res = _model_outputs(layer, model, shards[rank], dist.group.WORLD)
@@ -260,8 +282,7 @@ def test_layers_and_hugging_face_take_the_group(tmp_path, one_token):
     causal (before: the Llama's rank with one token ran non-causal, and the ranks hung)."""
     world = 2
     shards = [slice(0, 1), slice(1, T)] if one_token else cuts(T, world, seed=50)
-    mp.spawn(_model_worker, args=(world, str(tmp_path / "init"), str(tmp_path), shards),
-             nprocs=world, join=True)  # fmt: skip
+    _spawn(_model_worker, (world, str(tmp_path / "init"), str(tmp_path), shards), world)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     full = _model_outputs(*_layer_and_model())
     for key, dim in (("y", 1), ("dx", 1), ("logits", 1)):
@@ -294,9 +315,7 @@ def _training_inputs(kv_heads=H):
 
 
 def _training_worker(rank, world, init_file, out_dir, kv_heads, backend):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    _init(rank, world, init_file, seconds=120)
     try:
         rf = rfattn.RandomFeatures(D, 16, "oprf", seed=0).double().train()
         res = _training_calls(rf, _training_inputs(kv_heads), cuts(T, world, seed=61)[rank],
@@ -318,9 +337,8 @@ def test_running_statistics_move_by_the_whole_sequence(tmp_path, kv_heads, backe
     grouped-query heads every sharded call raised, stacking query moments [B, H, D] with key
     moments [B, Hkv, D])."""
     world = 2
-    mp.spawn(_training_worker,
-             args=(world, str(tmp_path / "init"), str(tmp_path), kv_heads, backend),
-             nprocs=world, join=True)  # fmt: skip
+    _spawn(_training_worker, (world, str(tmp_path / "init"), str(tmp_path), kv_heads, backend),
+           world)  # fmt: skip
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     full = _training_calls(rfattn.RandomFeatures(D, 16, "oprf", seed=0).double().train(),
                            _training_inputs(kv_heads))  # fmt: skip
@@ -330,3 +348,153 @@ def test_running_statistics_move_by_the_whole_sequence(tmp_path, kv_heads, backe
     for r in ranks:
         for name, b in full["buffers"].items():
             torch.testing.assert_close(r["buffers"][name], b, rtol=RTOL, atol=1e-12, msg=name)
+
+
+def _mha_outputs(sl=slice(None), group=None):
+    """RFMultiheadAttention (causal through ``attn_mask``) on the shard ``sl``, each shard with
+    its own square causal mask, float (``nn.Transformer.generate_square_subsequent_mask``) and
+    bool: the outputs and the input gradient."""
+    torch.manual_seed(0)
+    mha = rfattn.RFMultiheadAttention(16, 2, batch_first=True, num_features=16, seed=0).double()
+    mha.group = group
+    x = rand(2, T, 16, seed=33)[:, sl].clone().requires_grad_()
+    L = x.shape[1]
+    masks = (torch.nn.Transformer.generate_square_subsequent_mask(L, dtype=f64),
+             torch.ones(L, L, dtype=torch.bool).triu(1))  # fmt: skip
+    outs = [mha(x, x, x, attn_mask=m, need_weights=False)[0] for m in masks]
+    sum((o * rand(2, T, 16, seed=34 + i)[:, sl]).sum() for i, o in enumerate(outs)).backward()
+    dx = torch.zeros_like(x) if x.grad is None else x.grad
+    return dict(outs=[o.detach() for o in outs], dx=dx)
+
+
+def test_multihead_one_token_mask_in_one_process():
+    """One process reads a one-token causal mask (``[[0.]]``, masking nothing) as ``is_causal``
+    says, as before: non-causal by default (``add_bias_kv``'s extra key is then allowed), causal
+    with ``is_causal=True`` (where the extra key is refused)."""
+    mha = rfattn.RFMultiheadAttention(8, 2, num_features=8, add_bias_kv=True).double()
+    x, mask = rand(1, 1, 8), torch.zeros(1, 1, dtype=f64)
+    assert mha(x, x, x, attn_mask=mask)[0].shape == (1, 1, 8)
+    with pytest.raises(ValueError, match="causal"):
+        mha(x, x, x, attn_mask=mask, is_causal=True)
+
+
+#: calls that disagree across the ranks: (what the last rank's call changes, the field the error
+#: must name, how it prints the last rank's value, what every rank's call changes)
+DISAGREEMENTS = {
+    "causal": (dict(causal=False), "causal", "False", {}),
+    "num_features": (dict(M=8), "num_features", "8", {}),
+    "value-width": (dict(E=3), "value width E", "3", {}),
+    "head-dim": (dict(D=4), "head dim D", "4", {}),
+    "dtype": (dict(dtype=torch.float32), "dtype", "torch.float32", {}),
+    "feature": (dict(feature="gerf"), "feature", "gerf", {}),
+    "batch": (dict(B=1), "batch B", "1", {}),
+    "empty-batch": (dict(B=0), "batch B", "0", {}),
+    "query-heads": (dict(H=4), "query heads H", "4", {}),
+    "kv-heads": (dict(Hkv=1), "key/value heads Hkv", "1", {}),
+    "initial-state": (dict(initial_state=True), "initial_state", "True", dict(causal=True)),
+    "running-stats": (dict(train=True), "statistics", "reduced", dict(feature="oprf")),
+    "fused-path": (dict(backend="triton"), "non-causal fused kernel", "True", dict(causal=False)),
+    "rejected": (dict(scale=-1.0), "rejected", "scale", {}),
+}  # fmt: skip
+_AGREED = dict(causal=True, M=16, feature="posrf", D=8, E=5, dtype=f64, B=2, H=2, Hkv=2, T=4,
+               initial_state=False, train=False, backend="torch", scale=None)  # fmt: skip
+
+
+def _disagreeing_call(spec, group):
+    s = dict(_AGREED, **spec)
+    rf = rfattn.RandomFeatures(s["D"], s["M"], s["feature"], seed=0).to(s["dtype"])
+    rf.train(s["train"])
+    B, H, Hkv, T_, D_, E_ = (s[n] for n in ("B", "H", "Hkv", "T", "D", "E"))
+    q, k, v = (torch.randn(B, h, T_, d, dtype=s["dtype"])
+               for h, d in ((H, D_), (Hkv, D_), (Hkv, E_)))  # fmt: skip
+    kw = dict(causal=s["causal"], backend=s["backend"], scale=s["scale"], group=group)
+    if s["initial_state"]:
+        F = rf.feature_map.width(s["M"])
+        kw["initial_state"] = rfattn.RFState(torch.zeros(B, Hkv, F, E_, dtype=s["dtype"]),
+                                             torch.zeros(B, Hkv, F, dtype=s["dtype"]),
+                                             torch.zeros(B, Hkv, dtype=s["dtype"]))  # fmt: skip
+    return rfattn.rf_attention(q, k, v, rf, **kw)
+
+
+def _disagreements(rank, world) -> dict:
+    """Each disagreement's error on this rank (type name and message), None where it ran."""
+    errors = {}
+    for name, (odd, _, _, every) in DISAGREEMENTS.items():
+        spec = dict(every, **(odd if rank == world - 1 else {}))
+        try:
+            _disagreeing_call(spec, dist.group.WORLD)
+            errors[name] = None
+        except Exception as exc:
+            errors[name] = (type(exc).__name__, str(exc))
+    _disagreeing_call({}, dist.group.WORLD)  # the group is still in step: a call that agrees runs
+    return errors
+
+
+def _in_step_worker(rank, world, init_file, out_dir, shards):
+    """The multi-head layer on this rank's shard (:func:`_mha_outputs`), then the calls of
+    :data:`DISAGREEMENTS`."""
+    _init(rank, world, init_file)
+    try:
+        res = dict(mha=_mha_outputs(shards[rank], dist.group.WORLD),
+                   errors=_disagreements(rank, world))  # fmt: skip
+        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+_ONE_TOKEN_SHARDS = {2: [slice(0, 1), slice(1, T)], 3: [slice(0, 1), slice(1, 1), slice(1, T)]}
+
+
+@pytest.fixture(scope="module")
+def in_step(tmp_path_factory):
+    """``run(world)``: every rank's results of :func:`_in_step_worker`, one spawn per world size
+    for the two tests that read them (spawning dominates their time)."""
+    runs = {}
+
+    def run(world):
+        if world not in runs:
+            tmp = tmp_path_factory.mktemp(f"in-step-{world}")
+            args = (world, str(tmp / "init"), str(tmp), _ONE_TOKEN_SHARDS[world])
+            _spawn(_in_step_worker, args, world, timeout=180)
+            runs[world] = [torch.load(tmp / f"rank{r}.pt") for r in range(world)]
+        return runs[world]
+
+    return run
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_multihead_one_token_shard_stays_causal(world, in_step):
+    """RFMultiheadAttention with ``mha.group`` and each shard's own causal mask: the one-token
+    shard's mask is ``[[0.]]`` (``[[False]]``), the empty shard's ``[0, 0]``; they mask nothing
+    but are the causal mask of their length, so those ranks run causal like the others (before:
+    they ran non-causal and every rank hung). Outputs and input gradients equal one
+    process's."""
+    ranks = [r["mha"] for r in in_step(world)]
+    full = _mha_outputs()
+    for i, out in enumerate(full["outs"]):
+        got = torch.cat([r["outs"][i] for r in ranks], dim=1)
+        torch.testing.assert_close(got, out, rtol=RTOL, atol=1e-12, msg=f"mask form {i}")
+    got = torch.cat([r["dx"] for r in ranks], dim=1)
+    torch.testing.assert_close(got, full["dx"], rtol=RTOL, atol=1e-12, msg="dx")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_disagreeing_ranks_all_raise(world, in_step):
+    """The last rank's call differs from the others' in one field (causal, num_features, value
+    width, head dim, dtype, feature, batch size, an empty batch, query heads, key/value heads,
+    initial_state, running statistics in training, the non-causal fused path, or a call its own
+    checks reject): every rank raises, naming the field and each rank's value, and the group
+    runs the next call (before: the ranks hung, died inside gloo, or gave wrong results)."""
+    ranks = [r["errors"] for r in in_step(world)]
+    for name in DISAGREEMENTS:
+        _, field, value, _ = DISAGREEMENTS[name]
+        for r, errors in enumerate(ranks):
+            assert errors[name] is not None, f"{name}: rank {r} did not raise"
+            kind, msg = errors[name]
+            if name == "rejected" and r == world - 1:  # its own check's error
+                assert kind == "ValueError" and "scale" in msg, (name, r, msg)
+                continue
+            assert kind == "ValueError", (name, r, kind, msg)
+            assert field in msg, (name, r, msg)
+            assert f"rank {world - 1}: {value}" in msg or name == "rejected", (name, r, msg)
+            assert "rank 0" in msg and f"rank {world - 1}" in msg, (name, r, msg)

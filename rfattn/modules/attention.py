@@ -365,7 +365,10 @@ class RFMultiheadAttention(_RandomFeatureLayer):
       causal mask (bool upper triangle / float ``-inf`` above the diagonal, ``[L, L]`` or
       ``[B*H, L, L]``), which runs causal linear attention (so does ``is_causal=True``, with or
       without the mask). Any other pattern or additive bias raises ValueError naming
-      ``attn_mask``; padding belongs in ``key_padding_mask`` (bool, or float 0/-inf).
+      ``attn_mask``; padding belongs in ``key_padding_mask`` (bool, or float 0/-inf). With
+      ``group`` set (context parallelism) a shard's causal mask of one token (``[[0.]]``) or
+      none (``[0, 0]``), which masks nothing, still means causal, as on the other ranks; give
+      no ``attn_mask`` for non-causal sharded attention.
     * ``dropout`` drops entries of the attention output (before ``out_proj``), not of weights.
     * ``add_bias_kv``/``add_zero_attn`` append their key/value token as torch does; they are
       not defined for causal attention (ValueError).
@@ -505,12 +508,17 @@ class RFMultiheadAttention(_RandomFeatureLayer):
                 f"attn_mask must end in [L, S] = {(L, S)}, got {tuple(attn_mask.shape)}"
             )
         blocked = _blocked(attn_mask, "attn_mask")
-        if not bool(blocked.any()) and not is_causal:
-            return False
         if L == S:
             causal = torch.ones(L, L, dtype=torch.bool, device=blocked.device).triu(1)
             if bool((blocked == causal).all()):
-                return True
+                # the causal mask; with L <= 1 ([[0.]], [[False]], [0, 0]) it masks nothing,
+                # and one process reads it as is_causal says, a sharded call as causal (a shard
+                # of a causal sequence: the other ranks run causal)
+                from rfattn.distributed import runs_causal
+
+                return bool(is_causal) or runs_causal(True, L, self.group)
+        if not bool(blocked.any()) and not is_causal:
+            return False
         raise ValueError(
             "attn_mask: only the causal mask (or no mask) maps onto random-feature linear "
             "attention; pass padding as key_padding_mask, and use softmax attention for other "
