@@ -55,6 +55,7 @@ class HRF(FeatureMap):
         if not isinstance(share_base_projection, bool):
             raise ValueError("feature='hrf': option share_base_projection must be a bool")
         self.share = share_base_projection
+        self._rows_cache = {}  # (device, mp, mt) -> kernel_form's (table, lam)
         if not isinstance(head_dim, int) or not isinstance(num_rows, int):
             raise ValueError("feature='hrf' needs num_rows and head_dim")
         if not self.share and num_rows < 2:
@@ -137,7 +138,23 @@ class HRF(FeatureMap):
         the lambda blocks add ``lr`` to the logits and the sign ``s_r`` (``lam_f = r``; queries
         carry ``-s_r`` on the P blocks); the first two blocks have no sign (``lam_f = -1``)."""
         wp, wt = self._split(w)
-        mp, mt, n, dev = wp.shape[0], wt.shape[0], self.n, w.device
+        n = self.n
+        rows = [wp, wp, wt, wt] + [wp, wp] * n + [wt, wt] * n
+        table, lam = self._constant_rows(wp.shape[0], wt.shape[0], w.device)
+        tau = (params or self.drawn())["hrf_tau"]
+        return KernelForm("table", torch.cat(rows, dim=0), table=table, tau=tau.detach(), lam=lam)
+
+    def _constant_rows(self, mp: int, mt: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(table, lam)`` of :meth:`kernel_form`: they depend only on the block sizes (and
+        the options, fixed at construction), so they are built once per device and sizes, not
+        at every call (some 60 small device ops)."""
+        key = (str(dev), mp, mt)
+        if key not in self._rows_cache:
+            self._rows_cache[key] = self._build_rows(mp, mt, dev)
+        return self._rows_cache[key]
+
+    def _build_rows(self, mp: int, mt: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.n
         lp, lt, lr = self.log_constants(mp, mt)
         f64 = dict(dtype=torch.float64, device=dev)
         pm = torch.cat((torch.ones(mp, **f64), -torch.ones(mp, **f64)))  # [exp(z_p), exp(-z_p)]
@@ -153,12 +170,4 @@ class HRF(FeatureMap):
         lam = [torch.full((2 * mp + 2 * mt,), -1, **idx)]
         lam += [torch.full((2 * mp,), r, **idx) for r in range(n)]
         lam += [torch.full((2 * mt,), r, **idx) for r in range(n)]
-        rows = [wp, wp, wt, wt] + [wp, wp] * n + [wt, wt] * n
-        tau = (params or self.drawn())["hrf_tau"]
-        return KernelForm(
-            "table",
-            torch.cat(rows, dim=0),
-            table=torch.cat(tables, dim=-1),
-            tau=tau.detach(),
-            lam=torch.cat(lam),
-        )
+        return torch.cat(tables, dim=-1), torch.cat(lam)
