@@ -117,22 +117,13 @@ def _fused(q, k, v, rf, causal, key_padding_mask=None, initial_state=None, retur
     """``rf_attention(..., backend="triton")`` with the launchers picking a GPU's tiles and launch
     options (the interpreter runs any): the fused path's ``gpu_tiles`` parameter (head maps, if
     ``rf`` has them, in the kernels)."""
-    from rfattn.attention import _triton_attention
+    from rfattn import fused
+    from rfattn.call import Call
 
-    scale = q.shape[-1] ** -0.5
-    return _triton_attention(
-        q,
-        k,
-        v,
-        rf,
-        causal,
-        key_padding_mask,
-        scale,
-        initial_state,
-        return_state,
-        gpu_tiles=True,
-        maps=rf.map_tensors(q, k),
-    )
+    call = Call(q, k, v, rf, causal=causal, scale=q.shape[-1] ** -0.5,
+                key_padding_mask=key_padding_mask, backend="triton", initial_state=initial_state,
+                return_state=return_state, maps=rf.map_tensors(q, k))  # fmt: skip
+    return fused.attend(call, gpu_tiles=True)
 
 
 def _call(

@@ -252,12 +252,12 @@ def previous_torch_path(q, k, v, rf, causal: bool) -> torch.Tensor:
     2cde6ad): features of the whole sequence, then ``linear_attention`` (non-causal) or the
     chunk loop of :func:`_previous_causal` (128 tokens a step), autograd recording
     every op; no masks. ``bench.cpu_backend``'s baseline, eager and compiled."""
-    from rfattn.attention import _causal_keys, _torch_inputs
     from rfattn.features import query_features
     from rfattn.reference import linear_attention
+    from rfattn.torch_path import causal_keys, torch_inputs
 
     fm, scale = rf.feature_map, q.shape[-1] ** -0.5
-    w, xq, xk, params = _torch_inputs(q, k, rf, None, scale, causal, None)
+    w, xq, xk, params = torch_inputs(q, k, rf, None, scale, causal, None)
     if not causal:
         phi_q, phi_k = fm.features(xq, xk, w, None, params)
         return linear_attention(phi_q, phi_k, v.to(w.dtype)).to(q.dtype)
@@ -266,7 +266,7 @@ def previous_torch_path(q, k, v, rf, causal: bool) -> torch.Tensor:
                                fm.amplitude(xq, w, "query", params))  # fmt: skip
     else:
         phi_q = fm.values(xq, w, "query", params)
-    u_k, g_k = _causal_keys(fm, xk, w, params)
+    u_k, g_k = causal_keys(fm, xk, w, params)
     out, _ = _previous_causal(phi_q[:, :, None], u_k, g_k, v.to(w.dtype), None, None)
     return out[:, :, 0].to(q.dtype)
 

@@ -17,7 +17,7 @@ kernels are: features are computed for one block of tokens at a time and dropped
 * Non-causal (:class:`_NoncausalAttention`): keys in blocks with per-feature running offsets
   (flash-style rescaling of ``S, z``), then queries in blocks; the backward recomputes query
   blocks, then key blocks at the forward's offsets.
-* Given features (:class:`_CausalScan`, behind :func:`rfattn.attention._causal_torch`): the same
+* Given features (:class:`_CausalScan`, behind :func:`rfattn.torch_path.causal_scan`): the same
   causal blocks for the operators' torch kernels and the sharded path's local states.
 * Heads in parallel: on a CPU with more than one intra-op thread, a large call of either
   Function runs its heads in contiguous parts, one per intra-op thread, each part's forward and
@@ -853,6 +853,12 @@ def _final(s, off, given, E: int, exponential: bool) -> tuple:
     # copies, not views of one tensor: an operator's outputs may not alias each other
     S = s[..., :E, :].transpose(-1, -2).contiguous()
     return S, s[..., E, :].contiguous(), off if exponential else given.clone()
+
+
+def empty_state(B: int, H: int, F: int, E: int, exponential: bool, like) -> tuple:
+    """``(S, z, offset)`` before any key, in ``like``'s dtype and device (the state an empty
+    causal call returns)."""
+    return _final(*_initial(None, B, H, F, E, exponential, like), E, exponential)
 
 
 def causal_attention(fm, q, k, v, w, params: dict, scale: float, mask, state):

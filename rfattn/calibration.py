@@ -34,24 +34,12 @@ from typing import NamedTuple
 
 import torch
 
+from rfattn.call import intercept_calls
+
 __all__ = ["calibrate", "attention_errors", "CalibrationReport", "CALIBRATION_PARAMS"]
 
 #: what :func:`calibrate` can train or fix
 CALIBRATION_PARAMS = ("map", "stats", "weights", "projection", "A")
-
-#: the recorder of the calibration forward in progress (None: calls run as usual)
-_ACTIVE = None
-
-
-def recording() -> bool:
-    """Whether a :func:`calibrate` forward is in progress (``rf_attention`` then records)."""
-    return _ACTIVE is not None
-
-
-def record(q, k, v, rf, args: tuple, run):
-    """Called by :func:`rfattn.rf_attention` during calibration: see :class:`_Recorder`."""
-    return _ACTIVE(q, k, v, rf, args, run)
-
 
 def softmax_target(q, k, v, causal: bool, key_padding_mask, scale: float) -> torch.Tensor:
     """Exact softmax attention ``[B, H, Tq, E]`` of :func:`rf_attention`'s inputs (grouped
@@ -118,21 +106,23 @@ class _Recorder:
         self.names = names
         self.calls: dict[str, list[_Call]] = {}
 
-    def __call__(self, q, k, v, rf, args, run):
-        causal, kpm, scale, backend, initial_state, return_state, qpm, group = args
-        name = self.names.get(id(rf))
+    def __call__(self, call, run):
+        """The interception of one ``rf_attention`` call (:func:`rfattn.call.intercept_calls`):
+        ``call`` its record, ``run(call)`` what it would return."""
+        name = self.names.get(id(call.rf))
         if name is None:  # not a layer of the model being calibrated
-            return run(q, k, v)
-        if initial_state is not None or return_state or group is not None:
+            return run(call)
+        if call.initial_state is not None or call.return_state or call.group is not None:
             raise RuntimeError(
                 "rfattn.calibrate runs whole sequences on one process: a calibration forward "
                 "may not pass initial_state, return_state or group (use_cache=False for "
                 "decoders)"
             )
-        q, k, v = q.detach(), k.detach(), v.detach()
-        target = softmax_target(q, k, v, bool(causal), kpm, scale)
+        q, k, v = call.q.detach(), call.k.detach(), call.v.detach()
+        kpm, qpm = call.key_padding_mask, call.query_padding_mask
+        target = softmax_target(q, k, v, call.causal, kpm, call.scale)
         self.calls.setdefault(name, []).append(
-            _Call(q, k, v, bool(causal), kpm, scale, backend, qpm, target)
+            _Call(q, k, v, call.causal, kpm, call.scale, call.backend, qpm, target)
         )
         return target.to(q.dtype)
 
@@ -207,18 +197,15 @@ def _forward(model, batch) -> None:
 def _capture(model, batches: list, layers: dict) -> dict[str, list[list[_Call]]]:
     """One softmax forward per batch, without autograd, recording every layer's calls: name ->
     one list of :class:`_Call` per batch."""
-    global _ACTIVE
     names = {id(m): n for n, m in layers.items()}
     captured: dict[str, list[list[_Call]]] = {n: [] for n in layers}
-    try:
-        with torch.no_grad():
-            for batch in batches:
-                _ACTIVE = rec = _Recorder(names)
+    with torch.no_grad():
+        for batch in batches:
+            rec = _Recorder(names)
+            with intercept_calls(rec):
                 _forward(model, batch)
-                for n in layers:
-                    captured[n].append(rec.calls.get(n, []))
-    finally:
-        _ACTIVE = None
+            for n in layers:
+                captured[n].append(rec.calls.get(n, []))
     captured = {n: per for n, per in captured.items() if any(per)}
     if not captured:
         raise RuntimeError(

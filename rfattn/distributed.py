@@ -44,21 +44,14 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from rfattn.attention import (
-    RFState,
-    _attend,
-    _causal_keys,
-    _causal_torch,
-    _kernel_form,
-    _no_kernel_reason,
-    _query_rows,
-    _torch_inputs,
-    _use_triton,
-)
+from rfattn import backends
 from rfattn.blocked import no_autocast
+from rfattn.call import Call, RFState, no_kernel_reason, query_rows, use_fused
 from rfattn.features import FEATURES, compute_dtype, prescale
+from rfattn.fused import kernel_form
 from rfattn.reference import linear_attention
 from rfattn.stats import Moments, sequence_moments, update_running
+from rfattn.torch_path import causal_keys, causal_scan, torch_inputs
 
 __all__ = ["check_calls_agree", "check_group", "combine_states", "runs_causal", "sharded_attention"]
 
@@ -252,12 +245,12 @@ def _shard_state(q, k, v, rf, key_padding_mask, scale, query_padding_mask) -> RF
     """This shard's own causal state (the torch path's, differentiable in k and v)."""
     fm = rf.feature_map
     # the local call updates running statistics; this one only reads them
-    w, _, xk, params = _torch_inputs(q, k, rf, key_padding_mask, scale, True, query_padding_mask,
+    w, _, xk, params = torch_inputs(q, k, rf, key_padding_mask, scale, True, query_padding_mask,
                                      update=False)  # fmt: skip
-    u_k, g_k = _causal_keys(fm, xk, w, params)
+    u_k, g_k = causal_keys(fm, xk, w, params)
     B, H, T = k.shape[:3]
     no_queries = xk.new_zeros(B, H, 0, T, fm.width(rf.num_features))
-    return _causal_torch(no_queries, u_k, g_k, v.to(w.dtype), key_padding_mask, None)[1]
+    return causal_scan(no_queries, u_k, g_k, v.to(w.dtype), key_padding_mask, None)[1]
 
 
 def _all_gather_states(state: RFState, group) -> list[RFState]:
@@ -268,25 +261,25 @@ def _all_gather_states(state: RFState, group) -> list[RFState]:
     return [RFState(*_unpack(x), off) for x, off in zip(sz, offs, strict=True)]
 
 
-def _causal(q, k, v, rf, key_padding_mask, scale, backend, initial_state, return_state,
-            query_padding_mask, group):  # fmt: skip
+def _causal(call: Call):
+    q, k, v, rf, scale, group = call.q, call.k, call.v, call.rf, call.scale, call.group
+    key_padding_mask, initial_state = call.key_padding_mask, call.initial_state
     fm = rf.feature_map
     if getattr(fm, "uses_batch_moments", None) and fm.uses_batch_moments(True):
         # running statistics in training: every rank reads them as they stand, then moves them
         # by the whole sequence's moments (a shard's own would set each rank's apart)
-        xq, qmask = _query_rows(prescale(q, scale), k, query_padding_mask)
+        xq, qmask = query_rows(prescale(q, scale), k, call.query_padding_mask)
         xk = prescale(k, scale, key_padding_mask)
         moments = _global_moments(xq, xk, key_padding_mask, qmask, group)
         fm.train(False)
         try:
-            res = _causal(q, k, v, rf, key_padding_mask, scale, backend, initial_state,
-                          return_state, query_padding_mask, group)  # fmt: skip
+            res = _causal(call)
         finally:
             fm.train(True)
         update_running(fm, moments, fm.momentum)
         return res
     rank = dist.get_rank(group)
-    local = _shard_state(q, k, v, rf, key_padding_mask, scale, query_padding_mask)
+    local = _shard_state(q, k, v, rf, key_padding_mask, scale, call.query_padding_mask)
     states = _all_gather_states(local, group)
     before = [] if initial_state is None else [initial_state]
     # the later ranks' states enter as empty ones, selected (not multiplied) away: every rank's
@@ -299,10 +292,9 @@ def _causal(q, k, v, rf, key_padding_mask, scale, backend, initial_state, return
                      torch.full_like(st.offset, float("-inf")) if exp else st.offset)
              for st in states[rank:]]  # fmt: skip
     prefix = combine_states(before + states[:rank] + later, plain=not exp)
-    # the local pass after validation: q and k are already mapped (head maps) where rf has maps
-    out = _attend(q, k, v, rf, True, key_padding_mask, scale, backend, prefix, False,
-                  query_padding_mask, None)  # fmt: skip
-    if not return_state:
+    # the local pass: q and k are already mapped (head maps)
+    out = backends.attend(call.replace(initial_state=prefix, return_state=False, group=None))
+    if not call.return_state:
         return out
     return out, combine_states(before + states, plain=not exp)
 
@@ -374,13 +366,15 @@ class _FusedNoncausal(torch.autograd.Function):
 def _fused_noncausal(q, rf, backend: str) -> bool:
     """Whether a non-causal sharded call runs the fused kernel (its collectives differ from the
     torch path's)."""
-    from rfattn.autograd import _on_torch
+    from rfattn.ops import on_torch
 
-    fused = backend == "triton" or (backend == "auto" and _use_triton(q, rf, False))
-    return fused and not _on_torch(q)
+    fused = backend == "triton" or (backend == "auto" and use_fused(q, rf, False))
+    return fused and not on_torch(q)
 
 
-def _noncausal(q, k, v, rf, key_padding_mask, scale, backend, query_padding_mask, group):
+def _noncausal(call: Call):
+    q, k, v, rf, scale, group = call.q, call.k, call.v, call.rf, call.scale, call.group
+    key_padding_mask, query_padding_mask = call.key_padding_mask, call.query_padding_mask
     fm = rf.feature_map
     if getattr(fm, "stats_grad", False):
         raise NotImplementedError(
@@ -393,14 +387,14 @@ def _noncausal(q, k, v, rf, key_padding_mask, scale, backend, query_padding_mask
     moments = None
     if getattr(fm, "uses_batch_moments", None) and fm.uses_batch_moments(False):
         moments = _global_moments(xq, xk, key_padding_mask, query_padding_mask, group)
-    if _fused_noncausal(q, rf, backend):
-        reason = _no_kernel_reason(rf, False) or (
+    if _fused_noncausal(q, rf, call.backend):
+        reason = no_kernel_reason(rf, False) or (
             "learnable weights need the torch path here" if rf.weight.requires_grad else None
         )
         if reason is not None:
             raise NotImplementedError(f"{reason}; use backend='torch'")
-        form = _kernel_form(rf, q, k, key_padding_mask, scale, False, query_padding_mask,
-                            moments=moments)  # fmt: skip
+        form = kernel_form(rf, q, k, key_padding_mask, scale, False, query_padding_mask,
+                           moments=moments)  # fmt: skip
         return _FusedNoncausal.apply(q, k, v, form, scale, key_padding_mask, group)
     params = rf.feature_params(xq, xk, key_padding_mask, moments=moments,
                                query_padding_mask=query_padding_mask)  # fmt: skip
@@ -416,11 +410,8 @@ def _noncausal(q, k, v, rf, key_padding_mask, scale, backend, query_padding_mask
                             reduce=sum_states).to(q.dtype)  # fmt: skip
 
 
-def sharded_attention(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_state,
-                      return_state, query_padding_mask, group):  # fmt: skip
-    """:func:`rfattn.rf_attention` with ``group`` (arguments validated, heads matched: grouped
-    queries are rows of their key/value head in non-causal calls)."""
-    if causal:
-        return _causal(q, k, v, rf, key_padding_mask, scale, backend, initial_state,
-                       return_state, query_padding_mask, group)  # fmt: skip
-    return _noncausal(q, k, v, rf, key_padding_mask, scale, backend, query_padding_mask, group)
+def sharded_attention(call: Call):
+    """:func:`rfattn.rf_attention` of a sharded call (``call.group`` set; validated, head maps
+    applied, grouped queries as rows of their key/value head in non-causal calls): ``out``, or
+    ``(out, state)`` with ``return_state``."""
+    return _causal(call) if call.causal else _noncausal(call)

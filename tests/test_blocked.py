@@ -12,10 +12,10 @@ import torch
 
 import rfattn
 from rfattn import blocked
-from rfattn.attention import _torch_inputs
 from rfattn.features.base import exp_diff
 from rfattn.reference import linear_attention
 from rfattn.testing import rel_rms, tolerance
+from rfattn.torch_path import torch_inputs
 
 f64 = torch.float64
 OUT, GRAD = tolerance(f64, "out"), tolerance(f64, "grad")
@@ -47,7 +47,7 @@ def reference(q, k, v, rf, causal, mask, groups=1):
     ``linear_attention``."""
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     qm = mask if causal else None
-    w, xq, xk, params = _torch_inputs(q, k, rf, mask, q.shape[-1] ** -0.5, causal, qm)
+    w, xq, xk, params = torch_inputs(q, k, rf, mask, q.shape[-1] ** -0.5, causal, qm)
     phi_q, phi_k = rf.feature_map.features(xq, xk, w, mask, params)
     out = linear_attention(phi_q, phi_k, v, causal=causal, key_padding_mask=mask)
     return out if qm is None else out.masked_fill(qm[:, None, :, None], 0.0)  # padded queries

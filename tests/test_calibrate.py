@@ -136,7 +136,7 @@ def test_head_maps_inside_the_blocks_equal_mapping_first(feature, causal, kv_hea
 def test_head_maps_are_never_applied_to_the_whole_sequence_on_the_torch_path(monkeypatch):
     """Outside grouped non-causal queries and the sharded path, the torch path takes the maps
     into its blocks: the whole-sequence mapping is never called."""
-    from rfattn import attention
+    from rfattn import call
 
     rf, _, _ = _mapped_pair("posrf", heads=(4, 2))
 
@@ -145,7 +145,7 @@ def test_head_maps_are_never_applied_to_the_whole_sequence_on_the_torch_path(mon
             raise AssertionError("head map applied to the whole sequence")
         return x
 
-    monkeypatch.setattr(attention, "_mapped", boom)
+    monkeypatch.setattr(call, "mapped", boom)
     q, k, v = _rand(1, 4, 70, 8, seed=1), _rand(1, 2, 70, 8, seed=2), _rand(1, 2, 70, 3, seed=3)
     rfattn.rf_attention(q, k, v, rf, causal=True, backend="torch")
     k4, v4 = k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1)

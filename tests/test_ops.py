@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import rfattn
-from rfattn.attention import _kernel_form
-from rfattn.autograd import _flat
+from rfattn.fused import kernel_form
+from rfattn.ops import flat_form
 
 f64 = torch.float64
 B, H, T, D, E, M = 1, 2, 5, 4, 3, 6
@@ -24,14 +24,14 @@ def _inputs(device, feature="posrf", weights="orf", **opts):
     v = torch.randn(B, H, T, E, generator=g, dtype=f64)
     rf = rfattn.RandomFeatures(D, M, feature=feature, weights=weights, seed=0, **opts).double()
     q, k, v, rf = q.to(device), k.to(device), v.to(device), rf.to(device)
-    return q, k, v, _kernel_form(rf, q, k, None, D**-0.5, causal=False)
+    return q, k, v, kernel_form(rf, q, k, None, D**-0.5, causal=False)
 
 
 @pytest.mark.parametrize("feature,weights", [("posrf", "orf"), ("hrf", "gaussian")])
 def test_opcheck_parallel(feature, weights, kernel_device):
     opts = {"lambda_features": 1} if feature == "hrf" else {}
     q, k, v, form = _inputs(kernel_device, feature, weights, **opts)
-    args = (q.requires_grad_(), k.requires_grad_(), v, *_flat(form), D**-0.5, None, None, None)
+    args = (q.requires_grad_(), k.requires_grad_(), v, *flat_form(form), D**-0.5, None, None, None)
     torch.library.opcheck(torch.ops.rfattn.parallel.default, args, test_utils=CHECKS)
 
 
@@ -40,14 +40,14 @@ def test_opcheck_chunk_and_decode(kernel_device):
     s0 = torch.rand(B, H, M, E, dtype=f64, device=kernel_device).requires_grad_()
     z0 = (torch.rand(B, H, M, dtype=f64, device=kernel_device) + 0.5).requires_grad_()
     off0 = torch.zeros(B, H, dtype=f64, device=kernel_device)
-    args = (q.requires_grad_(), k, v, *_flat(form), D**-0.5, None, s0, z0, off0, None, None)
+    args = (q.requires_grad_(), k, v, *flat_form(form), D**-0.5, None, s0, z0, off0, None, None)
     torch.library.opcheck(torch.ops.rfattn.chunk.default, args, test_utils=CHECKS)
     one = (q[:, :, :1].detach(), k[:, :, :1], v[:, :, :1])
     state = (s0.detach(), z0.detach(), off0)
-    args = (*one, *_flat(form), D**-0.5, None, *state, None, None)
+    args = (*one, *flat_form(form), D**-0.5, None, *state, None, None)
     torch.library.opcheck(torch.ops.rfattn.decode.default, args, test_utils=CHECKS)
     state = tuple(x.clone() for x in state)
-    args = (*one, *_flat(form), D**-0.5, None, *state, None, None)
+    args = (*one, *flat_form(form), D**-0.5, None, *state, None, None)
     torch.library.opcheck(torch.ops.rfattn.decode_.default, args, test_utils=CHECKS)
 
 
@@ -95,7 +95,7 @@ FORMS = [
 def test_torch_kernels_equal_the_triton_kernels(feature, weights, opts, kernel_device, monkeypatch):
     """The operators' torch kernels (CPU without the interpreter) against the Triton kernels on
     the same inputs: outputs, final states and gradients of every form, decode in place too."""
-    import rfattn.autograd as ops
+    import rfattn.ops as ops
 
     q, k, v, form = _inputs(kernel_device, feature, weights, **opts)
     mask = torch.tensor([[True, False, False, True, False]], device=kernel_device)
@@ -154,8 +154,8 @@ def _check_head_maps_in_kernels(feature, weights, kernel_device, monkeypatch):
     with the same maps, junk in padded keys included; posrf never maps the whole sequence.
     With gradients the call maps q, k first and gets the same values and gradients; the
     Triton backward of a form with maps raises."""
-    import rfattn.attention as attention
-    import rfattn.autograd as ops
+    import rfattn.call as call_record
+    import rfattn.ops as ops
 
     Hq, Hk, Tn, Dm, Mm = 4, 2, 20, 8, 16
     opts = dict(feature=feature, weights=weights, seed=0)
@@ -193,7 +193,7 @@ def _check_head_maps_in_kernels(feature, weights, kernel_device, monkeypatch):
         for on_torch in (False, True):
             monkeypatch.setattr(ops, "TORCH_ON_CPU", on_torch)
             if feature == "posrf":
-                monkeypatch.setattr(attention, "_mapped", whole_sequence)
+                monkeypatch.setattr(call_record, "mapped", whole_sequence)
             with torch.no_grad():
                 got = rfattn.rf_attention(*args, backend="triton", **kw)
             monkeypatch.undo()
@@ -210,7 +210,7 @@ def _check_head_maps_in_kernels(feature, weights, kernel_device, monkeypatch):
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
     monkeypatch.setattr(ops, "TORCH_ON_CPU", False)
-    form = _kernel_form(rf4, q, k, None, Dm**-0.5, causal=False,
+    form = kernel_form(rf4, q, k, None, Dm**-0.5, causal=False,
                         maps=(rf4.query_map, rf4.key_map))  # fmt: skip
     out = ops.rf_parallel(q.clone().requires_grad_(), k, v, form, Dm**-0.5, mask)
     with pytest.raises(NotImplementedError, match="take no head maps"):

@@ -12,9 +12,9 @@ from rfattn.kernels.rf_chunk import rf_chunk_fwd
 from rfattn.kernels.rf_recurrent import rf_recurrent_fwd
 
 import rfattn
-from rfattn.attention import _kernel_form
-from rfattn.autograd import rf_chunk, rf_decode
 from rfattn.features.form import KernelForm
+from rfattn.fused import kernel_form
+from rfattn.ops import rf_chunk, rf_decode
 from rfattn.testing import rel_rms, tolerance
 
 f32, f64 = torch.float32, torch.float64
@@ -313,7 +313,7 @@ def test_decode_step_equals_chunked(feature, weights, opts, kernel_device):
     s_at, z_at = at_offset(s, st.offset)
     assert rel_rms(s_at, st.s) <= 1e-6 and rel_rms(z_at, st.z) <= 1e-6
     # the step itself against the chunked kernel, 5 tokens from a mid-sequence state
-    form = _kernel_form(rf, q, k, None, D**-0.5, causal=True)
+    form = kernel_form(rf, q, k, None, D**-0.5, causal=True)
     _, init = rf_chunk_fwd(q[:, :, :10], k[:, :, :10], v[:, :, :10], form, D**-0.5)
     init_copy = tuple(x.clone() for x in init)
     sl = slice(10, 15)

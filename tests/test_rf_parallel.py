@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import rfattn
-from rfattn.autograd import rf_parallel
 from rfattn.features.form import KernelForm
+from rfattn.ops import rf_parallel
 from rfattn.reference import linear_attention
 from rfattn.testing import rel_rms, tolerance
 
@@ -469,7 +469,7 @@ def test_signed_awkward_shapes(feature, shape, kernel_device):
 @pytest.mark.slow
 @pytest.mark.parametrize("feature,opts", [("rmf", {}), ("hrf", {"lambda_features": 1})])
 def test_gradcheck_float64_tiny_signed(feature, opts, kernel_device):
-    from rfattn.attention import _kernel_form
+    from rfattn.fused import kernel_form
 
     f64 = torch.float64
     weights = "rademacher" if feature == "rmf" else "gaussian"
@@ -479,7 +479,7 @@ def test_gradcheck_float64_tiny_signed(feature, opts, kernel_device):
     k = rand(1, 1, 3, 3, seed=2, dtype=f64, device=kernel_device).requires_grad_()
     v = rand(1, 1, 3, 2, seed=3, dtype=f64, device=kernel_device).requires_grad_()
     mask = torch.tensor([[False, True, False]], device=kernel_device)
-    form = _kernel_form(rf, q, k, mask, 0.5, causal=False)
+    form = kernel_form(rf, q, k, mask, 0.5, causal=False)
     form = dataclasses.replace(form, w=form.w.detach())
 
     def fn(a, b, c):

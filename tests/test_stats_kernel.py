@@ -61,7 +61,7 @@ def test_empty_sequences(kernel_device):
 def test_feature_parameters_from_the_stats_pass(feature, stats, kernel_device):
     """The triton path's A, B, psi (stats kernel + the closed forms of rfattn.stats) equal the
     torch path's, and a running-mode call in training updates the buffers identically."""
-    from rfattn.attention import _kernel_form
+    from rfattn.fused import kernel_form
 
     B, H, T, D = 2, 2, 50, 16
     q = rand(B, H, T, D, seed=1, device=kernel_device)
@@ -72,14 +72,14 @@ def test_feature_parameters_from_the_stats_pass(feature, stats, kernel_device):
     rf_torch = copy.deepcopy(rf)
     if stats == "running":  # one training step each, then the eval parameters from the buffers
         rf.train(), rf_torch.train()
-        _kernel_form(rf, q, k, mask, 0.25, causal=False)
+        kernel_form(rf, q, k, mask, 0.25, causal=False)
         rf_torch.feature_params(q * 0.5, k * 0.5, mask)
         for name in Moments._fields:
             a = getattr(rf.feature_map, f"running_{name}")
             b = getattr(rf_torch.feature_map, f"running_{name}")
             assert rel_rms(a, b) <= 1e-6, name
         rf.eval(), rf_torch.eval()
-    form = _kernel_form(rf, q, k, mask, 0.25, causal=False)
+    form = kernel_form(rf, q, k, mask, 0.25, causal=False)
     ab, psi = form.coeffs, form.psi
     p = rf_torch.feature_params(q * 0.5, k * 0.5, mask)
     assert rel_rms(ab, torch.cat((p["A"], p["B"], p["log_D"]), dim=-1).flatten(-2)) <= 1e-6

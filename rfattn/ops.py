@@ -1,7 +1,7 @@
 """The fused kernels as PyTorch operators (``torch.library``), with autograd and fake impls.
 
 One operator per algorithmic form, each taking a feature's kernel form
-(:class:`rfattn.features.form.KernelForm`, flattened into the schema by :func:`_flat`):
+(:class:`rfattn.features.form.KernelForm`, flattened into the schema by :func:`flat_form`):
 
 * ``rfattn::parallel`` / ``rfattn::parallel_bwd``: non-causal (``rfattn.kernels.rf_parallel``);
   forward saves q, k, v, the output, S, z and the stabiliser offsets (``O(B H (F E + T))``, no
@@ -25,15 +25,15 @@ operator the kernels run exactly as in eager mode.
 
 On CPU tensors without the Triton interpreter, each operator runs its torch kernel instead: the
 kernel form evaluated in torch (:meth:`KernelForm.evaluate`) through the torch path's attention
-(``rfattn.attention._causal_torch`` for the causal forms), its backward by autograd over that
+(``rfattn.torch_path.causal_scan`` for the causal forms), its backward by autograd over that
 recomputation, with the kernels' conventions (offsets held fixed, states in ``RFState``'s form).
 So the operators work on any CPU, under ``torch.compile`` too; the interpreter (CI) runs the
 Triton kernels themselves, and tests hold the two to each other.
 
 The per-form parameters (coefficients, tables, tau, rmf's rows, head maps) are held constant: no
-gradient. Forms with head maps run the forward kernels only (``rfattn.attention`` maps q and k
+gradient. Forms with head maps run the forward kernels only (:mod:`rfattn.fused` maps q and k
 first where gradients are needed); their Triton backward raises.
-Importing this module imports Triton (``rfattn.attention`` imports it on first fused call).
+Importing this module imports Triton (:mod:`rfattn.fused` imports it on the first fused call).
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ from rfattn.kernels import rf_parallel as rf_parallel_kernels
 from rfattn.kernels import rf_recurrent as rf_recurrent_kernels
 from rfattn.kernels.common import INTERPRET
 
-__all__ = ["rf_parallel", "rf_chunk", "rf_decode"]
+__all__ = ["flat_form", "on_torch", "rf_chunk", "rf_decode", "rf_parallel"]
 
-# Schema pieces shared by the operators: the kernel form (flattened by _flat), the call, the
+# Schema pieces shared by the operators: the kernel form (flattened by flat_form), the call, the
 # carried state and the launch options.
 _FORM = (
     "str kind, Tensor w, Tensor? coeffs, Tensor? psi, Tensor? table, Tensor? extra, Tensor? index, "
@@ -77,7 +77,7 @@ def _op(name: str, args: str, returns: str, mutates=()):
     return custom_op(f"rfattn::{name}", mutates_args=mutates, schema=f"({args}) -> {returns}")
 
 
-def _flat(form: KernelForm) -> tuple:
+def flat_form(form: KernelForm) -> tuple:
     """The form as operator arguments (``_FORM``): kind, w, coeffs, psi, table, extra, index,
     qmap, kmap."""
     extra, index = (form.tau, form.lam) if form.kind == "table" else (form.rows, form.segments)
@@ -112,7 +112,9 @@ def _state_like(q, v, w) -> tuple:
 TORCH_ON_CPU = not INTERPRET
 
 
-def _on_torch(q: torch.Tensor) -> bool:
+def on_torch(q: torch.Tensor) -> bool:
+    """Whether the operators run their torch kernels for ``q`` (a CPU tensor without the
+    Triton interpreter)."""
     return TORCH_ON_CPU and q.device.type == "cpu"
 
 
@@ -163,19 +165,20 @@ def _torch_parallel(q, k, v, form, scale, mask):
 def _torch_chunk(q, k, v, form, scale, mask, state):
     """``(out, S, z, offset)`` of the causal forms in torch (the torch path's chunked scan);
     grouped-query inputs (fewer k, v heads) as the kernels take them."""
-    from rfattn.attention import RFState, _causal_torch, _group_size, _grouped
+    from rfattn.call import RFState, group_size, grouped
+    from rfattn.torch_path import causal_scan
 
-    Hk, T, G = k.shape[1], q.shape[2], _group_size(q, k)
+    Hk, T, G = k.shape[1], q.shape[2], group_size(q, k)
     if form.qmap is not None:  # per query head, before the heads' rows are grouped
         dt, q = q.dtype, prescale(q, 1.0, None, form.qmap)
         form = dataclasses.replace(form, qmap=None)
     else:
         dt = q.dtype
-    phi_q, u_k, g_k = _torch_features(_grouped(q, Hk) if Hk else q, k, form, scale)
+    phi_q, u_k, g_k = _torch_features(grouped(q, Hk) if Hk else q, k, form, scale)
     if state is not None:
         state = RFState(*(x.to(phi_q.dtype) for x in state))
     phi_q = phi_q.unflatten(2, (G, T))  # [B, Hk, G, T, F]
-    out, st = _causal_torch(phi_q, u_k, g_k, v.to(phi_q.dtype), mask, state)
+    out, st = causal_scan(phi_q, u_k, g_k, v.to(phi_q.dtype), mask, state)
     # an operator's outputs never alias its inputs (a plain feature keeps the given offset)
     given = () if state is None else tuple(state)
     return (out.flatten(1, 2).to(dt),
@@ -211,7 +214,7 @@ def _torch_grads(fn, inputs, need, cotangents):
 )
 def _parallel(q, k, v, *args):
     form, (scale, mask, precision, gpu_tiles) = _form(args)
-    if _on_torch(q):
+    if on_torch(q):
         return _torch_parallel(q, k, v, form, scale, mask)
     out, aux = rf_parallel_kernels.rf_parallel_fwd(
         q, k, v, form, scale, mask, precision, return_aux=True, gpu_tiles=gpu_tiles
@@ -266,7 +269,7 @@ def _parallel_backward(ctx, d_out, *_aux):
     q, k, v, *form, mask, out, s, z, mk, mq, den = ctx.saved_tensors
     need_dw = ctx.needs_input_grad[4]
     d_out = torch.zeros_like(out) if d_out is None else d_out
-    if _on_torch(q):  # autograd over the torch kernel (an operator's body records no graph)
+    if on_torch(q):  # autograd over the torch kernel (an operator's body records no graph)
         form_ = _form((ctx.kind, *form))[0]
 
         def fwd(q, k, v, w):
@@ -291,7 +294,7 @@ def rf_parallel(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, 
     """Fused non-causal attention of the kernel form ``form`` (``rfattn::parallel``); see
     ``rfattn.kernels.rf_parallel.rf_parallel_fwd`` for the arguments. Gradients reach q, k, v
     and ``form.w``."""
-    return _parallel(q, k, v, *_flat(form), scale, key_padding_mask, precision, gpu_tiles)[0]
+    return _parallel(q, k, v, *flat_form(form), scale, key_padding_mask, precision, gpu_tiles)[0]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -305,7 +308,7 @@ def rf_parallel(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, 
 )
 def _chunk(q, k, v, *args):
     form, (scale, mask, s0, z0, off0, precision, gpu_tiles) = _form(args)
-    if _on_torch(q):  # the saved m_q, den, m_k are only read by the Triton backward
+    if on_torch(q):  # the saved m_q, den, m_k are only read by the Triton backward
         return (*_torch_chunk(q, k, v, form, scale, mask, _state(s0, z0, off0)),
                 *(torch.zeros_like(x) for x in _chunk_aux_like(q, k)))  # fmt: skip
     out, state, aux = rf_chunk_kernels.rf_chunk_fwd(
@@ -370,7 +373,7 @@ def _chunk_backward(ctx, d_out, d_s, d_z, *_rest):
         d_s = torch.zeros_like(s) if d_s is None else d_s
         d_z = torch.zeros_like(z) if d_z is None else d_z
     init = s0 is not None
-    if _on_torch(q):  # autograd over the torch kernel (an operator's body records no graph)
+    if on_torch(q):  # autograd over the torch kernel (an operator's body records no graph)
         form_ = _form((ctx.kind, *form))[0]
 
         def fwd(q, k, v, s0, z0):
@@ -396,7 +399,7 @@ def rf_chunk(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, ini
     """Causal fused attention of the kernel form ``form`` (``rfattn::chunk``); see
     ``rfattn.kernels.rf_chunk.rf_chunk_fwd``. Returns ``(out, S, z, offset)``."""
     s0, z0, off0 = (None, None, None) if initial_state is None else initial_state
-    out, s, z, off, *_ = _chunk(q, k, v, *_flat(form), scale, key_padding_mask, s0, z0, off0,
+    out, s, z, off, *_ = _chunk(q, k, v, *flat_form(form), scale, key_padding_mask, s0, z0, off0,
                                   precision, gpu_tiles)  # fmt: skip
     return out, s, z, off
 
@@ -408,7 +411,7 @@ def rf_chunk(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, ini
 @_op("decode", f"{_QKV}, {_FORM}, {_CALL}, {_STATE}, {_OPTS}", "(Tensor, Tensor, Tensor, Tensor)")
 def _decode(q, k, v, *args):
     form, (scale, mask, s0, z0, off0, precision, gpu_tiles) = _form(args)
-    if _on_torch(q):
+    if on_torch(q):
         return _torch_chunk(q, k, v, form, scale, mask, _state(s0, z0, off0))
     out, state = rf_recurrent_kernels.rf_recurrent_fwd(
         q, k, v, form, scale, mask, _state(s0, z0, off0), precision, gpu_tiles=gpu_tiles
@@ -427,7 +430,7 @@ _DECODE_ = f"{_QKV}, {_FORM}, {_CALL}, Tensor(a!) s, Tensor(b!) z, Tensor(c!) of
 @_op("decode_", _DECODE_, "Tensor", mutates=("s", "z", "off"))
 def _decode_(q, k, v, *args):
     form, (scale, mask, s, z, off, precision, gpu_tiles) = _form(args)
-    if _on_torch(q):
+    if on_torch(q):
         out, *new = _torch_chunk(q, k, v, form, scale, mask, (s, z, off))
         for old_, new_ in zip((s, z, off), new, strict=True):
             old_.copy_(new_)
@@ -451,7 +454,7 @@ def rf_decode(q, k, v, form: KernelForm, scale: float, key_padding_mask=None,
     (contiguous, in the accumulation dtype) and returns them: for a caller that owns the state,
     such as a generation cache. Otherwise (``rfattn::decode``) the given state is only read.
     """
-    args = (*_flat(form), scale, key_padding_mask)
+    args = (*flat_form(form), scale, key_padding_mask)
     if inplace:
         if initial_state is None:
             raise ValueError("inplace=True needs an initial_state to update")

@@ -1,0 +1,374 @@
+"""The record of one ``rf_attention`` call, its validation, and what every backend reads of it.
+
+An internal module (documented, not exported from ``rfattn``): :func:`rfattn.rf_attention`
+validates its arguments once (:func:`validate`) and builds a frozen :class:`Call`; every backend
+(the torch path :mod:`rfattn.torch_path`, the fused kernels :mod:`rfattn.fused`, the sharded path
+:mod:`rfattn.distributed`) and every tool (calibration, through :func:`intercept_calls`) takes the
+record and reads its fields by name. The helpers here (grouped-query rows, head maps, padded
+rows, which backend can run a call) are the one definition each path uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from typing import NamedTuple
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from rfattn.features import prescale
+from rfattn.weights import WEIGHTED_WEIGHTS
+
+__all__ = [
+    "BACKENDS",
+    "Call",
+    "RFState",
+    "fused_kernel_available",
+    "intercept_calls",
+    "validate",
+]
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+class RFState(NamedTuple):
+    """Causal running state, in fp32 (fp64 for fp64 inputs).
+
+    ``H`` is the number of key/value heads: with grouped-query attention (fewer key/value heads
+    than query heads) one state serves every query head of its group.
+
+    Attributes:
+        s: ``[B, H, F, E]`` sum over past keys of ``phi_k v^T``, ``phi_k = g_k exp(u_k - offset)``
+            (exponential features) or the plain features (rmf).
+        z: ``[B, H, F]`` sum over past keys of ``phi_k``.
+        offset: ``[B, H]`` the key stabiliser (running max of the key logits; -inf before any
+            valid key; always 0 for plain features).
+    """
+
+    s: torch.Tensor
+    z: torch.Tensor
+    offset: torch.Tensor
+
+
+def _check_tensor(name: str, x, rank: int, dims: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != rank:
+        raise ValueError(f"{name} must have shape [{dims}], got {tuple(x.shape)}")
+
+
+def validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_state, return_state,
+             query_padding_mask=None) -> None:  # fmt: skip
+    """Raise naming the argument unless ``rf_attention``'s arguments are valid (``causal`` and
+    ``scale`` already plain Python values)."""
+    for name, x, dims in (
+        ("q", q, "B, H, Tq, D"),
+        ("k", k, "B, H, Tk, D"),
+        ("v", v, "B, H, Tk, E"),
+    ):
+        _check_tensor(name, x, 4, dims)
+        if not x.dtype.is_floating_point:
+            raise TypeError(f"{name} must be floating point, got dtype {x.dtype}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype}, expected q's dtype {q.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on device {x.device}, expected q's device {q.device}")
+        if x.shape[0] != q.shape[0]:
+            raise ValueError(f"{name} has batch size {x.shape[0]}, expected q's {q.shape[0]}")
+    if v.shape[1] != k.shape[1]:
+        raise ValueError(f"v has {v.shape[1]} heads, expected k's {k.shape[1]}")
+    if k.shape[1] == 0 and q.shape[1] != 0 or k.shape[1] and q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"q has {q.shape[1]} heads, which must be a multiple of k's and v's {k.shape[1]} "
+            "(grouped-query attention: each key/value head serves q heads // k heads query heads)"
+        )
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"k has head_dim {k.shape[3]}, expected q's head_dim {q.shape[3]}")
+    if v.shape[2] != k.shape[2]:
+        raise ValueError(f"v has {v.shape[2]} tokens, expected k's Tk={k.shape[2]}")
+    if not (hasattr(rf, "feature_map") and hasattr(rf, "weight") and hasattr(rf, "head_dim")):
+        raise TypeError(f"rf must be an rfattn.RandomFeatures, got {type(rf).__name__}")
+    if rf.head_dim != q.shape[3]:
+        raise ValueError(
+            f"rf was built for head_dim={rf.head_dim}, but q has head_dim {q.shape[3]}"
+        )
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    if causal and q.shape[2] != k.shape[2]:
+        raise ValueError(f"causal=True needs Tq == Tk, got Tq={q.shape[2]}, Tk={k.shape[2]}")
+    if key_padding_mask is not None:
+        check_mask("key_padding_mask", key_padding_mask, (k.shape[0], k.shape[2]), q.device)
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale must be a finite number > 0, got {scale}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if (initial_state is not None or return_state) and not causal:
+        raise ValueError("initial_state and return_state need causal=True")
+    if initial_state is not None:
+        _check_state(initial_state, q, v, rf)
+    if query_padding_mask is not None:
+        check_mask("query_padding_mask", query_padding_mask, (q.shape[0], q.shape[2]), q.device)
+
+
+def check_mask(name: str, mask, shape: tuple, device) -> None:
+    _check_tensor(name, mask, 2, "B, T")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"{name} must be bool, got dtype {mask.dtype}")
+    if tuple(mask.shape) != shape:
+        raise ValueError(f"{name} must have shape [B, T] = {shape}, got {tuple(mask.shape)}")
+    if mask.device != device:
+        raise ValueError(f"{name} is on device {mask.device}, expected {device}")
+
+
+#: the draw (``RandomFeatures.draw_id``) that made each returned state, keyed by its S tensor:
+#: a state continues only the features that made it. States built or moved by hand (a new S)
+#: are not known here and are taken as given.
+_STATE_DRAW = WeakIdKeyDictionary()
+
+
+def returned_state(out: torch.Tensor, state: RFState, rf, return_state: bool):
+    """``(out, state)`` with the state's maker recorded, or ``out``."""
+    if not return_state:
+        return out
+    if not torch.compiler.is_compiling():
+        _STATE_DRAW[state.s] = getattr(rf, "draw_id", None)
+    return out, state
+
+
+def _check_state(state, q, v, rf) -> None:
+    if not (isinstance(state, tuple) and len(state) == 3):
+        raise TypeError("initial_state must be an RFState (s, z, offset)")
+    B, H, E = q.shape[0], v.shape[1], v.shape[3]  # key/value heads (grouped-query attention)
+    F = rf.feature_map.width(rf.num_features)
+    expected = {"s": (B, H, F, E), "z": (B, H, F), "offset": (B, H)}
+    for name, x in zip(("s", "z", "offset"), state, strict=True):
+        _check_tensor(f"initial_state.{name}", x, len(expected[name]), str(expected[name]))
+        if tuple(x.shape) != expected[name]:
+            raise ValueError(
+                f"initial_state.{name} must have shape {expected[name]}, got {tuple(x.shape)}"
+            )
+        if x.device != q.device:
+            raise ValueError(f"initial_state.{name} is on {x.device}, expected {q.device}")
+        if not x.dtype.is_floating_point:  # (other float dtypes are cast to fp32/fp64)
+            raise TypeError(f"initial_state.{name} must be floating point, got dtype {x.dtype}")
+    made_by = None if torch.compiler.is_compiling() else _STATE_DRAW.get(state[0])
+    if made_by is not None and made_by != getattr(rf, "draw_id", None):
+        raise ValueError(
+            "initial_state was returned by a call with another RandomFeatures, or with this one "
+            "before rf.redraw(): a state only continues the features that made it"
+        )
+
+
+def group_size(q: torch.Tensor, k: torch.Tensor) -> int:
+    """G, the query heads per key/value head (grouped-query attention; 1 otherwise)."""
+    return q.shape[1] // k.shape[1] if k.shape[1] else 1
+
+
+def grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Query rows ``[B, Hq, T, D]`` as ``[B, Hkv, G*T, D]``: the G query heads that share each
+    key/value head (``Hq = Hkv * G``, query head ``h`` reads key/value head ``h // G``, as
+    transformers' ``repeat_kv``) become more rows of it (a copy unless the layout allows a
+    view)."""
+    return x.unflatten(1, (kv_heads, x.shape[1] // kv_heads)).flatten(2, 3)
+
+
+def grouped_mask(mask: torch.Tensor | None, groups: int) -> torch.Tensor | None:
+    """A query mask ``[B, Tq]`` for the rows of :func:`grouped`, ``[B, G*Tq]``."""
+    return None if mask is None else mask.repeat(1, groups)
+
+
+def query_rows(xq: torch.Tensor, k: torch.Tensor, query_padding_mask: torch.Tensor | None):
+    """``(xq, query_padding_mask)`` with grouped-query queries as rows of their key/value head
+    (:func:`grouped`, :func:`grouped_mask`): the queries whose moments a key/value head's
+    statistics take, on every path (torch, fused, sharded). Unchanged without GQA."""
+    G = group_size(xq, k)
+    if G == 1:
+        return xq, query_padding_mask
+    return grouped(xq, k.shape[1]), grouped_mask(query_padding_mask, G)
+
+
+def mapped(x: torch.Tensor, head_map: torch.Tensor | None, padding_mask=None) -> torch.Tensor:
+    """``x A_h^T`` per head in x's dtype (a head map applied outside the blocks and kernels);
+    rows where ``padding_mask`` is True become 0 first, so junk there never reaches the map's
+    gradient."""
+    if head_map is None:
+        return x
+    return prescale(x, 1.0, padding_mask, head_map).to(x.dtype)
+
+
+def padded_rows(x: torch.Tensor, query_padding_mask: torch.Tensor | None) -> torch.Tensor:
+    """``x`` ``[B, H, Tq, .]`` with the padded query rows replaced by 0 (selected, not multiplied:
+    junk there never reaches a result). Applied to q and to the output, a padded query enters no
+    product of the forward or the backward: its output is 0 and its cotangent, whatever it is,
+    is dropped."""
+    if query_padding_mask is None:
+        return x
+    return x.masked_fill(query_padding_mask[:, None, :, None], 0.0)
+
+
+def learned_scale(scale) -> torch.Tensor | None:
+    """``scale`` when it is a one-element tensor autograd is to differentiate (a learnable
+    temperature), else None. rf_attention then runs with scale 1 on ``√scale q`` and
+    ``√scale k``, so every backend gives it its gradient (the fused kernels take scale as a
+    number)."""
+    if not (torch.is_tensor(scale) and scale.requires_grad and torch.is_grad_enabled()):
+        return None
+    if scale.numel() != 1 or not scale.dtype.is_floating_point:
+        raise ValueError(
+            f"scale must be a number or a one-element float tensor, got a tensor of shape "
+            f"{tuple(scale.shape)} and dtype {scale.dtype}"
+        )
+    return scale
+
+
+def autocast_inputs(q, k, v, dtype: torch.dtype) -> tuple:
+    """q, k, v as autocast casts a lower-precision op's inputs: fp32, fp16 and bf16 tensors in
+    ``dtype`` (the autocast dtype of their device type), anything else (fp64, a non-tensor: left
+    to the validation) unchanged."""
+    low = (torch.float32, torch.float16, torch.bfloat16)
+    return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.dtype in low else x
+                 for x in (q, k, v))  # fmt: skip
+
+
+def no_kernel_reason(rf, causal: bool) -> str | None:
+    """Why no fused kernel can run this call, or None when one can."""
+    fm = rf.feature_map
+    if causal and rf.weight.requires_grad:
+        return "learnable weights (dW) in causal attention need the torch path"
+    if not fm.has_kernel_form:
+        return f"feature={rf.feature!r} has no fused Triton kernel yet"
+    if getattr(fm, "stats_grad", False):
+        return "stats_grad=True (gradients through the statistics) needs the torch path"
+    if rf.weights in WEIGHTED_WEIGHTS and rf.feature in ("oprf", "saderf"):
+        return f"the fused kernels do not apply {rf.weights}'s row weights (component_weight) yet"
+    return None
+
+
+def fused_kernel_available(rf, causal: bool = False) -> bool:
+    """Whether ``rf_attention(..., backend="triton")`` has a fused kernel for ``rf`` (on CUDA,
+    ``backend="auto"`` then uses it for fp32/fp16/bf16 inputs)."""
+    return no_kernel_reason(rf, causal) is None
+
+
+def learns_gerf_a(rf) -> bool:
+    """Whether autograd would differentiate a learnable GERF A (``RandomFeatures.gerf_A``): the
+    fused kernels hold their coefficients constant, so such a call runs the torch path."""
+    a = getattr(rf, "gerf_A", None)
+    return a is not None and a.requires_grad and torch.is_grad_enabled()
+
+
+def use_fused(q, rf, causal) -> bool:
+    if not q.is_cuda or no_kernel_reason(rf, causal) is not None or learns_gerf_a(rf):
+        return False
+    return q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One validated ``rf_attention`` call (:func:`rfattn.rf_attention`'s arguments, defaults
+    resolved).
+
+    Attributes:
+        q: ``[B, H, Tq, D]``; k: ``[B, Hkv, Tk, D]``; v: ``[B, Hkv, Tk, E]`` (one dtype, device).
+        rf: the :class:`rfattn.RandomFeatures`.
+        causal: query i reads keys j <= i.
+        scale: the softmax temperature, a float.
+        key_padding_mask: ``[B, Tk]`` bool or None.
+        query_padding_mask: ``[B, Tq]`` bool or None (resolved: the key mask when causal).
+        backend: one of :data:`BACKENDS`.
+        initial_state: the :class:`RFState` to continue, or None.
+        return_state: also return the final state.
+        group: the process group of a sharded call, or None.
+        maps: ``(query_map, key_map)`` head maps the backend applies where it reads q and k
+            (either may be None), or None for none.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    rf: object
+    causal: bool = False
+    scale: float = 1.0
+    key_padding_mask: torch.Tensor | None = None
+    query_padding_mask: torch.Tensor | None = None
+    backend: str = "auto"
+    initial_state: RFState | None = None
+    return_state: bool = False
+    group: object = None
+    maps: tuple | None = None
+
+    @property
+    def groups(self) -> int:
+        """G, the query heads per key/value head (grouped-query attention; 1 otherwise)."""
+        return group_size(self.q, self.k)
+
+    @property
+    def fused(self) -> bool:
+        """Whether the fused kernels run this call (``backend``, and for "auto" a CUDA input
+        with a fused form)."""
+        return self.backend == "triton" or (
+            self.backend == "auto" and use_fused(self.q, self.rf, self.causal)
+        )
+
+    def replace(self, **changes) -> Call:
+        """This call with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    def with_maps_applied(self) -> Call:
+        """This call with its head maps applied to q and k here (padded keys zeroed first), for
+        the paths that read q and k more than once or take no maps."""
+        if self.maps is None:
+            return self
+        qmap, kmap = self.maps
+        return self.replace(q=mapped(self.q, qmap), k=mapped(self.k, kmap, self.key_padding_mask),
+                            maps=None)  # fmt: skip
+
+    def as_rows(self) -> Call:
+        """A non-causal grouped-query call as one call per key/value head: the G query heads
+        of each become more rows of it (``[B, Hkv, G*Tq, D]``, query maps applied first, per
+        query head), their padding mask repeated; :meth:`ungroup` returns its output to
+        ``[B, H, Tq, E]``. The call itself when there is no grouping."""
+        G = self.groups
+        if G == 1 or self.causal:
+            return self
+        qmap, kmap = (None, None) if self.maps is None else self.maps
+        return self.replace(q=grouped(mapped(self.q, qmap), self.k.shape[1]),
+                            query_padding_mask=grouped_mask(self.query_padding_mask, G),
+                            maps=None if kmap is None else (None, kmap))  # fmt: skip
+
+    def ungroup(self, out: torch.Tensor) -> torch.Tensor:
+        """The output of :meth:`as_rows`'s call as this call's ``[B, H, Tq, E]``."""
+        G = self.groups
+        if G == 1 or self.causal:
+            return out
+        return out.unflatten(2, (G, self.q.shape[2])).flatten(1, 2)
+
+
+#: the function that runs a call in place of its backends while :func:`intercept_calls` holds
+#: one (rfattn.calibrate records the calls of a model's layers through it)
+_INTERCEPT = None
+
+
+@contextlib.contextmanager
+def intercept_calls(hook):
+    """While the context is open, every ``rf_attention`` call runs as ``hook(call, run)``:
+    ``call`` its :class:`Call` (validated), ``run(call)`` what the call would return, for the
+    hook to use or not. How a tool (:func:`rfattn.calibrate`) sees the calls without the core
+    knowing of it. Not nested: an open interception is replaced and then restored."""
+    global _INTERCEPT
+    before, _INTERCEPT = _INTERCEPT, hook
+    try:
+        yield
+    finally:
+        _INTERCEPT = before
+
+
+def interception():
+    """The hook of the open :func:`intercept_calls`, or None."""
+    return _INTERCEPT
