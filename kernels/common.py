@@ -1,9 +1,9 @@
 """Shared pieces of the fused kernels: the per-tile feature epilogues, loads, and launch setup.
 
 ``rf_parallel`` (non-causal), ``rf_chunk`` (causal) and ``rf_recurrent`` (decode) compute the same
-features ``phi = g exp(u - offset)`` of pre-scaled inputs ``x~`` through :func:`_feature_tile`
-(forward) and :func:`_feature_dx` / :func:`_feature_dw` (backward), and launch through
-:class:`_Setup`, so one feature form is written once for every algorithmic form.
+features ``phi = g exp(u - offset)`` of pre-scaled inputs ``x~`` through :func:`feature_tile`
+(forward) and :func:`feature_dx` / :func:`feature_dw` (backward), and launch through
+:class:`Setup`, so one feature form is written once for every algorithmic form.
 
 Feature forms (constexpr ``FEATURE``; ``w`` ``[F, D]`` holds one projection row per feature,
 ``z_f = w_f . x~``, ``|w_f|^2`` computed in the kernel):
@@ -57,7 +57,7 @@ def fallbacks(name: str, constexprs: dict, stages: int):
     stage fewer down to one; then, for a kernel in :data:`LOOP_TILES`, the same with that tile
     halved, down to 16 (``tl.dot``'s least).
 
-    The launch options (:meth:`_Setup.launch_options`) and tiles are sized and checked for sm_90
+    The launch options (:meth:`Setup.launch_options`) and tiles are sized and checked for sm_90
     (``python -m bench.compile``) with the Triton versions the project compiles with; another
     version can lay the same tiles out larger: Triton 3.8 (torch 2.14's) needs 305 KiB of the
     227 for the bf16 causal backward at D = 64 at three stages and 208 at one, where 3.9 takes
@@ -147,20 +147,20 @@ GPU_TILES = not INTERPRET
 FEATURE_IDS = {"gerf": 0, "table": 1, "rmf": 2}
 #: rows of the per-side coefficient table of the "table" form (``rfattn.features.form.TABLE_ROWS``,
 #: in that order: cu ch cw bias ct tw tb ga gb; a test holds the two together)
-_NP = tl.constexpr(9)
+NP = tl.constexpr(9)
 #: running-max sentinel: finite so that exp(sentinel - sentinel) = 1, not NaN
-_NEG = tl.constexpr(-1.0e30)
+NEG = tl.constexpr(-1.0e30)
 _PRECISIONS = ("ieee", "tf32", "tf32x3")
-#: ``tl.dot`` input precision of the fp32 products for fp16/bf16 inputs (see _Setup)
+#: ``tl.dot`` input precision of the fp32 products for fp16/bf16 inputs (see Setup)
 LOW_PRECISION = "tf32x3"
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 #: tokens handled by one split program: a multiple of every BT in the configs
 _SPLIT_QUANTUM = 128
 #: stacked rmf projection rows per inner step (constexpr: kernels read it)
 _BR = tl.constexpr(32)
 
 
-def _configs(bts=(32, 64, 128), warps=(4, 8)):
+def autotune_configs(bts=(32, 64, 128), warps=(4, 8)):
     """Autotune configs (BT, num_warps), software-pipelined (Triton's default 3 stages), plus two
     unpipelined fallbacks (BT 32 and 16, 4 warps, 1 stage) that fit the shared memory of an SM
     where the pipelined ones do not (fp32 at D = 256, fp64 at D >= 128; the autotuner drops
@@ -189,11 +189,11 @@ PRUNE = {"early_config_prune": _prune_configs}
 
 
 # Autotune keys: sizes and feature kind, never T (STYLE.md).
-_KEY = ["D", "M", "E", "FEATURE", "ACC"]
+KEY = ["D", "M", "E", "FEATURE", "ACC"]
 
 
 @triton.jit
-def _gerf_coeffs(ab_ptr, i_bh, HAS_AB: tl.constexpr, ACC: tl.constexpr):
+def gerf_coeffs(ab_ptr, i_bh, HAS_AB: tl.constexpr, ACC: tl.constexpr):
     """(A, B, log D) of the (b, h) in ``u = A |w|^2 + B w . x~ - |x~|^2 / 2 + log D`` (posrf:
     0, 1, 0)."""
     if HAS_AB:
@@ -208,7 +208,7 @@ def _gerf_coeffs(ab_ptr, i_bh, HAS_AB: tl.constexpr, ACC: tl.constexpr):
 
 
 @triton.jit
-def _input_scale(
+def input_scale(
     scale_ptr, psi_ptr, i_bh, o_d, m_d,
     D: tl.constexpr, BD: tl.constexpr, HAS_PSI: tl.constexpr, IS_KEY: tl.constexpr,
     ACC: tl.constexpr,
@@ -224,18 +224,18 @@ def _input_scale(
     return b_sc
 
 
-#: columns of a head map read per step (:func:`_load_mapped`): a [D, 16] slice of the map fits
+#: columns of a head map read per step (:func:`load_mapped`): a [D, 16] slice of the map fits
 #: shared memory at D = 256 where the whole [D, D] map does not
 MAP_K = tl.constexpr(16)
 
 
 @triton.jit
-def _load_mapped(
+def load_mapped(
     base, o_t, o_d, stride_t, stride_d, m_t, m_d, map_ptr, i_hm,
     D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, HAS_MAP: tl.constexpr,
     PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    """The rows ``[BT, BD]`` of :func:`_load_rows`, times ``A^T`` with head ``i_hm``'s input map
+    """The rows ``[BT, BD]`` of :func:`load_rows`, times ``A^T`` with head ``i_hm``'s input map
     A (``[heads, D, D]``, a calibrated head map) when HAS_MAP: the product is formed as the rows
     are loaded, :data:`MAP_K` input columns at a time, so the mapped inputs are never written
     out."""
@@ -244,31 +244,31 @@ def _load_mapped(
         b_x = tl.zeros([BT, BD], dtype=ACC)
         for k0 in range(0, D, MAP_K):
             m_k = k0 + o_k < D
-            b_xk = _load_rows(base, o_t, k0 + o_k, stride_t, stride_d, m_t, m_k, ACC)
+            b_xk = load_rows(base, o_t, k0 + o_k, stride_t, stride_d, m_t, m_k, ACC)
             p_a = map_ptr + i_hm * D * D + o_d[:, None] * D + (k0 + o_k)[None, :]
             b_ak = tl.load(p_a, mask=m_d[:, None] & m_k[None, :], other=0.0).to(ACC)  # [BD, K]
             b_x += tl.dot(b_xk, tl.trans(b_ak), input_precision=PRECISION, out_dtype=ACC)
     else:
-        b_x = _load_rows(base, o_t, o_d, stride_t, stride_d, m_t, m_d, ACC)
+        b_x = load_rows(base, o_t, o_d, stride_t, stride_d, m_t, m_d, ACC)
     return b_x
 
 
 @triton.jit
-def _load_mapped_heads(
+def load_mapped_heads(
     base, o_r, o_d, stride_r, stride_d, m_r, m_d, map_ptr, i_h0, G,
     D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, HAS_MAP: tl.constexpr,
     PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    """:func:`_load_mapped` for rows that each have their own head: row r < G by head
+    """:func:`load_mapped` for rows that each have their own head: row r < G by head
     ``i_h0 + r`` (the decode step's query rows, one per query head of a group)."""
     if HAS_MAP:
         b_x = tl.zeros([BR, BD], dtype=ACC)
         for g in range(0, G):
-            b_g = _load_mapped(base, o_r, o_d, stride_r, stride_d, m_r, m_d, map_ptr, i_h0 + g, D,
+            b_g = load_mapped(base, o_r, o_d, stride_r, stride_d, m_r, m_d, map_ptr, i_h0 + g, D,
                                BR, BD, True, PRECISION, ACC)  # fmt: skip
             b_x = tl.where((o_r == g)[:, None], b_g, b_x)
     else:
-        b_x = _load_rows(base, o_r, o_d, stride_r, stride_d, m_r, m_d, ACC)
+        b_x = load_rows(base, o_r, o_d, stride_r, stride_d, m_r, m_d, ACC)
     return b_x
 
 
@@ -281,7 +281,7 @@ def _safe_den(b_den, TINY: tl.constexpr):
 
 
 @triton.jit
-def _ratio(b_num, b_den, TINY: tl.constexpr):
+def ratio(b_num, b_den, TINY: tl.constexpr):
     """(out, the den to save for the backward) of a query tile, ``rfattn.reference.
     attention_ratio``'s policy: a row with ``den == 0`` and ``num == 0`` exactly (no valid key)
     gives 0 and saves ``den = inf``, so that its backward cotangents ``do / den`` are 0 rather
@@ -292,27 +292,27 @@ def _ratio(b_num, b_den, TINY: tl.constexpr):
 
 
 @triton.jit
-def _load_offset(ptr, PLAIN: tl.constexpr, HAS_INIT: tl.constexpr, ACC: tl.constexpr):
+def load_offset(ptr, PLAIN: tl.constexpr, HAS_INIT: tl.constexpr, ACC: tl.constexpr):
     """A carried key offset (``rfattn.RFState``: -inf before any valid key) as the kernels' finite
     sentinel; without a state, the empty one's: the sentinel, or 0 for plain features."""
     if HAS_INIT:
         b_r = tl.load(ptr).to(ACC)
-        b_r = tl.where(b_r == float("-inf"), _NEG, b_r)
+        b_r = tl.where(b_r == float("-inf"), NEG, b_r)
     elif PLAIN:
         b_r = tl.zeros([], dtype=ACC)
     else:
-        b_r = tl.full([], _NEG, dtype=ACC)
+        b_r = tl.full([], NEG, dtype=ACC)
     return b_r
 
 
 @triton.jit
-def _store_offset(ptr, b_r):
+def store_offset(ptr, b_r):
     """Store a carried key offset in ``rfattn.RFState``'s convention (the sentinel as -inf)."""
-    tl.store(ptr, tl.where(b_r <= 0.5 * _NEG, float("-inf"), b_r))
+    tl.store(ptr, tl.where(b_r <= 0.5 * NEG, float("-inf"), b_r))
 
 
 @triton.jit
-def _store_tile(ptr, i_b, i_h, o_r, o_c, stride_b, stride_h, stride_r, stride_c, b_x, m_r, m_c):
+def store_tile(ptr, i_b, i_h, o_r, o_c, stride_b, stride_h, stride_r, stride_c, b_x, m_r, m_c):
     """Store the tile ``b_x`` [rows, cols] at ``ptr[i_b, i_h, o_r, o_c]`` in ``ptr``'s dtype."""
     p = ptr + i_b * stride_b + i_h * stride_h + o_r[:, None] * stride_r + o_c[None, :] * stride_c
     tl.store(p, b_x.to(ptr.dtype.element_ty), mask=m_r[:, None] & m_c[None, :])
@@ -320,9 +320,9 @@ def _store_tile(ptr, i_b, i_h, o_r, o_c, stride_b, stride_h, stride_r, stride_c,
 
 @triton.jit
 def _tab(tab_ptr, row: tl.constexpr, o_f, m_f, M: tl.constexpr, IS_KEY: tl.constexpr):
-    """[BM] coefficients ``row`` of the table form on one side (see _NP)."""
+    """[BM] coefficients ``row`` of the table form on one side (see NP)."""
     side: tl.constexpr = 1 if IS_KEY else 0
-    return tl.load(tab_ptr + (side * _NP + row) * M + o_f, mask=m_f, other=0.0)
+    return tl.load(tab_ptr + (side * NP + row) * M + o_f, mask=m_f, other=0.0)
 
 
 @triton.jit
@@ -343,7 +343,7 @@ def _log_abs(b_z, TINY: tl.constexpr):
 
 
 @triton.jit
-def _feature_tile(
+def feature_tile(
     b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
     M: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, FEATURE: tl.constexpr,
     IS_KEY: tl.constexpr, HAS_LAM: tl.constexpr, PRECISION: tl.constexpr, TINY: tl.constexpr,
@@ -409,12 +409,12 @@ def _feature_tile(
 
 
 @triton.jit
-def _feature_dx(
+def feature_dx(
     b_du, b_dg, b_g1, b_g2, b_xs, b_w, o_f, m_f, o_d, m_d, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m,
     M: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, FEATURE: tl.constexpr,
     IS_KEY: tl.constexpr, PRECISION: tl.constexpr, TINY: tl.constexpr,
 ):  # fmt: skip
-    """d(sum du u + dg g)/dx~ [BT, BD] of one feature tile (du, dg [BT, BM]; see _feature_tile)."""
+    """d(sum du u + dg g)/dx~ [BT, BD] of one feature tile (du, dg [BT, BM]; see feature_tile)."""
     ACC = b_du.dtype
     if FEATURE == 2:  # rmf: dphi_f/dZ_r = c (-1)^parity sgn(Z_r) exp(log|prod| - log|Z_r|)
         BT: tl.constexpr = b_du.shape[0]
@@ -450,7 +450,7 @@ def _feature_dx(
 
 
 @triton.jit
-def _feature_dw(
+def feature_dw(
     b_du, b_dg, b_g1, b_xs, b_w, o_f, m_f, b_ca, b_cb, tab_ptr,
     M: tl.constexpr, FEATURE: tl.constexpr, IS_KEY: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -471,21 +471,21 @@ def _feature_dw(
 
 
 @triton.jit
-def _load_rows(base, o_t, o_c, stride_t, stride_c, m_t, m_c, ACC: tl.constexpr):
+def load_rows(base, o_t, o_c, stride_t, stride_c, m_t, m_c, ACC: tl.constexpr):
     """A [BT, BC] tile of a [T, C] matrix (zeros outside), upcast to ACC."""
     p = base + o_t[:, None] * stride_t + o_c[None, :] * stride_c
     return tl.load(p, mask=m_t[:, None] & m_c[None, :], other=0.0).to(ACC)
 
 
 @triton.jit
-def _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d):
+def load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d):
     """Feature rows [BM, BD] in the accumulation dtype (zeros outside)."""
     p_w = w_ptr + o_f[:, None] * stride_wm + o_d[None, :] * stride_wd
     return tl.load(p_w, mask=m_f[:, None] & m_d[None, :], other=0.0)
 
 
 @triton.jit
-def _valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD: tl.constexpr):
+def valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD: tl.constexpr):
     """[BT] bool: key rows inside T and not padded."""
     m_t = o_t < T
     if HAS_PAD:
@@ -501,13 +501,13 @@ def _valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD: tl.constexp
 
 
 @triton.jit
-def _query_cotangents(
+def query_cotangents(
     do_base, o_base, den_ptr, i_bh, o_t, o_e, T, m_t, m_e,
     stride_dot, stride_doe, stride_ot, stride_oe, ACC: tl.constexpr,
 ):  # fmt: skip
     """g = do / den [BT, BE] and c = -(do . out) / den [BT] of one query tile."""
-    b_do = _load_rows(do_base, o_t, o_e, stride_dot, stride_doe, m_t, m_e, ACC)
-    b_o = _load_rows(o_base, o_t, o_e, stride_ot, stride_oe, m_t, m_e, ACC)
+    b_do = load_rows(do_base, o_t, o_e, stride_dot, stride_doe, m_t, m_e, ACC)
+    b_o = load_rows(o_base, o_t, o_e, stride_ot, stride_oe, m_t, m_e, ACC)
     b_den = tl.load(den_ptr + i_bh * T + o_t, mask=m_t, other=1.0)
     return b_do / b_den[:, None], -tl.sum(b_do * b_o, axis=1) / b_den
 
@@ -516,7 +516,7 @@ def _query_cotangents(
 # launch setup (shared by every launcher)
 
 
-def _next_pow2(n: int, floor: int = 16) -> int:
+def next_pow2(n: int, floor: int = 16) -> int:
     return max(floor, triton.next_power_of_2(max(n, 1)))
 
 
@@ -524,8 +524,8 @@ def _check_inputs(q, k, v, w, key_padding_mask) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 4:
             raise ValueError(f"{name} must be [B, H, T, dim], got shape {tuple(x.shape)}")
-        if x.dtype not in _DTYPES:
-            raise TypeError(f"{name}: the Triton kernel takes {_DTYPES}, got {x.dtype}")
+        if x.dtype not in DTYPES:
+            raise TypeError(f"{name}: the Triton kernel takes {DTYPES}, got {x.dtype}")
         if x.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {x.dtype}, q has {q.dtype}")
         if x.device != q.device:
@@ -549,7 +549,7 @@ def _check_inputs(q, k, v, w, key_padding_mask) -> None:
         )
 
 
-def _splits(T: int, programs_per_split: int, device: torch.device, num_splits: int | None):
+def split_counts(T: int, programs_per_split: int, device: torch.device, num_splits: int | None):
     """(number of splits, tokens per split) for reductions over T: fill the device twice."""
     quanta = triton.cdiv(T, _SPLIT_QUANTUM)
     if quanta <= 1:
@@ -578,7 +578,7 @@ def _chunk_tiles(big: int, itemsize: int, gpu_tiles: bool) -> tuple[int, int]:
 
     Sized so that the backward kernel, which holds [BT, BT], [BT, BM], [BM, BE] and [BT, BD]
     tiles at once, fits the 227 KiB of shared memory of a Hopper SM for the input dtype (with the
-    pipeline depth of :meth:`_Setup.launch_options`; checked for D, E in {64, 128, 256} by
+    pipeline depth of :meth:`Setup.launch_options`; checked for D, E in {64, 128, 256} by
     ``python -m bench.compile``). The interpreter's: 16-token chunks (several chunks even on tiny
     test sequences) and 16-bit feature tiles.
     """
@@ -621,8 +621,8 @@ def _per_head(x, B: int, H: int, tail: tuple, name: str, acc, device) -> torch.T
 
 
 @dataclasses.dataclass(frozen=True)
-class _Setup:
-    """Everything the launchers of one call share, fixed at construction (:func:`_setup`):
+class Setup:
+    """Everything the launchers of one call share, fixed at construction (:func:`launch_setup`):
     sizes, tiles, precision, the mask and the kernel form's tensors in the kernels' layout.
 
     ``form_ptrs`` are the per-feature pointers every feature kernel takes after its inputs
@@ -716,7 +716,7 @@ def _head_maps(form, Hq: int, H: int, D: int, acc, placeholder) -> tuple:
     return tuple(out)
 
 
-def check_forward_only(c: _Setup) -> None:
+def check_forward_only(c: Setup) -> None:
     """Raise for a backward launch with head maps (their kernels take none: the caller maps q
     and k first where gradients are needed)."""
     if c.has_map:
@@ -726,8 +726,8 @@ def check_forward_only(c: _Setup) -> None:
         )
 
 
-def _setup(q, k, v, form, scale, key_padding_mask, precision=None, causal=False,
-           gpu_tiles=None) -> _Setup:  # fmt: skip
+def launch_setup(q, k, v, form, scale, key_padding_mask, precision=None, causal=False,
+           gpu_tiles=None) -> Setup:  # fmt: skip
     """Check the inputs and fix the launch setup of one call (``gpu_tiles``: pick a GPU's tiles
     and launch options, default :data:`GPU_TILES`; ``bench.compile`` records a GPU's launches on
     CPU with True)."""
@@ -736,7 +736,7 @@ def _setup(q, k, v, form, scale, key_padding_mask, precision=None, causal=False,
     B, Hq, Tq, D = q.shape
     H, Tk, E, M = k.shape[1], k.shape[2], v.shape[3], form.w.shape[0]
     G = Hq // H if H else 1
-    BD, BE, itemsize = _next_pow2(D), _next_pow2(E), q.element_size()
+    BD, BE, itemsize = next_pow2(D), next_pow2(E), q.element_size()
     big = max(BD, BE)
     if causal:
         bt, rows = _chunk_tiles(big, itemsize, gpu)
@@ -754,12 +754,12 @@ def _setup(q, k, v, form, scale, key_padding_mask, precision=None, causal=False,
         pad = (mask, mask.stride(0), mask.stride(1))
     else:
         pad = (sqrt_scale, 0, 0)
-    BM, precision = min(rows, _next_pow2(M)), _precision(q.dtype, precision)
+    BM, precision = min(rows, next_pow2(M)), _precision(q.dtype, precision)
     ACC = tl.float64 if acc == torch.float64 else tl.float32
     meta = dict(D=D, M=M, E=E, BD=BD, BM=BM, BE=BE, PRECISION=precision, ACC=ACC,
                 TINY=torch.finfo(acc).tiny, **flags)  # fmt: skip
     maps = _head_maps(form, Hq, H, D, acc, sqrt_scale)
-    return _Setup(
+    return Setup(
         B=B, H=H, G=G, Tq=Tq, Tk=Tk, D=D, E=E, M=M, BD=BD, BE=BE, BM=BM, BT=bt, itemsize=itemsize,
         gpu_tiles=gpu, acc=acc, precision=precision, plain=flags["FEATURE"] == FEATURE_IDS["rmf"],
         # W in the accumulation dtype: rounded to bf16 it would move each logit by ~|u| 2^-9

@@ -1,7 +1,7 @@
 """Fused causal random-feature attention, chunkwise, forward and backward, per (b, h).
 
 Tokens are cut into chunks of C = BT. Features are ``phi = g exp(u - offset)`` in every form
-of ``rf_parallel`` (``common._feature_tile``'s epilogue: the real positive GERF family, the signed
+of ``rf_parallel`` (``common.feature_tile``'s epilogue: the real positive GERF family, the signed
 table form -- trigrf, hrf, complex gerf, sgq row weights -- and rmf's plain products, u = 0).
 R_c is the running key offset after chunk c (the max of the key logits u over all valid keys of
 chunks <= c and all features); the forward reads every row at its own offset
@@ -43,7 +43,7 @@ dK_ij = (v_j . g_i + c_i) decay_ij:
 6. ``_chunk_bwd_kernel``, grid (chunks, B*H):
    du_q = a ⊙ (w (g S'_c^T + c z'_c) + (dK ⊙ tril) b),
    du_k = b ⊙ ((dK ⊙ tril)^T a + kf (v D_c^T + dz_c)),
-   dv = (a b^T ⊙ decay ⊙ tril)^T g + kf b D_c; dq, dk through ``common._feature_dx``
+   dv = (a b^T ⊙ decay ⊙ tril)^T g + kf b D_c; dq, dk through ``common.feature_dx``
    (``phi = g e``: du = phi * dphi, dg = e * dphi).
 
 State (``rfattn.RFState``): S [B, H, M, E], z [B, H, M] in the accumulation dtype and the offset
@@ -63,25 +63,25 @@ import triton
 import triton.language as tl
 
 from .common import (
-    _NEG,
-    _feature_dx,
-    _feature_tile,
-    _gerf_coeffs,
-    _input_scale,
-    _load_mapped,
-    _load_offset,
-    _load_rows,
-    _load_w,
-    _next_pow2,
-    _query_cotangents,
-    _ratio,
-    _Setup,
-    _setup,
-    _store_offset,
-    _store_tile,
-    _valid_keys,
+    NEG,
+    Setup,
     check_forward_only,
+    feature_dx,
+    feature_tile,
+    gerf_coeffs,
+    input_scale,
     launch,
+    launch_setup,
+    load_mapped,
+    load_offset,
+    load_rows,
+    load_w,
+    next_pow2,
+    query_cotangents,
+    ratio,
+    store_offset,
+    store_tile,
+    valid_keys,
 )
 
 __all__ = ["rf_chunk_fwd", "rf_chunk_bwd"]
@@ -90,7 +90,7 @@ __all__ = ["rf_chunk_fwd", "rf_chunk_bwd"]
 @triton.jit
 def _row_offsets(b_rp, b_mk, m_tril):
     """Each row's offset r_i = max(R_{c-1}, m_j for j <= i in the chunk) [BT]: no later key's."""
-    return tl.maximum(b_rp, tl.max(tl.where(m_tril, b_mk[None, :], _NEG), axis=1))
+    return tl.maximum(b_rp, tl.max(tl.where(m_tril, b_mk[None, :], NEG), axis=1))
 
 
 @triton.jit
@@ -120,18 +120,18 @@ def _chunk_local_kernel(
     o_d, o_e, o_f = tl.arange(0, BD), tl.arange(0, BE), i_m * BM + tl.arange(0, BM)
     m_d, m_e, m_f = o_d < D, o_e < E, o_f < M
     o_t = i_c.to(tl.int64) * BT + tl.arange(0, BT)
-    m_t = _valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
-    b_ca, b_cb, b_cd = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
-    b_sc = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
-    b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
+    m_t = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
+    b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_sc = input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
+    b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
-    b_xs = _load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, kmap_ptr, i_h, D, BT, BD,
+    b_xs = load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, kmap_ptr, i_h, D, BT, BD,
                         HAS_MAP, PRECISION, ACC) * b_sc[None, :]  # fmt: skip
-    b_u, b_g, b_g1, b_g2 = _feature_tile(
+    b_u, b_g, b_g1, b_g2 = feature_tile(
         b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
         M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
     b_u = tl.where(m_t[:, None] & m_f[None, :], b_u, float("-inf"))
-    b_l = tl.maximum(tl.max(tl.max(b_u, axis=1), axis=0), _NEG)
+    b_l = tl.maximum(tl.max(tl.max(b_u, axis=1), axis=0), NEG)
     b_p = b_g * tl.exp(b_u - b_l)  # [BT, BM], 0 on invalid rows / features
     p_v = (
         v_ptr
@@ -164,7 +164,7 @@ def _chunk_scan_kernel(
     o_f, o_e, o_p = i_m * BM + tl.arange(0, BM), tl.arange(0, BE), tl.arange(0, BP)
     m_f, m_fe = o_f < M, (o_f < M)[:, None] & (o_e < E)[None, :]
     o_fe = o_f[:, None] * E + o_e[None, :]
-    b_r = _load_offset(r0_ptr + i_bh, PLAIN, HAS_INIT, ACC)
+    b_r = load_offset(r0_ptr + i_bh, PLAIN, HAS_INIT, ACC)
     if HAS_INIT:
         b_s = tl.load(s0_ptr + i_bh * M * E + o_fe, mask=m_fe, other=0.0).to(ACC)
         b_z = tl.load(z0_ptr + i_bh * M + o_f, mask=m_f, other=0.0).to(ACC)
@@ -173,7 +173,7 @@ def _chunk_scan_kernel(
         b_z = tl.zeros([BM], dtype=ACC)
     for i_c in range(0, NC):
         i_blk = i_bh * NC + i_c
-        b_lall = tl.load(hm_ptr + i_blk * NMT + o_p, mask=o_p < NMT, other=_NEG)  # [BP]
+        b_lall = tl.load(hm_ptr + i_blk * NMT + o_p, mask=o_p < NMT, other=NEG)  # [BP]
         b_rn = tl.maximum(b_r, tl.max(b_lall, axis=0))
         b_alpha = tl.exp(b_r - b_rn)
         tl.store(s_ptr + i_blk * M * E + o_fe, b_s, mask=m_fe)
@@ -188,7 +188,7 @@ def _chunk_scan_kernel(
     tl.store(sT_ptr + i_bh * M * E + o_fe, b_s, mask=m_fe)
     tl.store(zT_ptr + i_bh * M + o_f, b_z, mask=m_f)
     if i_m == 0:
-        _store_offset(rT_ptr + i_bh, b_r)
+        store_offset(rT_ptr + i_bh, b_r)
 
 
 @triton.jit
@@ -216,25 +216,25 @@ def _chunk_out_kernel(
     o_t = i_c.to(tl.int64) * BT + tl.arange(0, BT)
     o_d, o_e = tl.arange(0, BD), tl.arange(0, BE)
     m_q, m_d, m_e = o_t < T, o_d < D, o_e < E
-    m_k = _valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
-    b_ca, b_cb, b_cd = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
-    b_scq = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
-    b_sck = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)
+    m_k = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
+    b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_scq = input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
+    b_sck = input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
-    b_xk = _load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, kmap_ptr, i_h, D, BT, BD,
+    b_xk = load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, kmap_ptr, i_h, D, BT, BD,
                         HAS_MAP, PRECISION, ACC) * b_sck[None, :]  # fmt: skip
     b_rp = tl.load(r_ptr + i_blk)  # R_{c-1}: the prefix state's offset
     # per-row offsets: key j's own max logit m_j over features, then r_i = max(R_{c-1}, m_j for
     # j <= i), so no row reads a later key's offset (one more pass over the key features)
-    b_mk = tl.full([BT], _NEG, dtype=ACC)
+    b_mk = tl.full([BT], NEG, dtype=ACC)
     for i_m in range(0, NMT):
         o_f = i_m * BM + tl.arange(0, BM)
         m_f = o_f < M
-        b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
-        b_uk, b_gk, b_g1, b_g2 = _feature_tile(
+        b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
+        b_uk, b_gk, b_g1, b_g2 = feature_tile(
             b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
             M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # fmt: skip
-        b_uk = tl.where(m_k[:, None] & m_f[None, :], b_uk, _NEG)
+        b_uk = tl.where(m_k[:, None] & m_f[None, :], b_uk, NEG)
         b_mk = tl.maximum(b_mk, tl.max(b_uk, axis=1))
     tl.store(mk_ptr + i_bh * T + o_t, b_mk, mask=m_q)
     m_tril = o_t[:, None] >= o_t[None, :]  # [BT(i), BT(j)]
@@ -258,24 +258,24 @@ def _chunk_out_kernel(
     for g in range(0, G):  # the query heads that read this key/value head
         i_hq = i_h * G + g
         q_base = q_ptr + i_b * stride_qb + i_hq * stride_qh
-        b_xq = _load_mapped(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, qmap_ptr, i_hq, D, BT,
+        b_xq = load_mapped(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, qmap_ptr, i_hq, D, BT,
                             BD, HAS_MAP, PRECISION, ACC) * b_scq[None, :]  # fmt: skip
-        b_mx = tl.full([BT], _NEG, dtype=ACC)
+        b_mx = tl.full([BT], NEG, dtype=ACC)
         b_num = tl.zeros([BT, BE], dtype=ACC)
         b_den = tl.zeros([BT], dtype=ACC)
         b_A = tl.zeros([BT, BT], dtype=ACC)
         for i_m in range(0, NMT):
             o_f = i_m * BM + tl.arange(0, BM)
             m_f = o_f < M
-            b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
-            b_uq, b_gq, b_g1, b_g2 = _feature_tile(
+            b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
+            b_uq, b_gq, b_g1, b_g2 = feature_tile(
                 b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
                 M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
             b_uq = tl.where(m_f[None, :], b_uq, float("-inf"))
             b_mx_new = tl.maximum(b_mx, tl.max(b_uq, axis=1))
             b_alpha = tl.exp(b_mx - b_mx_new)
             b_a = b_gq * tl.exp(b_uq - b_mx_new[:, None])  # [BT, BM]
-            b_uk, b_gk, b_g1, b_g2 = _feature_tile(
+            b_uk, b_gk, b_g1, b_g2 = feature_tile(
                 b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
                 M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # fmt: skip
             b_b = b_gk * tl.where(m_k[:, None] & m_f[None, :], tl.exp(b_uk - b_mk[:, None]), 0.0)
@@ -298,8 +298,8 @@ def _chunk_out_kernel(
         b_num += tl.dot(b_A, b_vc, input_precision=PRECISION, out_dtype=ACC)
         b_num = tl.where(b_poison, float("nan"), b_num)
         b_den += tl.sum(b_A, axis=1)
-        b_o, b_den = _ratio(b_num, b_den, TINY)
-        _store_tile(o_ptr, i_b, i_hq, o_t, o_e, stride_ob, stride_oh, stride_ot, stride_oe,
+        b_o, b_den = ratio(b_num, b_den, TINY)
+        store_tile(o_ptr, i_b, i_hq, o_t, o_e, stride_ob, stride_oh, stride_ot, stride_oe,
                     b_o, m_q, m_e)  # fmt: skip
         i_row = (i_bh * G + g) * T  # the query head's rows of m_q and den
         tl.store(mq_ptr + i_row + o_t, b_mx, mask=m_q)
@@ -329,12 +329,12 @@ def _chunk_local_grad_kernel(
     m_d, m_e, m_f = o_d < D, o_e < E, o_f < M
     o_t = i_c.to(tl.int64) * BT + tl.arange(0, BT)
     m_q = o_t < T
-    b_ca, b_cb, b_cd = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
-    b_sc = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
-    b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
+    b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_sc = input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
+    b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
     i_blk = i_bh * NC + i_c
     b_rp = tl.load(r_ptr + i_blk)
-    b_mk = tl.load(mk_ptr + i_bh * T + o_t, mask=m_q, other=_NEG)
+    b_mk = tl.load(mk_ptr + i_bh * T + o_t, mask=m_q, other=NEG)
     b_wr = tl.exp(b_rp - _row_offsets(b_rp, b_mk, o_t[:, None] >= o_t[None, :]))
     b_L = tl.zeros([BM, BE], dtype=ACC)
     b_l = tl.zeros([BM], dtype=ACC)
@@ -342,13 +342,13 @@ def _chunk_local_grad_kernel(
         i_hq = i_h * G + g
         i_row = (i_bh * G + g) * T
         q_base = q_ptr + i_b * stride_qb + i_hq * stride_qh
-        b_xq = _load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, ACC) * b_sc[None, :]
+        b_xq = load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, ACC) * b_sc[None, :]
         b_mq = tl.load(mq_ptr + i_row + o_t, mask=m_q, other=0.0)
-        b_u, b_g, b_g1, b_g2 = _feature_tile(
+        b_u, b_g, b_g1, b_g2 = feature_tile(
             b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
             M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # fmt: skip
         b_a = b_g * tl.where(m_q[:, None] & m_f[None, :], tl.exp(b_u - b_mq[:, None]), 0.0)
-        b_g, b_c = _query_cotangents(do_ptr + i_b * stride_dob + i_hq * stride_doh,
+        b_g, b_c = query_cotangents(do_ptr + i_b * stride_dob + i_hq * stride_doh,
                                      o_ptr + i_b * stride_ob + i_hq * stride_oh, den_ptr,
                                      i_bh * G + g, o_t, o_e, T, m_q, m_e, stride_dot, stride_doe,
                                      stride_ot, stride_oe, ACC)  # fmt: skip
@@ -382,7 +382,7 @@ def _chunk_rscan_kernel(
     else:
         b_ds = tl.zeros([BM, BE], dtype=ACC)
         b_dz = tl.zeros([BM], dtype=ACC)
-    b_rc = _load_offset(rT_ptr + i_bh, False, True, ACC)  # R_c, from c = NC - 1 down
+    b_rc = load_offset(rT_ptr + i_bh, False, True, ACC)  # R_c, from c = NC - 1 down
     for i_r in range(0, NC):
         i_c = NC - 1 - i_r
         i_blk = i_bh * NC + i_c
@@ -430,16 +430,16 @@ def _chunk_bwd_kernel(
     o_t = i_c.to(tl.int64) * BT + tl.arange(0, BT)
     o_d, o_e = tl.arange(0, BD), tl.arange(0, BE)
     m_q, m_d, m_e = o_t < T, o_d < D, o_e < E
-    m_k = _valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
+    m_k = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
     m_tril = o_t[:, None] >= o_t[None, :]  # [BT(i), BT(j)]
-    b_ca, b_cb, b_cd = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
-    b_scq = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
-    b_sck = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)
+    b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_scq = input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
+    b_sck = input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
     v_base = v_ptr + i_b * stride_vb + i_h * stride_vh
-    b_xk = _load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, ACC) * b_sck[None, :]
-    b_v = _load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_k, m_e, ACC)  # [BT, BE]
-    b_mk = tl.load(mk_ptr + i_bh * T + o_t, mask=m_q, other=_NEG)
+    b_xk = load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, ACC) * b_sck[None, :]
+    b_v = load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_k, m_e, ACC)  # [BT, BE]
+    b_mk = tl.load(mk_ptr + i_bh * T + o_t, mask=m_q, other=NEG)
     b_rp = tl.load(r_ptr + i_blk)  # R_{c-1}
     b_ri = _row_offsets(b_rp, b_mk, m_tril)
     b_wr = tl.exp(b_rp - b_ri)  # [BT] the prefix's factor per row
@@ -450,9 +450,9 @@ def _chunk_bwd_kernel(
     for g in range(0, G):  # each query head of the group: its dq, its share of dk and dv
         i_hq = i_h * G + g
         q_base = q_ptr + i_b * stride_qb + i_hq * stride_qh
-        b_xq = _load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, ACC) * b_scq[None, :]
+        b_xq = load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, ACC) * b_scq[None, :]
         b_mq = tl.load(mq_ptr + (i_bh * G + g) * T + o_t, mask=m_q, other=0.0)
-        b_g, b_c = _query_cotangents(do_ptr + i_b * stride_dob + i_hq * stride_doh,
+        b_g, b_c = query_cotangents(do_ptr + i_b * stride_dob + i_hq * stride_doh,
                                      o_ptr + i_b * stride_ob + i_hq * stride_oh, den_ptr,
                                      i_bh * G + g, o_t, o_e, T, m_q, m_e, stride_dot, stride_doe,
                                      stride_ot, stride_oe, ACC)  # fmt: skip
@@ -466,13 +466,13 @@ def _chunk_bwd_kernel(
             m_f = o_f < M
             m_fe = m_f[:, None] & m_e[None, :]
             o_fe = o_f[:, None] * E + o_e[None, :]
-            b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
-            b_uq, b_gq, b_g1q, b_g2q = _feature_tile(
+            b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
+            b_uq, b_gq, b_g1q, b_g2q = feature_tile(
                 b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
                 M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # fmt: skip
             b_eq = tl.where(m_q[:, None] & m_f[None, :], tl.exp(b_uq - b_mq[:, None]), 0.0)
             b_a = b_gq * b_eq  # [BT, BM]
-            b_uk, b_gk, b_g1k, b_g2k = _feature_tile(
+            b_uk, b_gk, b_g1k, b_g2k = feature_tile(
                 b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
                 M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # fmt: skip
             b_ek = tl.where(m_k[:, None] & m_f[None, :], tl.exp(b_uk - b_mk[:, None]), 0.0)
@@ -483,7 +483,7 @@ def _chunk_bwd_kernel(
             b_da = tl.dot(b_g, tl.trans(b_s), input_precision=PRECISION, out_dtype=ACC)
             b_da = (b_da + b_c[:, None] * b_z[None, :]) * b_wr[:, None]
             b_da += tl.dot(b_dK, b_b, input_precision=PRECISION, out_dtype=ACC)
-            b_dxq += _feature_dx(b_a * b_da, b_eq * b_da, b_g1q, b_g2q, b_xq, b_w, o_f, m_f,
+            b_dxq += feature_dx(b_a * b_da, b_eq * b_da, b_g1q, b_g2q, b_xq, b_w, o_f, m_f,
                                  o_d, m_d, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM, FEATURE,
                                  False, PRECISION, TINY)  # fmt: skip
             # db = dK^T a (+ kf (v D^T + dz), the later chunks' cotangent, once per key and not
@@ -497,18 +497,18 @@ def _chunk_bwd_kernel(
                 # inter-chunk dv = kf b D: [BT, BM] @ [BM, BE]
                 b_dv += tl.dot(b_b * b_kf[:, None], b_ds, input_precision=PRECISION,
                                out_dtype=ACC)  # fmt: skip
-            b_dxk += _feature_dx(b_b * b_db, b_ek * b_db, b_g1k, b_g2k, b_xk, b_w, o_f, m_f,
+            b_dxk += feature_dx(b_b * b_db, b_ek * b_db, b_g1k, b_g2k, b_xk, b_w, o_f, m_f,
                                  o_d, m_d, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM, FEATURE,
                                  True, PRECISION, TINY)  # fmt: skip
             # intra dv needs A = a b^T over all features
             b_A += tl.dot(b_a, tl.trans(b_b), input_precision=PRECISION, out_dtype=ACC)
         b_A = tl.where(m_tril & m_k[None, :], b_A * b_decay, 0.0)
         b_dv += tl.dot(tl.trans(b_A), b_g, input_precision=PRECISION, out_dtype=ACC)  # [BT, BE]
-        _store_tile(dq_ptr, i_b, i_hq, o_t, o_d, stride_dqb, stride_dqh, stride_dqt, stride_dqd,
+        store_tile(dq_ptr, i_b, i_hq, o_t, o_d, stride_dqb, stride_dqh, stride_dqt, stride_dqd,
                     b_dxq * b_scq[None, :], m_q, m_d)  # fmt: skip
-    _store_tile(dk_ptr, i_b, i_h, o_t, o_d, stride_dkb, stride_dkh, stride_dkt, stride_dkd,
+    store_tile(dk_ptr, i_b, i_h, o_t, o_d, stride_dkb, stride_dkh, stride_dkt, stride_dkd,
                 b_dxk * b_sck[None, :], m_q, m_d)  # fmt: skip
-    _store_tile(dv_ptr, i_b, i_h, o_t, o_e, stride_dvb, stride_dvh, stride_dvt, stride_dve,
+    store_tile(dv_ptr, i_b, i_h, o_t, o_e, stride_dvb, stride_dvh, stride_dvt, stride_dve,
                 b_dv, m_q, m_e)  # fmt: skip
 
 
@@ -516,7 +516,7 @@ def _chunk_bwd_kernel(
 # launchers
 
 
-def _states(c: _Setup, k, v, initial_state):
+def _states(c: Setup, k, v, initial_state):
     """Launch the local and scan kernels: prefix states per chunk at R_{c-1} with the offsets
     R_{c-1}, and the final state."""
     B, H, T, M, E, NMT, bt = c.B, c.H, c.Tk, c.M, c.E, c.NMT, c.BT
@@ -540,7 +540,7 @@ def _states(c: _Setup, k, v, initial_state):
         s0 = z0 = r0 = sT  # never read
     launch(_chunk_scan_kernel, (NMT, B * H),
         h, hz, hm, s0, z0, r0, s, z, r, sT, zT, rT, NC,
-        M=M, E=E, BM=c.BM, BE=c.BE, BP=_next_pow2(NMT), HAS_INIT=initial_state is not None,
+        M=M, E=E, BM=c.BM, BE=c.BE, BP=next_pow2(NMT), HAS_INIT=initial_state is not None,
         PLAIN=c.plain, ACC=c.ACC, **c.launch_options(),
     )  # fmt: skip
     return NC, (s, z, r), (sT, zT, rT)
@@ -579,7 +579,7 @@ def rf_chunk_fwd(
     """
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"causal attention needs Tq == Tk, got {q.shape[2]} and {k.shape[2]}")
-    c = _setup(q, k, v, form, scale, key_padding_mask, precision, causal=True,
+    c = launch_setup(q, k, v, form, scale, key_padding_mask, precision, causal=True,
                gpu_tiles=gpu_tiles)  # fmt: skip
     B, H, G, T, E, bt = c.B, c.H, c.G, c.Tq, c.E, c.BT
     out = torch.empty(B, H * G, T, E, device=q.device, dtype=q.dtype)
@@ -624,7 +624,7 @@ def rf_chunk_bwd(
     Returns:
         ``(dq, dk, dv, dS0, dz0)``; the last two are None without ``initial_state``.
     """
-    c = _setup(q, k, v, form, scale, key_padding_mask, precision, causal=True,
+    c = launch_setup(q, k, v, form, scale, key_padding_mask, precision, causal=True,
                gpu_tiles=gpu_tiles)  # fmt: skip
     check_forward_only(c)
     B, H, T, M, E, NMT, bt = c.B, c.H, c.Tq, c.M, c.E, c.NMT, c.BT

@@ -58,33 +58,33 @@ import triton
 import triton.language as tl
 
 from .common import (
-    _KEY,
-    _NEG,
     FEATURE_IDS,
     INTERPRET,
+    KEY,
+    NEG,
     PRUNE,
-    _configs,
-    _feature_dw,
-    _feature_dx,
-    _feature_tile,
-    _gerf_coeffs,
-    _input_scale,
-    _load_mapped,
-    _load_rows,
-    _load_w,
-    _query_cotangents,
-    _ratio,
-    _setup,
-    _splits,
-    _store_tile,
-    _valid_keys,
+    autotune_configs,
     check_forward_only,
+    feature_dw,
+    feature_dx,
+    feature_tile,
+    gerf_coeffs,
+    input_scale,
+    launch_setup,
+    load_mapped,
+    load_rows,
+    load_w,
+    query_cotangents,
+    ratio,
+    split_counts,
+    store_tile,
+    valid_keys,
 )
 
 __all__ = ["rf_parallel_fwd", "rf_parallel_bwd", "FEATURE_IDS", "INTERPRET"]
 
 
-@triton.autotune(configs=_configs(), key=_KEY, prune_configs_by=PRUNE)
+@triton.autotune(configs=autotune_configs(), key=KEY, prune_configs_by=PRUNE)
 @triton.jit
 def _fwd_kv_kernel(
     k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr, kmap_ptr,
@@ -104,22 +104,22 @@ def _fwd_kv_kernel(
     i_b, i_h = i_bh // H, i_bh % H
     o_d, o_e, o_f = tl.arange(0, BD), tl.arange(0, BE), i_m * BM + tl.arange(0, BM)
     m_d, m_e, m_f = o_d < D, o_e < E, o_f < M
-    b_ca, b_cb, b_cd = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
-    b_sc = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
-    b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
+    b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_sc = input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
+    b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
     v_base = v_ptr + i_b * stride_vb + i_h * stride_vh
 
     b_s = tl.zeros([BM, BE], dtype=ACC)
     b_z = tl.zeros([BM], dtype=ACC)
-    b_mx = tl.full([BM], _NEG, dtype=ACC)  # per feature
+    b_mx = tl.full([BM], NEG, dtype=ACC)  # per feature
     t0 = i_s.to(tl.int64) * t_per_split
     for t in range(0, t_per_split, BT):
         o_t = t0 + t + tl.arange(0, BT)
-        m_t = _valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
-        b_xs = _load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, kmap_ptr, i_h, D, BT,
+        m_t = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
+        b_xs = load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, kmap_ptr, i_h, D, BT,
                             BD, HAS_MAP, PRECISION, ACC) * b_sc[None, :]  # fmt: skip
-        b_u, b_g, b_g1, b_g2 = _feature_tile(
+        b_u, b_g, b_g1, b_g2 = feature_tile(
             b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
             M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
         b_u = tl.where(m_t[:, None] & m_f[None, :], b_u, float("-inf"))
@@ -152,15 +152,15 @@ def _fwd_merge_kernel(
     o_f, o_e = i_m * BM + tl.arange(0, BM), tl.arange(0, BE)
     m_f, m_e = o_f < M, o_e < E
     # the offsets m_K,f: max over the splits' partial maxima
-    b_off = tl.full([BM], _NEG, dtype=ACC)
+    b_off = tl.full([BM], NEG, dtype=ACC)
     for i_s in range(0, NUM_SPLITS):
         i_part = i_bh * NUM_SPLITS + i_s
-        b_off = tl.maximum(b_off, tl.load(mp_ptr + i_part * M + o_f, mask=m_f, other=_NEG))
+        b_off = tl.maximum(b_off, tl.load(mp_ptr + i_part * M + o_f, mask=m_f, other=NEG))
     b_s = tl.zeros([BM, BE], dtype=ACC)
     b_z = tl.zeros([BM], dtype=ACC)
     for i_s in range(0, NUM_SPLITS):
         i_part = i_bh * NUM_SPLITS + i_s
-        b_alpha = tl.exp(tl.load(mp_ptr + i_part * M + o_f, mask=m_f, other=_NEG) - b_off)
+        b_alpha = tl.exp(tl.load(mp_ptr + i_part * M + o_f, mask=m_f, other=NEG) - b_off)
         p_s = sp_ptr + i_part * M * E + o_f[:, None] * E + o_e[None, :]
         b_s += b_alpha[:, None] * tl.load(p_s, mask=m_f[:, None] & m_e[None, :], other=0.0)
         b_z += b_alpha * tl.load(zp_ptr + i_part * M + o_f, mask=m_f, other=0.0)
@@ -170,7 +170,7 @@ def _fwd_merge_kernel(
     tl.store(mk_ptr + i_bh * M + o_f, b_off, mask=m_f)
 
 
-@triton.autotune(configs=_configs(), key=_KEY, prune_configs_by=PRUNE)
+@triton.autotune(configs=autotune_configs(), key=KEY, prune_configs_by=PRUNE)
 @triton.jit
 def _fwd_q_kernel(
     q_ptr, w_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr, qmap_ptr,
@@ -192,19 +192,19 @@ def _fwd_q_kernel(
     o_t = i_t.to(tl.int64) * BT + tl.arange(0, BT)
     o_d, o_e = tl.arange(0, BD), tl.arange(0, BE)
     m_t, m_d, m_e = o_t < T, o_d < D, o_e < E
-    b_ca, b_cb, b_cd = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
-    b_sc = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)  # [BD]
+    b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_sc = input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)  # [BD]
     q_base = q_ptr + i_b * stride_qb + i_h * stride_qh
-    b_xs = _load_mapped(q_base, o_t, o_d, stride_qt, stride_qd, m_t, m_d, qmap_ptr, i_h, D, BT, BD,
+    b_xs = load_mapped(q_base, o_t, o_d, stride_qt, stride_qd, m_t, m_d, qmap_ptr, i_h, D, BT, BD,
                         HAS_MAP, PRECISION, ACC) * b_sc[None, :]  # fmt: skip
-    b_mx = tl.full([BT], _NEG, dtype=ACC)
+    b_mx = tl.full([BT], NEG, dtype=ACC)
     b_num = tl.zeros([BT, BE], dtype=ACC)
     b_den = tl.zeros([BT], dtype=ACC)
     for i_m in range(0, NMT):
         o_f = i_m * BM + tl.arange(0, BM)
         m_f = o_f < M
-        b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
-        b_u, b_g, b_g1, b_g2 = _feature_tile(
+        b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
+        b_u, b_g, b_g1, b_g2 = feature_tile(
             b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
             M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
         b_mk = tl.load(mk_ptr + i_bh * M + o_f, mask=m_f, other=0.0)  # key offsets
@@ -221,14 +221,14 @@ def _fwd_q_kernel(
         )
         b_den = b_den * b_alpha + tl.sum(b_p * b_z[None, :], axis=1)
         b_mx = b_mx_new
-    b_o, b_den = _ratio(b_num, b_den, TINY)
-    _store_tile(o_ptr, i_b, i_h, o_t, o_e, stride_ob, stride_oh, stride_ot, stride_oe,
+    b_o, b_den = ratio(b_num, b_den, TINY)
+    store_tile(o_ptr, i_b, i_h, o_t, o_e, stride_ob, stride_oh, stride_ot, stride_oe,
                 b_o, m_t, m_e)  # fmt: skip
     tl.store(mq_ptr + i_bh * T + o_t, b_mx, mask=m_t)
     tl.store(den_ptr + i_bh * T + o_t, b_den, mask=m_t)
 
 
-@triton.autotune(configs=_configs(), key=_KEY + ["W_GRAD"], prune_configs_by=PRUNE)
+@triton.autotune(configs=autotune_configs(), key=KEY + ["W_GRAD"], prune_configs_by=PRUNE)
 @triton.jit
 def _bwd_ds_kernel(
     q_ptr, w_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
@@ -249,9 +249,9 @@ def _bwd_ds_kernel(
     i_b, i_h = i_bh // H, i_bh % H
     o_d, o_e, o_f = tl.arange(0, BD), tl.arange(0, BE), i_m * BM + tl.arange(0, BM)
     m_d, m_e, m_f = o_d < D, o_e < E, o_f < M
-    b_ca, b_cb, b_cd = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
-    b_sc = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)  # [BD]
-    b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
+    b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_sc = input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)  # [BD]
+    b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
     b_s = tl.load(s_ptr + i_bh * M * E + o_f[:, None] * E + o_e[None, :],
                   mask=m_f[:, None] & m_e[None, :], other=0.0)  # [BM, BE]  # fmt: skip
     b_z = tl.load(z_ptr + i_bh * M + o_f, mask=m_f, other=0.0)  # [BM]
@@ -267,15 +267,15 @@ def _bwd_ds_kernel(
     for t in range(0, t_per_split, BT):
         o_t = t0 + t + tl.arange(0, BT)
         m_t = o_t < T
-        b_xs = _load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_t, m_d, ACC) * b_sc[None, :]
+        b_xs = load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_t, m_d, ACC) * b_sc[None, :]
         b_mq = tl.load(mq_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
-        b_u, b_g, b_g1, b_g2 = _feature_tile(
+        b_u, b_g, b_g1, b_g2 = feature_tile(
             b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
             M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
         b_e = tl.where(m_t[:, None] & m_f[None, :],
                        tl.exp(b_u + b_mk[None, :] - b_mq[:, None]), 0.0)  # fmt: skip
         b_a = b_g * b_e
-        b_gq, b_c = _query_cotangents(do_base, o_base, den_ptr, i_bh, o_t, o_e, T, m_t, m_e,
+        b_gq, b_c = query_cotangents(do_base, o_base, den_ptr, i_bh, o_t, o_e, T, m_t, m_e,
                                       stride_dot, stride_doe, stride_ot, stride_oe,
                                       ACC)  # fmt: skip
         # [BM, BT] @ [BT, BE] -> [BM, BE]
@@ -288,7 +288,7 @@ def _bwd_ds_kernel(
                 + b_c[:, None] * b_z[None, :]
             )
             # [BM, BT] @ [BT, BD] -> [BM, BD]
-            b_dw += _feature_dw(b_a * b_da, b_e * b_da, b_g1, b_xs, b_w, o_f, m_f, b_ca, b_cb,
+            b_dw += feature_dw(b_a * b_da, b_e * b_da, b_g1, b_xs, b_w, o_f, m_f, b_ca, b_cb,
                                 tab_ptr, M, FEATURE, False, PRECISION)  # fmt: skip
 
     i_part = i_bh * NUM_SPLITS + i_s
@@ -300,7 +300,7 @@ def _bwd_ds_kernel(
                  mask=m_f[:, None] & m_d[None, :])  # fmt: skip
 
 
-@triton.autotune(configs=_configs(), key=_KEY, prune_configs_by=PRUNE)
+@triton.autotune(configs=autotune_configs(), key=KEY, prune_configs_by=PRUNE)
 @triton.jit
 def _bwd_dq_kernel(
     q_ptr, w_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
@@ -323,12 +323,12 @@ def _bwd_dq_kernel(
     o_t = i_t.to(tl.int64) * BT + tl.arange(0, BT)
     o_d, o_e = tl.arange(0, BD), tl.arange(0, BE)
     m_t, m_d, m_e = o_t < T, o_d < D, o_e < E
-    b_ca, b_cb, b_cd = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
-    b_sc = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)  # [BD]
+    b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_sc = input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)  # [BD]
     q_base = q_ptr + i_b * stride_qb + i_h * stride_qh
-    b_xs = _load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_t, m_d, ACC) * b_sc[None, :]
+    b_xs = load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_t, m_d, ACC) * b_sc[None, :]
     b_mq = tl.load(mq_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
-    b_gq, b_c = _query_cotangents(do_ptr + i_b * stride_dob + i_h * stride_doh,
+    b_gq, b_c = query_cotangents(do_ptr + i_b * stride_dob + i_h * stride_doh,
                                   o_ptr + i_b * stride_ob + i_h * stride_oh, den_ptr, i_bh, o_t,
                                   o_e, T, m_t, m_e, stride_dot, stride_doe, stride_ot, stride_oe,
                                   ACC)  # fmt: skip
@@ -336,12 +336,12 @@ def _bwd_dq_kernel(
     for i_m in range(0, NMT):
         o_f = i_m * BM + tl.arange(0, BM)
         m_f = o_f < M
-        b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
+        b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
         b_s = tl.load(s_ptr + i_bh * M * E + o_f[:, None] * E + o_e[None, :],
                       mask=m_f[:, None] & m_e[None, :], other=0.0)  # [BM, BE]  # fmt: skip
         b_z = tl.load(z_ptr + i_bh * M + o_f, mask=m_f, other=0.0)  # [BM]
         b_mk = tl.load(mk_ptr + i_bh * M + o_f, mask=m_f, other=0.0)  # [BM] key offsets
-        b_u, b_g, b_g1, b_g2 = _feature_tile(
+        b_u, b_g, b_g1, b_g2 = feature_tile(
             b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
             M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
         b_e = tl.where(m_t[:, None] & m_f[None, :],
@@ -351,14 +351,14 @@ def _bwd_dq_kernel(
             tl.dot(b_gq, tl.trans(b_s), input_precision=PRECISION, out_dtype=ACC)
             + b_c[:, None] * b_z[None, :]
         )
-        b_dx += _feature_dx(b_g * b_e * b_da, b_e * b_da, b_g1, b_g2, b_xs, b_w, o_f, m_f, o_d,
+        b_dx += feature_dx(b_g * b_e * b_da, b_e * b_da, b_g1, b_g2, b_xs, b_w, o_f, m_f, o_d,
                             m_d, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM, FEATURE, False,
                             PRECISION, TINY)  # fmt: skip
-    _store_tile(dq_ptr, i_b, i_h, o_t, o_d, stride_dqb, stride_dqh, stride_dqt, stride_dqd,
+    store_tile(dq_ptr, i_b, i_h, o_t, o_d, stride_dqb, stride_dqh, stride_dqt, stride_dqd,
                 b_dx * b_sc[None, :], m_t, m_d)  # fmt: skip
 
 
-@triton.autotune(configs=_configs(), key=_KEY, prune_configs_by=PRUNE)
+@triton.autotune(configs=autotune_configs(), key=KEY, prune_configs_by=PRUNE)
 @triton.jit
 def _bwd_dkv_kernel(
     k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
@@ -381,42 +381,42 @@ def _bwd_dkv_kernel(
     o_t = i_t.to(tl.int64) * BT + tl.arange(0, BT)
     o_d, o_e = tl.arange(0, BD), tl.arange(0, BE)
     m_in, m_d, m_e = o_t < T, o_d < D, o_e < E
-    m_t = _valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
-    b_ca, b_cb, b_cd = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
-    b_sc = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
+    m_t = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
+    b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_sc = input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
-    b_xs = _load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, ACC) * b_sc[None, :]
-    b_v = _load_rows(v_ptr + i_b * stride_vb + i_h * stride_vh, o_t, o_e, stride_vt, stride_ve,
+    b_xs = load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, ACC) * b_sc[None, :]
+    b_v = load_rows(v_ptr + i_b * stride_vb + i_h * stride_vh, o_t, o_e, stride_vt, stride_ve,
                      m_t, m_e, ACC)  # [BT, BE]  # fmt: skip
     b_dx = tl.zeros([BT, BD], dtype=ACC)
     b_dv = tl.zeros([BT, BE], dtype=ACC)
     for i_m in range(0, NMT):
         o_f = i_m * BM + tl.arange(0, BM)
         m_f = o_f < M
-        b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
+        b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
         b_ds = tl.load(ds_ptr + i_bh * M * E + o_f[:, None] * E + o_e[None, :],
                        mask=m_f[:, None] & m_e[None, :], other=0.0)  # [BM, BE]  # fmt: skip
         b_dz = tl.load(dz_ptr + i_bh * M + o_f, mask=m_f, other=0.0)  # [BM]
         b_mk = tl.load(mk_ptr + i_bh * M + o_f, mask=m_f, other=0.0)  # [BM]
-        b_u, b_g, b_g1, b_g2 = _feature_tile(
+        b_u, b_g, b_g1, b_g2 = feature_tile(
             b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
             M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
         b_e = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_u - b_mk[None, :]), 0.0)
         b_b = b_g * b_e
         # db = v dS^T + dz: [BT, BE] @ [BE, BM] -> [BT, BM]
         b_db = tl.dot(b_v, tl.trans(b_ds), input_precision=PRECISION, out_dtype=ACC) + b_dz[None, :]
-        b_dx += _feature_dx(b_b * b_db, b_e * b_db, b_g1, b_g2, b_xs, b_w, o_f, m_f, o_d, m_d,
+        b_dx += feature_dx(b_b * b_db, b_e * b_db, b_g1, b_g2, b_xs, b_w, o_f, m_f, o_d, m_d,
                             b_cb, tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM, FEATURE, True,
                             PRECISION, TINY)  # fmt: skip
         # [BT, BM] @ [BM, BE] -> [BT, BE]
         b_dv += tl.dot(b_b, b_ds, input_precision=PRECISION, out_dtype=ACC)
-    _store_tile(dk_ptr, i_b, i_h, o_t, o_d, stride_dkb, stride_dkh, stride_dkt, stride_dkd,
+    store_tile(dk_ptr, i_b, i_h, o_t, o_d, stride_dkb, stride_dkh, stride_dkt, stride_dkd,
                 b_dx * b_sc[None, :], m_in, m_d)  # fmt: skip
-    _store_tile(dv_ptr, i_b, i_h, o_t, o_e, stride_dvb, stride_dvh, stride_dvt, stride_dve,
+    store_tile(dv_ptr, i_b, i_h, o_t, o_e, stride_dvb, stride_dvh, stride_dvt, stride_dve,
                 b_dv, m_in, m_e)  # fmt: skip
 
 
-@triton.autotune(configs=_configs(), key=_KEY, prune_configs_by=PRUNE)
+@triton.autotune(configs=autotune_configs(), key=KEY, prune_configs_by=PRUNE)
 @triton.jit
 def _bwd_dwk_kernel(
     k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
@@ -435,10 +435,10 @@ def _bwd_dwk_kernel(
     i_b, i_h = i_bh // H, i_bh % H
     o_d, o_e, o_f = tl.arange(0, BD), tl.arange(0, BE), i_m * BM + tl.arange(0, BM)
     m_d, m_e, m_f = o_d < D, o_e < E, o_f < M
-    b_ca, b_cb, b_cd = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
-    b_sc = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
+    b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_sc = input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
     b_mk = tl.load(mk_ptr + i_bh * M + o_f, mask=m_f, other=0.0)  # [BM]
-    b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
+    b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
     b_ds = tl.load(ds_ptr + i_bh * M * E + o_f[:, None] * E + o_e[None, :],
                    mask=m_f[:, None] & m_e[None, :], other=0.0)  # [BM, BE]  # fmt: skip
     b_dz = tl.load(dz_ptr + i_bh * M + o_f, mask=m_f, other=0.0)  # [BM]
@@ -448,16 +448,16 @@ def _bwd_dwk_kernel(
     t0 = i_s.to(tl.int64) * t_per_split
     for t in range(0, t_per_split, BT):
         o_t = t0 + t + tl.arange(0, BT)
-        m_t = _valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
-        b_xs = _load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, ACC) * b_sc[None, :]
-        b_v = _load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_t, m_e, ACC)
-        b_u, b_g, b_g1, b_g2 = _feature_tile(
+        m_t = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
+        b_xs = load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, ACC) * b_sc[None, :]
+        b_v = load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_t, m_e, ACC)
+        b_u, b_g, b_g1, b_g2 = feature_tile(
             b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
             M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
         b_e = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_u - b_mk[None, :]), 0.0)
         b_db = tl.dot(b_v, tl.trans(b_ds), input_precision=PRECISION, out_dtype=ACC) + b_dz[None, :]
         # [BM, BT] @ [BT, BD] -> [BM, BD]
-        b_dw += _feature_dw(b_g * b_e * b_db, b_e * b_db, b_g1, b_xs, b_w, o_f, m_f, b_ca, b_cb,
+        b_dw += feature_dw(b_g * b_e * b_db, b_e * b_db, b_g1, b_xs, b_w, o_f, m_f, b_ca, b_cb,
                             tab_ptr, M, FEATURE, True, PRECISION)  # fmt: skip
     i_part = i_bh * NUM_SPLITS + i_s
     tl.store(dwp_ptr + i_part * M * D + o_f[:, None] * D + o_d[None, :], b_dw,
@@ -512,7 +512,7 @@ def rf_parallel_fwd(
         ``out [B, H, Tq, E]`` in the input dtype; with ``return_aux`` also
         ``(S [B*H, M, E], z [B*H, M], m_K [B*H, M], m_q [B*H, Tq], den [B*H, Tq])``.
     """
-    c = _setup(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles=gpu_tiles)
+    c = launch_setup(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles=gpu_tiles)
     _one_group(c)
     B, H, Tq, Tk, M, E, NMT, dev = c.B, c.H, c.Tq, c.Tk, c.M, c.E, c.NMT, q.device
     out = torch.empty(B, H, Tq, E, device=dev, dtype=q.dtype)
@@ -520,7 +520,7 @@ def rf_parallel_fwd(
     mq, den = c.acc_empty(B * H, Tq), c.acc_empty(B * H, Tq)
     if B * H == 0:
         return (out, (s, z, c.acc_empty(0, M), mq, den)) if return_aux else out
-    splits, per = _splits(Tk, B * H * NMT, dev, num_splits)
+    splits, per = split_counts(Tk, B * H * NMT, dev, num_splits)
     s_part = c.acc_empty(B * H * splits, M, E)
     z_part = c.acc_empty(B * H * splits, M)
     m_part = c.acc_empty(B * H * splits, M)
@@ -577,7 +577,7 @@ def rf_parallel_bwd(
     """
     if need_dw and form.plain:
         raise NotImplementedError("kind 'rmf': no gradient for its projection rows")
-    c = _setup(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles=gpu_tiles)
+    c = launch_setup(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles=gpu_tiles)
     check_forward_only(c)
     _one_group(c)
     B, H, Tq, Tk, M, D, E, NMT, dev = c.B, c.H, c.Tq, c.Tk, c.M, c.D, c.E, c.NMT, q.device
@@ -587,7 +587,7 @@ def rf_parallel_bwd(
     if B * H == 0:
         return dq, dk, dv, (dw.to(form.w.dtype) if need_dw else None)
 
-    splits, per = _splits(Tq, B * H * NMT, dev, num_splits)
+    splits, per = split_counts(Tq, B * H * NMT, dev, num_splits)
     ds_part = c.acc_empty(B * H * splits, M, E)
     dz_part = c.acc_empty(B * H * splits, M)
     dw_part = c.acc_empty(B * H * splits, M, D) if need_dw else ds_part
@@ -619,7 +619,7 @@ def rf_parallel_bwd(
             HAS_PAD=c.has_pad, **c.meta,
         )  # fmt: skip
         if need_dw:
-            ksplits, kper = _splits(Tk, B * H * NMT, dev, num_splits)
+            ksplits, kper = split_counts(Tk, B * H * NMT, dev, num_splits)
             dwk_part = c.acc_empty(B * H * ksplits, M, D)
             _bwd_dwk_kernel[(NMT, ksplits, B * H)](
                 k, v, c.w, c.pad[0], *c.form_ptrs, ds, dz, mk, dwk_part,

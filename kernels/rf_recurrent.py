@@ -7,7 +7,7 @@ For each new token t in order (the state (S [M, E], z [M], R) in the accumulatio
     out_t = a_t S / a_t z,  a_t = g_q exp(u_q(t) - max_f u_q(t))   (safe_denominator policy)
 
 This is exactly the chunked form (``rf_chunk``) with chunks of one token: the same features
-(``common._feature_tile``), offsets and denominator policy, so a state from either
+(``common.feature_tile``), offsets and denominator policy, so a state from either
 continues in the other. Cost O(M (D + E)) per token and (b, h), whatever the position: the
 generation path. One program per (b, h) walks the tokens and the M tiles of its state: it reads
 the initial state and writes the new one, into new tensors or (``inplace=True``) over the
@@ -24,21 +24,21 @@ import triton
 import triton.language as tl
 
 from .common import (
-    _NEG,
-    _feature_tile,
-    _gerf_coeffs,
-    _input_scale,
-    _load_mapped,
-    _load_mapped_heads,
-    _load_offset,
-    _load_rows,
-    _load_w,
-    _next_pow2,
-    _ratio,
-    _setup,
-    _store_offset,
-    _valid_keys,
+    NEG,
+    feature_tile,
+    gerf_coeffs,
+    input_scale,
     launch,
+    launch_setup,
+    load_mapped,
+    load_mapped_heads,
+    load_offset,
+    load_rows,
+    load_w,
+    next_pow2,
+    ratio,
+    store_offset,
+    valid_keys,
 )
 
 __all__ = ["rf_recurrent_fwd", "MAX_TOKENS"]
@@ -75,38 +75,38 @@ def _recurrent_kernel(
     # one token per step: its key as row 0 of a GP-row tile, its G queries as rows 0..G-1
     o_r = tl.arange(0, GP)
     m_qr = o_r < G
-    b_ca, b_cb, b_cd = _gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
-    b_scq = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
-    b_sck = _input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)
+    b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_scq = input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
+    b_sck = input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)
     q_base = q_ptr + i_b * stride_qb + i_h * G * stride_qh  # the group's first query head
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
     v_base = v_ptr + i_b * stride_vb + i_h * stride_vh
-    b_r = _load_offset(r0_ptr + i_bh, PLAIN, HAS_INIT, ACC)
+    b_r = load_offset(r0_ptr + i_bh, PLAIN, HAS_INIT, ACC)
     for t in range(0, T):
         o_t = t + o_r * 0  # [GP], all rows point at token t
         m_row = o_r == 0
-        m_k = _valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD) & m_row
+        m_k = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD) & m_row
         # query row g: head h * G + g at token t
-        b_xq = _load_mapped_heads(q_base + t * stride_qt, o_r, o_d, stride_qh, stride_qd, m_qr,
+        b_xq = load_mapped_heads(q_base + t * stride_qt, o_r, o_d, stride_qh, stride_qd, m_qr,
                                   m_d, qmap_ptr, i_h * G, G, D, GP, BD, HAS_MAP, PRECISION,
                                   ACC) * b_scq[None, :]  # fmt: skip
-        b_xk = _load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, kmap_ptr, i_h, D, GP,
+        b_xk = load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, kmap_ptr, i_h, D, GP,
                             BD, HAS_MAP, PRECISION, ACC) * b_sck[None, :]  # fmt: skip
-        b_v = _load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_k, m_e, ACC)  # [GP, BE]
+        b_v = load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_k, m_e, ACC)  # [GP, BE]
         # pass 1: the key's max logit over all features -> the new running offset
         b_rn = b_r
         for i_m in range(0, NMT):
             o_f = i_m * BM + tl.arange(0, BM)
             m_f = o_f < M
-            b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)
-            b_uk, b_gk, b_g1, b_g2 = _feature_tile(
+            b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)
+            b_uk, b_gk, b_g1, b_g2 = feature_tile(
                 b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
                 M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # fmt: skip
             b_uk = tl.where(m_k[:, None] & m_f[None, :], b_uk, float("-inf"))
             b_rn = tl.maximum(b_rn, tl.max(tl.max(b_uk, axis=1), axis=0))
         b_alpha = tl.exp(b_r - b_rn)
         # pass 2: rescale and update the state tiles, and read the query against them
-        b_mx = tl.full([GP], _NEG, dtype=ACC)
+        b_mx = tl.full([GP], NEG, dtype=ACC)
         b_num = tl.zeros([GP, BE], dtype=ACC)
         b_den = tl.zeros([GP], dtype=ACC)
         for i_m in range(0, NMT):
@@ -120,8 +120,8 @@ def _recurrent_kernel(
             if HAS_INIT:
                 b_s += tl.load(s0_ptr + o_fe, mask=m_fe & (t == 0), other=0.0).to(ACC)
                 b_z += tl.load(z0_ptr + i_bh * M + o_f, mask=m_f & (t == 0), other=0.0).to(ACC)
-            b_w = _load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)
-            b_uk, b_gk, b_g1, b_g2 = _feature_tile(
+            b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)
+            b_uk, b_gk, b_g1, b_g2 = feature_tile(
                 b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
                 M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # fmt: skip
             b_b = b_gk * tl.where(m_k[:, None] & m_f[None, :], tl.exp(b_uk - b_rn), 0.0)
@@ -131,7 +131,7 @@ def _recurrent_kernel(
             b_z = b_z * b_alpha + tl.sum(b_b, axis=0)
             tl.store(s_ptr + o_fe, b_s, mask=m_fe)
             tl.store(z_ptr + i_bh * M + o_f, b_z, mask=m_f)
-            b_uq, b_gq, b_g1, b_g2 = _feature_tile(
+            b_uq, b_gq, b_g1, b_g2 = feature_tile(
                 b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
                 M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # fmt: skip
             b_uq = tl.where(m_f[None, :], b_uq, float("-inf"))
@@ -143,12 +143,12 @@ def _recurrent_kernel(
                                                      out_dtype=ACC)  # fmt: skip
             b_den = b_den * b_beta + tl.sum(b_a * b_z[None, :], axis=1)
             b_mx = b_mx_new
-        b_o, b_den = _ratio(b_num, b_den, TINY)
+        b_o, b_den = ratio(b_num, b_den, TINY)
         p_o = o_ptr + i_b * stride_ob + (i_h * G + o_r[:, None]) * stride_oh + t * stride_ot
         tl.store(p_o + o_e[None, :] * stride_oe, b_o.to(o_ptr.dtype.element_ty),
                  mask=m_qr[:, None] & m_e[None, :])  # fmt: skip
         b_r = b_rn
-    _store_offset(r_ptr + i_bh, b_r)
+    store_offset(r_ptr + i_bh, b_r)
 
 
 def rf_recurrent_fwd(
@@ -181,7 +181,7 @@ def rf_recurrent_fwd(
     if q.shape[2] != k.shape[2] or q.shape[2] > MAX_TOKENS:
         raise ValueError(f"the decode step takes Tq == Tk <= {MAX_TOKENS} tokens, got "
                          f"{q.shape[2]} and {k.shape[2]}")  # fmt: skip
-    c = _setup(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles=gpu_tiles)
+    c = launch_setup(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles=gpu_tiles)
     B, H, G, T, M, E = c.B, c.H, c.G, c.Tq, c.M, c.E
     if initial_state is None:
         if inplace:
@@ -206,7 +206,7 @@ def rf_recurrent_fwd(
             q, k, v, c.w, c.pad[0], *c.form_ptrs, *c.maps, s0, z0, r0, s, z, r, out,
             T, H, G, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
             *out.stride(), HAS_PAD=c.has_pad, HAS_INIT=initial_state is not None,
-            PLAIN=c.plain, GP=_next_pow2(G), HAS_MAP=c.has_map, **c.launch_options(num_warps=4),
+            PLAIN=c.plain, GP=next_pow2(G), HAS_MAP=c.has_map, **c.launch_options(num_warps=4),
             **c.meta,
         )  # fmt: skip
     return out, (s, z, r)

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _DTYPES, INTERPRET, _next_pow2, _splits
+from .common import DTYPES, INTERPRET, next_pow2, split_counts
 
 __all__ = ["token_moments", "sequence_moments_fused"]
 
@@ -28,13 +28,13 @@ __all__ = ["token_moments", "sequence_moments_fused"]
 _FIELDS = tl.constexpr(4)
 
 
-def _configs():
+def autotune_configs():
     if INTERPRET:
         return [triton.Config({"BT": 64}, num_warps=1)]
     return [triton.Config({"BT": bt}, num_warps=w) for bt in (32, 64, 128) for w in (2, 4)]
 
 
-@triton.autotune(configs=_configs(), key=["D", "ACC"])
+@triton.autotune(configs=autotune_configs(), key=["D", "ACC"])
 @triton.jit
 def _moments_kernel(
     x_ptr,
@@ -112,8 +112,8 @@ def token_moments(
         ``(mean, mean square, mean |.|, min)``, each ``[B, H, D]`` in fp32 (fp64 for fp64
         inputs); means divide by ``max(n, 1)``, the min is 0 where no token is valid.
     """
-    if x.dim() != 4 or x.dtype not in _DTYPES:
-        raise ValueError(f"x must be [B, H, T, D] in {_DTYPES}, got {tuple(x.shape)} {x.dtype}")
+    if x.dim() != 4 or x.dtype not in DTYPES:
+        raise ValueError(f"x must be [B, H, T, D] in {DTYPES}, got {tuple(x.shape)} {x.dtype}")
     B, H, T, D = x.shape
     if key_padding_mask is not None and (
         key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != (B, T)
@@ -124,7 +124,7 @@ def token_moments(
     if B * H == 0 or T == 0:
         zeros = torch.zeros(B, H, D, device=dev, dtype=acc)
         return zeros, zeros.clone(), zeros.clone(), zeros.clone()
-    splits, per = _splits(T, B * H, dev, num_splits)
+    splits, per = split_counts(T, B * H, dev, num_splits)
     part = torch.empty(B * H, splits, _FIELDS.value, D, device=dev, dtype=acc)
     cnt = torch.empty(B * H, splits, device=dev, dtype=acc)
     sc = torch.full((1,), float(scale) ** 0.5, device=dev, dtype=acc)  # a fill, no host copy
@@ -147,7 +147,7 @@ def token_moments(
         pad_args[1],
         pad_args[2],
         D=D,
-        BD=_next_pow2(D),
+        BD=next_pow2(D),
         HAS_PAD=key_padding_mask is not None,
         ACC=tl.float64 if acc == torch.float64 else tl.float32,
     )

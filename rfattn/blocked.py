@@ -275,7 +275,7 @@ class _Cut:
                 self.phi.masked_fill_(self.pad, 0.0)
 
     def backprop(self, d_phi: torch.Tensor) -> tuple[list, list]:
-        """``(roots, cotangents)`` for :func:`_backprop` from ``d phi`` (``[B, H, T, F]``, a
+        """``(roots, cotangents)`` for :func:`add_grads` from ``d phi`` (``[B, H, T, F]``, a
         tensor of the caller's own: overwritten)."""
         if self.e is None:
             return list(self.roots), [d_phi]
@@ -302,7 +302,7 @@ def _kept(role: str, like: torch.Tensor) -> torch.Tensor:
     return torch.empty(like.shape, dtype=like.dtype, device=like.device) if buf is None else buf
 
 
-class _Offsets:
+class BlockOffsets:
     """The offsets and factors of one block's chunks (all detached, ``[B, H, ...]``).
 
     ``R``: ``[n+1]`` the state's offset before the block (index 0) and after each chunk;
@@ -453,7 +453,7 @@ class _Block:
             m = torch.where(bad_k, _NINF, m)
             empty = True  # (cleaned keys are empty now)
         self.pk, self.vh, self.bad = pk, vh, bad
-        self.o = o = _Offsets(m, off_in, empty)
+        self.o = o = BlockOffsets(m, off_in, empty)
         ve = o.e[..., None]  # each value at its weight in its chunk's state
         self.ve = torch.mul(vh, ve, out=workspace.buffer("ve", vh.shape, vh.dtype, vh.device))
         own = workspace.product(self.ve.transpose(-1, -2), pk, "own")  # [B, H, n, E+1, F]
@@ -548,7 +548,7 @@ def _block_rows(x: torch.Tensor, t0: int, t1: int, n: int) -> torch.Tensor:
     return _to_rows(_pad_tokens(xb, n * CHUNK - xb.shape[3]), n, x.shape[2])
 
 
-def _scan_forward(make_block, T: int, block: int, out, den, s, off, keep: bool):
+def scan_forward(make_block, T: int, block: int, out, den, s, off, keep: bool):
     """Run the causal blocks in order: ``make_block(t0, t1, s, off)`` gives a block's
     :class:`_Block` from the state before it; fills ``out`` ``[B, H, G, T, E]`` and ``den``
     ``[B, H, G, T]``; returns the final ``(s, off)`` (copies of the initial ones when no block
@@ -604,7 +604,7 @@ def backward_follows(*tensors) -> bool:
 
 
 def _save_blocks(ctx, head: tuple, kept: tuple, tail: tuple = ()) -> None:
-    """Save ``head``, the per-block lists ``kept`` of :func:`_scan_forward` and ``tail`` for a
+    """Save ``head``, the per-block lists ``kept`` of :func:`scan_forward` and ``tail`` for a
     backward (:func:`_saved_blocks` unpacks them)."""
     ctx.n_blocks, ctx.n_head = len(kept[0]), len(head)
     ctx.save_for_backward(*head, *(x for lst in kept for x in lst), *tail)
@@ -660,7 +660,7 @@ class _CausalAttention(torch.autograd.Function):
                                       w, params, _mask(spec, t0, t1), s, off)  # fmt: skip
 
             with _blocks(v.device):
-                return _scan_forward(make_block, T, block, out[:, h0:h1], den[:, h0:h1],
+                return scan_forward(make_block, T, block, out[:, h0:h1], den[:, h0:h1],
                                      s0[:, h0:h1], off0[:, h0:h1], keep)  # fmt: skip
 
         bounds = threads.head_parts(Hk, _split(spec, q, w, ptensors, Hk, T))
@@ -729,7 +729,7 @@ class _CausalAttention(torch.autograd.Function):
                     if any(x is not None for x in accs):
                         rq, cq = pq.backprop(dpq)
                         rk, ck = pk.backprop(dpk)
-                        _backprop(rq + rk, cq + ck, (qb, kb, wl, *pl), accs, assign=2)
+                        add_grads(rq + rk, cq + ck, (qb, kb, wl, *pl), accs, assign=2)
                     del pq, pk
             return dstate, dw, dps
 
@@ -806,7 +806,7 @@ class _CausalScan(torch.autograd.Function):
             return _given_block(pq, pk, m, v, mask, t0, t1, s, off)
 
         with _blocks(v.device):
-            s, off, kept = _scan_forward(make_block, T, block, out, den, s0, off0, keep)
+            s, off, kept = scan_forward(make_block, T, block, out, den, s0, off0, keep)
         ctx.block, ctx.mask = block, mask
         _save_blocks(ctx, (pq, pk, m, v, out, den), kept)
         ctx.mark_non_differentiable(off)
@@ -926,7 +926,7 @@ def _scan_keys(phi_q, pk, m, v, mask, state, exponential: bool):
         def make_block(t0, t1, s, off):
             return _given_block(phi_q, pk, m, v, mask, t0, t1, s, off)
 
-        s, off, _ = _scan_forward(make_block, T, block, out, den, s0, off0, False)
+        s, off, _ = scan_forward(make_block, T, block, out, den, s0, off0, False)
     else:
         keep = backward_follows(phi_q, pk, v, s0)
         out, s, off = _CausalScan.apply(phi_q, pk, m, v, s0, off0, block, mask, keep)
@@ -1000,7 +1000,7 @@ def _leaves(spec: _Spec, xs, need_x, w, need_w: bool, ptensors, need_p):
     return xs, w.detach().requires_grad_(need_w), pl, spec.params(pl)
 
 
-def _backprop(feats, d_feats, leaves, accs, assign: int = 0) -> None:
+def add_grads(feats, d_feats, leaves, accs, assign: int = 0) -> None:
     """Add the gradients of ``feats`` (cotangent ``d_feats``) for the ``leaves`` that require
     grad into their accumulators ``accs`` (None where not needed); the first ``assign``
     accumulators (a block's own rows of dq, dk: uninitialised until here) are set instead."""
@@ -1086,7 +1086,7 @@ class _NoncausalAttention(torch.autograd.Function):
                     if grads:
                         d_phi = workspace.product(dnh, sh.transpose(-1, -2), "d_phi")
                         acc = dq[:, hs, r0:r1] if need_q else None
-                        _backprop(*pq.backprop(d_phi), (qb, wl, *pl), (acc, dw, *dps), assign=1)
+                        add_grads(*pq.backprop(d_phi), (qb, wl, *pl), (acc, dw, *dps), assign=1)
                     del pq
                 grads = need_k or need_w or any(need_p)
                 for t0 in range(0, k.shape[2], block):
@@ -1104,7 +1104,7 @@ class _NoncausalAttention(torch.autograd.Function):
                     if grads:
                         d_phi = workspace.product(vh, ds.transpose(-1, -2), "d_phi")
                         acc = dk[:, hs, t0:t1] if need_k else None
-                        _backprop(*pk.backprop(d_phi), (kb, wl, *pl), (acc, dw, *dps), assign=1)
+                        add_grads(*pk.backprop(d_phi), (kb, wl, *pl), (acc, dw, *dps), assign=1)
                     del pk
             return dw, dps
 

@@ -62,8 +62,8 @@ HOLD_S = 3.0
 SLACK = 0.35
 
 # the clocks (tests replace them)
-_wall = time.perf_counter
-_cpu = time.process_time
+wall_clock = time.perf_counter
+cpu_clock = time.process_time
 
 
 class _State(threading.local):
@@ -76,9 +76,9 @@ class _State(threading.local):
 
 
 _state = _State()
-_hold = {"until": float("-inf"), "threads": 0}
+hold_until = {"until": float("-inf"), "threads": 0}
 #: whether a call has completed in this process (its first call is never measured)
-_warm = {"done": False}
+warm = {"done": False}
 
 
 @contextlib.contextmanager
@@ -96,24 +96,24 @@ def adaptive(device: torch.device):
         yield
         return
     _state.active, _state.full, _state.strikes = True, full, 0
-    held = _hold["threads"] if _wall() < _hold["until"] else 0
+    held = hold_until["threads"] if wall_clock() < hold_until["until"] else 0
     _state.measuring = False
     if 0 < held < full:
         torch.set_num_threads(held)
-    elif _warm["done"]:
+    elif warm["done"]:
         _start()
     try:
         yield
     finally:
         _state.active = _state.measuring = False
-        _warm["done"] = True
+        warm["done"] = True
         if torch.get_num_threads() != full:
             torch.set_num_threads(full)
 
 
 def _start() -> None:
     _state.measuring = True
-    _state.t_wall, _state.t_cpu = _wall(), _cpu()
+    _state.t_wall, _state.t_cpu = wall_clock(), cpu_clock()
 
 
 def check() -> None:
@@ -122,16 +122,16 @@ def check() -> None:
     this window and the one before (module docstring)."""
     if not _state.measuring:
         return
-    wall = _wall() - _state.t_wall
+    wall = wall_clock() - _state.t_wall
     if wall < WINDOW_S:
         return
-    cores = (_cpu() - _state.t_cpu) / wall
+    cores = (cpu_clock() - _state.t_cpu) / wall
     full = _state.full
     _state.strikes = _state.strikes + 1 if cores < full - SLACK else 0
     if _state.strikes >= 2:
         threads = max(1, min(full - 1, int(cores + 0.5)))
         torch.set_num_threads(threads)
-        _hold["until"], _hold["threads"] = _wall() + HOLD_S, threads
+        hold_until["until"], hold_until["threads"] = wall_clock() + HOLD_S, threads
         _state.measuring = False
     else:
         _start()
@@ -145,16 +145,16 @@ HEADS_ENABLED = True
 #: the least work (query rows x tokens x features) a call needs to be split over threads
 HEADS_MIN_ELEMENTS = 1 << 21
 
-_pool: dict = {"executor": None, "workers": 0}
-_pool_lock = threading.Lock()
+worker_pool: dict = {"executor": None, "workers": 0}
+pool_lock = threading.Lock()
 
 
 def _forget_pool() -> None:
     # a forked child has none of its parent's worker threads (an executor that believes it has
     # them never runs a task) and may hold a copy of a lock taken in the parent: start afresh
-    global _pool_lock
-    _pool_lock = threading.Lock()
-    _pool["executor"], _pool["workers"] = None, 0
+    global pool_lock
+    pool_lock = threading.Lock()
+    worker_pool["executor"], worker_pool["workers"] = None, 0
 
 
 os.register_at_fork(after_in_child=_forget_pool)
@@ -173,10 +173,10 @@ def _executor(workers: int):
     (created on first use and again when torch's thread count changes)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    with _pool_lock:
-        if _pool["workers"] != workers:
-            if _pool["executor"] is not None:
-                _pool["executor"].shutdown(wait=True)
+    with pool_lock:
+        if worker_pool["workers"] != workers:
+            if worker_pool["executor"] is not None:
+                worker_pool["executor"].shutdown(wait=True)
             full = torch.get_num_threads()
             ex = ThreadPoolExecutor(workers, thread_name_prefix="rfattn-heads")
             barrier = threading.Barrier(workers)
@@ -184,8 +184,8 @@ def _executor(workers: int):
             # torch.set_num_threads also records the count that threads starting later take
             # up: put the caller's back (its own count is unchanged)
             torch.set_num_threads(full)
-            _pool["executor"], _pool["workers"] = ex, workers
-        return _pool["executor"]
+            worker_pool["executor"], worker_pool["workers"] = ex, workers
+        return worker_pool["executor"]
 
 
 def split_heads(device, heads: int, elements: int) -> bool:

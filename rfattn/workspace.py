@@ -58,24 +58,24 @@ class _State(threading.local):
             _all_kept.add(self.kept)
 
 
-_state = _State()
+state = _State()
 
 
 @contextlib.contextmanager
 def blocks():
     """Let :func:`buffer` hand out kept buffers within (the blocked forwards' loops)."""
-    _state.active += 1
-    _state.counts.clear()
+    state.active += 1
+    state.counts.clear()
     try:
         yield
     finally:
-        _state.active -= 1
-        _state.counts.clear()
+        state.active -= 1
+        state.counts.clear()
 
 
 def next_block() -> None:
     """A new block starts: the previous block's buffers may be handed out again."""
-    _state.counts.clear()
+    state.counts.clear()
 
 
 def keeps(device: torch.device) -> bool:
@@ -84,7 +84,7 @@ def keeps(device: torch.device) -> bool:
     its own backward, such as :func:`rfattn.features.project` in the blocked backward, asks this
     and then takes its buffer with recording off.)"""
     return bool(
-        _state.active
+        state.active
         and ENABLED
         and (device.type if isinstance(device, torch.device) else torch.device(device).type)
         == "cpu"
@@ -99,10 +99,10 @@ def buffer(role: str, shape, dtype: torch.dtype, device: torch.device) -> torch.
     off. The caller writes it fully (``out=``) and drops it before the next block."""
     if torch.is_grad_enabled() or not keeps(device):
         return None
-    n = _state.counts.get(role, 0)
-    _state.counts[role] = n + 1
+    n = state.counts.get(role, 0)
+    state.counts[role] = n + 1
     key = (role, n, tuple(shape), dtype, torch.device(device))
-    kept = _state.kept
+    kept = state.kept
     buf = kept.buffers.pop(key, None)
     if buf is None:
         # a normal tensor even under inference mode: an inference tensor could not be written

@@ -282,11 +282,11 @@ def test_backprop_sets_a_blocks_rows_even_where_no_gradient_reaches_them():
     feats = (y * 2.0,)
     rows = torch.full((3, 2), float("nan"), dtype=f64)
     acc_y = torch.ones(3, 2, dtype=f64)
-    blocked._backprop(feats, (torch.ones(3, 2, dtype=f64),), (x, y), (rows, acc_y), assign=1)
+    blocked.add_grads(feats, (torch.ones(3, 2, dtype=f64),), (x, y), (rows, acc_y), assign=1)
     assert torch.equal(rows, torch.zeros(3, 2, dtype=f64))
     assert torch.equal(acc_y, torch.full((3, 2), 3.0, dtype=f64))
     feats = (y * 2.0,)
-    blocked._backprop(feats, (torch.ones(3, 2, dtype=f64),), (y, x), (rows, None), assign=1)
+    blocked.add_grads(feats, (torch.ones(3, 2, dtype=f64),), (y, x), (rows, None), assign=1)
     assert torch.equal(rows, torch.full((3, 2), 2.0, dtype=f64))
 
 
@@ -342,7 +342,7 @@ def test_chunk_decay_is_exp_of_each_keys_max_over_the_rows_offset(empty):
         off[1, 2] = -torch.inf
         m[0, 1, 2, 5] = -torch.inf
     off[0, 1] = -torch.inf  # no key before the block
-    o = blocked._Offsets(m, off, empty)
+    o = blocked.BlockOffsets(m, off, empty)
     prev = torch.cummax(torch.cat((off[..., None], m.amax(-1)), dim=-1), dim=-1).values[..., :-1]
     r = torch.maximum(prev[..., None], torch.cummax(m, dim=-1).values)
     want = torch.zeros(2, 3, 4, C, C, dtype=torch.float64)
@@ -378,14 +378,14 @@ def test_causal_forwards_keep_block_quantities_only_for_a_backward(grad, tiny_bl
     recording = grad is True  # "no_grad": inputs that require grad, autograd off
     context = torch.no_grad() if grad == "no_grad" else contextlib.nullcontext()
     grad, kept = bool(grad), []
-    scan = blocked._scan_forward
+    scan = blocked.scan_forward
 
     def spy(*args):
         s, off, held = scan(*args)
         kept.append([len(x) for x in held])
         return s, off, held
 
-    monkeypatch.setattr(blocked, "_scan_forward", spy)
+    monkeypatch.setattr(blocked, "scan_forward", spy)
     q, k, v = (rand(1, 2, 30, 6 if i < 2 else 3, seed=i).requires_grad_(grad) for i in range(3))
     rf = make_rf("posrf", "orf")
     pq = rand(1, 2, 1, 30, 16, seed=5).detach().exp().requires_grad_(grad)
@@ -530,7 +530,7 @@ def test_clear_releases_the_worker_threads_kept_buffers(tiny_blocks, heads_split
     with torch.no_grad():
         rfattn.rf_attention(q, k, v, rf, causal=True)
     assert heads_split == [True]
-    assert workspace._state.kept.bytes == 0 < workspace.kept_bytes()  # all in the workers
+    assert workspace.state.kept.bytes == 0 < workspace.kept_bytes()  # all in the workers
     workspace.clear()
     assert workspace.kept_bytes() == 0
 
@@ -577,18 +577,18 @@ def test_a_forked_child_forgets_its_parents_worker_pool(tiny_blocks, heads_split
     rf = make_rf("posrf", "orf").eval()
     with torch.no_grad():
         rfattn.rf_attention(q, k, v, rf, causal=True)  # the parent's pool exists now
-    assert heads_split == [True] and threads._pool["workers"] == 2
+    assert heads_split == [True] and threads.worker_pool["workers"] == 2
     pid = os.fork()
     if pid == 0:  # the child: exit 0 where the pool is empty and its lock free
         code = 1
         try:
-            empty = threads._pool["executor"] is None and threads._pool["workers"] == 0
-            code = 0 if empty and threads._pool_lock.acquire(blocking=False) else 2
+            empty = threads.worker_pool["executor"] is None and threads.worker_pool["workers"] == 0
+            code = 0 if empty and threads.pool_lock.acquire(blocking=False) else 2
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    assert threads._pool["workers"] == 2  # the parent's own pool is untouched
+    assert threads.worker_pool["workers"] == 2  # the parent's own pool is untouched
 
 
 def test_over_heads_raises_a_parts_error_after_every_part_is_done():

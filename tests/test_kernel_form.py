@@ -116,4 +116,4 @@ def test_kinds_and_table_rows_match_the_kernels():
     from rfattn.kernels import common
 
     assert tuple(common.FEATURE_IDS) == KINDS
-    assert common._NP.value == len(TABLE_ROWS)
+    assert common.NP.value == len(TABLE_ROWS)

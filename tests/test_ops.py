@@ -219,7 +219,7 @@ def _check_head_maps_in_kernels(feature, weights, kernel_device, monkeypatch):
 
 def test_head_maps_of_the_wrong_shape_raise():
     """A form's qmap/kmap must be [heads, D, D], and the launchers check the heads."""
-    from rfattn.kernels.common import _setup
+    from rfattn.kernels.common import launch_setup
 
     from rfattn.features.form import KernelForm
 
@@ -231,4 +231,4 @@ def test_head_maps_of_the_wrong_shape_raise():
     q, k, v, form = _inputs("cpu")
     bad = dataclasses.replace(form, qmap=torch.zeros(H + 1, D, D, dtype=f64))
     with pytest.raises(ValueError, match=rf"qmap must be \[{H}, {D}, {D}\]"):
-        _setup(q, k, v, bad, D**-0.5, None)
+        launch_setup(q, k, v, bad, D**-0.5, None)

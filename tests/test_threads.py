@@ -22,10 +22,10 @@ class Clocks:
 @pytest.fixture
 def clocks(monkeypatch):
     c = Clocks()
-    monkeypatch.setattr(threads, "_wall", lambda: c.wall)
-    monkeypatch.setattr(threads, "_cpu", lambda: c.cpu)
-    monkeypatch.setattr(threads, "_hold", {"until": float("-inf"), "threads": 0})
-    monkeypatch.setattr(threads, "_warm", {"done": True})
+    monkeypatch.setattr(threads, "wall_clock", lambda: c.wall)
+    monkeypatch.setattr(threads, "cpu_clock", lambda: c.cpu)
+    monkeypatch.setattr(threads, "hold_until", {"until": float("-inf"), "threads": 0})
+    monkeypatch.setattr(threads, "warm", {"done": True})
     monkeypatch.setattr(threads, "ENABLED", True)
     before = torch.get_num_threads()
     torch.set_num_threads(4)
@@ -77,10 +77,10 @@ def test_a_quiet_process_keeps_its_threads(clocks):
 def test_the_first_call_of_a_process_is_not_measured(clocks, monkeypatch):
     """Libraries initialise during the first call, on one thread: it would look like
     contention."""
-    monkeypatch.setattr(threads, "_warm", {"done": False})
+    monkeypatch.setattr(threads, "warm", {"done": False})
     with threads.adaptive(CPU):
         assert windows(clocks, 0.5, 0.5, 0.5, 0.5) == [4] * 4
-    assert threads._warm["done"]
+    assert threads.warm["done"]
     with threads.adaptive(CPU):
         assert windows(clocks, 0.5, 0.5) == [4, 1]
 
@@ -100,7 +100,7 @@ def test_no_change_where_it_does_not_apply(clocks, monkeypatch, case):
                 assert seen == [n, 1]
                 return
             assert seen == [n] * 2
-    assert threads._hold["until"] == float("-inf")
+    assert threads.hold_until["until"] == float("-inf")
 
 
 def test_a_call_that_lowers_its_threads_gives_the_same_results(clocks, monkeypatch):
@@ -130,10 +130,10 @@ def test_a_call_that_lowers_its_threads_gives_the_same_results(clocks, monkeypat
         threads.ENABLED = False
         want = run(causal)
         threads.ENABLED = True
-        threads._hold["until"] = float("-inf")
+        threads.hold_until["until"] = float("-inf")
         monkeypatch.setattr(threads, "check", busy_check)
         got = run(causal)
         monkeypatch.setattr(threads, "check", real_check)
-        assert threads._hold["threads"] == 1 and torch.get_num_threads() == 2
+        assert threads.hold_until["threads"] == 1 and torch.get_num_threads() == 2
         for a, b in zip(got, want, strict=True):
             assert rel_rms(a, b) <= tolerance(torch.float64, "grad")
