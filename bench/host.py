@@ -21,12 +21,13 @@ per call:
   ``gpu_operations`` = launches + GPU-side torch ops;
 * tensors made from host data (``aten.lift_fresh``) and syncs (``_local_scalar_dense``,
   ``nonzero``, ...), by name;
-* ``gpu_ops_cpu_us``: the time the CPU spent inside the GPU-side torch ops (their CPU kernels as
-  they ran in the call; the median of 5 counted calls). It is part of host µs here, while on a
-  GPU those ops cost the host only their dispatch and launch: ``host_us_p50_less_gpu_ops`` (host
-  µs p50 less it, a rough estimate: two medians of different calls) is the closer figure where
-  it is large (the split partials' sums of a non-causal backward: 8 MB for posrf, 151 MB for
-  hrf, whose F is 18 M, at the large shape).
+* ``gpu_ops_cpu_us``: the time spent inside the GPU-side torch ops (their dispatch below the
+  counting mode and their CPU kernels, as they ran in the call; the median of 5 counted calls).
+  It is part of host µs here, while on a GPU those ops cost the host only their dispatch and
+  launch: where it is large, host µs overstates a GPU's host time by most of it (the split
+  partials' sums of a non-causal backward read 8 MB for posrf, 151 MB for hrf, whose F is 18 M,
+  at the large shape). Host µs less it would understate (it takes the ops' dispatch off too)
+  and mixes two medians of different calls, so it is not reported.
 
 The measuring process (a child of ``python -m bench.host``) runs with one torch thread, the
 interpreter off, glibc's heap kept (:data:`MALLOC_ENV`: freed buffers are reused as the CUDA
@@ -245,7 +246,6 @@ def measure(feature: str, case: str, shape_name: str, dtype, reps: int, warmup: 
         "gpu_ops_cpu_us": 1e6 * sum(op_seconds.values()),
         "gpu_ops_cpu_us_by_name": {n: 1e6 * t for n, t in op_seconds.items()},
         "counts_stable": same,
-        "host_us_p50_less_gpu_ops": _percentile(times, 50) - 1e6 * sum(op_seconds.values()),
         "gpu_operations": launches + gpu_ops,
         "host_copies": mode.of_kind("copy"),
         "syncs": mode.of_kind("sync"),
@@ -305,18 +305,17 @@ def _short(d: dict, width: int = 46) -> str:
 
 
 HEADER = (f"{'feature':<7} {'case':<18} {'shape':<6} {'p10 us':>7} {'p50 us':>7} {'op cpu':>6} "
-          f"{'p50-op':>6} {'launch':>6} {'gpu op':>6} {'copies':>6} {'syncs':>5}  gpu ops by name")
+          f"{'launch':>6} {'gpu op':>6} {'copies':>6} {'syncs':>5}  gpu ops by name")
 
 
 def row_line(r: dict) -> str:
-    """One row of the printed table (``op cpu``: µs the CPU spends in the GPU-side torch ops;
-    ``p50-op``: p50 less that)."""
+    """One row of the printed table (``op cpu``: µs the CPU spends in the GPU-side torch ops)."""
     if "error" in r:
         return f"{r['feature']:<7} {r['case']:<18} {r['shape']:<6} ERROR {r['error']}"
     return (
         f"{r['feature']:<7} {r['case']:<18} {r['shape']:<6} {r['host_us']['p10']:>7.0f} "
         f"{r['host_us']['p50']:>7.0f} {r['gpu_ops_cpu_us']:>6.0f} "
-        f"{r['host_us_p50_less_gpu_ops']:>6.0f} {r['triton_launches']:>6} {r['gpu_ops']:>6} "
+        f"{r['triton_launches']:>6} {r['gpu_ops']:>6} "
         f"{sum(r['host_copies'].values()):>6} {sum(r['syncs'].values()):>5}  "
         f"{_short(r['gpu_ops_by_name'])}"
     )
