@@ -7,45 +7,25 @@ tensor on the host (``_local_scalar_dense``: ``.item()``, ``int()``, ``bool()``)
 size depends on the data (``nonzero``, ``repeat_interleave`` without ``output_size``...), and
 ``equal``. On CUDA each of these would stall the host on the GPU or copy through it."""
 
-import collections
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from rfattn.kernels.common import INTERPRET
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import rfattn
 from rfattn.features import VALID_WEIGHTS
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ lives at the root
+
+from bench.opcount import COPIES, SYNCS  # noqa: E402
+from bench.opcount import OpCounter as _Count  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="counts the launchers' host side under "
                                 "the interpreter (launches replaced by no-ops)")  # fmt: skip
 
 FUSED = ["trigrf", "posrf", "hyprf", "gerf", "oprf", "saderf", "hrf", "rmf"]
-COPIES = {"lift_fresh"}
-SYNCS = {"_local_scalar_dense", "is_nonzero", "nonzero", "equal", "masked_select", "unique",
-         "_unique2", "bincount"}  # fmt: skip
-
-
-class _Count(TorchDispatchMode):
-    """Counts every op by name; the operators of rfattn run their bodies under this mode too."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func.__name__.split(".")[0]
-        if name == "repeat_interleave" and kwargs.get("output_size") is None and \
-                func.__name__ != "repeat_interleave.self_int":  # fmt: skip
-            name = "repeat_interleave (sized by the data)"
-            SYNCS.add(name)
-        self.ops[name] += 1
-        if func.namespace == "rfattn":  # run the operator's body where this mode sees it
-            with self:
-                return func.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args,
-                                       **kwargs)  # fmt: skip
-        return func(*args, **kwargs)
 
 
 @pytest.fixture
