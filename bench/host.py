@@ -89,34 +89,14 @@ POSRF_US_CEILING = {"fwd": 50, "fwd+bwd": 120}
 
 def route_cpu_tensors_to_triton() -> dict:
     """Make rfattn's fused operators launch their Triton kernels on CPU tensors with the
-    interpreter off (what they do on CUDA tensors); returns what was changed.
-
-    rfattn has no public switch for this; these are the two places that decide (rfattn at the
-    commit this was written against): ``rfattn.autograd.TORCH_ON_CPU`` (the operators run their
-    torch kernels on CPU tensors when the interpreter is off) and ``rfattn.kernels.common.
-    INTERPRET``, read after import only by the launchers' CPU-tensor guard (``_check_inputs``)
-    and by ``_splits``, which picks 2 splits for any non-CUDA tensor either way. Raises, naming
-    them, where they are gone (a refactor moved the decision: this function must follow it)."""
+    interpreter off (what they do on CUDA tensors): ``rfattn.kernels.common.FAKE_DEVICE``, the
+    one switch the operators and the launchers read. Returns what was changed."""
     from rfattn.kernels import common
 
-    from rfattn import autograd
-
-    missing = [name for mod, attr, name in (
-        (autograd, "TORCH_ON_CPU", "rfattn.autograd.TORCH_ON_CPU"),
-        (common, "INTERPRET", "rfattn.kernels.common.INTERPRET"),
-    ) if not hasattr(mod, attr)]  # fmt: skip
-    if missing:
-        raise RuntimeError(
-            f"bench.host: rfattn no longer has {', '.join(missing)}; find what now sends CPU "
-            "tensors to the operators' torch kernels and what refuses them in the launchers, "
-            "and update bench.host.route_cpu_tensors_to_triton"
-        )
-    if common.INTERPRET and not getattr(common, "_bench_host_routed", False):
+    if common.INTERPRET:
         raise RuntimeError("bench.host needs the Triton interpreter off: unset TRITON_INTERPRET")
-    autograd.TORCH_ON_CPU = False
-    common.INTERPRET = True
-    common._bench_host_routed = True
-    return {"rfattn.autograd.TORCH_ON_CPU": False, "rfattn.kernels.common.INTERPRET": True}
+    common.FAKE_DEVICE = True
+    return {"rfattn.kernels.common.FAKE_DEVICE": True}
 
 
 def _percentile(sorted_values: list[float], p: float) -> float:

@@ -42,6 +42,10 @@ from triton.runtime.errors import OutOfResources
 
 #: Whether kernels were decorated under the Triton interpreter (read once, at import).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+#: CPU tensors stand for a GPU's: the launchers launch the compiled kernels on them through
+#: whatever driver Triton has (``bench.host``'s fake sm_90 driver, which runs no kernel), and
+#: the operators (:mod:`rfattn.ops`) take the Triton path for them. Set by that benchmark only.
+FAKE_DEVICE = False
 
 
 #: kernels launched without autotuning -> a constexpr tile that only loops inside the kernel (no
@@ -542,7 +546,7 @@ def _check_inputs(q, k, v, w, key_padding_mask) -> None:
         key_padding_mask.dtype != torch.bool or key_padding_mask.shape != (k.shape[0], k.shape[2])
     ):
         raise ValueError(f"key_padding_mask must be bool [B, Tk], got {key_padding_mask.shape}")
-    if q.device.type == "cpu" and not INTERPRET:
+    if q.device.type == "cpu" and not (INTERPRET or FAKE_DEVICE):
         raise RuntimeError(
             "Triton kernels on CPU tensors need the interpreter: set TRITON_INTERPRET=1 before "
             "rfattn.kernels is first imported (or use backend='torch')"

@@ -52,6 +52,7 @@ from rfattn.features.base import (
     query_features,
 )
 from rfattn.features.form import KernelForm
+from rfattn.kernels import common as kernel_common
 from rfattn.kernels import rf_chunk as rf_chunk_kernels
 from rfattn.kernels import rf_parallel as rf_parallel_kernels
 from rfattn.kernels import rf_recurrent as rf_recurrent_kernels
@@ -114,8 +115,8 @@ TORCH_ON_CPU = not INTERPRET
 
 def on_torch(q: torch.Tensor) -> bool:
     """Whether the operators run their torch kernels for ``q`` (a CPU tensor without the
-    Triton interpreter)."""
-    return TORCH_ON_CPU and q.device.type == "cpu"
+    Triton interpreter, unless ``rfattn.kernels.common.FAKE_DEVICE``)."""
+    return TORCH_ON_CPU and q.device.type == "cpu" and not kernel_common.FAKE_DEVICE
 
 
 # ------------------------------------------------------------------------------------------------
