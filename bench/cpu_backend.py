@@ -30,6 +30,7 @@ with ``exp2`` (``rfattn.features.base.exp_diff``, as it does now), each includin
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -268,6 +269,10 @@ def main(argv=None) -> int:
     p.add_argument("--save-results", action="store_true", help="write to bench/results/<device>/")
     p.add_argument("--notes", default="")
     args = p.parse_args(argv)
+    # the adaptive thread count (opt-in in the library) in this process and its children, as
+    # in every committed run
+    os.environ["RFATTN_ADAPTIVE_THREADS"] = "1"
+    rfattn.threads.ENABLED = True
     write_results(run(args), "cpu_backend", args.out, args.save_results, plot)
     return 0
 

@@ -20,7 +20,9 @@ whatever the size of the calls (measured here at T = 512 to 8192, both modes).
 
 It changes ``torch.set_num_threads`` for the duration of a call: process-wide for MKL, so a
 second thread of the process running torch ops at that moment runs its matrix products on the
-lowered count too. ``ENABLED = False`` turns it off.
+lowered count too. A library should not change process-wide state behind its caller's back, so
+it is off unless asked for (:data:`ENABLED`, ``RFATTN_ADAPTIVE_THREADS=1``); ``bench.cpu_backend``
+turns it on, as its committed runs had it.
 
 A large call is not left to that: :func:`over_heads` runs its heads in contiguous parts, one
 per intra-op thread, each on a worker thread with one intra-op thread of its own, so no op
@@ -52,8 +54,10 @@ __all__ = [
     "HEADS_MIN_ELEMENTS",
 ]
 
-#: False: always run on torch's configured thread count
-ENABLED = True
+#: True: adapt the thread count during a call (it changes ``torch.set_num_threads``, a process-wide
+#: setting, while the call runs), so it is opt-in: ``RFATTN_ADAPTIVE_THREADS=1`` in the
+#: environment, or set this; False (default): always run on torch's configured thread count
+ENABLED = os.environ.get("RFATTN_ADAPTIVE_THREADS", "0") == "1"
 #: the shortest wall time (seconds) a measurement covers
 WINDOW_S = 0.02
 #: how long (seconds) a lowered count starts the next calls

@@ -137,3 +137,18 @@ def test_a_call_that_lowers_its_threads_gives_the_same_results(clocks, monkeypat
         assert threads.hold_until["threads"] == 1 and torch.get_num_threads() == 2
         for a, b in zip(got, want, strict=True):
             assert rel_rms(a, b) <= tolerance(torch.float64, "grad")
+
+
+def test_adaptation_is_opt_in():
+    """A library call leaves torch's process-wide thread count alone unless asked: the
+    adaptation is off by default and on with RFATTN_ADAPTIVE_THREADS=1 (issue 35)."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import rfattn.threads as t; print(t.ENABLED)"
+    env = {k: v for k, v in os.environ.items() if k != "RFATTN_ADAPTIVE_THREADS"}
+    run = [sys.executable, "-c", code]
+    assert subprocess.run(run, env=env, capture_output=True, text=True).stdout.strip() == "False"
+    env["RFATTN_ADAPTIVE_THREADS"] = "1"
+    assert subprocess.run(run, env=env, capture_output=True, text=True).stdout.strip() == "True"
