@@ -156,6 +156,79 @@ def _errors(layers: dict, captured: dict, batches=None) -> dict[str, torch.Tenso
     return out
 
 
+def _valid_runs(mask: torch.Tensor) -> list[tuple[int, int]] | None:
+    """``(start, length)`` of each row's valid positions in a padding mask ``[B, T]`` (True =
+    padded); None when a row's valid positions are not one run."""
+    valid = ~mask
+    lengths = valid.sum(-1)
+    starts = torch.where(lengths > 0, valid.to(torch.int8).argmax(-1), 0)
+    pos = torch.arange(mask.shape[1], device=mask.device)
+    if not torch.equal((pos >= starts[:, None]) & (pos < (starts + lengths)[:, None]), valid):
+        return None
+    return list(zip(starts.tolist(), lengths.tolist(), strict=True))
+
+
+def _packed(calls: list[_Call], rows: list[tuple[int, int, int, int]]) -> _Call:
+    """One call of the valid runs ``rows`` (``(length, batch, row, start)``) of ``calls``,
+    right-padded to the longest (with zeros, masked)."""
+    longest = max(n for n, *_ in rows)
+
+    def take(name):
+        parts = [getattr(calls[i], name)[r, :, s : s + n] for n, i, r, s in rows]
+        return torch.stack([torch.nn.functional.pad(x, (0, 0, 0, longest - x.shape[1]))
+                            for x in parts])  # fmt: skip
+
+    first = calls[0]
+    lengths = torch.tensor([n for n, *_ in rows], device=first.q.device)
+    mask = torch.arange(longest, device=first.q.device) >= lengths[:, None]
+    return first._replace(q=take("q"), k=take("k"), v=take("v"), target=take("target"),
+                          key_padding_mask=mask, query_padding_mask=mask)  # fmt: skip
+
+
+def _regrouped(per: list[list[_Call]], order: list[int]) -> list[list[_Call]] | None:
+    """A layer's recordings (one list of calls per batch) without their padding: every batch
+    row's valid tokens taken out, the rows sorted by length and packed into as many groups as
+    there were batches (as many rows each as can be), each padded to its longest row only, the
+    groups in ``order``. Self-attention rows are independent, so the loss over all the groups is
+    the loss over all the batches, while a step on a group costs about its valid tokens rather
+    than a batch's padded length (half of the calibration time on padded sentences). None (keep
+    the batches) unless every batch made one self-attention call (Tq == Tk, the padded queries
+    those of the keys, each row's valid tokens one run) with the same settings, and some
+    position is padded."""
+    if any(len(calls) != 1 for calls in per):
+        return None
+    calls = [calls[0] for calls in per]
+
+    def settings(c):
+        return (c.causal, c.scale, c.backend, c.q.dtype, c.q.shape[1], c.k.shape[1],
+                c.q.shape[3], c.v.shape[3])  # fmt: skip
+
+    rows, padded = [], False
+    for i, c in enumerate(calls):
+        kpm, qpm = c.key_padding_mask, c.query_padding_mask
+        if settings(c) != settings(calls[0]) or c.q.shape[2] != c.k.shape[2] or kpm is None:
+            return None
+        if (qpm is None and bool(kpm.any())) or (qpm is not None and not torch.equal(qpm, kpm)):
+            return None  # padded queries in the loss (or a query mask of their own)
+        runs = _valid_runs(kpm)
+        if runs is None:
+            return None
+        padded = padded or bool(kpm.any())
+        rows += [(n, i, r, s) for r, (s, n) in enumerate(runs) if n > 0]  # no valid row: no loss
+    if not padded or len(rows) < len(calls):
+        return None
+    rows.sort()
+    groups = [[_packed(calls, part)] for part in _parts(rows, len(calls))]
+    return [groups[j] for j in order]
+
+
+def _parts(items: list, n: int) -> list[list]:
+    """``items`` cut into ``n`` consecutive parts whose lengths differ by at most one."""
+    size, extra = divmod(len(items), n)
+    bounds = [i * size + min(i, extra) for i in range(n + 1)]
+    return [items[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
 @dataclass
 class CalibrationReport:
     """What :func:`calibrate` did: per layer the relative squared error of the attention output
@@ -409,7 +482,9 @@ def calibrate(
             positional ones, or one tensor. Padding is respected: padded keys take no part,
             padded queries no part in the loss.
         steps: optimiser steps (Adam), each on one batch's recordings of every layer, cycling
-            through the batches; 0 (or only ``"stats"``) trains nothing.
+            through the batches (for self-attention, through as many groups of the batches'
+            rows, regrouped by length without their padding); 0 (or only ``"stats"``) trains
+            nothing.
         lr: Adam's learning rate at the first step; it decays to 0 along a cosine.
         params: what is calibrated, a subset of :data:`CALIBRATION_PARAMS` (a str for one).
         seed: an int, seeds torch's generator for the call (restored afterwards): the same
@@ -475,6 +550,11 @@ def calibrate(
                 before = _floats(_errors(layers, captured))
             if "stats" in params:
                 _fix_statistics(model, layers, captured)
+            # the steps run on the batches' rows without their padding (see _regrouped),
+            # each layer's recordings replaced in turn to keep one copy in memory
+            order = torch.randperm(len(batches)).tolist()
+            for name, per in captured.items():
+                captured[name] = _regrouped(per, order) or per
             trainable = _trainable(model, layers, params, captured)
             opt = torch.optim.Adam(trainable, lr=lr) if trainable else None
             # cosine decay to 0: large steps first, then settle (one batch per step is noisy)

@@ -408,6 +408,57 @@ def test_bad_arguments_name_themselves():
     assert rfattn.calibrate(model, one, steps=1, seed=2**63, progress=False).steps == 1
 
 
+def _llama():
+    """A tiny grouped-query Llama (4 query heads, 2 key/value heads), M = 16 features."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    rfhf.attach_random_features(model, num_features=16, seed=0)
+    model.set_attn_implementation("rfattn")
+    return model
+
+
+@pytest.mark.parametrize("arch", ["bert-right-padded", "llama-left-padded"])
+def test_steps_run_on_the_rows_without_their_padding(arch, monkeypatch):
+    """The steps take each batch row's valid tokens only, the rows regrouped by length into as
+    many groups as batches: an epoch of steps costs the valid tokens plus the groups' own
+    padding, not the batches' padded length (before: every padded position, half of
+    bench.calibrate's tokens); the error after, computed on the groups, is the error on the
+    batches, non-causal and causal with left padding."""
+    from rfattn import calibration
+
+    lengths = [(20, 5), (20, 6), (6, 20), (5, 20)]  # sorted: groups (5, 5) (6, 6) (20, 20) x 2
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for row_lengths in lengths:
+        mask = torch.zeros(2, T, dtype=torch.long)
+        for r, n in enumerate(row_lengths):
+            mask[r, :n] = 1
+        if arch == "llama-left-padded":
+            mask = mask.flip(-1)
+        batches.append({"input_ids": torch.randint(0, V, (2, T), generator=g),
+                        "attention_mask": mask})  # fmt: skip
+    sizes = []
+    run = calibration._rf_output
+
+    def counting(call, rf):
+        sizes.append(call.q.shape[0] * call.q.shape[2])
+        return run(call, rf)
+
+    monkeypatch.setattr(calibration, "_rf_output", counting)
+    model = _bert() if arch == "bert-right-padded" else _llama()
+    report = rfattn.calibrate(model, batches, steps=4, lr=0.05, progress=False)
+    n = 2 * len(batches)  # the report's before and after: every layer on every batch or group
+    assert sum(sizes[:n]) == 2 * 8 * T
+    assert sum(sizes[n:-n]) == sum(sizes[-n:]) == 2 * (10 + 12 + 40 + 40)
+    after = calibration.attention_errors(model, batches)
+    assert after.keys() == report.after.keys()
+    for name, err in after.items():
+        assert report.after[name] == pytest.approx(err, rel=1e-5), name
+
+
 def test_bad_calls_raise_clear_errors():
     model = _bert()
     with pytest.raises(ValueError, match="params must be"):
