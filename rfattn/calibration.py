@@ -487,11 +487,11 @@ def calibrate(
             nothing.
         lr: Adam's learning rate at the first step; it decays to 0 along a cosine.
         params: what is calibrated, a subset of :data:`CALIBRATION_PARAMS` (a str for one).
-            The defaults (head maps and W, 200 steps at lr 0.02) take all-MiniLM-L6-v2 at
-            M = 256 from a mean embedding cosine to softmax of 0.72 to 0.96 on held-out text,
-            calibrated on 256 paragraphs in about two minutes on 2 CPU cores
-            (``python -m bench.calibrate``); the head maps alone reached 0.94-0.95, and 150
-            steps 0.95.
+            The defaults (head maps and W, 200 steps at lr 0.02) take all-MiniLM-L6-v2 with
+            posrf at M = 256 from a mean embedding cosine to softmax of 0.72 to 0.96 on held-out
+            text, calibrated on 256 paragraphs in about two minutes on 2 CPU cores (``python -m
+            bench.calibrate``; oprf 0.95, saderf just under); the head maps alone reached 0.95,
+            150 steps 0.95, 300 steps 0.96-0.97.
         seed: an int, seeds torch's generator for the call (restored afterwards): the same
             model, batches and seed give the same calibrated parameters.
         progress: a progress bar on stderr (a bool).
