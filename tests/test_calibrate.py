@@ -1,5 +1,7 @@
 """Issue 19: rfattn.calibrate (attention transfer) and the head maps it trains; tiny models."""
 
+from collections.abc import Mapping
+
 import pytest
 import torch
 
@@ -299,6 +301,162 @@ def test_calibrate_rfattn_layers():
     report = rfattn.calibrate(layer, xs, steps=150, lr=0.05, progress=False)
     (name,) = report.before
     assert report.after[name] < report.before[name] / 2, str(report)
+
+
+class _Inputs(Mapping):
+    """A Mapping of keyword arguments that is no dict (as a tokenizer's BatchEncoding is not)."""
+
+    def __init__(self, **kwargs):
+        self._kwargs = kwargs
+
+    def __getitem__(self, key):
+        return self._kwargs[key]
+
+    def __iter__(self):
+        return iter(self._kwargs)
+
+    def __len__(self):
+        return len(self._kwargs)
+
+
+def _padded_rows(batches):
+    """The rows of ``batches`` one by one, each a dict of [T] tensors (a DataLoader's dataset)."""
+    return [{k: t[i] for k, t in b.items()} for b in batches for i in range(len(b["input_ids"]))]
+
+
+def test_any_mapping_of_keyword_arguments_is_a_batch():
+    """A tokenizer's BatchEncoding, another Mapping, and DataLoaders yielding dicts or
+    BatchEncodings (transformers' collators return one) calibrate as the same dicts do; the
+    reports, maps and losses are equal. Before: BatchEncoding, a Mapping but no dict, was passed
+    to the model as its input_ids (AttributeError deep inside the embeddings)."""
+    from torch.utils.data import DataLoader
+
+    def run(batches):
+        model = _bert()
+        rep = rfattn.calibrate(model, batches, steps=4, lr=0.05, progress=False)
+        return rep, _maps(model)
+
+    ref, ref_maps = run(_batches())
+    encodings = [transformers.BatchEncoding(b) for b in _batches()]
+    assert not isinstance(encodings[0], dict)
+    rows = _padded_rows(_batches())
+
+    def to_encoding(items):
+        return transformers.BatchEncoding(torch.utils.data.default_collate(items))
+
+    for batches in (encodings, [_Inputs(**b) for b in _batches()], DataLoader(rows, batch_size=2),
+                    DataLoader(rows, batch_size=2, collate_fn=to_encoding)):  # fmt: skip
+        rep, maps = run(batches)
+        assert rep.before == ref.before and rep.after == ref.after and rep.losses == ref.losses
+        assert all(torch.equal(a, b) for a, b in zip(maps, ref_maps, strict=True))
+    errs = rfattn.calibration.attention_errors(_bert(), encodings)
+    assert errs == rfattn.calibration.attention_errors(_bert(), _batches())
+    with pytest.raises(ValueError, match="got one BatchEncoding: wrap a single batch in a list"):
+        rfattn.calibrate(_bert(), encodings[0])  # before: its keys, as input_ids
+
+
+def test_rfattn_layers_calibrate_from_a_data_loader():
+    """rfattn's own layers from a DataLoader of a TensorDataset (batches of [x]) and of plain
+    tensors: the same as the list of tensors."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    xs = torch.randn(6, T, 32, generator=torch.Generator().manual_seed(0))
+    reports = []
+    for batches in (list(xs.split(2)), DataLoader(TensorDataset(xs), batch_size=2),
+                    DataLoader(xs, batch_size=2)):  # fmt: skip
+        torch.manual_seed(0)
+        layer = rfattn.RFAttention(32, 2, num_features=16, seed=0).eval()
+        reports.append(rfattn.calibrate(layer, batches, steps=3, lr=0.05, progress=False))
+    assert all(r.losses == reports[0].losses and r.after == reports[0].after for r in reports)
+
+
+def test_bad_arguments_name_themselves():
+    """Every argument of calibrate of the wrong type or value raises naming it (before:
+    params=None a bare "'NoneType' object is not iterable", seed='a' an int() message,
+    lr=True, seed=1.5 and progress='no' accepted)."""
+    model = _bert()
+    one = _batches(1)
+    bad = [
+        (dict(params=None), TypeError, "params must be a str or a tuple"),
+        (dict(params=3), TypeError, "params must be a str or a tuple"),
+        (dict(params=()), ValueError, "params must be a non-empty subset"),
+        (dict(seed="a"), ValueError, "seed must be an int"),
+        (dict(seed=1.5), ValueError, "seed must be an int"),
+        (dict(seed=True), ValueError, "seed must be an int"),
+        (dict(seed=2**64), ValueError, "seed must be an int"),
+        (dict(lr=True), ValueError, "lr must be"),
+        (dict(lr="0.1"), ValueError, "lr must be"),
+        (dict(lr=float("inf")), ValueError, "lr must be"),
+        (dict(steps="5"), ValueError, "steps must be"),
+        (dict(progress="no"), TypeError, "progress must be a bool"),
+    ]
+    for kwargs, error, match in bad:
+        with pytest.raises(error, match=match):
+            rfattn.calibrate(model, one, **{"steps": 1, "progress": False, **kwargs})
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        rfattn.calibrate("bert", one)
+    with pytest.raises(TypeError, match="batches must be an iterable"):
+        rfattn.calibrate(model, 3)
+    with pytest.raises(ValueError, match="got one str: wrap"):
+        rfattn.calibrate(model, "some text")
+    with pytest.raises(TypeError, match=r"batches\[1\] is str, not model inputs"):
+        rfattn.calibrate(model, [one[0], "some text"])  # untokenised text
+    with pytest.raises(TypeError, match=r"batches\[0\] is NoneType"):
+        rfattn.calibration.attention_errors(model, [None])
+    # the calls above changed nothing: the model is still plain
+    assert not any(n.endswith("_map") for n, _ in model.named_parameters())
+    assert rfattn.calibrate(model, one, steps=1, seed=2**63, progress=False).steps == 1
+
+
+def _llama():
+    """A tiny grouped-query Llama (4 query heads, 2 key/value heads), M = 16 features."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    rfhf.attach_random_features(model, num_features=16, seed=0)
+    model.set_attn_implementation("rfattn")
+    return model
+
+
+@pytest.mark.parametrize("arch", ["bert-right-padded", "llama-left-padded"])
+def test_steps_run_on_the_rows_without_their_padding(arch, monkeypatch):
+    """The steps take each batch row's valid tokens only, the rows regrouped by length into as
+    many groups as batches: an epoch of steps costs the valid tokens plus the groups' own
+    padding, not the batches' padded length (before: every padded position, half of
+    bench.calibrate's tokens); the error after, computed on the groups, is the error on the
+    batches, non-causal and causal with left padding."""
+    from rfattn import calibration
+
+    lengths = [(20, 5), (20, 6), (6, 20), (5, 20)]  # sorted: groups (5, 5) (6, 6) (20, 20) x 2
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for row_lengths in lengths:
+        mask = torch.zeros(2, T, dtype=torch.long)
+        for r, n in enumerate(row_lengths):
+            mask[r, :n] = 1
+        if arch == "llama-left-padded":
+            mask = mask.flip(-1)
+        batches.append({"input_ids": torch.randint(0, V, (2, T), generator=g),
+                        "attention_mask": mask})  # fmt: skip
+    sizes = []
+    run = calibration._rf_output
+
+    def counting(call, rf):
+        sizes.append(call.q.shape[0] * call.q.shape[2])
+        return run(call, rf)
+
+    monkeypatch.setattr(calibration, "_rf_output", counting)
+    model = _bert() if arch == "bert-right-padded" else _llama()
+    report = rfattn.calibrate(model, batches, steps=4, lr=0.05, progress=False)
+    n = 2 * len(batches)  # the report's before and after: every layer on every batch or group
+    assert sum(sizes[:n]) == 2 * 8 * T
+    assert sum(sizes[n:-n]) == sum(sizes[-n:]) == 2 * (10 + 12 + 40 + 40)
+    after = calibration.attention_errors(model, batches)
+    assert after.keys() == report.after.keys()
+    for name, err in after.items():
+        assert report.after[name] == pytest.approx(err, rel=1e-5), name
 
 
 def test_bad_calls_raise_clear_errors():

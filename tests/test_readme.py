@@ -8,6 +8,7 @@ After a block runs, the claims it states in its comments are checked on what it 
 
 from __future__ import annotations
 
+import inspect
 import re
 from pathlib import Path
 
@@ -113,16 +114,40 @@ def test_hugging_face():
         torch.testing.assert_close(model(ids).logits, logits, rtol=0, atol=0)
 
 
+def _word_tokenizer(texts):
+    """A real tokenizer (word level, built offline, pad token 0) over the words of ``texts``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    transformers = pytest.importorskip("transformers")
+    words = sorted({w for t in texts for w in t.split()})
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{w: i + 2 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]",
+                                                unk_token="[UNK]")  # fmt: skip
+
+
 def test_calibrate(tmp_path):
     transformers = pytest.importorskip("transformers")
     model = transformers.LlamaForCausalLM(_tiny_llama()).eval()
     g = torch.Generator().manual_seed(0)
-    batches = [dict(input_ids=torch.randint(0, 64, (2, 16), generator=g)) for _ in range(2)]
-    ns = _run("report = rfattn.calibrate(model, batches", model=model, batches=batches,
+    words = [f"w{i}" for i in range(40)]
+    texts = [" ".join(words[j] for j in torch.randint(0, 40, (n,), generator=g).tolist())
+             for n in torch.randint(3, 15, (40,), generator=g).tolist()]  # fmt: skip
+    tok = _word_tokenizer(texts)
+    ns = _run("report = rfattn.calibrate(model, batches", model=model, tok=tok, texts=texts,
               path=tmp_path)  # fmt: skip
-    assert isinstance(ns["report"], rfattn.CalibrationReport)
+    report = ns["report"]
+    assert isinstance(report, rfattn.CalibrationReport)
+    assert type(ns["batches"][0]).__name__ == "BatchEncoding"  # "the tokenizer's own output"
+    # "defaults: ..." as the comment says them, and what the call ran
+    defaults = inspect.signature(rfattn.calibrate).parameters
+    params, steps, lr = (defaults[k].default for k in ("params", "steps", "lr"))
+    assert f"params={params}, {steps} steps, lr {lr}" in _block("report = rfattn.calibrate(")
+    assert report.params == params and report.steps == steps
+    assert all(report.after[n] < report.before[n] for n in report.before), str(report)
     # "loads back with attn_implementation="rfattn"": the same logits
     back = transformers.LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="rfattn")
-    ids = batches[0]["input_ids"]
+    ids = ns["batches"][0]["input_ids"]
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, model(ids).logits)
