@@ -80,7 +80,7 @@ class _Call(NamedTuple):
 
     def error_terms(self, rf) -> tuple[torch.Tensor, torch.Tensor]:
         """``(sum |o_rf - o|^2, sum |o|^2)`` over the valid query rows, o_rf by ``rf`` now."""
-        out = _rf_output(self, rf)
+        out = rf_output(self, rf)
         rows = torch.ones(self.q.shape[0], 1, self.q.shape[2], 1, dtype=torch.bool,
                           device=self.q.device)  # fmt: skip
         if self.query_padding_mask is not None:
@@ -89,7 +89,9 @@ class _Call(NamedTuple):
         return diff, torch.where(rows, self.target**2, 0.0).sum()
 
 
-def _rf_output(call: _Call, rf) -> torch.Tensor:
+def rf_output(call: _Call, rf) -> torch.Tensor:
+    """The random-feature output of a recorded call with ``rf`` as it is now (a calibration
+    step's forward; tests count the tokens it runs)."""
     from rfattn.attention import rf_attention
 
     return rf_attention(call.q, call.k, call.v, rf, causal=call.causal,
@@ -356,7 +358,7 @@ def _fix_statistics(model, layers: dict, captured: dict) -> None:
                 calls = [c for per in captured[name] for c in per]
                 for i, call in enumerate(calls):
                     fm.momentum = 1.0 / (i + 1)  # the running value is the exact mean so far
-                    _rf_output(call, layers[name])
+                    rf_output(call, layers[name])
         finally:
             fm.momentum = momentum
             fm.train(training)

@@ -441,13 +441,13 @@ def test_steps_run_on_the_rows_without_their_padding(arch, monkeypatch):
         batches.append({"input_ids": torch.randint(0, V, (2, T), generator=g),
                         "attention_mask": mask})  # fmt: skip
     sizes = []
-    run = calibration._rf_output
+    run = calibration.rf_output
 
     def counting(call, rf):
         sizes.append(call.q.shape[0] * call.q.shape[2])
         return run(call, rf)
 
-    monkeypatch.setattr(calibration, "_rf_output", counting)
+    monkeypatch.setattr(calibration, "rf_output", counting)
     model = _bert() if arch == "bert-right-padded" else _llama()
     report = rfattn.calibrate(model, batches, steps=4, lr=0.05, progress=False)
     n = 2 * len(batches)  # the report's before and after: every layer on every batch or group
