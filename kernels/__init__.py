@@ -1,8 +1,8 @@
 """Triton kernels of rfattn, installed as ``rfattn.kernels`` (never ``import kernels``).
 
 Only ``@triton.jit`` kernels, their configs and thin launchers live here: no autograd, no random
-draws, no imports from ``rfattn``. Submodules are imported lazily by ``rfattn.autograd`` and
-``rfattn.attention`` so that ``import rfattn`` never touches Triton or a GPU driver.
+draws, no imports from ``rfattn``. Submodules are imported lazily by ``rfattn.ops`` and
+``rfattn.fused`` so that ``import rfattn`` never touches Triton or a GPU driver.
 
 * ``common``: the feature epilogues shared by every form (GERF family, signed table, rmf),
   loads and the launch setup;

@@ -1,4 +1,4 @@
-"""The fused forms as PyTorch operators (rfattn/autograd.py): schema, fake (meta) implementations
+"""The fused forms as PyTorch operators (rfattn/ops.py): schema, fake (meta) implementations
 and autograd registration checked by ``torch.library.opcheck``, and ``torch.compile`` with
 ``fullgraph=True`` seeing one operator per call (no graph break into the launchers).
 
