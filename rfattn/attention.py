@@ -129,8 +129,11 @@ def rf_attention(
                 scale=q.shape[-1] ** -0.5 if scale is None else float(scale), backend=backend,
                 query_padding_mask=query_padding_mask, initial_state=initial_state,
                 return_state=return_state, group=group)  # fmt: skip
-    hook = interception()
-    res = run(call) if hook is None else hook(call, run)  # rfattn.calibrate records calls
+    if 0 in (q.shape[0], q.shape[1], k.shape[1]):  # no batch rows or no heads: nothing to run
+        res = torch_path.empty_result(call)
+    else:
+        hook = interception()
+        res = run(call) if hook is None else hook(call, run)  # rfattn.calibrate records calls
     if return_state:
         return returned_state(*res, rf, True)
     return res
@@ -140,10 +143,8 @@ def run(call: Call):
     """``out`` (or ``(out, state)`` with ``return_state``) of a validated call: padded queries
     read as 0 and given output 0 (their cotangents dropped), the head maps of ``call.rf``
     (:meth:`RandomFeatures.map_tensors`) applied where q and k are read, then the backend."""
-    q, qpm = call.q, call.query_padding_mask
-    if 0 in (q.shape[0], q.shape[1], call.k.shape[1]):
-        return torch_path.empty_result(call)
-    q = padded_rows(q, qpm)
+    qpm = call.query_padding_mask
+    q = padded_rows(call.q, qpm)
     res = _attend(call.replace(q=q, maps=call.rf.map_tensors(q, call.k)))
     if qpm is None:
         return res

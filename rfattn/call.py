@@ -269,6 +269,12 @@ def use_fused(q, rf, causal) -> bool:
     return q.dtype in (torch.float32, torch.float16, torch.bfloat16)
 
 
+def runs_fused(q, rf, causal: bool, backend: str) -> bool:
+    """Whether ``backend`` runs a call on the fused kernels ("triton"; for "auto", a CUDA input
+    with a fused form)."""
+    return backend == "triton" or (backend == "auto" and use_fused(q, rf, causal))
+
+
 @dataclasses.dataclass(frozen=True)
 class Call:
     """One validated ``rf_attention`` call (:func:`rfattn.rf_attention`'s arguments, defaults
@@ -312,9 +318,7 @@ class Call:
     def fused(self) -> bool:
         """Whether the fused kernels run this call (``backend``, and for "auto" a CUDA input
         with a fused form)."""
-        return self.backend == "triton" or (
-            self.backend == "auto" and use_fused(self.q, self.rf, self.causal)
-        )
+        return runs_fused(self.q, self.rf, self.causal, self.backend)
 
     def replace(self, **changes) -> Call:
         """This call with some fields changed."""
@@ -334,12 +338,11 @@ class Call:
         of each become more rows of it (``[B, Hkv, G*Tq, D]``, query maps applied first, per
         query head), their padding mask repeated; :meth:`ungroup` returns its output to
         ``[B, H, Tq, E]``. The call itself when there is no grouping."""
-        G = self.groups
-        if G == 1 or self.causal:
+        if self.groups == 1 or self.causal:
             return self
         qmap, kmap = (None, None) if self.maps is None else self.maps
-        return self.replace(q=grouped(mapped(self.q, qmap), self.k.shape[1]),
-                            query_padding_mask=grouped_mask(self.query_padding_mask, G),
+        q, qpm = query_rows(mapped(self.q, qmap), self.k, self.query_padding_mask)
+        return self.replace(q=q, query_padding_mask=qpm,
                             maps=None if kmap is None else (None, kmap))  # fmt: skip
 
     def ungroup(self, out: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from rfattn import backends
 from rfattn.blocked import no_autocast
-from rfattn.call import Call, RFState, no_kernel_reason, query_rows, use_fused
+from rfattn.call import Call, RFState, no_kernel_reason, query_rows, runs_fused
 from rfattn.features import FEATURES, compute_dtype, prescale
 from rfattn.fused import kernel_form
 from rfattn.reference import linear_attention
@@ -368,8 +368,7 @@ def _fused_noncausal(q, rf, backend: str) -> bool:
     torch path's)."""
     from rfattn.ops import on_torch
 
-    fused = backend == "triton" or (backend == "auto" and use_fused(q, rf, False))
-    return fused and not on_torch(q)
+    return runs_fused(q, rf, False, backend) and not on_torch(q)
 
 
 def _noncausal(call: Call):

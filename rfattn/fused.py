@@ -48,8 +48,9 @@ def attend(call: Call, gpu_tiles=None):
         return ops.rf_parallel(q, k, v, form, scale, **kw)
     from rfattn.kernels.rf_recurrent import MAX_TOKENS
 
-    run = ops.rf_decode if not grad and q.shape[2] <= MAX_TOKENS else ops.rf_chunk  # decoding:
-    out, s, z, off = run(q, k, v, form, scale, initial_state=call.initial_state, **kw)  # 1 launch
+    # decoding (few tokens, no gradient): one launch, O(M (D + E)) per token
+    run = ops.rf_decode if not grad and q.shape[2] <= MAX_TOKENS else ops.rf_chunk
+    out, s, z, off = run(q, k, v, form, scale, initial_state=call.initial_state, **kw)
     return (out, RFState(s, z, off)) if call.return_state else out
 
 
