@@ -8,29 +8,15 @@ Public API (DESIGN §2)::
 ``import rfattn`` never imports Triton or touches a GPU driver: kernels load on first use.
 """
 
-from rfattn import reference, testing
+from rfattn import modules, reference, testing
 from rfattn.attention import RFState, rf_attention
 from rfattn.calibration import CalibrationReport, calibrate
 from rfattn.features import ALL_FEATURES
-from rfattn.modules import (
-    PPSBN,
-    FourierRPE,
-    RandomFeatures,
-    RFAttention,
-    RFMultiheadAttention,
-    layer_seed,
-    ppSBN,
-)
+from rfattn.modules import *  # noqa: F403 (the modules' public names: modules.__all__)
 from rfattn.weights import ALL_WEIGHTS
 
 __all__ = [
-    "RandomFeatures",
-    "PPSBN",
-    "ppSBN",
-    "FourierRPE",
-    "RFAttention",
-    "RFMultiheadAttention",
-    "layer_seed",
+    *modules.__all__,
     "rf_attention",
     "RFState",
     "calibrate",

@@ -80,7 +80,7 @@ def fastfood(
 ) -> torch.Tensor:
     """FastFood_F (spec §3.6): fixed random S, G, Pi, B; see the module docstring.
 
-    Args and Returns as in :func:`rfattn.weights.gaussian`.
+    Arguments as in :func:`rfattn.weights.draw_weights`.
     """
     check_sizes(num_rows, head_dim)
     check_generator(generator)

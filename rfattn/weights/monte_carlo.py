@@ -17,17 +17,9 @@ def gaussian(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Base Monte Carlo matrix: iid N(0, 1) entries (spec §3.1).
-
-    Args:
-        num_rows: M, the number of random features (rows).
-        head_dim: D, the query/key head dimension (columns).
-        generator: a CPU ``torch.Generator``; the draw is a pure function of its state.
-        device, dtype: where the result lives (default CPU, the default dtype).
-
-    Returns:
-        Tensor ``[M, D]``.
-    """
+    """Base Monte Carlo matrix: iid N(0, 1) entries ``[M, D]`` (spec §3.1). Arguments as every
+    registered matrix takes them (:func:`rfattn.weights.draw_weights`): the draw is a pure
+    function of the generator's state."""
     check_sizes(num_rows, head_dim)
     check_generator(generator)
     w = torch.randn(num_rows, head_dim, generator=generator, dtype=torch.float64)
@@ -48,7 +40,7 @@ def rademacher(
     ``E[w w^T] = I`` like N(0, I), with a smaller fourth moment. Not a spectral sample of the
     softmax kernel, so the exponential features do not accept it.
 
-    Args and Returns as in :func:`gaussian`.
+    Arguments as in :func:`rfattn.weights.draw_weights`.
     """
     check_sizes(num_rows, head_dim)
     check_generator(generator)

@@ -27,7 +27,7 @@ def orf(
     fresh N(0, I_D) vector). Every row is therefore marginally N(0, I_D), and rows inside one block
     are exactly orthogonal.
 
-    Args and Returns as in :func:`rfattn.weights.gaussian`.
+    Arguments as in :func:`rfattn.weights.draw_weights`.
     """
     check_sizes(num_rows, head_dim)
     check_generator(generator)
@@ -73,7 +73,7 @@ def sorf(
     (spec pitfall 15). The blocks are materialised with 3 fast transforms of the identity,
     ``O(P^2 log P)`` per block.
 
-    Args and Returns as in :func:`rfattn.weights.gaussian`.
+    Arguments as in :func:`rfattn.weights.draw_weights`.
     """
     check_sizes(num_rows, head_dim)
     check_generator(generator)

@@ -168,16 +168,9 @@ def sgq(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """The SGQ nodes ``[M, D]`` (deterministic; see :func:`sgq_rule` for the weights).
-
-    Args:
-        num_rows: M, one of ``sgq_sizes(D)``.
-        head_dim: D.
-        generator: a CPU ``torch.Generator``, validated but not used (the grid is not random).
-        device, dtype: where the result lives (default CPU, the default dtype).
-
-    Returns:
-        Tensor ``[M, D]``.
-    """
+    """The SGQ nodes ``[M, D]`` (deterministic; see :func:`sgq_rule` for the weights), M one of
+    ``sgq_sizes(D)``. Arguments as every registered matrix takes them
+    (:func:`rfattn.weights.draw_weights`); the generator is validated but not used (the grid is
+    not random)."""
     check_generator(generator)
     return sgq_rule(num_rows, head_dim, device=device, dtype=dtype)[0]
