@@ -46,7 +46,7 @@ Backward (features recomputed, never stored; same offsets m_i, m_K as the forwar
 4. ``_bwd_dqkv_kernel``, grid (Tq tiles + Tk tiles, B*H): dq of a query tile, or dk, dv of a
    key tile (one launch: the first cdiv(Tq, BT) programs take the queries);
 5. ``_bwd_dwk_kernel``, grid (F tiles, Tk splits, B*H): dW from keys (only when needed).
-The dW partials of both sides are summed in torch (``sum``, a fixed order), for learnable W only.
+The dW partials of both sides are summed in one torch ``sum`` (a fixed order; learnable W only).
 The atomics only count arrivals: every sum runs in a fixed order (bitwise repeatable).
 
 Feature forms: ``kernels/common.py`` (``FEATURE``: 0 gerf, 1 table, 2 rmf).
@@ -710,7 +710,9 @@ def rf_parallel_bwd(
         ds_part, dz_part = c.acc_empty(B * H * splits, M, E), c.acc_empty(B * H * splits, M)
     else:
         ds_part, dz_part = ds, dz  # unused
-    dw_part = c.acc_empty(B * H * splits, M, D) if need_dw else ds
+    # dW's partials: the query side's [B*H*splits], then the key side's [B*H*ksplits]
+    ksplits, kper = split_counts(Tk, B * H * NMT, dev, num_splits) if need_dw and Tk else (0, 0)
+    dw_part = c.acc_empty(B * H * (splits + ksplits), M, D) if need_dw else ds
     _bwd_ds_kernel[(NMT, splits, B * H)](
         q, c.w, *c.form_ptrs, s, z, mk, out, do, mq, den,
         ds_part, dz_part, dw_part, ds, dz, arrival_counters(dev, B * H * NMT),
@@ -730,16 +732,12 @@ def rf_parallel_bwd(
         )  # fmt: skip
     if not need_dw:
         return dq, dk, dv, None
-    # dW: the query side's partials and the key side's, summed in torch (learnable W only)
-    dw = dw_part.sum(0)
-    if Tk:
-        ksplits, kper = split_counts(Tk, B * H * NMT, dev, num_splits)
-        dwk_part = c.acc_empty(B * H * ksplits, M, D)
+    if ksplits:
         _bwd_dwk_kernel[(NMT, ksplits, B * H)](
-            k, v, c.w, c.pad[0], *c.form_ptrs, ds, dz, mk, dwk_part,
+            k, v, c.w, c.pad[0], *c.form_ptrs, ds, dz, mk, dw_part[B * H * splits :],
             Tk, H, ksplits, kper,
             *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
             HAS_PAD=c.has_pad, **c.meta,
         )  # fmt: skip
-        dw += dwk_part.sum(0)
-    return dq, dk, dv, dw.to(form.w.dtype)
+    # both sides' partials in one fixed-order torch sum (learnable W only)
+    return dq, dk, dv, dw_part.sum(0).to(form.w.dtype)
