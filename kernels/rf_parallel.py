@@ -93,7 +93,7 @@ from .common import (
     valid_keys,
 )
 
-__all__ = ["rf_parallel_fwd", "rf_parallel_bwd", "FEATURE_IDS", "INTERPRET"]
+__all__ = ["rf_parallel_fwd", "rf_parallel_bwd", "arrival_counters", "FEATURE_IDS", "INTERPRET"]
 
 
 @triton.jit
