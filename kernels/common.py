@@ -213,12 +213,15 @@ def gerf_coeffs(ab_ptr, i_bh, HAS_AB: tl.constexpr, ACC: tl.constexpr):
 
 @triton.jit
 def input_scale(
-    scale_ptr, psi_ptr, i_bh, o_d, m_d,
+    scale, psi_ptr, i_bh, o_d, m_d,
     D: tl.constexpr, BD: tl.constexpr, HAS_PSI: tl.constexpr, IS_KEY: tl.constexpr,
     ACC: tl.constexpr,
 ):  # fmt: skip
-    """[BD] multiplier of raw rows giving x~: sqrt(scale) psi (queries), / psi (keys)."""
-    b_sc = tl.load(scale_ptr).to(ACC) * tl.full([BD], 1.0, dtype=ACC)
+    """[BD] multiplier of raw rows giving x~: sqrt(scale) psi (queries), / psi (keys).
+
+    ``scale`` is sqrt(scale) as an fp64 kernel argument (a Python float under the interpreter),
+    rounded once to ACC by ``tl.full``: the value ``torch.full(..., dtype=acc)`` held before."""
+    b_sc = tl.full([BD], scale, dtype=ACC)
     if HAS_PSI:
         b_psi = tl.load(psi_ptr + i_bh * D + o_d, mask=m_d, other=1.0).to(ACC)
         if IS_KEY:
@@ -499,9 +502,9 @@ def valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD: tl.constexpr
 
 
 # Arguments every feature kernel shares (after the pointers of its pass):
-#   w_ptr [F, D] feature rows; scale_ptr sqrt(scale); ab_ptr (A, B) per (b, h); psi_ptr [B*H, D];
-#   tab_ptr, xr_ptr, xi_ptr: the table form's coefficients / tau / lam, rmf's scales / stacked
-#   rows / (segment starts, owners).
+#   w_ptr [F, D] feature rows; scale sqrt(scale) (an fp64 scalar argument, not a pointer);
+#   ab_ptr (A, B) per (b, h); psi_ptr [B*H, D]; tab_ptr, xr_ptr, xi_ptr: the table form's
+#   coefficients / tau / lam, rmf's scales / stacked rows / (segment starts, owners).
 
 
 @triton.jit
@@ -629,10 +632,11 @@ class Setup:
     """Everything the launchers of one call share, fixed at construction (:func:`launch_setup`):
     sizes, tiles, precision, the mask and the kernel form's tensors in the kernels' layout.
 
-    ``form_ptrs`` are the per-feature pointers every feature kernel takes after its inputs
-    (``scale_ptr``, ``ab_ptr``, ``psi_ptr``, ``tab_ptr``, ``xr_ptr``, ``xi_ptr``): sqrt(scale);
-    (A, B, log D) per (b, h); psi ``[B*H, D]``; the table / rmf scales; tau / rmf's stacked rows;
-    lam / rmf's segment indices. An absent one is a placeholder the kernel's flags never read.
+    ``form_ptrs`` are the per-feature arguments every feature kernel takes after its inputs
+    (``scale``, ``ab_ptr``, ``psi_ptr``, ``tab_ptr``, ``xr_ptr``, ``xi_ptr``): sqrt(scale) as a
+    Python float (a scalar kernel argument: no device tensor, no fill per call); (A, B, log D)
+    per (b, h); psi ``[B*H, D]``; the table / rmf scales; tau / rmf's stacked rows; lam / rmf's
+    segment indices. An absent pointer is a placeholder the kernel's flags never read (``w``).
     ``maps``: the form's head maps (``qmap_ptr``, ``kmap_ptr``; ``[Hq, D, D]``, ``[H, D, D]``,
     placeholders without them), which only the forward kernels take (``HAS_MAP``).
     """
@@ -747,28 +751,28 @@ def launch_setup(q, k, v, form, scale, key_padding_mask, precision=None, causal=
     else:  # the interpreter keeps the big 16-bit tiles whatever the dtype: faster tests
         bt, rows = None, _feature_rows(big, itemsize if gpu else 2)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    # sqrt(scale) doubles as the placeholder of absent pointers; a fill on the device, not a
-    # copy from the host (no transfer, no stream sync, capturable in a CUDA graph)
-    sqrt_scale = torch.full((1,), float(scale) ** 0.5, device=q.device, dtype=acc)
-    ptrs, flags = _form_args(form, B, H, D, acc, sqrt_scale)
+    # W in the accumulation dtype: rounded to bf16 it would move each logit by ~|u| 2^-9. It
+    # doubles as the placeholder of absent pointers (never read: the flags say so)
+    w = form.w.detach().to(device=q.device, dtype=acc)
+    ptrs, flags = _form_args(form, B, H, D, acc, w)
     if key_padding_mask is not None:
         # int32, not a uint8 view: Triton 3.6 fails to compile fp64 tl.dot kernels that mask
         # with an 8-bit load (found ahead of time by bench/compile.py); B*T ints are cheap
         mask = key_padding_mask.to(torch.int32)
         pad = (mask, mask.stride(0), mask.stride(1))
     else:
-        pad = (sqrt_scale, 0, 0)
+        pad = (w, 0, 0)
     BM, precision = min(rows, next_pow2(M)), _precision(q.dtype, precision)
     ACC = tl.float64 if acc == torch.float64 else tl.float32
     meta = dict(D=D, M=M, E=E, BD=BD, BM=BM, BE=BE, PRECISION=precision, ACC=ACC,
                 TINY=torch.finfo(acc).tiny, **flags)  # fmt: skip
-    maps = _head_maps(form, Hq, H, D, acc, sqrt_scale)
+    maps = _head_maps(form, Hq, H, D, acc, w)
     return Setup(
         B=B, H=H, G=G, Tq=Tq, Tk=Tk, D=D, E=E, M=M, BD=BD, BE=BE, BM=BM, BT=bt, itemsize=itemsize,
         gpu_tiles=gpu, acc=acc, precision=precision, plain=flags["FEATURE"] == FEATURE_IDS["rmf"],
-        # W in the accumulation dtype: rounded to bf16 it would move each logit by ~|u| 2^-9
-        w=form.w.detach().to(device=q.device, dtype=acc), pad=pad,
-        has_pad=key_padding_mask is not None, form_ptrs=(sqrt_scale, *ptrs), maps=maps,
+        w=w, pad=pad, has_pad=key_padding_mask is not None,
+        # sqrt(scale) a scalar argument (fp64 in the kernels' signatures)
+        form_ptrs=(float(scale) ** 0.5, *ptrs), maps=maps,
         has_map=form.qmap is not None or form.kmap is not None,
         NMT=triton.cdiv(M, BM), ACC=ACC, meta=meta,
     )  # fmt: skip

@@ -101,8 +101,8 @@ def _intra_decay(b_mk, b_ri):
 
 @triton.jit
 def _chunk_local_kernel(
-    k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr, kmap_ptr,
-    h_ptr, hz_ptr, hm_ptr,
+    k_ptr, v_ptr, w_ptr, pad_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
+    kmap_ptr, h_ptr, hz_ptr, hm_ptr,
     T, H, NC,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
@@ -122,7 +122,7 @@ def _chunk_local_kernel(
     o_t = i_c.to(tl.int64) * BT + tl.arange(0, BT)
     m_t = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
     b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
-    b_sc = input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
+    b_sc = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
     b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
     b_xs = load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, kmap_ptr, i_h, D, BT, BD,
@@ -193,8 +193,8 @@ def _chunk_scan_kernel(
 
 @triton.jit
 def _chunk_out_kernel(
-    q_ptr, k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
-    qmap_ptr, kmap_ptr, s_ptr, z_ptr, r_ptr, o_ptr, mq_ptr, den_ptr, mk_ptr,
+    q_ptr, k_ptr, v_ptr, w_ptr, pad_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr,
+    xi_ptr, qmap_ptr, kmap_ptr, s_ptr, z_ptr, r_ptr, o_ptr, mq_ptr, den_ptr, mk_ptr,
     T, H, NC, G,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
@@ -218,8 +218,8 @@ def _chunk_out_kernel(
     m_q, m_d, m_e = o_t < T, o_d < D, o_e < E
     m_k = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
     b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
-    b_scq = input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
-    b_sck = input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)
+    b_scq = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
+    b_sck = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
     b_xk = load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, kmap_ptr, i_h, D, BT, BD,
                         HAS_MAP, PRECISION, ACC) * b_sck[None, :]  # fmt: skip
@@ -308,7 +308,7 @@ def _chunk_out_kernel(
 
 @triton.jit
 def _chunk_local_grad_kernel(
-    q_ptr, w_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
+    q_ptr, w_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
     o_ptr, do_ptr, mq_ptr, den_ptr, mk_ptr, r_ptr, L_ptr, l_ptr,
     T, H, NC, G,
     stride_qb, stride_qh, stride_qt, stride_qd,
@@ -330,7 +330,7 @@ def _chunk_local_grad_kernel(
     o_t = i_c.to(tl.int64) * BT + tl.arange(0, BT)
     m_q = o_t < T
     b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
-    b_sc = input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
+    b_sc = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
     b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
     i_blk = i_bh * NC + i_c
     b_rp = tl.load(r_ptr + i_blk)
@@ -400,8 +400,8 @@ def _chunk_rscan_kernel(
 
 @triton.jit
 def _chunk_bwd_kernel(
-    q_ptr, k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
-    s_ptr, z_ptr, r_ptr, ds_ptr, dz_ptr, o_ptr, do_ptr, mq_ptr, den_ptr, mk_ptr,
+    q_ptr, k_ptr, v_ptr, w_ptr, pad_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr,
+    xi_ptr, s_ptr, z_ptr, r_ptr, ds_ptr, dz_ptr, o_ptr, do_ptr, mq_ptr, den_ptr, mk_ptr,
     dq_ptr, dk_ptr, dv_ptr,
     T, H, NC, G,
     stride_qb, stride_qh, stride_qt, stride_qd,
@@ -433,8 +433,8 @@ def _chunk_bwd_kernel(
     m_k = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
     m_tril = o_t[:, None] >= o_t[None, :]  # [BT(i), BT(j)]
     b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
-    b_scq = input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
-    b_sck = input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)
+    b_scq = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
+    b_sck = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
     v_base = v_ptr + i_b * stride_vb + i_h * stride_vh
     b_xk = load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, ACC) * b_sck[None, :]

@@ -7,18 +7,28 @@
     S = sum_j b_j v_j^T   z = sum_j b_j                          [F, E], [F]   (accumulator dtype)
     out_i = a_i S / a_i z                                        [T, E]
 
-Forward, three launches (phi never touches HBM):
+Forward, two launches (phi never touches HBM):
 
 1. key pass ``_fwd_kv_kernel``, grid (F tiles, T splits, B*H): projection on ``tl.dot``, feature
    epilogue, running max ``m_f`` of each feature's logits over the program's keys with
-   flash-style rescaling of the partial (S, z) rows; writes the partial (m, S, z);
-2. merge ``_fwd_merge_kernel``, grid (F tiles, B*H): ``m_K,f`` = max of the partial maxima;
-   partials rescaled by ``exp(m_f - m_K,f)`` and summed in a fixed order (deterministic);
-3. query pass ``_fwd_q_kernel``, grid (Tq tiles, B*H): features (logits plus ``m_K``) per F
+   flash-style rescaling of the partial (S, z) rows; writes the partial (m, S, z). The split
+   of a feature tile that finishes last (an arrival counter, below) merges them: ``m_K,f`` =
+   max of the partial maxima, partials rescaled by ``exp(m_f - m_K,f)`` and summed in split
+   order (deterministic); with one split the program writes (S, z, m_K) itself;
+2. query pass ``_fwd_q_kernel``, grid (Tq tiles, B*H): features (logits plus ``m_K``) per F
    tile with an online per-row max, ``out = num / den`` with the denominator policy of
    ``rfattn.reference.safe_denominator`` (``|den| < tiny`` -> ``sign(den) tiny``, sign of 0 +);
    saves the row max m_i and den_i for the backward.
 
+Merging inside the key pass, not in a launch of its own nor in the query pass: each split
+program stores its partial, then adds 1 to its tile's arrival counter (one int32 per (b, h) and
+F tile, ``tl.atomic_add``, acq_rel, after a barrier); the program that sees NUM_SPLITS - 1
+reads every partial in split order, writes the merged tile and resets the counter to 0, so the
+counters (:func:`arrival_counters`, zeroed once per device and stream) need no fill per call.
+Summing the partials in the query pass instead would read NUM_SPLITS states per query tile:
+at B4 H16 M256 E64 on an H100 (2 splits) about 69 MB more L2 reads at T = 1024 and 1.1 GB at
+T = 16384, against 8.7 MB read once by the merging programs; and the backward and the sharded
+path (``combine``) need the merged state anyway.
 Per-feature key offsets keep the largest term ``exp(u_q,if + u_k,jf)`` of every row exactly 1
 after stabilisation, whatever the spread of the logits across features (oprf/saderf at large
 norms spread them by hundreds; one offset per (b, h) made whole rows underflow to 0).
@@ -31,11 +41,13 @@ Backward (features recomputed, never stored; same offsets m_i, m_K as the forwar
     phi = g e (e = exp(u - offset)):  du = phi * dphi,  dg = e * dphi   (dphi = da or db)
     dx~ = du du/dx~ + dg dg/dx~;  dq = sqrt(scale) psi dx~;  dW likewise (per feature row)
 
-4. ``_bwd_ds_kernel``, grid (F tiles, Tq splits, B*H): partial dS, dz (and dW from queries);
-5. ``_bwd_dq_kernel``, grid (Tq tiles, B*H): dq;
-6. ``_bwd_dkv_kernel``, grid (Tk tiles, B*H): dk, dv;
-7. ``_bwd_dwk_kernel``, grid (F tiles, Tk splits, B*H): dW from keys (only when needed).
-Partials over splits are summed in a fixed order (torch ``sum``): no atomics.
+3. ``_bwd_ds_kernel``, grid (F tiles, Tq splits, B*H): partial dS, dz, summed in split order by
+   the split that finishes last (the key pass's arrival counters), and partial dW from queries;
+4. ``_bwd_dqkv_kernel``, grid (Tq tiles + Tk tiles, B*H): dq of a query tile, or dk, dv of a
+   key tile (one launch: the first cdiv(Tq, BT) programs take the queries);
+5. ``_bwd_dwk_kernel``, grid (F tiles, Tk splits, B*H): dW from keys (only when needed).
+The dW partials of both sides are summed in one torch ``sum`` (a fixed order; learnable W only).
+The atomics only count arrivals: every sum runs in a fixed order (bitwise repeatable).
 
 Feature forms: ``kernels/common.py`` (``FEATURE``: 0 gerf, 1 table, 2 rmf).
 
@@ -81,14 +93,69 @@ from .common import (
     valid_keys,
 )
 
-__all__ = ["rf_parallel_fwd", "rf_parallel_bwd", "FEATURE_IDS", "INTERPRET"]
+__all__ = ["rf_parallel_fwd", "rf_parallel_bwd", "arrival_counters", "FEATURE_IDS", "INTERPRET"]
+
+
+@triton.jit
+def _last_to_arrive(cnt_ptr, NUM_SPLITS):
+    """Whether this program is the last of the NUM_SPLITS programs sharing the arrival counter
+    at ``cnt_ptr`` to get there (it then resets the counter to 0 for the next launch).
+
+    The barrier orders every thread's partial stores before the arrival, a single atomic
+    (acq_rel, GPU scope: one thread's, its result shared through shared memory behind another
+    barrier), so that the last program's loads of the other programs' partials see them: the
+    pattern of CUTLASS's split-K semaphore. Under the interpreter programs run one by one."""
+    tl.debug_barrier()
+    b_prev = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
+    b_last = b_prev == NUM_SPLITS - 1
+    if b_last:
+        tl.store(cnt_ptr, 0)
+    return b_last
+
+
+@triton.jit
+def _store_rows(s_ptr, z_ptr, i_row, o_f, o_e, m_f, m_e, b_s, b_z,
+                 M: tl.constexpr, E: tl.constexpr):  # fmt: skip
+    """One feature tile's (S or dS [BM, BE], z or dz [BM]) at row ``i_row`` of [rows, M, E] /
+    [rows, M] buffers."""
+    p_s = s_ptr + i_row * M * E + o_f[:, None] * E + o_e[None, :]
+    tl.store(p_s, b_s, mask=m_f[:, None] & m_e[None, :])
+    tl.store(z_ptr + i_row * M + o_f, b_z, mask=m_f)
+
+
+@triton.jit
+def _merge_state(
+    sp_ptr, zp_ptr, mp_ptr, s_ptr, z_ptr, mk_ptr, i_bh, o_f, o_e, m_f, m_e, NUM_SPLITS,
+    M: tl.constexpr, E: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """S, z of one feature tile of one (b, h) from its splits' partials, rescaled to the
+    per-feature offsets ``m_K,f`` (the max of the partial maxima) and summed in split order
+    (deterministic). ``.cg`` loads: other programs wrote them during this launch."""
+    b_off = tl.full([BM], NEG, dtype=ACC)
+    for i_s in range(0, NUM_SPLITS):
+        i_part = i_bh * NUM_SPLITS + i_s
+        b_mp = tl.load(mp_ptr + i_part * M + o_f, mask=m_f, other=NEG, cache_modifier=".cg")
+        b_off = tl.maximum(b_off, b_mp)
+    b_s = tl.zeros([BM, BE], dtype=ACC)
+    b_z = tl.zeros([BM], dtype=ACC)
+    for i_s in range(0, NUM_SPLITS):
+        i_part = i_bh * NUM_SPLITS + i_s
+        b_mp = tl.load(mp_ptr + i_part * M + o_f, mask=m_f, other=NEG, cache_modifier=".cg")
+        b_alpha = tl.exp(b_mp - b_off)  # [BM]
+        p_s = sp_ptr + i_part * M * E + o_f[:, None] * E + o_e[None, :]
+        b_sp = tl.load(p_s, mask=m_f[:, None] & m_e[None, :], other=0.0, cache_modifier=".cg")
+        b_s += b_alpha[:, None] * b_sp
+        b_zp = tl.load(zp_ptr + i_part * M + o_f, mask=m_f, other=0.0, cache_modifier=".cg")
+        b_z += b_alpha * b_zp
+    _store_rows(s_ptr, z_ptr, i_bh, o_f, o_e, m_f, m_e, b_s, b_z, M, E)
+    tl.store(mk_ptr + i_bh * M + o_f, b_off, mask=m_f)
 
 
 @triton.autotune(configs=autotune_configs(), key=KEY, prune_configs_by=PRUNE)
 @triton.jit
 def _fwd_kv_kernel(
-    k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr, kmap_ptr,
-    sp_ptr, zp_ptr, mp_ptr,
+    k_ptr, v_ptr, w_ptr, pad_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
+    kmap_ptr, sp_ptr, zp_ptr, mp_ptr, s_ptr, z_ptr, mk_ptr, cnt_ptr,
     T, H, NUM_SPLITS, t_per_split,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
@@ -99,13 +166,14 @@ def _fwd_kv_kernel(
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
     HAS_MAP: tl.constexpr,
 ):  # fmt: skip
-    """Partial (m, S, z) of one feature tile over one T split of one (b, h)."""
+    """(m, S, z) of one feature tile over one T split of one (b, h); the last split to finish
+    merges the tile's partials."""
     i_m, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     o_d, o_e, o_f = tl.arange(0, BD), tl.arange(0, BE), i_m * BM + tl.arange(0, BM)
     m_d, m_e, m_f = o_d < D, o_e < E, o_f < M
     b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
-    b_sc = input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
+    b_sc = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
     b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
     v_base = v_ptr + i_b * stride_vb + i_h * stride_vh
@@ -134,46 +202,23 @@ def _fwd_kv_kernel(
         b_z = b_z * b_alpha + tl.sum(b_p, axis=0)
         b_mx = b_mx_new
 
-    i_part = i_bh * NUM_SPLITS + i_s  # partial index: [B*H, NUM_SPLITS]
-    p_s = sp_ptr + i_part * M * E + o_f[:, None] * E + o_e[None, :]
-    tl.store(p_s, b_s, mask=m_f[:, None] & m_e[None, :])
-    tl.store(zp_ptr + i_part * M + o_f, b_z, mask=m_f)
-    tl.store(mp_ptr + i_part * M + o_f, b_mx, mask=m_f)
-
-
-@triton.jit
-def _fwd_merge_kernel(
-    sp_ptr, zp_ptr, mp_ptr, s_ptr, z_ptr, mk_ptr,
-    NUM_SPLITS,
-    M: tl.constexpr, E: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, ACC: tl.constexpr,
-):  # fmt: skip
-    """S, z of one feature tile of one (b, h): partials rescaled to the per-feature offsets."""
-    i_m, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    o_f, o_e = i_m * BM + tl.arange(0, BM), tl.arange(0, BE)
-    m_f, m_e = o_f < M, o_e < E
-    # the offsets m_K,f: max over the splits' partial maxima
-    b_off = tl.full([BM], NEG, dtype=ACC)
-    for i_s in range(0, NUM_SPLITS):
+    if NUM_SPLITS == 1:  # the program's own (S, z, m) are the tile's
+        _store_rows(s_ptr, z_ptr, i_bh, o_f, o_e, m_f, m_e, b_s, b_z, M, E)
+        tl.store(mk_ptr + i_bh * M + o_f, b_mx, mask=m_f)
+    else:
+        # partial index: [B*H, NUM_SPLITS]; counter: [B*H, feature tiles]
         i_part = i_bh * NUM_SPLITS + i_s
-        b_off = tl.maximum(b_off, tl.load(mp_ptr + i_part * M + o_f, mask=m_f, other=NEG))
-    b_s = tl.zeros([BM, BE], dtype=ACC)
-    b_z = tl.zeros([BM], dtype=ACC)
-    for i_s in range(0, NUM_SPLITS):
-        i_part = i_bh * NUM_SPLITS + i_s
-        b_alpha = tl.exp(tl.load(mp_ptr + i_part * M + o_f, mask=m_f, other=NEG) - b_off)
-        p_s = sp_ptr + i_part * M * E + o_f[:, None] * E + o_e[None, :]
-        b_s += b_alpha[:, None] * tl.load(p_s, mask=m_f[:, None] & m_e[None, :], other=0.0)
-        b_z += b_alpha * tl.load(zp_ptr + i_part * M + o_f, mask=m_f, other=0.0)
-    p_s = s_ptr + i_bh * M * E + o_f[:, None] * E + o_e[None, :]
-    tl.store(p_s, b_s, mask=m_f[:, None] & m_e[None, :])
-    tl.store(z_ptr + i_bh * M + o_f, b_z, mask=m_f)
-    tl.store(mk_ptr + i_bh * M + o_f, b_off, mask=m_f)
+        _store_rows(sp_ptr, zp_ptr, i_part, o_f, o_e, m_f, m_e, b_s, b_z, M, E)
+        tl.store(mp_ptr + i_part * M + o_f, b_mx, mask=m_f)
+        if _last_to_arrive(cnt_ptr + i_bh * tl.num_programs(0) + i_m, NUM_SPLITS):
+            _merge_state(sp_ptr, zp_ptr, mp_ptr, s_ptr, z_ptr, mk_ptr, i_bh, o_f, o_e, m_f, m_e,
+                         NUM_SPLITS, M, E, BM, BE, ACC)  # fmt: skip
 
 
 @triton.autotune(configs=autotune_configs(), key=KEY, prune_configs_by=PRUNE)
 @triton.jit
 def _fwd_q_kernel(
-    q_ptr, w_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr, qmap_ptr,
+    q_ptr, w_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr, qmap_ptr,
     s_ptr, z_ptr, mk_ptr, o_ptr, mq_ptr, den_ptr,
     T, H,
     stride_qb, stride_qh, stride_qt, stride_qd,
@@ -193,7 +238,7 @@ def _fwd_q_kernel(
     o_d, o_e = tl.arange(0, BD), tl.arange(0, BE)
     m_t, m_d, m_e = o_t < T, o_d < D, o_e < E
     b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
-    b_sc = input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)  # [BD]
+    b_sc = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)  # [BD]
     q_base = q_ptr + i_b * stride_qb + i_h * stride_qh
     b_xs = load_mapped(q_base, o_t, o_d, stride_qt, stride_qd, m_t, m_d, qmap_ptr, i_h, D, BT, BD,
                         HAS_MAP, PRECISION, ACC) * b_sc[None, :]  # fmt: skip
@@ -231,8 +276,9 @@ def _fwd_q_kernel(
 @triton.autotune(configs=autotune_configs(), key=KEY + ["W_GRAD"], prune_configs_by=PRUNE)
 @triton.jit
 def _bwd_ds_kernel(
-    q_ptr, w_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
-    s_ptr, z_ptr, mk_ptr, o_ptr, do_ptr, mq_ptr, den_ptr, dsp_ptr, dzp_ptr, dwp_ptr,
+    q_ptr, w_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
+    s_ptr, z_ptr, mk_ptr, o_ptr, do_ptr, mq_ptr, den_ptr, dsp_ptr, dzp_ptr, dwp_ptr, ds_ptr,
+    dz_ptr, cnt_ptr,
     T, H, NUM_SPLITS, t_per_split,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_wm, stride_wd,
@@ -244,13 +290,14 @@ def _bwd_ds_kernel(
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
     W_GRAD: tl.constexpr,
 ):  # fmt: skip
-    """Partial dS [BM, E], dz [BM] (and dW from queries [BM, D]) over one Tq split."""
+    """dS [BM, E], dz [BM] over one Tq split (the last split to finish sums the tile's
+    partials), and the partial dW from queries [BM, D]."""
     i_m, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     o_d, o_e, o_f = tl.arange(0, BD), tl.arange(0, BE), i_m * BM + tl.arange(0, BM)
     m_d, m_e, m_f = o_d < D, o_e < E, o_f < M
     b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
-    b_sc = input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)  # [BD]
+    b_sc = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)  # [BD]
     b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
     b_s = tl.load(s_ptr + i_bh * M * E + o_f[:, None] * E + o_e[None, :],
                   mask=m_f[:, None] & m_e[None, :], other=0.0)  # [BM, BE]  # fmt: skip
@@ -292,18 +339,30 @@ def _bwd_ds_kernel(
                                 tab_ptr, M, FEATURE, False, PRECISION)  # fmt: skip
 
     i_part = i_bh * NUM_SPLITS + i_s
-    tl.store(dsp_ptr + i_part * M * E + o_f[:, None] * E + o_e[None, :], b_ds,
-             mask=m_f[:, None] & m_e[None, :])  # fmt: skip
-    tl.store(dzp_ptr + i_part * M + o_f, b_dz, mask=m_f)
+    if NUM_SPLITS == 1:
+        _store_rows(ds_ptr, dz_ptr, i_bh, o_f, o_e, m_f, m_e, b_ds, b_dz, M, E)
+    else:
+        _store_rows(dsp_ptr, dzp_ptr, i_part, o_f, o_e, m_f, m_e, b_ds, b_dz, M, E)
+        if _last_to_arrive(cnt_ptr + i_bh * tl.num_programs(0) + i_m, NUM_SPLITS):
+            # the splits' partials summed in split order (deterministic)
+            b_ds = tl.zeros([BM, BE], dtype=ACC)
+            b_dz = tl.zeros([BM], dtype=ACC)
+            for j_s in range(0, NUM_SPLITS):
+                j_part = i_bh * NUM_SPLITS + j_s
+                b_ds += tl.load(dsp_ptr + j_part * M * E + o_f[:, None] * E + o_e[None, :],
+                                mask=m_f[:, None] & m_e[None, :], other=0.0,
+                                cache_modifier=".cg")  # fmt: skip
+                b_dz += tl.load(dzp_ptr + j_part * M + o_f, mask=m_f, other=0.0,
+                                cache_modifier=".cg")  # fmt: skip
+            _store_rows(ds_ptr, dz_ptr, i_bh, o_f, o_e, m_f, m_e, b_ds, b_dz, M, E)
     if W_GRAD:
         tl.store(dwp_ptr + i_part * M * D + o_f[:, None] * D + o_d[None, :], b_dw,
                  mask=m_f[:, None] & m_d[None, :])  # fmt: skip
 
 
-@triton.autotune(configs=autotune_configs(), key=KEY, prune_configs_by=PRUNE)
 @triton.jit
-def _bwd_dq_kernel(
-    q_ptr, w_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
+def _dq_tile(
+    i_t, i_bh, q_ptr, w_ptr, scale, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
     s_ptr, z_ptr, mk_ptr, o_ptr, do_ptr, mq_ptr, den_ptr, dq_ptr,
     T, H,
     stride_qb, stride_qh, stride_qt, stride_qd,
@@ -316,15 +375,14 @@ def _bwd_dq_kernel(
     FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
 ):  # fmt: skip
-    """dq [BT, D] of one query tile: da = g S^T + c z, dq = sqrt(scale) psi dx~."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    """dq [BT, D] of query tile i_t: da = g S^T + c z, dq = sqrt(scale) psi dx~."""
     i_b, i_h = i_bh // H, i_bh % H
     NMT: tl.constexpr = (M + BM - 1) // BM
     o_t = i_t.to(tl.int64) * BT + tl.arange(0, BT)
     o_d, o_e = tl.arange(0, BD), tl.arange(0, BE)
     m_t, m_d, m_e = o_t < T, o_d < D, o_e < E
     b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
-    b_sc = input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)  # [BD]
+    b_sc = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)  # [BD]
     q_base = q_ptr + i_b * stride_qb + i_h * stride_qh
     b_xs = load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_t, m_d, ACC) * b_sc[None, :]
     b_mq = tl.load(mq_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
@@ -358,10 +416,9 @@ def _bwd_dq_kernel(
                 b_dx * b_sc[None, :], m_t, m_d)  # fmt: skip
 
 
-@triton.autotune(configs=autotune_configs(), key=KEY, prune_configs_by=PRUNE)
 @triton.jit
-def _bwd_dkv_kernel(
-    k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
+def _dkv_tile(
+    i_t, i_bh, k_ptr, v_ptr, w_ptr, pad_ptr, scale, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
     ds_ptr, dz_ptr, mk_ptr, dk_ptr, dv_ptr,
     T, H,
     stride_kb, stride_kh, stride_kt, stride_kd,
@@ -374,8 +431,7 @@ def _bwd_dkv_kernel(
     HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
 ):  # fmt: skip
-    """dk [BT, D], dv [BT, E] of one key tile: db = v dS^T + dz, dv = b dS."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    """dk [BT, D], dv [BT, E] of key tile i_t: db = v dS^T + dz, dv = b dS."""
     i_b, i_h = i_bh // H, i_bh % H
     NMT: tl.constexpr = (M + BM - 1) // BM
     o_t = i_t.to(tl.int64) * BT + tl.arange(0, BT)
@@ -383,7 +439,7 @@ def _bwd_dkv_kernel(
     m_in, m_d, m_e = o_t < T, o_d < D, o_e < E
     m_t = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
     b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
-    b_sc = input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
+    b_sc = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
     b_xs = load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, ACC) * b_sc[None, :]
     b_v = load_rows(v_ptr + i_b * stride_vb + i_h * stride_vh, o_t, o_e, stride_vt, stride_ve,
@@ -418,8 +474,54 @@ def _bwd_dkv_kernel(
 
 @triton.autotune(configs=autotune_configs(), key=KEY, prune_configs_by=PRUNE)
 @triton.jit
+def _bwd_dqkv_kernel(
+    q_ptr, k_ptr, v_ptr, w_ptr, pad_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr,
+    xi_ptr, s_ptr, z_ptr, mk_ptr, o_ptr, do_ptr, mq_ptr, den_ptr, ds_ptr, dz_ptr,
+    dq_ptr, dk_ptr, dv_ptr,
+    Tq, Tk, H,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_ve,
+    stride_wm, stride_wd, stride_pb, stride_pt,
+    stride_ob, stride_oh, stride_ot, stride_oe,
+    stride_dob, stride_doh, stride_dot, stride_doe,
+    stride_dqb, stride_dqh, stride_dqt, stride_dqd,
+    stride_dkb, stride_dkh, stride_dkt, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvt, stride_dve,
+    D: tl.constexpr, M: tl.constexpr, E: tl.constexpr,
+    BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
+    HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
+):  # fmt: skip
+    """dq of query tile i_t for the first cdiv(Tq, BT) programs of axis 0, dk and dv of key tile
+    i_t - cdiv(Tq, BT) for the rest: one launch for both."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    NQT = tl.cdiv(Tq, BT)
+    if i_t < NQT:
+        _dq_tile(i_t, i_bh, q_ptr, w_ptr, scale, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
+                 s_ptr, z_ptr, mk_ptr, o_ptr, do_ptr, mq_ptr, den_ptr, dq_ptr, Tq, H,
+                 stride_qb, stride_qh, stride_qt, stride_qd, stride_wm, stride_wd,
+                 stride_ob, stride_oh, stride_ot, stride_oe,
+                 stride_dob, stride_doh, stride_dot, stride_doe,
+                 stride_dqb, stride_dqh, stride_dqt, stride_dqd,
+                 D, M, E, BD, BM, BE, BT, FEATURE, PRECISION, ACC, HAS_AB, HAS_PSI, HAS_LAM,
+                 TINY)  # fmt: skip
+    else:
+        _dkv_tile(i_t - NQT, i_bh, k_ptr, v_ptr, w_ptr, pad_ptr, scale, ab_ptr, psi_ptr, tab_ptr,
+                  xr_ptr, xi_ptr, ds_ptr, dz_ptr, mk_ptr, dk_ptr, dv_ptr, Tk, H,
+                  stride_kb, stride_kh, stride_kt, stride_kd,
+                  stride_vb, stride_vh, stride_vt, stride_ve,
+                  stride_wm, stride_wd, stride_pb, stride_pt,
+                  stride_dkb, stride_dkh, stride_dkt, stride_dkd,
+                  stride_dvb, stride_dvh, stride_dvt, stride_dve,
+                  D, M, E, BD, BM, BE, BT, HAS_PAD, FEATURE, PRECISION, ACC, HAS_AB, HAS_PSI,
+                  HAS_LAM, TINY)  # fmt: skip
+
+
+@triton.autotune(configs=autotune_configs(), key=KEY, prune_configs_by=PRUNE)
+@triton.jit
 def _bwd_dwk_kernel(
-    k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
+    k_ptr, v_ptr, w_ptr, pad_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
     ds_ptr, dz_ptr, mk_ptr, dwp_ptr,
     T, H, NUM_SPLITS, t_per_split,
     stride_kb, stride_kh, stride_kt, stride_kd,
@@ -436,7 +538,7 @@ def _bwd_dwk_kernel(
     o_d, o_e, o_f = tl.arange(0, BD), tl.arange(0, BE), i_m * BM + tl.arange(0, BM)
     m_d, m_e, m_f = o_d < D, o_e < E, o_f < M
     b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
-    b_sc = input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
+    b_sc = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
     b_mk = tl.load(mk_ptr + i_bh * M + o_f, mask=m_f, other=0.0)  # [BM]
     b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
     b_ds = tl.load(ds_ptr + i_bh * M * E + o_f[:, None] * E + o_e[None, :],
@@ -466,6 +568,23 @@ def _bwd_dwk_kernel(
 
 # ------------------------------------------------------------------------------------------------
 # launchers
+
+
+#: arrival counters of the split programs (:func:`_last_to_arrive`), int32 zeros between launches
+#: (the last program of each tile resets its own), per (device, stream): launches on one stream
+#: run one after another, while two streams' launches may overlap and must not share counters
+_COUNTERS: dict = {}
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least ``n`` arrival counters for a launch on ``device``'s current stream: zeroed once
+    (one fill on the first launch, or when a launch needs more), never per call."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    buf = _COUNTERS.get((device, stream))
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(triton.next_power_of_2(max(n, 1024)), dtype=torch.int32, device=device)
+        _COUNTERS[(device, stream)] = buf
+    return buf
 
 
 def _one_group(c) -> None:
@@ -516,24 +635,23 @@ def rf_parallel_fwd(
     _one_group(c)
     B, H, Tq, Tk, M, E, NMT, dev = c.B, c.H, c.Tq, c.Tk, c.M, c.E, c.NMT, q.device
     out = torch.empty(B, H, Tq, E, device=dev, dtype=q.dtype)
-    s, z, mk = c.acc_empty(B * H, M, E), c.acc_empty(B * H, M), None
+    s, z, mk = c.acc_empty(B * H, M, E), c.acc_empty(B * H, M), c.acc_empty(B * H, M)
     mq, den = c.acc_empty(B * H, Tq), c.acc_empty(B * H, Tq)
     if B * H == 0:
-        return (out, (s, z, c.acc_empty(0, M), mq, den)) if return_aux else out
+        return (out, (s, z, mk, mq, den)) if return_aux else out
     splits, per = split_counts(Tk, B * H * NMT, dev, num_splits)
-    s_part = c.acc_empty(B * H * splits, M, E)
-    z_part = c.acc_empty(B * H * splits, M)
-    m_part = c.acc_empty(B * H * splits, M)
+    if splits > 1:  # the splits' partials, merged by the last split of each tile
+        n = B * H * splits
+        parts = c.acc_empty(n, M, E), c.acc_empty(n, M), c.acc_empty(n, M)
+    else:
+        parts = s, z, mk  # unused
     _fwd_kv_kernel[(NMT, splits, B * H)](
-        k, v, c.w, c.pad[0], *c.form_ptrs, c.maps[1], s_part, z_part, m_part,
+        k, v, c.w, c.pad[0], *c.form_ptrs, c.maps[1], *parts, s, z, mk,
+        arrival_counters(dev, B * H * NMT),
         Tk, H, splits, per if Tk else 0,
         *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
         HAS_PAD=c.has_pad, HAS_MAP=c.has_map, **c.meta,
     )  # fmt: skip
-    mk = c.acc_empty(B * H, M)
-    _fwd_merge_kernel[(NMT, B * H)](
-        s_part, z_part, m_part, s, z, mk, splits, M=M, E=E, BM=c.BM, BE=c.BE, ACC=c.ACC
-    )
     if combine is not None:
         s, z, mk = (x.contiguous() for x in combine(s, z, mk))
     if Tq:
@@ -583,49 +701,43 @@ def rf_parallel_bwd(
     B, H, Tq, Tk, M, D, E, NMT, dev = c.B, c.H, c.Tq, c.Tk, c.M, c.D, c.E, c.NMT, q.device
     s, z, mk, mq, den = aux
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dw = torch.zeros(M, D, device=dev, dtype=c.acc) if need_dw else None
     if B * H == 0:
-        return dq, dk, dv, (dw.to(form.w.dtype) if need_dw else None)
+        return dq, dk, dv, (torch.zeros(M, D, device=dev, dtype=form.w.dtype) if need_dw else None)
 
     splits, per = split_counts(Tq, B * H * NMT, dev, num_splits)
-    ds_part = c.acc_empty(B * H * splits, M, E)
-    dz_part = c.acc_empty(B * H * splits, M)
-    dw_part = c.acc_empty(B * H * splits, M, D) if need_dw else ds_part
+    ds, dz = c.acc_empty(B * H, M, E), c.acc_empty(B * H, M)
+    if splits > 1:  # the splits' partials, summed by the last split of each tile
+        ds_part, dz_part = c.acc_empty(B * H * splits, M, E), c.acc_empty(B * H * splits, M)
+    else:
+        ds_part, dz_part = ds, dz  # unused
+    # dW's partials: the query side's [B*H*splits], then the key side's [B*H*ksplits]
+    ksplits, kper = split_counts(Tk, B * H * NMT, dev, num_splits) if need_dw and Tk else (0, 0)
+    dw_part = c.acc_empty(B * H * (splits + ksplits), M, D) if need_dw else ds
     _bwd_ds_kernel[(NMT, splits, B * H)](
         q, c.w, *c.form_ptrs, s, z, mk, out, do, mq, den,
-        ds_part, dz_part, dw_part,
+        ds_part, dz_part, dw_part, ds, dz, arrival_counters(dev, B * H * NMT),
         Tq, H, splits, per if Tq else 0,
         *q.stride(), *c.w.stride(), *out.stride(), *do.stride(),
         W_GRAD=need_dw, **c.meta,
     )  # fmt: skip
-    # fixed-order sums over splits: deterministic
-    ds = ds_part.view(B * H, splits, M, E).sum(1)
-    dz = dz_part.view(B * H, splits, M).sum(1)
     if reduce_ds is not None:
         ds, dz = (x.contiguous() for x in reduce_ds(ds, dz))
-    if need_dw:
-        dw += dw_part.view(B * H * splits, M, D).sum(0)
-    if Tq:
-        _bwd_dq_kernel[lambda meta: (triton.cdiv(Tq, meta["BT"]), B * H)](
-            q, c.w, *c.form_ptrs, s, z, mk, out, do, mq, den, dq,
-            Tq, H, *q.stride(), *c.w.stride(), *out.stride(), *do.stride(), *dq.stride(),
-            **c.meta,
-        )  # fmt: skip
-    if Tk:
-        _bwd_dkv_kernel[lambda meta: (triton.cdiv(Tk, meta["BT"]), B * H)](
-            k, v, c.w, c.pad[0], *c.form_ptrs, ds, dz, mk, dk, dv,
-            Tk, H, *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
-            *dk.stride(), *dv.stride(),
+    if Tq or Tk:
+        _bwd_dqkv_kernel[lambda meta: (triton.cdiv(Tq, meta["BT"]) + triton.cdiv(Tk, meta["BT"]),
+                                       B * H)](
+            q, k, v, c.w, c.pad[0], *c.form_ptrs, s, z, mk, out, do, mq, den, ds, dz, dq, dk, dv,
+            Tq, Tk, H, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
+            *out.stride(), *do.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
             HAS_PAD=c.has_pad, **c.meta,
         )  # fmt: skip
-        if need_dw:
-            ksplits, kper = split_counts(Tk, B * H * NMT, dev, num_splits)
-            dwk_part = c.acc_empty(B * H * ksplits, M, D)
-            _bwd_dwk_kernel[(NMT, ksplits, B * H)](
-                k, v, c.w, c.pad[0], *c.form_ptrs, ds, dz, mk, dwk_part,
-                Tk, H, ksplits, kper,
-                *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
-                HAS_PAD=c.has_pad, **c.meta,
-            )  # fmt: skip
-            dw += dwk_part.sum(0)
-    return dq, dk, dv, (dw.to(form.w.dtype) if need_dw else None)
+    if not need_dw:
+        return dq, dk, dv, None
+    if ksplits:
+        _bwd_dwk_kernel[(NMT, ksplits, B * H)](
+            k, v, c.w, c.pad[0], *c.form_ptrs, ds, dz, mk, dw_part[B * H * splits :],
+            Tk, H, ksplits, kper,
+            *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
+            HAS_PAD=c.has_pad, **c.meta,
+        )  # fmt: skip
+    # both sides' partials in one fixed-order torch sum (learnable W only)
+    return dq, dk, dv, dw_part.sum(0).to(form.w.dtype)

@@ -49,8 +49,8 @@ MAX_TOKENS = 16
 
 @triton.jit
 def _recurrent_kernel(
-    q_ptr, k_ptr, v_ptr, w_ptr, pad_ptr, scale_ptr, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
-    qmap_ptr, kmap_ptr, s0_ptr, z0_ptr, r0_ptr, s_ptr, z_ptr, r_ptr, o_ptr,
+    q_ptr, k_ptr, v_ptr, w_ptr, pad_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr,
+    xi_ptr, qmap_ptr, kmap_ptr, s0_ptr, z0_ptr, r0_ptr, s_ptr, z_ptr, r_ptr, o_ptr,
     T, H, G,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
@@ -76,8 +76,8 @@ def _recurrent_kernel(
     o_r = tl.arange(0, GP)
     m_qr = o_r < G
     b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
-    b_scq = input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
-    b_sck = input_scale(scale_ptr, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)
+    b_scq = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
+    b_sck = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)
     q_base = q_ptr + i_b * stride_qb + i_h * G * stride_qh  # the group's first query head
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
     v_base = v_ptr + i_b * stride_vb + i_h * stride_vh

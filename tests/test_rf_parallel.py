@@ -97,6 +97,30 @@ def test_split_merge_is_exact(splits, kernel_device):
     assert rel_rms(out, reference(q, k, v, rf)) <= tolerance(f32)
 
 
+@pytest.mark.parametrize("splits", [2, 5])
+def test_split_merges_in_kernel_match_one_split_and_reset_counters(splits, kernel_device):
+    """The key pass and the dS pass merge their splits' partials themselves (the last split of
+    each feature tile to arrive): out, dq, dk, dv and dW (both sides' partials) as with one
+    split, in float64, and every arrival counter back at 0 afterwards (zeroed once, never per
+    call)."""
+    from rfattn.kernels.rf_parallel import arrival_counters, rf_parallel_bwd, rf_parallel_fwd
+
+    B, H, T, D, M, E = 1, 2, 300, 16, 80, 16
+    f64 = torch.float64
+    q, k = (rand(B, H, T, D, seed=i, dtype=f64, device=kernel_device) for i in (1, 2))
+    v, do = (rand(B, H, T, E, seed=i, dtype=f64, device=kernel_device) for i in (3, 4))
+    rf = rfattn.RandomFeatures(D, M, seed=7).to(kernel_device, f64)
+    form = rf.feature_map.kernel_form(rf.weight)
+    results = []
+    for n in (1, splits):
+        out, aux = rf_parallel_fwd(q, k, v, form, D**-0.5, num_splits=n, return_aux=True)
+        grads = rf_parallel_bwd(do, q, k, v, form, D**-0.5, out, aux, need_dw=True, num_splits=n)
+        results.append((out, *grads))
+    for one, split in zip(*results, strict=True):
+        assert rel_rms(split, one) <= tolerance(f64)
+    assert not arrival_counters(q.device, B * H * M).any()
+
+
 def test_large_norm_inputs_finite(kernel_device):
     B, H, T, D, M, E = 1, 2, 40, 64, 64, 16
     q = rand(B, H, T, D, seed=1, device=kernel_device)

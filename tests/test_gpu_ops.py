@@ -1,0 +1,99 @@
+"""GPU operations per fused non-causal call (issue 35): Triton launches plus the GPU-side torch
+ops (``bench.opcount``'s kind ``gpu``, and ``copy``), counted on CPU with the launches replaced
+by no-ops (only the launchers' Python runs, as on a GPU). Targets: a forward is at most 2 (the
+key pass, the query pass), a forward+backward at most 4 (the dS pass, one dq/dk/dv pass).
+
+Before: the forward launched the key pass, a merge of the split partials and the query pass and
+filled sqrt(scale) on the device (4); the backward three kernels, a fill and two torch sums of
+the split partials (10 in all)."""
+
+import collections
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from rfattn.kernels.common import INTERPRET
+
+import rfattn
+from rfattn import ops
+from rfattn.features import VALID_WEIGHTS
+from rfattn.fused import kernel_form
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/ lives at the root
+
+from bench.opcount import OpCounter  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not INTERPRET, reason="counts the launchers' host side under "
+                                "the interpreter (launches replaced by no-ops)")  # fmt: skip
+
+# T = 300 > 128 tokens: two key splits and two query splits under the interpreter
+B, H, T, D, M = 2, 3, 300, 16, 32
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Triton launches as no-ops, counted by kernel name."""
+    from triton.runtime import interpreter
+
+    seen = collections.Counter()
+
+    def launch(self, *args, grid, warmup, **kwargs):
+        seen[self.fn.__name__] += 1
+
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", launch)
+    return seen
+
+
+def _inputs(grad: bool):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(B, H, T, D, generator=g).requires_grad_(grad) for _ in range(3)]
+
+
+def _rf(feature):
+    w = "rademacher" if feature == "rmf" else VALID_WEIGHTS[feature][0]
+    return rfattn.RandomFeatures(D, M, feature, weights=w, seed=0).eval()
+
+
+def _count(call, launches) -> tuple[int, dict]:
+    """(GPU operations of one call after a first one, what they were)."""
+    call()  # first call: per-device caches
+    launches.clear()
+    with OpCounter() as mode:
+        call()
+    torch_ops = mode.of_kind("gpu", "copy")
+    return sum(launches.values()) + sum(torch_ops.values()), {**launches, **torch_ops}
+
+
+def _grads(call, xs):
+    """The call's forward and backward (the gradients returned, not accumulated: no add_)."""
+    do = torch.ones(B, H, T, D)
+    return lambda: torch.autograd.grad(call(*xs), xs, do)
+
+
+def test_posrf_call_forward_2_forward_backward_4(launches):
+    """The whole call, ``rf_attention`` to the kernels."""
+    rf = _rf("posrf")
+    q, k, v = _inputs(False)
+    with torch.no_grad():
+        n, ops_ = _count(lambda: rfattn.rf_attention(q, k, v, rf, backend="triton"), launches)
+    assert n <= 2, str(ops_)
+    call = _grads(lambda q, k, v: rfattn.rf_attention(q, k, v, rf, backend="triton"), _inputs(True))
+    n, ops_ = _count(call, launches)
+    assert n <= 4, str(ops_)
+
+
+@pytest.mark.parametrize("feature", ["posrf", "hrf", "rmf", "oprf", "saderf"])
+def test_parallel_operator_forward_2_forward_backward_4(feature, launches):
+    """The operator on a kernel form built beforehand (hrf's and rmf's forms and the statistics
+    pass of oprf/saderf are the feature's, outside the operator)."""
+    rf, scale = _rf(feature), D**-0.5
+    q, k, v = _inputs(False)
+    with torch.no_grad():
+        form = kernel_form(rf, q, k, None, scale, causal=False)
+        n, ops_ = _count(lambda: ops.rf_parallel(q, k, v, form, scale), launches)
+    assert n <= 2, str(ops_)
+    assert set(ops_) == {"_fwd_kv_kernel", "_fwd_q_kernel"}
+    n, ops_ = _count(_grads(lambda q, k, v: ops.rf_parallel(q, k, v, form, scale), _inputs(True)),
+                     launches)  # fmt: skip
+    assert n <= 4, str(ops_)
