@@ -276,8 +276,8 @@ def _specialise(param, kind, value):
         return ("i32" if -(2**31) <= value < 2**31 else "i64"), None
     if kind == "bool":
         return "i1", None
-    if kind == "float":
-        return "fp32", None
+    if kind == "float":  # as annotated (``scale: tl.float64``), else the JIT's fp32
+        return (getattr(param, "annotation_type", None) or "fp32"), None
     raise TypeError(f"argument {param.name}: cannot pass a {kind} to a non-constexpr parameter")
 
 
