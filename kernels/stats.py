@@ -151,55 +151,64 @@ def _store_params(coef_ptr, psi_ptr, i_row, a, b, log_d, b_psi, D, o_d, m_d,
 
 
 @triton.jit
-def _mix_store(p_run, m_run, b_old, b_new, first, keep, momentum, RACC: tl.constexpr):
+def _mix_store(p_run, m_run, b_new, first, keep, momentum, RACC: tl.constexpr):
     """``run = new`` on the first update, else ``keep * run + momentum * new`` (``new`` in the
     buffer's dtype first, as ``rfattn.stats.update_running`` casts it)."""
     ty = p_run.dtype.element_ty
+    b_old = tl.load(p_run, mask=m_run, other=0.0).to(RACC)
     b_val = b_new.to(ty).to(RACC)
-    b_mix = tl.full([], keep, RACC) * b_old.to(RACC) + tl.full([], momentum, RACC) * b_val
+    b_mix = tl.full([], keep, RACC) * b_old + tl.full([], momentum, RACC) * b_val
     tl.store(p_run, tl.where(first, b_val, b_mix).to(ty), mask=m_run)
+
+
+@triton.jit
+def _pool_side(mom_ptr, side, BH, D, o_d, m_d, BD: tl.constexpr, BB: tl.constexpr,
+               ACC: tl.constexpr):  # fmt: skip
+    """One side's moments ``[BD]`` pooled over every (b, h) (``rfattn.stats.pool_moments``:
+    means averaged, min of mins), ``BB`` (b, h) rows a step."""
+    field = BH.to(tl.int64) * 2 * D  # mom [4, BH, 2, D]
+    b_sum = tl.zeros([BB, BD], dtype=ACC)
+    b_sq = tl.zeros([BB, BD], dtype=ACC)
+    b_abs = tl.zeros([BB, BD], dtype=ACC)
+    b_min = tl.full([BB, BD], float("inf"), dtype=ACC)
+    for i0 in range(0, BH, BB):
+        o_b = i0 + tl.arange(0, BB)
+        m_m = (o_b < BH)[:, None] & m_d[None, :]
+        p_m = mom_ptr + o_b[:, None] * 2 * D + side * D + o_d[None, :]  # [BB, BD]
+        b_sum += tl.load(p_m, mask=m_m, other=0.0, cache_modifier=".cg")
+        b_sq += tl.load(p_m + field, mask=m_m, other=0.0, cache_modifier=".cg")
+        b_abs += tl.load(p_m + 2 * field, mask=m_m, other=0.0, cache_modifier=".cg")
+        b_min = tl.minimum(b_min, tl.load(p_m + 3 * field, mask=m_m, other=float("inf"),
+                                          cache_modifier=".cg"))  # fmt: skip
+    return (tl.sum(b_sum, axis=0) / BH, tl.sum(b_sq, axis=0) / BH, tl.sum(b_abs, axis=0) / BH,
+            tl.min(b_min, axis=0))  # fmt: skip
 
 
 @triton.jit
 def _running_update(mom_ptr, run_mean, run_sq, run_abs, run_min, nbt_ptr, coef_ptr, psi_ptr,
                     BH, D, keep, momentum, tiny, psi_lo, psi_hi, o_d, m_d, BD: tl.constexpr,
-                    FORM: tl.constexpr, ACC: tl.constexpr, RACC: tl.constexpr):  # fmt: skip
+                    BB: tl.constexpr, FORM: tl.constexpr, ACC: tl.constexpr,
+                    RACC: tl.constexpr):  # fmt: skip
     """The running mode's parameters from the buffers ``[2, D]`` as they are, then the buffers'
-    update with the moments of every (b, h) pooled (means averaged, min of mins)."""
-    o_2d = tl.arange(0, 2)[:, None] * D + o_d[None, :]  # [2, BD]: row 0 queries, 1 keys
-    m_2d = (tl.arange(0, 2)[:, None] < 2) & m_d[None, :]
-    r_mean = tl.load(run_mean + o_2d, mask=m_2d, other=0.0)
-    r_sq = tl.load(run_sq + o_2d, mask=m_2d, other=0.0)
+    update with the moments of every (b, h) pooled."""
     if FORM > 0:  # the parameters of this call: from the buffers before the update
-        c_mean, c_sq = r_mean.to(ACC), r_sq.to(ACC)
-        sel = tl.arange(0, 2)[:, None] == 0
-        b_mq = tl.sum(tl.where(sel, c_mean, 0.0), axis=0)
-        b_mk = tl.sum(tl.where(sel, 0.0, c_mean), axis=0)
-        b_sq_q = tl.sum(tl.where(sel, c_sq, 0.0), axis=0)
-        b_sq_k = tl.sum(tl.where(sel, 0.0, c_sq), axis=0)
+        b_mq = tl.load(run_mean + o_d, mask=m_d, other=0.0).to(ACC)
+        b_mk = tl.load(run_mean + D + o_d, mask=m_d, other=0.0).to(ACC)
+        b_sq_q = tl.load(run_sq + o_d, mask=m_d, other=0.0).to(ACC)
+        b_sq_k = tl.load(run_sq + D + o_d, mask=m_d, other=0.0).to(ACC)
         a, b, log_d, b_psi = _gerf_params(b_mq, b_sq_q, b_mk, b_sq_k, m_d, D, tiny, psi_lo,
                                           psi_hi, FORM)  # fmt: skip
         _store_params(coef_ptr, psi_ptr, 0, a, b, log_d, b_psi, D, o_d, m_d, FORM)
-    p_sum = tl.zeros([2, BD], dtype=ACC)
-    p_sq = tl.zeros([2, BD], dtype=ACC)
-    p_abs = tl.zeros([2, BD], dtype=ACC)
-    p_min = tl.full([2, BD], float("inf"), dtype=ACC)
-    field = BH * 2 * D  # mom [4, BH, 2, D]
-    for i in range(0, BH):
-        p_m = mom_ptr + i * 2 * D + o_2d
-        p_sum += tl.load(p_m, mask=m_2d, other=0.0, cache_modifier=".cg")
-        p_sq += tl.load(p_m + field, mask=m_2d, other=0.0, cache_modifier=".cg")
-        p_abs += tl.load(p_m + 2 * field, mask=m_2d, other=0.0, cache_modifier=".cg")
-        p_min = tl.minimum(p_min, tl.load(p_m + 3 * field, mask=m_2d, other=0.0,
-                                          cache_modifier=".cg"))  # fmt: skip
-    first = tl.load(nbt_ptr) == 0
-    r_abs = tl.load(run_abs + o_2d, mask=m_2d, other=0.0)
-    r_min = tl.load(run_min + o_2d, mask=m_2d, other=0.0)
-    _mix_store(run_mean + o_2d, m_2d, r_mean, p_sum / BH, first, keep, momentum, RACC)
-    _mix_store(run_sq + o_2d, m_2d, r_sq, p_sq / BH, first, keep, momentum, RACC)
-    _mix_store(run_abs + o_2d, m_2d, r_abs, p_abs / BH, first, keep, momentum, RACC)
-    _mix_store(run_min + o_2d, m_2d, r_min, p_min, first, keep, momentum, RACC)
-    tl.store(nbt_ptr, tl.load(nbt_ptr) + 1)
+    n_seen = tl.load(nbt_ptr)
+    first = n_seen == 0
+    for side in tl.static_range(2):  # row 0 queries, 1 keys
+        b_mean, b_sq, b_abs, b_min = _pool_side(mom_ptr, side, BH, D, o_d, m_d, BD, BB, ACC)
+        o_run = side * D + o_d
+        _mix_store(run_mean + o_run, m_d, b_mean, first, keep, momentum, RACC)
+        _mix_store(run_sq + o_run, m_d, b_sq, first, keep, momentum, RACC)
+        _mix_store(run_abs + o_run, m_d, b_abs, first, keep, momentum, RACC)
+        _mix_store(run_min + o_run, m_d, b_min, first, keep, momentum, RACC)
+    tl.store(nbt_ptr, n_seen + 1)
 
 
 # restore_value: tuning runs the kernel once per config; the running buffers move only once
@@ -217,7 +226,7 @@ def _stats_kernel(
     RQ, TQ, G, Tk, TK, H, SQ, SK, q_per, k_per,
     stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd,
     stride_qpb, stride_qpt, stride_kpb, stride_kpt,
-    D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, HAS_QPAD: tl.constexpr,
+    D: tl.constexpr, BD: tl.constexpr, BB: tl.constexpr, BT: tl.constexpr, HAS_QPAD: tl.constexpr,
     HAS_KPAD: tl.constexpr, FORM: tl.constexpr, RUNNING: tl.constexpr, ACC: tl.constexpr,
     RACC: tl.constexpr,
 ):  # fmt: skip
@@ -277,7 +286,7 @@ def _stats_kernel(
                 tl.store(arrive_ptr + BH, 0)
                 _running_update(mom_ptr, run_mean, run_sq, run_abs, run_min, nbt_ptr, coef_ptr,
                                 psi_ptr, BH, D, keep, momentum, tiny, psi_lo, psi_hi, o_d, m_d,
-                                BD, FORM, ACC, RACC)  # fmt: skip
+                                BD, BB, FORM, ACC, RACC)  # fmt: skip
 
 
 #: per (device, stream): the arrival counters, zeroed once (every launch leaves them at 0)
@@ -381,7 +390,8 @@ def stats_pass(
         float(scale) ** 0.5, 1.0 - momentum, momentum, torch.finfo(acc).tiny, lo, hi,
         G * Tq, max(Tq, 1), G, Tk, max(Tk, 1), H, sq_, sk_, q_per, k_per, *q.stride(), *k.stride(),
         *pads[0][1:], *pads[1][1:],
-        D=D, BD=next_pow2(D), HAS_QPAD=query_padding_mask is not None,
+        D=D, BD=next_pow2(D), BB=2 if INTERPRET else max(1, 2048 // next_pow2(D)),  # 2: loops
+        HAS_QPAD=query_padding_mask is not None,
         HAS_KPAD=key_padding_mask is not None, FORM=FORMS[form], RUNNING=running is not None,
         ACC=tl.float64 if acc == torch.float64 else tl.float32, RACC=racc,
     )  # fmt: skip

@@ -60,7 +60,7 @@ def test_empty_sequences(kernel_device):
 @pytest.mark.parametrize("feature", ["oprf", "saderf"])
 @pytest.mark.parametrize("stats", ["global", "running"])
 def test_feature_parameters_from_the_stats_pass(feature, stats, kernel_device):
-    """The triton path's A, B, psi (stats kernel + the closed forms of rfattn.stats) equal the
+    """The triton path's A, B, psi (formed by the stats pass in its launch) equal the
     torch path's, and a running-mode call in training updates the buffers identically."""
     from rfattn.fused import kernel_form
 
