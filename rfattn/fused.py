@@ -1,20 +1,24 @@
-"""The fused path of one process's call: the feature's kernel form for the call (statistics from
-the fused stats pass), then the custom operators of :mod:`rfattn.ops` (non-causal, chunked causal,
-or the decode step). Importing the operators imports Triton, so they are imported on the first
-fused call only."""
+"""The fused path of one process's call: the feature's kernel form for the call (kept across
+calls where it does not depend on the call's data; oprf/saderf's statistics and parameters from
+the fused stats pass, one launch), then the custom operators of :mod:`rfattn.ops` (non-causal,
+chunked causal, or the decode step). Importing the operators imports Triton, so they are imported
+on the first fused call only."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from rfattn import blocked
 from rfattn.call import Call, RFState, learns_gerf_a, mapped, no_kernel_reason, query_rows
-from rfattn.features import compute_dtype, prescale
-from rfattn.stats import Moments
+from rfattn.features import StatsFeature, compute_dtype, prescale
+from rfattn.features.exponential import coefficient_form
+from rfattn.stats import Moments, running_moments
+from rfattn.weights import WEIGHTED_WEIGHTS
 
-__all__ = ["attend", "kernel_form"]
+__all__ = ["attend", "kernel_form", "constant_form"]
 
 
 def attend(call: Call, gpu_tiles=None):
@@ -56,35 +60,136 @@ def attend(call: Call, gpu_tiles=None):
 
 def kernel_form(rf, q, k, key_padding_mask, scale: float, causal: bool,
                  query_padding_mask=None, moments=None, maps=None):  # fmt: skip
-    """The feature's kernel form for this call: its per-call parameters, with the statistics of
-    oprf/saderf from the fused stats pass (``rfattn.kernels.stats``; in torch where the operators
-    run their torch kernels) where the call needs them (held constant: ``stats_grad=False``),
-    or from ``moments`` when the caller has them (a sharded call's, over every shard).
-    ``maps``: head maps ``(query_map, key_map)`` (either may be None) the kernels apply (the
-    form's ``qmap``, ``kmap``); statistics are then those of the mapped q and k."""
+    """The feature's kernel form for this call. ``maps``: head maps ``(query_map, key_map)``
+    (either may be None) the kernels apply (the form's ``qmap``, ``kmap``); statistics are then
+    those of the mapped q and k.
+
+    * Parameters that do not depend on the call's data (no statistics; running statistics
+      outside training; fixed ones): the form is built once per RandomFeatures, device, compute
+      dtype and statistics mode, and kept while every tensor it was built from (W, the
+      component weights, GERF's A, the feature map's buffers: draws and running statistics) is
+      the same object at the same version (:func:`constant_form`). Such a call issues no GPU
+      operation of its own.
+    * oprf/saderf with this call's statistics (global mode, or a running-mode call in training):
+      ONE launch of the fused stats pass (``rfattn.kernels.stats``) reduces the moments of q and
+      k and forms the parameters, and in training moves the running buffers; in torch where the
+      operators run their torch kernels, or from ``moments`` when the caller has them (a sharded
+      call's, over every shard). Held constant (``stats_grad=False``).
+    """
     from rfattn import ops
 
     fm = rf.feature_map
-    # empty stand-ins give the parameters dtype, device and D, never a copy of q, k
-    xq = xk = q.new_empty((1, 1, 0, q.shape[-1]), dtype=compute_dtype(q.dtype))
     needs = getattr(fm, "uses_batch_moments", None) and fm.uses_batch_moments(causal)
     if moments is None and needs:
         if maps is not None:  # the moments are the only reader of the mapped q, k
             q, k = mapped(q, maps[0]), mapped(k, maps[1], key_padding_mask)
-        # a key/value head's statistics take its group's queries (a view of contiguous q)
-        q, query_padding_mask = query_rows(q, k, query_padding_mask)
-        if ops.on_torch(q):
-            xq, xk = prescale(q, scale), prescale(k, scale)
-        else:
-            from rfattn.kernels.stats import sequence_moments_fused
-
-            moments = Moments(*sequence_moments_fused(q, k, scale, key_padding_mask,
-                                                      query_padding_mask))  # fmt: skip
-    with torch.no_grad():
-        params = rf.feature_params(xq, xk, key_padding_mask, causal=causal, moments=moments,
-                                   query_padding_mask=query_padding_mask)  # fmt: skip
-    form = fm.kernel_form(rf.weight.to(q.device), params)
+        form = None
+        if not ops.on_torch(q):
+            form = _stats_pass_form(rf, q, k, key_padding_mask, query_padding_mask, scale, causal)
+        if form is None:
+            form = _moments_form(rf, q, k, key_padding_mask, query_padding_mask, scale, causal)
+    elif moments is not None:
+        form = _params_form(rf, q, key_padding_mask, causal, query_padding_mask, moments)
+    else:
+        form = constant_form(rf, q.device, compute_dtype(q.dtype), causal)
     if maps is None:
         return form
     qmap, kmap = (None if m is None else m.detach() for m in maps)
     return dataclasses.replace(form, qmap=qmap, kmap=kmap)
+
+
+def _params_form(rf, q, key_padding_mask, causal, query_padding_mask=None, moments=None,
+                 xq=None, xk=None):  # fmt: skip
+    """The form from ``rf.feature_params`` (the torch closed forms) on ``moments`` or on the
+    pre-scaled ``xq``, ``xk``."""
+    if xq is None:  # empty stand-ins give the parameters dtype, device and D, never a copy
+        xq = xk = q.new_empty((1, 1, 0, q.shape[-1]), dtype=compute_dtype(q.dtype))
+    with torch.no_grad():
+        params = rf.feature_params(xq, xk, key_padding_mask, causal=causal, moments=moments,
+                                   query_padding_mask=query_padding_mask)  # fmt: skip
+    return rf.feature_map.kernel_form(rf.weight.to(q.device), params)
+
+
+def _moments_form(rf, q, k, key_padding_mask, query_padding_mask, scale, causal):
+    """This call's statistics reduced apart (in torch on the operators' torch path, else by the
+    stats pass), its parameters formed in torch."""
+    from rfattn import ops
+
+    # a key/value head's statistics take its group's queries (a view of contiguous q)
+    q, query_padding_mask = query_rows(q, k, query_padding_mask)
+    if ops.on_torch(q):
+        return _params_form(rf, q, key_padding_mask, causal, query_padding_mask,
+                            xq=prescale(q, scale), xk=prescale(k, scale))  # fmt: skip
+    from rfattn.kernels.stats import sequence_moments_fused
+
+    moments = Moments(*sequence_moments_fused(q, k, scale, key_padding_mask, query_padding_mask))
+    return _params_form(rf, q, key_padding_mask, causal, query_padding_mask, moments)
+
+
+def _stats_pass_form(rf, q, k, key_padding_mask, query_padding_mask, scale, causal):
+    """The form of oprf/saderf with the parameters formed by the stats pass in its one launch
+    (in training with running statistics, from the buffers, which it then moves), or None where
+    the pass cannot form them (another feature; buffers not on q's device as the pass writes
+    them)."""
+    fm = rf.feature_map
+    if fm.kernel_stats is None or q.shape[0] * k.shape[1] == 0:
+        return None
+    running = None
+    if fm.mode(causal) == "running":  # a training call: uses_batch_moments
+        bufs = (*running_moments(fm), fm.num_batches_tracked)
+        if not all(b.device == q.device and b.is_contiguous() for b in bufs) or \
+                len({b.dtype for b in bufs[:-1]}) != 1:  # fmt: skip
+            return None
+        running = (*bufs, fm.momentum)
+    from rfattn.kernels.stats import stats_pass
+
+    res = stats_pass(q, k, scale, key_padding_mask, query_padding_mask, form=fm.kernel_stats,
+                     running=running)  # fmt: skip
+    if running is not None:  # moved in the kernel, where no version counter saw it
+        _FORMS.pop(rf, None)
+    params = {"component_weight": rf.component_weight} if rf.weights in WEIGHTED_WEIGHTS else None
+    return coefficient_form(rf.weight.to(q.device), res.coeffs, res.psi, params, fm.name)
+
+
+#: per RandomFeatures: {(device, dtype, statistics mode, training): (the tensors the form was
+#: built from with their versions, the form)}
+_FORMS = WeakIdKeyDictionary()
+
+
+def _sources(rf) -> tuple | None:
+    """The tensors a data-independent form is built from, or None where it is not to be kept:
+    W rebuilt at each access (fastfoodl) or differentiated now (the form carries its graph),
+    inference tensors (no version counter), traced calls."""
+    if torch.compiler.is_compiling() or rf.learner is not None:
+        return None
+    w = rf.weight
+    if w.requires_grad and torch.is_grad_enabled():
+        return None
+    fm = rf.feature_map
+    out = (w, rf.component_weight, rf.gerf_A, *fm.buffers(recurse=False))
+    out = tuple(t for t in out if t is not None)
+    return None if any(t.is_inference() for t in out) else out
+
+
+def constant_form(rf, device: torch.device, dtype: torch.dtype, causal: bool):
+    """The form of a call whose parameters do not depend on its data (:func:`kernel_form`),
+    kept per RandomFeatures, ``device``, compute ``dtype`` and statistics mode: rebuilt when W,
+    the component weights, GERF's A or a buffer of the feature map (draws, running statistics)
+    is replaced or changed in place (its ``_version``; ``redraw``, ``load_state_dict``, an
+    optimiser step), or when the module's training mode changes."""
+    fm = rf.feature_map
+    key = (device, dtype, fm.mode(causal) if isinstance(fm, StatsFeature) else None, fm.training)
+    sources = _sources(rf)
+    kept = _FORMS.get(rf, {}).get(key) if sources is not None else None
+    if (
+        kept is not None
+        and len(kept[0]) == len(sources)
+        and all(t is s and t._version == v for (t, v), s in zip(kept[0], sources, strict=True))
+    ):
+        return kept[1]
+    with torch.inference_mode(False):  # a kept form is used outside inference mode too
+        q = torch.empty(0, device=device, dtype=dtype).view(1, 1, 0, rf.head_dim)
+        form = _params_form(rf, q, None, causal)
+    if sources is not None:
+        _FORMS.setdefault(rf, {})[key] = (tuple((t, t._version) for t in sources), form)
+    return form

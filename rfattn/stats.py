@@ -24,7 +24,10 @@ Gradients do not flow through statistics unless ``stats_grad=True``.
 The moments reduced over the sequence are the same for every feature (O(T D) per (b, h)):
 per dimension, the mean, the mean square, the mean absolute value and the minimum, for queries
 and keys. The closed forms below turn them into parameters; they are the one place each is
-written.
+written in torch. The fused stats pass (``rfattn.kernels.stats``) writes oprf's and saderf's
+(:func:`pair_sq_norm`, :func:`oprf_A`, :func:`gerf_real_constants`, :func:`saderf_psi`) and the
+running update (:func:`update_running`) once more in Triton, inside its one launch; tests hold
+them to these in float64.
 """
 
 from __future__ import annotations

@@ -113,3 +113,109 @@ def test_unused_outputs_get_no_zero_fill(causal, no_launches):
         call()
     fills = {op: n for op, n in mode.ops.items() if op in ("zeros", "zeros_like", "zero_")}
     assert not fills, fills
+
+
+def _form_inputs(feature, stats=None, **opts):
+    w = "rademacher" if feature == "rmf" else VALID_WEIGHTS[feature][0]
+    rf = rfattn.RandomFeatures(16, 32, feature, weights=w, seed=0, **opts)
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 4, 40, 16, generator=g) for _ in range(2))
+    mask = torch.zeros(2, 40, dtype=torch.bool)
+    mask[1, :5] = True
+    return rf, q, k, mask
+
+
+#: (feature, causal, training, launches every call): the stats pass's one launch where the
+#: parameters come from this call's data (global statistics; a training call's running ones)
+FORM_CASES = [
+    ("oprf", False, False, 1),
+    ("saderf", False, True, 1),
+    ("oprf", True, True, 1),
+    ("saderf", True, True, 1),
+    ("oprf", True, False, 0),
+    ("saderf", True, False, 0),
+    ("posrf", False, False, 0),
+    ("hyprf", True, True, 0),
+    ("trigrf", False, False, 0),
+    ("hrf", False, False, 0),
+    ("hrf", True, True, 0),
+    ("rmf", False, False, 0),
+    ("rmf", True, False, 0),
+]
+
+
+@pytest.mark.parametrize("feature,causal,training,launches", FORM_CASES,
+                         ids=["-".join(map(str, c[:3])) for c in FORM_CASES])  # fmt: skip
+def test_form_building_issues_no_gpu_op_beyond_the_stats_launch(
+    feature, causal, training, launches, no_launches
+):
+    """A fused call's kernel form, statistics included, costs the GPU at most the stats pass's
+    one launch: oprf/saderf's moments of q and k and their parameters (and a training call's
+    running update) come from that launch, and every other form (no statistics, running ones
+    outside training, hrf's tables, rmf's rows) is kept from the first call and costs nothing.
+    Before: oprf 2 launches + 54 torch ops (saderf 63) with global statistics, 32 (41) in eval
+    with running ones, 85 (94) in a training step; hrf 1 (the rows' cat), rmf 6."""
+    from rfattn.fused import kernel_form
+
+    rf, q, k, mask = _form_inputs(feature)
+    rf.train(training)
+    kernel_form(rf, q, k, mask, 0.25, causal, mask if causal else None)  # first call: kept forms
+    for _ in range(2):
+        no_launches[0] = 0
+        with _Count() as mode:
+            kernel_form(rf, q, k, mask, 0.25, causal, mask if causal else None)
+        gpu = mode.of_kind("gpu", "copy", "sync")
+        assert (no_launches[0], gpu) == (launches, {}), f"{feature}: {no_launches[0]}, {gpu}"
+
+
+def test_kept_forms_follow_their_sources():
+    """A kept form is rebuilt when what it was built from changes: a redraw, an in-place change
+    of W or of a statistics buffer (an optimiser step, ``load_state_dict``), a new W (made
+    learnable); it equals the form built afresh. (The training mode, and the running buffers
+    moved by the stats pass itself: tests/test_stats_kernel.py.)"""
+    from rfattn.fused import kernel_form
+
+    def form(rf, causal=False):
+        return kernel_form(rf, q, k, mask, 0.25, causal, mask if causal else None)
+
+    def fresh(rf, causal=False):
+        x = q.new_empty(1, 1, 0, 16)
+        with torch.no_grad():
+            p = rf.feature_params(x, x, causal=causal)
+        return rf.feature_map.kernel_form(rf.weight, p)
+
+    def same(a, b):
+        return all(
+            (x is None and y is None) or torch.equal(x, y)
+            for x, y in ((a.w, b.w), (a.coeffs, b.coeffs), (a.psi, b.psi), (a.table, b.table),
+                         (a.tau, b.tau), (a.rows, b.rows))  # fmt: skip
+        )
+
+    rf, q, k, mask = _form_inputs("hrf")
+    first = form(rf)
+    assert form(rf) is first  # kept
+    rf.redraw(seed=5)
+    assert form(rf) is not first and same(form(rf), fresh(rf)) and not same(first, fresh(rf))
+    kept = form(rf)
+    rf.feature_map.hrf_tau.mul_(-1.0)  # in place: the sign rows
+    assert form(rf) is not kept and same(form(rf), fresh(rf))
+    kept = form(rf)
+    rf.weight.mul_(2.0)  # in place: W
+    assert form(rf) is not kept and same(form(rf), fresh(rf)) and not same(kept, fresh(rf))
+    kept = form(rf)
+    rf.learn_weight()  # a new tensor for W
+    with torch.no_grad():
+        assert form(rf) is not kept and same(form(rf), fresh(rf))
+
+    rf, q, k, mask = _form_inputs("saderf")
+    rf.eval()
+    kept = form(rf, causal=True)
+    assert form(rf, causal=True) is kept
+    rf.feature_map.running_sq.add_(torch.rand(2, 16))  # in place: a running statistic
+    assert form(rf, causal=True) is not kept and same(form(rf, causal=True), fresh(rf, True))
+    assert not same(kept, fresh(rf, causal=True))
+    sd = {n: t + 1.0 if t.is_floating_point() else t for n, t in rf.state_dict().items()}
+    kept = form(rf, causal=True)
+    rf.load_state_dict(sd)
+    assert form(rf, causal=True) is not kept and same(form(rf, causal=True), fresh(rf, True))
+    assert not same(kept, fresh(rf, causal=True))

@@ -561,6 +561,9 @@ class StatsFeature(FeatureMap):
     fixed_options: tuple[str, ...] = ()
     #: fixed options that may be left out (they default to a neutral value)
     optional_fixed: tuple[str, ...] = ()
+    #: the closed form the fused stats pass forms the parameters with in its own launch
+    #: (``rfattn.kernels.stats``: "oprf", "saderf"), or None: formed in torch from its moments
+    kernel_stats: str | None = None
 
     def _init_stats(self, head_dim, stats, stats_grad, momentum, fixed: dict) -> None:
         check_choice(self.name, "stats", stats, (None, *STATS_MODES))

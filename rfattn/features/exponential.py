@@ -35,6 +35,7 @@ from rfattn.stats import gerf_real_constants, oprf_A, pair_sq_norm, saderf_psi
 
 __all__ = [
     "PosRF", "HypRF", "GERF", "OPRF", "SADERF", "gerf_real_logits", "gerf_real_parts", "GERF_A_MAX",
+    "coefficient_form",
 ]  # fmt: skip
 
 #: the cap on a learnable GERF A (``RandomFeatures.learn_gerf_A``): the estimator's variance is
@@ -88,15 +89,23 @@ def real_gerf_form(rows: torch.Tensor, a: float, params: dict | None) -> KernelF
 def stats_form(w: torch.Tensor, params: dict, name: str) -> KernelForm:
     """The "gerf" kind with the per-(b, h) ``A, B, log D`` (and saderf's ``psi``) of
     :meth:`OPRF.params` / :meth:`SADERF.params` (held constant: no gradient)."""
-    if params.get("component_weight") is not None:
+    coeffs = torch.cat((params["A"], params["B"], params["log_D"]), dim=-1).flatten(-2)
+    psi = params.get("psi")
+    psi = None if psi is None else psi.squeeze(-2)
+    return coefficient_form(w, coeffs, psi, params, name)
+
+
+def coefficient_form(w: torch.Tensor, coeffs: torch.Tensor, psi: torch.Tensor | None,
+                     params: dict | None = None, name: str = "oprf") -> KernelForm:  # fmt: skip
+    """The "gerf" kind from per-(b, h) coefficients ``(A, B, log D)`` ``[..., 3]`` and input
+    scales ``psi`` ``[..., D]`` (or None) as they are: :func:`stats_form`'s, or those the fused
+    stats pass forms in its own launch (``rfattn.kernels.stats``), with no op of its own."""
+    if params is not None and params.get("component_weight") is not None:
         raise NotImplementedError(
             f"feature={name!r}: the fused kernels do not apply per-row weights (sgq) together "
             "with per-(b, h) parameters"
         )
-    coeffs = torch.cat((params["A"], params["B"], params["log_D"]), dim=-1).flatten(-2)
-    psi = params.get("psi")
-    psi = None if psi is None else psi.squeeze(-2).detach()
-    return KernelForm("gerf", w, coeffs=coeffs.detach(), psi=psi)
+    return KernelForm("gerf", w, coeffs=coeffs.detach(), psi=None if psi is None else psi.detach())
 
 
 class PosRF(FeatureMap):
@@ -270,6 +279,7 @@ class OPRF(StatsFeature):
 
     name = "oprf"
     fixed_options = ("A",)
+    kernel_stats = "oprf"
 
     def __init__(
         self, num_rows=None, head_dim=None, stats=None, stats_grad=False, momentum=0.1, A=None
@@ -318,6 +328,7 @@ class SADERF(StatsFeature):
     name = "saderf"
     fixed_options = ("psi", "A")
     optional_fixed = ("A",)
+    kernel_stats = "saderf"
 
     def __init__(
         self,
