@@ -776,3 +776,41 @@ def launch_setup(q, k, v, form, scale, key_padding_mask, precision=None, causal=
         has_map=form.qmap is not None or form.kmap is not None,
         NMT=triton.cdiv(M, BM), ACC=ACC, meta=meta,
     )  # fmt: skip
+
+
+# arrival counters: the last program of a group to finish merges the group's partials
+
+
+@triton.jit
+def last_to_arrive(cnt_ptr, NUM_SPLITS):
+    """Whether this program is the last of the NUM_SPLITS programs sharing the arrival counter
+    at ``cnt_ptr`` to get there (it then resets the counter to 0 for the next launch).
+
+    The barrier orders every thread's partial stores before the arrival, a single atomic
+    (acq_rel, GPU scope: one thread's, its result shared through shared memory behind another
+    barrier), so that the last program's loads of the other programs' partials see them: the
+    pattern of CUTLASS's split-K semaphore. Under the interpreter programs run one by one."""
+    tl.debug_barrier()
+    b_prev = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
+    b_last = b_prev == NUM_SPLITS - 1
+    if b_last:
+        tl.store(cnt_ptr, 0)
+    return b_last
+
+
+#: arrival counters (:func:`last_to_arrive`), int32 zeros between launches (the last program of
+#: each group resets its own), shared by every kernel that merges partials, per (device, stream):
+#: launches on one stream run one after another, while two streams' launches may overlap and must
+#: not share counters
+COUNTERS: dict = {}
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least ``n`` arrival counters for a launch on ``device``'s current stream: zeroed once
+    (one fill on the first launch, or when a launch needs more), never per call."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    buf = COUNTERS.get((device, stream))
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(triton.next_power_of_2(max(n, 1024)), dtype=torch.int32, device=device)
+        COUNTERS[(device, stream)] = buf
+    return buf

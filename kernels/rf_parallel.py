@@ -24,7 +24,7 @@ Merging inside the key pass, not in a launch of its own nor in the query pass: e
 program stores its partial, then adds 1 to its tile's arrival counter (one int32 per (b, h) and
 F tile, ``tl.atomic_add``, acq_rel, after a barrier); the program that sees NUM_SPLITS - 1
 reads every partial in split order, writes the merged tile and resets the counter to 0, so the
-counters (:func:`arrival_counters`, zeroed once per device and stream) need no fill per call.
+counters (``common.arrival_counters``, zeroed once per device and stream) need no fill per call.
 Summing the partials in the query pass instead would read NUM_SPLITS states per query tile:
 at B4 H16 M256 E64 on an H100 (2 splits) about 69 MB more L2 reads at T = 1024 and 1.1 GB at
 T = 16384, against 8.7 MB read once by the merging programs; and the backward and the sharded
@@ -75,6 +75,7 @@ from .common import (
     KEY,
     NEG,
     PRUNE,
+    arrival_counters,
     autotune_configs,
     check_forward_only,
     feature_dw,
@@ -82,6 +83,7 @@ from .common import (
     feature_tile,
     gerf_coeffs,
     input_scale,
+    last_to_arrive,
     launch_setup,
     load_mapped,
     load_rows,
@@ -93,24 +95,7 @@ from .common import (
     valid_keys,
 )
 
-__all__ = ["rf_parallel_fwd", "rf_parallel_bwd", "arrival_counters", "FEATURE_IDS", "INTERPRET"]
-
-
-@triton.jit
-def _last_to_arrive(cnt_ptr, NUM_SPLITS):
-    """Whether this program is the last of the NUM_SPLITS programs sharing the arrival counter
-    at ``cnt_ptr`` to get there (it then resets the counter to 0 for the next launch).
-
-    The barrier orders every thread's partial stores before the arrival, a single atomic
-    (acq_rel, GPU scope: one thread's, its result shared through shared memory behind another
-    barrier), so that the last program's loads of the other programs' partials see them: the
-    pattern of CUTLASS's split-K semaphore. Under the interpreter programs run one by one."""
-    tl.debug_barrier()
-    b_prev = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
-    b_last = b_prev == NUM_SPLITS - 1
-    if b_last:
-        tl.store(cnt_ptr, 0)
-    return b_last
+__all__ = ["rf_parallel_fwd", "rf_parallel_bwd", "FEATURE_IDS", "INTERPRET"]
 
 
 @triton.jit
@@ -210,7 +195,7 @@ def _fwd_kv_kernel(
         i_part = i_bh * NUM_SPLITS + i_s
         _store_rows(sp_ptr, zp_ptr, i_part, o_f, o_e, m_f, m_e, b_s, b_z, M, E)
         tl.store(mp_ptr + i_part * M + o_f, b_mx, mask=m_f)
-        if _last_to_arrive(cnt_ptr + i_bh * tl.num_programs(0) + i_m, NUM_SPLITS):
+        if last_to_arrive(cnt_ptr + i_bh * tl.num_programs(0) + i_m, NUM_SPLITS):
             _merge_state(sp_ptr, zp_ptr, mp_ptr, s_ptr, z_ptr, mk_ptr, i_bh, o_f, o_e, m_f, m_e,
                          NUM_SPLITS, M, E, BM, BE, ACC)  # fmt: skip
 
@@ -343,7 +328,7 @@ def _bwd_ds_kernel(
         _store_rows(ds_ptr, dz_ptr, i_bh, o_f, o_e, m_f, m_e, b_ds, b_dz, M, E)
     else:
         _store_rows(dsp_ptr, dzp_ptr, i_part, o_f, o_e, m_f, m_e, b_ds, b_dz, M, E)
-        if _last_to_arrive(cnt_ptr + i_bh * tl.num_programs(0) + i_m, NUM_SPLITS):
+        if last_to_arrive(cnt_ptr + i_bh * tl.num_programs(0) + i_m, NUM_SPLITS):
             # the splits' partials summed in split order (deterministic)
             b_ds = tl.zeros([BM, BE], dtype=ACC)
             b_dz = tl.zeros([BM], dtype=ACC)
@@ -568,23 +553,6 @@ def _bwd_dwk_kernel(
 
 # ------------------------------------------------------------------------------------------------
 # launchers
-
-
-#: arrival counters of the split programs (:func:`_last_to_arrive`), int32 zeros between launches
-#: (the last program of each tile resets its own), per (device, stream): launches on one stream
-#: run one after another, while two streams' launches may overlap and must not share counters
-_COUNTERS: dict = {}
-
-
-def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least ``n`` arrival counters for a launch on ``device``'s current stream: zeroed once
-    (one fill on the first launch, or when a launch needs more), never per call."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
-    buf = _COUNTERS.get((device, stream))
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(triton.next_power_of_2(max(n, 1024)), dtype=torch.int32, device=device)
-        _COUNTERS[(device, stream)] = buf
-    return buf
 
 
 def _one_group(c) -> None:

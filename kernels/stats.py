@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import DTYPES, INTERPRET, next_pow2, split_counts
+from .common import DTYPES, INTERPRET, arrival_counters, last_to_arrive, next_pow2, split_counts
 
 __all__ = ["StatsPass", "stats_pass", "sequence_moments_fused"]
 
@@ -258,9 +258,7 @@ def _stats_kernel(
     tl.store(p_part + 2 * D, b_abs, mask=m_d)
     tl.store(p_part + 3 * D, b_min, mask=m_d)
     tl.store(cnt_ptr + i_part, n)
-    tl.debug_barrier()  # every thread's stores before the (acq_rel) arrival
-    if tl.atomic_add(arrive_ptr + i_bh, 1) == NS - 1:  # the (b, h)'s last program
-        tl.store(arrive_ptr + i_bh, 0)
+    if last_to_arrive(arrive_ptr + i_bh, NS):  # the (b, h)'s last program
         b_mq, b_sq_q, b_aq, b_minq = _side_moments(part_ptr, cnt_ptr, i_bh * NS, SQ, D, o_d, m_d,
                                                  BD, ACC)  # fmt: skip
         b_mk, b_sq_k, b_ak, b_mink = _side_moments(part_ptr, cnt_ptr, i_bh * NS + SQ, SK, D, o_d,
@@ -280,29 +278,11 @@ def _stats_kernel(
                                               psi_hi, FORM)  # fmt: skip
             _store_params(coef_ptr, psi_ptr, i_bh, a, b, log_d, b_psi, D, o_d, m_d, FORM)
         if RUNNING:
-            tl.debug_barrier()  # the moments stored before the second arrival
             BH = tl.num_programs(1)
-            if tl.atomic_add(arrive_ptr + BH, 1) == BH - 1:  # the grid's last (b, h)
-                tl.store(arrive_ptr + BH, 0)
+            if last_to_arrive(arrive_ptr + BH, BH):  # the grid's last (b, h)
                 _running_update(mom_ptr, run_mean, run_sq, run_abs, run_min, nbt_ptr, coef_ptr,
                                 psi_ptr, BH, D, keep, momentum, tiny, psi_lo, psi_hi, o_d, m_d,
                                 BD, BB, FORM, ACC, RACC)  # fmt: skip
-
-
-#: per (device, stream): the arrival counters, zeroed once (every launch leaves them at 0)
-_ARRIVALS: dict = {}
-
-
-def _arrivals(device: torch.device, n: int) -> torch.Tensor:
-    """At least ``n`` zero int32 counters on ``device`` for this stream (launches on one stream
-    run in order, so they never share them); grown by doubling, made only then."""
-    key = (device, torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0)
-    buf = _ARRIVALS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 2 * (0 if buf is None else buf.numel()), 64), dtype=torch.int32,
-                          device=device)  # fmt: skip
-        _ARRIVALS[key] = buf
-    return buf
 
 
 class StatsPass(NamedTuple):
@@ -373,7 +353,7 @@ def stats_pass(
     rows = (1, 1) if running is not None else (B, H)
     coeffs = torch.empty(*rows, 3, device=dev, dtype=acc) if form else None
     psi = torch.empty(*rows, D, device=dev, dtype=acc) if form == "saderf" else None
-    arrive = _arrivals(dev, B * H + 1)
+    arrive = arrival_counters(dev, B * H + 1)
     if running is not None:
         *bufs, nbt, momentum = running
         racc = tl.float64 if bufs[0].dtype == torch.float64 else tl.float32

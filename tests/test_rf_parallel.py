@@ -103,7 +103,8 @@ def test_split_merges_in_kernel_match_one_split_and_reset_counters(splits, kerne
     each feature tile to arrive): out, dq, dk, dv and dW (both sides' partials) as with one
     split, in float64, and every arrival counter back at 0 afterwards (zeroed once, never per
     call)."""
-    from rfattn.kernels.rf_parallel import arrival_counters, rf_parallel_bwd, rf_parallel_fwd
+    from rfattn.kernels.common import arrival_counters
+    from rfattn.kernels.rf_parallel import rf_parallel_bwd, rf_parallel_fwd
 
     B, H, T, D, M, E = 1, 2, 300, 16, 80, 16
     f64 = torch.float64
