@@ -38,7 +38,11 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
+from triton.runtime import driver
+from triton.runtime.autotuner import Autotuner
 from triton.runtime.errors import OutOfResources
+from triton.runtime.jit import JITFunction
 
 #: Whether kernels were decorated under the Triton interpreter (read once, at import).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -79,17 +83,58 @@ def fallbacks(name: str, constexprs: dict, stages: int):
 
 
 def launch(kernel, grid, *args, **kwargs):
-    """``kernel[grid](*args, **kwargs)`` for a kernel launched without autotuning, taking the
-    first of its :func:`fallbacks` that fits where the one asked for runs out of shared memory
-    (which would otherwise be an ``OutOfResources`` error). What fitted is remembered per kernel
-    and specialisation, so later calls launch it at once (while nothing has fallen back, a launch
-    costs no lookup: the decode step launches once per token). Any other error, or shared memory
-    short at every fallback, is raised."""
+    """``kernel[grid](*args, **kwargs)`` through a launch plan (:data:`PLANS`): the first launch
+    of a specialisation goes Triton's whole way (autotuner, JIT binding, compile or kernel cache)
+    and leaves a plan; later ones call the compiled kernel directly (Triton's own last step),
+    with the grid of the config the first one ran (a callable ``grid`` is called with the
+    launch's constexprs and that config, never with its tensors). ~4 µs a launch instead of
+    Triton's 30-50 (``python -m bench.host``). Tensors are passed positionally, constexprs and
+    launch options by keyword.
+
+    A kernel without autotuning also takes the first of its :func:`fallbacks` that fits where
+    the config asked for runs out of shared memory (which would otherwise be an
+    ``OutOfResources`` error); what fitted is remembered per kernel and specialisation (and is
+    then the plan's). Any other error, or shared memory short at every fallback, is raised."""
+    if PLANS:
+        drv = driver.active
+        device = drv.get_current_device()
+        # what Triton's keys hold, or more: ints and constexprs by value (Triton: their
+        # divisibility by 16 and == 1), tensors by dtype and 16-byte alignment, floats by type
+        key = (kernel, device, *kwargs.items(), *[
+            (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
+            else a if type(a) is int else (type(a), None if type(a) is float else a)
+            for a in args
+        ])  # fmt: skip
+        plan = LAUNCH_PLANS.get(key)
+        if plan is not None:
+            run, compiled, tail, meta = plan
+            g = grid(meta) if callable(grid) else grid
+            stream = drv.get_current_stream(device)
+            hooks = knobs.runtime
+            run(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1, stream,
+                compiled.function, compiled.packed_metadata,
+                compiled.launch_metadata(g, stream, *args, *tail),
+                hooks.launch_enter_hook, hooks.launch_exit_hook, *args, *tail)  # fmt: skip
+            return compiled
+    if isinstance(kernel, Autotuner):  # its configs carry the launch options
+        out, consts = kernel[grid](*args, **kwargs), kwargs
+    else:
+        out, consts = _fitting_launch(kernel, grid, args, kwargs)
+    if PLANS:
+        if len(LAUNCH_PLANS) >= MAX_PLANS:  # ever new shapes: start over rather than grow
+            LAUNCH_PLANS.clear()
+        LAUNCH_PLANS[key] = _plan(kernel, out, len(args), consts)
+    return out
+
+
+def _fitting_launch(kernel, grid, args: tuple, kwargs: dict):
+    """(what the launch returned, its constexprs) of a kernel launched without autotuning,
+    through :func:`fallbacks` (:func:`launch`)."""
     asked = kwargs.pop("num_stages", 3)  # Triton's default
     key = _specialisation(kernel, asked, args, kwargs) if _FITTED else None
     if key in _FITTED:
         over, stages = _FITTED[key]
-        return kernel[grid](*args, **{**kwargs, **over}, num_stages=stages)
+        return kernel[grid](*args, **{**kwargs, **over}, num_stages=stages), {**kwargs, **over}
     for i, (over, stages) in enumerate(fallbacks(kernel.fn.__name__, kwargs, asked)):
         try:
             out = kernel[grid](*args, **{**kwargs, **over}, num_stages=stages)
@@ -100,8 +145,42 @@ def launch(kernel, grid, *args, **kwargs):
             continue
         if i:
             _FITTED[_specialisation(kernel, asked, args, kwargs)] = over, stages
-        return out
+        return out, {**kwargs, **over}
     raise error
+
+
+def _plan(kernel, compiled, positional: int, consts: dict):
+    """``(run, compiled kernel, the constexprs after the positional arguments in the kernel's
+    order, the grid's meta)`` of a launch that returned ``compiled``, or None (no plan: every
+    launch of it then goes Triton's way) when the launch cannot be replayed: not a compiled
+    kernel (the interpreter), an autotuner that resets or restores arguments, a config with a
+    pre-hook, an argument by keyword that is not a constexpr, or a tensor among them."""
+    compiled = compiled.result() if hasattr(compiled, "result") else compiled  # 3.6's futures
+    if not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+        return None
+    jit = kernel
+    if isinstance(kernel, Autotuner):
+        config = kernel.best_config
+        if kernel.reset_to_zero or kernel.restore_value or config.pre_hook:
+            return None
+        jit, consts = kernel.fn, {**consts, **config.kwargs}
+    if not isinstance(jit, JITFunction):
+        return None
+    names = jit.arg_names[positional:]
+    if any(n not in consts or isinstance(consts[n], torch.Tensor) for n in names):
+        return None
+    meta = {n: consts[n] for n in names}
+    return compiled.run, compiled, tuple(meta.values()), meta
+
+
+#: launch plans (:func:`launch`): (kernel, device, constexprs and options, the arguments'
+#: specialisation) -> plan, or None for a launch that always goes Triton's way. Off under the
+#: interpreter (nothing is compiled); ``knobs`` that change Triton's compile key (debug,
+#: instrumentation) apply to specialisations first launched after the change.
+LAUNCH_PLANS: dict = {}
+PLANS = not INTERPRET
+#: plans kept at most; past it the table starts over (each plan costs one launch Triton's way)
+MAX_PLANS = 4096
 
 
 def _specialisation(kernel, stages: int, args: tuple, kwargs: dict) -> tuple:

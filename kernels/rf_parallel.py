@@ -70,6 +70,7 @@ from .common import (
     feature_tile,
     gerf_coeffs,
     input_scale,
+    launch,
     launch_setup,
     load_mapped,
     load_rows,
@@ -524,20 +525,20 @@ def rf_parallel_fwd(
     s_part = c.acc_empty(B * H * splits, M, E)
     z_part = c.acc_empty(B * H * splits, M)
     m_part = c.acc_empty(B * H * splits, M)
-    _fwd_kv_kernel[(NMT, splits, B * H)](
+    launch(_fwd_kv_kernel, (NMT, splits, B * H),
         k, v, c.w, c.pad[0], *c.form_ptrs, c.maps[1], s_part, z_part, m_part,
         Tk, H, splits, per if Tk else 0,
         *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
         HAS_PAD=c.has_pad, HAS_MAP=c.has_map, **c.meta,
     )  # fmt: skip
     mk = c.acc_empty(B * H, M)
-    _fwd_merge_kernel[(NMT, B * H)](
+    launch(_fwd_merge_kernel, (NMT, B * H),
         s_part, z_part, m_part, s, z, mk, splits, M=M, E=E, BM=c.BM, BE=c.BE, ACC=c.ACC
-    )
+    )  # fmt: skip
     if combine is not None:
         s, z, mk = (x.contiguous() for x in combine(s, z, mk))
     if Tq:
-        _fwd_q_kernel[lambda meta: (triton.cdiv(Tq, meta["BT"]), B * H)](
+        launch(_fwd_q_kernel, lambda meta: (triton.cdiv(Tq, meta["BT"]), B * H),
             q, c.w, *c.form_ptrs, c.maps[0], s, z, mk, out, mq, den,
             Tq, H, *q.stride(), *c.w.stride(), *out.stride(),
             HAS_MAP=c.has_map, **c.meta,
@@ -591,7 +592,7 @@ def rf_parallel_bwd(
     ds_part = c.acc_empty(B * H * splits, M, E)
     dz_part = c.acc_empty(B * H * splits, M)
     dw_part = c.acc_empty(B * H * splits, M, D) if need_dw else ds_part
-    _bwd_ds_kernel[(NMT, splits, B * H)](
+    launch(_bwd_ds_kernel, (NMT, splits, B * H),
         q, c.w, *c.form_ptrs, s, z, mk, out, do, mq, den,
         ds_part, dz_part, dw_part,
         Tq, H, splits, per if Tq else 0,
@@ -606,13 +607,13 @@ def rf_parallel_bwd(
     if need_dw:
         dw += dw_part.view(B * H * splits, M, D).sum(0)
     if Tq:
-        _bwd_dq_kernel[lambda meta: (triton.cdiv(Tq, meta["BT"]), B * H)](
+        launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(Tq, meta["BT"]), B * H),
             q, c.w, *c.form_ptrs, s, z, mk, out, do, mq, den, dq,
             Tq, H, *q.stride(), *c.w.stride(), *out.stride(), *do.stride(), *dq.stride(),
             **c.meta,
         )  # fmt: skip
     if Tk:
-        _bwd_dkv_kernel[lambda meta: (triton.cdiv(Tk, meta["BT"]), B * H)](
+        launch(_bwd_dkv_kernel, lambda meta: (triton.cdiv(Tk, meta["BT"]), B * H),
             k, v, c.w, c.pad[0], *c.form_ptrs, ds, dz, mk, dk, dv,
             Tk, H, *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
             *dk.stride(), *dv.stride(),
@@ -621,7 +622,7 @@ def rf_parallel_bwd(
         if need_dw:
             ksplits, kper = split_counts(Tk, B * H * NMT, dev, num_splits)
             dwk_part = c.acc_empty(B * H * ksplits, M, D)
-            _bwd_dwk_kernel[(NMT, ksplits, B * H)](
+            launch(_bwd_dwk_kernel, (NMT, ksplits, B * H),
                 k, v, c.w, c.pad[0], *c.form_ptrs, ds, dz, mk, dwk_part,
                 Tk, H, ksplits, kper,
                 *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
