@@ -33,6 +33,7 @@ Feature forms (constexpr ``FEATURE``; ``w`` ``[F, D]`` holds one projection row 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 
 import torch
@@ -128,14 +129,19 @@ def launch(kernel, grid, *args, **kwargs):
 
 
 def _fitting_launch(kernel, grid, args: tuple, kwargs: dict):
-    """(what the launch returned, its constexprs) of a kernel launched without autotuning,
-    through :func:`fallbacks` (:func:`launch`)."""
+    """(what the launch returned, its constexprs) of a kernel launched without autotuning: as
+    asked (or as what fitted before, for this specialisation), then through :func:`fallbacks`
+    only where that runs out of shared memory (:func:`launch`)."""
     asked = kwargs.pop("num_stages", 3)  # Triton's default
-    key = _specialisation(kernel, asked, args, kwargs) if _FITTED else None
-    if key in _FITTED:
-        over, stages = _FITTED[key]
+    fitted = _FITTED.get(_specialisation(kernel, asked, args, kwargs)) if _FITTED else None
+    over, stages = fitted or ({}, asked)
+    try:
         return kernel[grid](*args, **{**kwargs, **over}, num_stages=stages), {**kwargs, **over}
-    for i, (over, stages) in enumerate(fallbacks(kernel.fn.__name__, kwargs, asked)):
+    except OutOfResources as e:
+        if e.name != "shared memory" or fitted:
+            raise
+        error = e
+    for over, stages in itertools.islice(fallbacks(kernel.fn.__name__, kwargs, asked), 1, None):
         try:
             out = kernel[grid](*args, **{**kwargs, **over}, num_stages=stages)
         except OutOfResources as e:
@@ -143,8 +149,7 @@ def _fitting_launch(kernel, grid, args: tuple, kwargs: dict):
                 raise
             error = e
             continue
-        if i:
-            _FITTED[_specialisation(kernel, asked, args, kwargs)] = over, stages
+        _FITTED[_specialisation(kernel, asked, args, kwargs)] = over, stages
         return out, {**kwargs, **over}
     raise error
 

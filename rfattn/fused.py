@@ -9,7 +9,6 @@ import dataclasses
 
 import torch
 
-from rfattn import blocked
 from rfattn.call import Call, RFState, learns_gerf_a, mapped, no_kernel_reason, query_rows
 from rfattn.features import compute_dtype, prescale
 from rfattn.stats import Moments
@@ -37,9 +36,13 @@ def attend(call: Call, gpu_tiles=None):
             "the fused kernels hold GERF's A constant: a call that needs the gradient of a "
             "learnable gerf_A runs backend='torch' (or run this one under torch.no_grad())"
         )
-    given = (call.q, call.k, call.v, rf.weight) + tuple(call.initial_state or ())
-    grad = blocked.backward_follows(*given, *(call.maps or ()))
-    if grad:
+    grad = False  # whether autograd records the call (blocked.backward_follows, inlined)
+    if torch.is_grad_enabled():
+        given = (call.q, call.k, call.v, rf.weight, *(call.initial_state or ()),
+                 *(call.maps or ()))  # fmt: skip
+        for x in given:
+            grad = grad or x is not None and x.requires_grad
+    if grad and call.maps is not None:
         call = call.with_maps_applied()
     q, k, v, mask, scale = call.q, call.k, call.v, call.key_padding_mask, call.scale
     form = kernel_form(rf, q, k, mask, scale, causal, call.query_padding_mask, maps=call.maps)

@@ -321,13 +321,15 @@ def rf_parallel(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, 
     """Fused non-causal attention of the kernel form ``form`` (``rfattn::parallel``); see
     ``rfattn.kernels.rf_parallel.rf_parallel_fwd`` for the arguments. Gradients reach q, k, v
     and ``form.w``."""
-    args = (q, k, v, *flat_form(form), scale, key_padding_mask, precision, gpu_tiles)
-    if torch.compiler.is_compiling():
-        return _parallel(*args)[0]
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                    or form.w.requires_grad):  # fmt: skip
-        return _Parallel.apply(*args)[0]
-    return _parallel_body(*args)[0]
+    traced = torch.compiler.is_compiling()
+    grad = q.requires_grad or k.requires_grad or v.requires_grad or form.w.requires_grad
+    if traced or grad and torch.is_grad_enabled():
+        args = (q, k, v, *flat_form(form), scale, key_padding_mask, precision, gpu_tiles)
+        return (_parallel if traced else _Parallel.apply)(*args)[0]
+    if on_torch(q):  # no gradient follows: the operator's body, on the form itself
+        return _torch_parallel(q, k, v, form, scale, key_padding_mask)[0]
+    return rf_parallel_kernels.rf_parallel_fwd(q, k, v, form, scale, key_padding_mask, precision,
+                                               gpu_tiles=gpu_tiles)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------
@@ -470,14 +472,25 @@ def rf_chunk(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, ini
 # decode
 
 
+def _decode_run(q, k, v, form, scale, mask, state, precision, gpu_tiles, inplace=False):
+    """The decode step's body (both operators' and the eager call's): ``(out, S, z, offset)``,
+    or ``out`` with ``inplace`` (the new state written into ``state``'s tensors)."""
+    if on_torch(q):
+        out, *new = _torch_chunk(q, k, v, form, scale, mask, state)
+        if not inplace:
+            return out, *new
+        for old_, new_ in zip(state, new, strict=True):
+            old_.copy_(new_)
+        return out
+    out, new = rf_recurrent_kernels.rf_recurrent_fwd(
+        q, k, v, form, scale, mask, state, precision, inplace=inplace, gpu_tiles=gpu_tiles
+    )
+    return out if inplace else (out, *new)
+
+
 def _decode_body(q, k, v, *args):
     form, (scale, mask, s0, z0, off0, precision, gpu_tiles) = _form(args)
-    if on_torch(q):
-        return _torch_chunk(q, k, v, form, scale, mask, _state(s0, z0, off0))
-    out, state = rf_recurrent_kernels.rf_recurrent_fwd(
-        q, k, v, form, scale, mask, _state(s0, z0, off0), precision, gpu_tiles=gpu_tiles
-    )
-    return out, *state
+    return _decode_run(q, k, v, form, scale, mask, _state(s0, z0, off0), precision, gpu_tiles)
 
 
 _decode = _op("decode", f"{_QKV}, {_FORM}, {_CALL}, {_STATE}, {_OPTS}",
@@ -494,15 +507,7 @@ _DECODE_ = f"{_QKV}, {_FORM}, {_CALL}, Tensor(a!) s, Tensor(b!) z, Tensor(c!) of
 
 def _decode_inplace_body(q, k, v, *args):
     form, (scale, mask, s, z, off, precision, gpu_tiles) = _form(args)
-    if on_torch(q):
-        out, *new = _torch_chunk(q, k, v, form, scale, mask, (s, z, off))
-        for old_, new_ in zip((s, z, off), new, strict=True):
-            old_.copy_(new_)
-        return out
-    out, _ = rf_recurrent_kernels.rf_recurrent_fwd(
-        q, k, v, form, scale, mask, (s, z, off), precision, inplace=True, gpu_tiles=gpu_tiles
-    )
-    return out
+    return _decode_run(q, k, v, form, scale, mask, (s, z, off), precision, gpu_tiles, True)
 
 
 _decode_ = _op("decode_", _DECODE_, "Tensor", mutates=("s", "z", "off"))(_decode_inplace_body)
@@ -521,14 +526,15 @@ def rf_decode(q, k, v, form: KernelForm, scale: float, key_padding_mask=None,
     (contiguous, in the accumulation dtype) and returns them: for a caller that owns the state,
     such as a generation cache. Otherwise (``rfattn::decode``) the given state is only read.
     """
+    if inplace and initial_state is None:
+        raise ValueError("inplace=True needs an initial_state to update")
+    if not torch.compiler.is_compiling():  # the body: no gradient, no dispatch needed
+        out = _decode_run(q, k, v, form, scale, key_padding_mask, initial_state, precision,
+                          gpu_tiles, inplace)  # fmt: skip
+        return (out, *initial_state) if inplace else out
     args = (*flat_form(form), scale, key_padding_mask)
-    traced = torch.compiler.is_compiling()  # else the bodies: no gradient, no dispatch needed
     if inplace:
-        if initial_state is None:
-            raise ValueError("inplace=True needs an initial_state to update")
-        run = _decode_ if traced else _decode_inplace_body
-        out = run(q, k, v, *args, *initial_state, precision, gpu_tiles)
+        out = _decode_(q, k, v, *args, *initial_state, precision, gpu_tiles)
         return (out, *initial_state)
     s0, z0, off0 = (None, None, None) if initial_state is None else initial_state
-    return (_decode if traced else _decode_body)(q, k, v, *args, s0, z0, off0, precision,
-                                                 gpu_tiles)  # fmt: skip
+    return _decode(q, k, v, *args, s0, z0, off0, precision, gpu_tiles)
