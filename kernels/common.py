@@ -604,8 +604,17 @@ def query_cotangents(
 # launch setup (shared by every launcher)
 
 
+# Plain integer maths: triton.cdiv and triton.next_power_of_2 are constexpr functions, ~2-7 µs a
+# call through their wrapper, several per launch setup.
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of non-negative ints (``triton.cdiv``)."""
+    return -(-a // b)
+
+
 def next_pow2(n: int, floor: int = 16) -> int:
-    return max(floor, triton.next_power_of_2(max(n, 1)))
+    return max(floor, 1 << (max(n, 1) - 1).bit_length())
 
 
 def _check_inputs(q, k, v, w, key_padding_mask) -> None:
@@ -639,7 +648,7 @@ def _check_inputs(q, k, v, w, key_padding_mask) -> None:
 
 def split_counts(T: int, programs_per_split: int, device: torch.device, num_splits: int | None):
     """(number of splits, tokens per split) for reductions over T: fill the device twice."""
-    quanta = triton.cdiv(T, _SPLIT_QUANTUM)
+    quanta = cdiv(T, _SPLIT_QUANTUM)
     if quanta <= 1:
         return 1, _SPLIT_QUANTUM
     if num_splits is None:
@@ -647,9 +656,9 @@ def split_counts(T: int, programs_per_split: int, device: torch.device, num_spli
             num_splits = 2  # exercises the merge without slowing the interpreter
         else:
             sms = torch.cuda.get_device_properties(device).multi_processor_count
-            num_splits = triton.cdiv(2 * sms, programs_per_split)
-    per = triton.cdiv(quanta, max(1, min(num_splits, quanta))) * _SPLIT_QUANTUM
-    return triton.cdiv(T, per), per
+            num_splits = cdiv(2 * sms, programs_per_split)
+    per = cdiv(quanta, max(1, min(num_splits, quanta))) * _SPLIT_QUANTUM
+    return cdiv(T, per), per
 
 
 def _feature_rows(big: int, itemsize: int) -> int:

@@ -64,6 +64,7 @@ from .common import (
     NEG,
     PRUNE,
     autotune_configs,
+    cdiv,
     check_forward_only,
     feature_dw,
     feature_dx,
@@ -538,7 +539,7 @@ def rf_parallel_fwd(
     if combine is not None:
         s, z, mk = (x.contiguous() for x in combine(s, z, mk))
     if Tq:
-        launch(_fwd_q_kernel, lambda meta: (triton.cdiv(Tq, meta["BT"]), B * H),
+        launch(_fwd_q_kernel, lambda meta: (cdiv(Tq, meta["BT"]), B * H),
             q, c.w, *c.form_ptrs, c.maps[0], s, z, mk, out, mq, den,
             Tq, H, *q.stride(), *c.w.stride(), *out.stride(),
             HAS_MAP=c.has_map, **c.meta,
@@ -607,13 +608,13 @@ def rf_parallel_bwd(
     if need_dw:
         dw += dw_part.view(B * H * splits, M, D).sum(0)
     if Tq:
-        launch(_bwd_dq_kernel, lambda meta: (triton.cdiv(Tq, meta["BT"]), B * H),
+        launch(_bwd_dq_kernel, lambda meta: (cdiv(Tq, meta["BT"]), B * H),
             q, c.w, *c.form_ptrs, s, z, mk, out, do, mq, den, dq,
             Tq, H, *q.stride(), *c.w.stride(), *out.stride(), *do.stride(), *dq.stride(),
             **c.meta,
         )  # fmt: skip
     if Tk:
-        launch(_bwd_dkv_kernel, lambda meta: (triton.cdiv(Tk, meta["BT"]), B * H),
+        launch(_bwd_dkv_kernel, lambda meta: (cdiv(Tk, meta["BT"]), B * H),
             k, v, c.w, c.pad[0], *c.form_ptrs, ds, dz, mk, dk, dv,
             Tk, H, *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
             *dk.stride(), *dv.stride(),

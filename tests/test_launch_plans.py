@@ -159,3 +159,16 @@ def test_no_plans_under_the_interpreter(kernel_device):
     q = torch.randn(1, 1, 16, 8)
     rfattn.rf_attention(q, q, q, rf, backend="triton")
     assert not common.PLANS and common.LAUNCH_PLANS == {}
+
+
+def test_integer_helpers_match_triton():
+    """The launch setup's plain integer maths (no constexpr-function wrapper per call) equals
+    ``triton.cdiv`` and ``triton.next_power_of_2``."""
+    import triton
+    from rfattn.kernels.common import cdiv, next_pow2
+
+    for n in range(600):
+        for b in (1, 16, 64, 128):
+            assert cdiv(n, b) == triton.cdiv(n, b)
+        assert next_pow2(n, 1) == triton.next_power_of_2(max(n, 1))
+        assert next_pow2(n) == max(16, triton.next_power_of_2(max(n, 1)))
