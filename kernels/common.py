@@ -39,6 +39,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 from triton import knobs
 from triton.runtime import driver
 from triton.runtime.autotuner import Autotuner
@@ -100,10 +101,11 @@ def launch(kernel, grid, *args, **kwargs):
         drv = driver.active
         device = drv.get_current_device()
         # what Triton's keys hold, or more: ints and constexprs by value (Triton: their
-        # divisibility by 16 and == 1), tensors by dtype and 16-byte alignment, floats by type
+        # divisibility by 16 and == 1), tensors by dtype and 16-byte alignment, floats by type,
+        # anything else (bools, None) by type and value; ints first: the cheapest, the most
         key = (kernel, device, *kwargs.items(), *[
-            (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
-            else a if type(a) is int else (type(a), None if type(a) is float else a)
+            a if type(a) is int else (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, Tensor)
+            else (type(a), None if type(a) is float else a)
             for a in args
         ])  # fmt: skip
         plan = LAUNCH_PLANS.get(key)
