@@ -7,8 +7,10 @@ is spread, to compare before and after a refactor (fewer hops for the same work 
 
 Paths: ``noncausal-posrf`` and ``noncausal-oprf`` (``rf_parallel``), ``causal-posrf`` (inputs
 that require grad, so the chunked form ``rf_chunk``), ``decode-posrf`` (causal, under
-``torch.no_grad()``: one token with the state of a 15-token prefix, ``rf_recurrent``). Only the
-forward call is traced, not a backward pass.
+``torch.no_grad()``: one token with the state of a 15-token prefix, ``rf_recurrent``), and
+``torch-causal-posrf`` (``backend="torch"``, causal, inputs that require grad: the torch path's
+blocked forward and its hand-written backward, ``out.sum().backward()``). The fused paths trace
+the forward call only.
 
 What is counted, with ``sys.setprofile``, during one warm call (the same call runs once before,
 untraced, so that lazy imports and the autotuner's first benchmark stay out of the count):
@@ -150,6 +152,9 @@ def paths() -> dict:
             qg, kg, vg, posrf, causal=True, backend="triton"
         ),
         "decode-posrf": decode,
+        "torch-causal-posrf": lambda: rfattn.rf_attention(
+            qg, kg, vg, posrf, causal=True, backend="torch"
+        ).sum().backward(),
     }
 
 

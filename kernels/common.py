@@ -33,12 +33,18 @@ Feature forms (constexpr ``FEATURE``; ``w`` ``[F, D]`` holds one projection row 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
+from triton import knobs
+from triton.runtime import driver
+from triton.runtime.autotuner import Autotuner
 from triton.runtime.errors import OutOfResources
+from triton.runtime.jit import JITFunction
 
 #: Whether kernels were decorated under the Triton interpreter (read once, at import).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -79,18 +85,65 @@ def fallbacks(name: str, constexprs: dict, stages: int):
 
 
 def launch(kernel, grid, *args, **kwargs):
-    """``kernel[grid](*args, **kwargs)`` for a kernel launched without autotuning, taking the
-    first of its :func:`fallbacks` that fits where the one asked for runs out of shared memory
-    (which would otherwise be an ``OutOfResources`` error). What fitted is remembered per kernel
-    and specialisation, so later calls launch it at once (while nothing has fallen back, a launch
-    costs no lookup: the decode step launches once per token). Any other error, or shared memory
-    short at every fallback, is raised."""
+    """``kernel[grid](*args, **kwargs)`` through a launch plan (:data:`PLANS`): the first launch
+    of a specialisation goes Triton's whole way (autotuner, JIT binding, compile or kernel cache)
+    and leaves a plan; later ones call the compiled kernel directly (Triton's own last step),
+    with the grid of the config the first one ran (a callable ``grid`` is called with the
+    launch's constexprs and that config, never with its tensors). ~4 µs a launch instead of
+    Triton's 30-50 (``python -m bench.host``). Tensors are passed positionally, constexprs and
+    launch options by keyword.
+
+    A kernel without autotuning also takes the first of its :func:`fallbacks` that fits where
+    the config asked for runs out of shared memory (which would otherwise be an
+    ``OutOfResources`` error); what fitted is remembered per kernel and specialisation (and is
+    then the plan's). Any other error, or shared memory short at every fallback, is raised."""
+    if PLANS:
+        drv = driver.active
+        device = drv.get_current_device()
+        # what Triton's keys hold, or more: ints and constexprs by value (Triton: their
+        # divisibility by 16 and == 1), tensors by dtype and 16-byte alignment, floats by type,
+        # anything else (bools, None) by type and value; ints first: the cheapest, the most
+        key = (kernel, device, *kwargs.items(), *[
+            a if type(a) is int else (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, Tensor)
+            else (type(a), None if type(a) is float else a)
+            for a in args
+        ])  # fmt: skip
+        plan = LAUNCH_PLANS.get(key)
+        if plan is not None:
+            run, compiled, tail, meta = plan
+            g = grid(meta) if callable(grid) else grid
+            stream = drv.get_current_stream(device)
+            hooks = knobs.runtime
+            run(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1, stream,
+                compiled.function, compiled.packed_metadata,
+                compiled.launch_metadata(g, stream, *args, *tail),
+                hooks.launch_enter_hook, hooks.launch_exit_hook, *args, *tail)  # fmt: skip
+            return compiled
+    if isinstance(kernel, Autotuner):  # its configs carry the launch options
+        out, consts = kernel[grid](*args, **kwargs), kwargs
+    else:
+        out, consts = _fitting_launch(kernel, grid, args, kwargs)
+    if PLANS:
+        if len(LAUNCH_PLANS) >= MAX_PLANS:  # ever new shapes: start over rather than grow
+            LAUNCH_PLANS.clear()
+        LAUNCH_PLANS[key] = _plan(kernel, out, len(args), consts)
+    return out
+
+
+def _fitting_launch(kernel, grid, args: tuple, kwargs: dict):
+    """(what the launch returned, its constexprs) of a kernel launched without autotuning: as
+    asked (or as what fitted before, for this specialisation), then through :func:`fallbacks`
+    only where that runs out of shared memory (:func:`launch`)."""
     asked = kwargs.pop("num_stages", 3)  # Triton's default
-    key = _specialisation(kernel, asked, args, kwargs) if _FITTED else None
-    if key in _FITTED:
-        over, stages = _FITTED[key]
-        return kernel[grid](*args, **{**kwargs, **over}, num_stages=stages)
-    for i, (over, stages) in enumerate(fallbacks(kernel.fn.__name__, kwargs, asked)):
+    fitted = _FITTED.get(_specialisation(kernel, asked, args, kwargs)) if _FITTED else None
+    over, stages = fitted or ({}, asked)
+    try:
+        return kernel[grid](*args, **{**kwargs, **over}, num_stages=stages), {**kwargs, **over}
+    except OutOfResources as e:
+        if e.name != "shared memory" or fitted:
+            raise
+        error = e
+    for over, stages in itertools.islice(fallbacks(kernel.fn.__name__, kwargs, asked), 1, None):
         try:
             out = kernel[grid](*args, **{**kwargs, **over}, num_stages=stages)
         except OutOfResources as e:
@@ -98,10 +151,43 @@ def launch(kernel, grid, *args, **kwargs):
                 raise
             error = e
             continue
-        if i:
-            _FITTED[_specialisation(kernel, asked, args, kwargs)] = over, stages
-        return out
+        _FITTED[_specialisation(kernel, asked, args, kwargs)] = over, stages
+        return out, {**kwargs, **over}
     raise error
+
+
+def _plan(kernel, compiled, positional: int, consts: dict):
+    """``(run, compiled kernel, the constexprs after the positional arguments in the kernel's
+    order, the grid's meta)`` of a launch that returned ``compiled``, or None (no plan: every
+    launch of it then goes Triton's way) when the launch cannot be replayed: not a compiled
+    kernel (the interpreter), an autotuner that resets or restores arguments, a config with a
+    pre-hook, an argument by keyword that is not a constexpr, or a tensor among them."""
+    compiled = compiled.result() if hasattr(compiled, "result") else compiled  # 3.6's futures
+    if not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+        return None
+    jit = kernel
+    if isinstance(kernel, Autotuner):
+        config = kernel.best_config
+        if kernel.reset_to_zero or kernel.restore_value or config.pre_hook:
+            return None
+        jit, consts = kernel.fn, {**consts, **config.kwargs}
+    if not isinstance(jit, JITFunction):
+        return None
+    names = jit.arg_names[positional:]
+    if any(n not in consts or isinstance(consts[n], torch.Tensor) for n in names):
+        return None
+    meta = {n: consts[n] for n in names}
+    return compiled.run, compiled, tuple(meta.values()), meta
+
+
+#: launch plans (:func:`launch`): (kernel, device, constexprs and options, the arguments'
+#: specialisation) -> plan, or None for a launch that always goes Triton's way. Off under the
+#: interpreter (nothing is compiled); ``knobs`` that change Triton's compile key (debug,
+#: instrumentation) apply to specialisations first launched after the change.
+LAUNCH_PLANS: dict = {}
+PLANS = not INTERPRET
+#: plans kept at most; past it the table starts over (each plan costs one launch Triton's way)
+MAX_PLANS = 4096
 
 
 def _specialisation(kernel, stages: int, args: tuple, kwargs: dict) -> tuple:
@@ -523,8 +609,17 @@ def query_cotangents(
 # launch setup (shared by every launcher)
 
 
+# Plain integer maths: triton.cdiv and triton.next_power_of_2 are constexpr functions, ~2-7 µs a
+# call through their wrapper, several per launch setup.
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of non-negative ints (``triton.cdiv``)."""
+    return -(-a // b)
+
+
 def next_pow2(n: int, floor: int = 16) -> int:
-    return max(floor, triton.next_power_of_2(max(n, 1)))
+    return max(floor, 1 << (max(n, 1) - 1).bit_length())
 
 
 def _check_inputs(q, k, v, w, key_padding_mask) -> None:
@@ -558,7 +653,7 @@ def _check_inputs(q, k, v, w, key_padding_mask) -> None:
 
 def split_counts(T: int, programs_per_split: int, device: torch.device, num_splits: int | None):
     """(number of splits, tokens per split) for reductions over T: fill the device twice."""
-    quanta = triton.cdiv(T, _SPLIT_QUANTUM)
+    quanta = cdiv(T, _SPLIT_QUANTUM)
     if quanta <= 1:
         return 1, _SPLIT_QUANTUM
     if num_splits is None:
@@ -566,9 +661,9 @@ def split_counts(T: int, programs_per_split: int, device: torch.device, num_spli
             num_splits = 2  # exercises the merge without slowing the interpreter
         else:
             sms = torch.cuda.get_device_properties(device).multi_processor_count
-            num_splits = triton.cdiv(2 * sms, programs_per_split)
-    per = triton.cdiv(quanta, max(1, min(num_splits, quanta))) * _SPLIT_QUANTUM
-    return triton.cdiv(T, per), per
+            num_splits = cdiv(2 * sms, programs_per_split)
+    per = cdiv(quanta, max(1, min(num_splits, quanta))) * _SPLIT_QUANTUM
+    return cdiv(T, per), per
 
 
 def _feature_rows(big: int, itemsize: int) -> int:
@@ -774,7 +869,7 @@ def launch_setup(q, k, v, form, scale, key_padding_mask, precision=None, causal=
         # sqrt(scale) a scalar argument (fp64 in the kernels' signatures)
         form_ptrs=(float(scale) ** 0.5, *ptrs), maps=maps,
         has_map=form.qmap is not None or form.kmap is not None,
-        NMT=triton.cdiv(M, BM), ACC=ACC, meta=meta,
+        NMT=cdiv(M, BM), ACC=ACC, meta=meta,
     )  # fmt: skip
 
 

@@ -65,6 +65,7 @@ import triton.language as tl
 from .common import (
     NEG,
     Setup,
+    cdiv,
     check_forward_only,
     feature_dx,
     feature_tile,
@@ -520,7 +521,7 @@ def _states(c: Setup, k, v, initial_state):
     """Launch the local and scan kernels: prefix states per chunk at R_{c-1} with the offsets
     R_{c-1}, and the final state."""
     B, H, T, M, E, NMT, bt = c.B, c.H, c.Tk, c.M, c.E, c.NMT, c.BT
-    NC = max(triton.cdiv(T, bt), 1)
+    NC = max(cdiv(T, bt), 1)
     h = c.acc_empty(B * H * NC, M, E)
     hz = c.acc_empty(B * H * NC, M)
     hm = c.acc_empty(B * H * NC, NMT)

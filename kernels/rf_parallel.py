@@ -77,6 +77,7 @@ from .common import (
     PRUNE,
     arrival_counters,
     autotune_configs,
+    cdiv,
     check_forward_only,
     feature_dw,
     feature_dx,
@@ -84,6 +85,7 @@ from .common import (
     gerf_coeffs,
     input_scale,
     last_to_arrive,
+    launch,
     launch_setup,
     load_mapped,
     load_rows,
@@ -613,7 +615,7 @@ def rf_parallel_fwd(
         parts = c.acc_empty(n, M, E), c.acc_empty(n, M), c.acc_empty(n, M)
     else:
         parts = s, z, mk  # unused
-    _fwd_kv_kernel[(NMT, splits, B * H)](
+    launch(_fwd_kv_kernel, (NMT, splits, B * H),
         k, v, c.w, c.pad[0], *c.form_ptrs, c.maps[1], *parts, s, z, mk,
         arrival_counters(dev, B * H * NMT),
         Tk, H, splits, per if Tk else 0,
@@ -623,7 +625,7 @@ def rf_parallel_fwd(
     if combine is not None:
         s, z, mk = (x.contiguous() for x in combine(s, z, mk))
     if Tq:
-        _fwd_q_kernel[lambda meta: (triton.cdiv(Tq, meta["BT"]), B * H)](
+        launch(_fwd_q_kernel, lambda meta: (cdiv(Tq, meta["BT"]), B * H),
             q, c.w, *c.form_ptrs, c.maps[0], s, z, mk, out, mq, den,
             Tq, H, *q.stride(), *c.w.stride(), *out.stride(),
             HAS_MAP=c.has_map, **c.meta,
@@ -681,7 +683,7 @@ def rf_parallel_bwd(
     # dW's partials: the query side's [B*H*splits], then the key side's [B*H*ksplits]
     ksplits, kper = split_counts(Tk, B * H * NMT, dev, num_splits) if need_dw and Tk else (0, 0)
     dw_part = c.acc_empty(B * H * (splits + ksplits), M, D) if need_dw else ds
-    _bwd_ds_kernel[(NMT, splits, B * H)](
+    launch(_bwd_ds_kernel, (NMT, splits, B * H),
         q, c.w, *c.form_ptrs, s, z, mk, out, do, mq, den,
         ds_part, dz_part, dw_part, ds, dz, arrival_counters(dev, B * H * NMT),
         Tq, H, splits, per if Tq else 0,
@@ -691,8 +693,7 @@ def rf_parallel_bwd(
     if reduce_ds is not None:
         ds, dz = (x.contiguous() for x in reduce_ds(ds, dz))
     if Tq or Tk:
-        _bwd_dqkv_kernel[lambda meta: (triton.cdiv(Tq, meta["BT"]) + triton.cdiv(Tk, meta["BT"]),
-                                       B * H)](
+        launch(_bwd_dqkv_kernel, lambda meta: (cdiv(Tq, meta["BT"]) + cdiv(Tk, meta["BT"]), B * H),
             q, k, v, c.w, c.pad[0], *c.form_ptrs, s, z, mk, out, do, mq, den, ds, dz, dq, dk, dv,
             Tq, Tk, H, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
             *out.stride(), *do.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
@@ -701,7 +702,7 @@ def rf_parallel_bwd(
     if not need_dw:
         return dq, dk, dv, None
     if ksplits:
-        _bwd_dwk_kernel[(NMT, ksplits, B * H)](
+        launch(_bwd_dwk_kernel, (NMT, ksplits, B * H),
             k, v, c.w, c.pad[0], *c.form_ptrs, ds, dz, mk, dw_part[B * H * splits :],
             Tk, H, ksplits, kper,
             *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],

@@ -45,7 +45,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import DTYPES, INTERPRET, arrival_counters, last_to_arrive, next_pow2, split_counts
+from .common import (
+    DTYPES,
+    INTERPRET,
+    arrival_counters,
+    last_to_arrive,
+    launch,
+    next_pow2,
+    split_counts,
+)
 
 __all__ = ["StatsPass", "stats_pass", "sequence_moments_fused"]
 
@@ -364,7 +372,7 @@ def stats_pass(
         m = None if m is None else m.view(torch.uint8)
         pads.append((mom, 0, 0) if m is None else (m, m.stride(0), m.stride(1)))
     lo, hi = PSI_RATIO_RANGE
-    _stats_kernel[(sq_ + sk_, B * H)](
+    launch(_stats_kernel, (sq_ + sk_, B * H),
         q, k, pads[0][0], pads[1][0], part, cnt, arrive, mom,
         mom if coeffs is None else coeffs, mom if psi is None else psi, *bufs, nbt,
         float(scale) ** 0.5, 1.0 - momentum, momentum, torch.finfo(acc).tiny, lo, hi,

@@ -8,9 +8,11 @@ running key max of DESIGN §3, so a sequence can be split and resumed).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from rfattn import backends, torch_path
+from rfattn import fused, torch_path
 from rfattn.call import (
     BACKENDS,
     Call,
@@ -21,6 +23,7 @@ from rfattn.call import (
     learned_scale,
     padded_rows,
     returned_state,
+    runs_fused,
     validate,
 )
 from rfattn.features import compute_dtype, python_scalar
@@ -101,24 +104,25 @@ def rf_attention(
             q, k, v = autocast_inputs(q, k, v, torch.get_autocast_dtype(q.device.type))
             return rf_attention(q, k, v, rf, causal, key_padding_mask, scale, backend,
                                 initial_state, return_state, query_padding_mask, group)  # fmt: skip
-    learned = learned_scale(scale)
+    learned = learned_scale(scale) if torch.is_tensor(scale) else None
     if learned is not None:  # applied to q and k (below); checked without a host sync
         torch._assert_async((learned.detach() > 0) & learned.detach().isfinite(),
                             "scale must be a finite number > 0")  # fmt: skip
         scale = 1.0
-    causal, scale = python_scalar(causal), python_scalar(scale)  # numpy scalars, 0-d tensors
-
-    def check():
-        validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_state,
-                 return_state, query_padding_mask)  # fmt: skip
-
+    if type(causal) is not bool:  # numpy scalars, 0-d tensors
+        causal = python_scalar(causal)
+    if scale is not None and type(scale) is not float:
+        scale = python_scalar(scale)
+    checked = (q, k, v, rf, causal, key_padding_mask, scale, backend, initial_state,
+               return_state, query_padding_mask)  # fmt: skip
     if group is None:
-        check()
+        validate(*checked)
     else:  # every rank's call checked against the others' before any other collective
         from rfattn import distributed
 
         distributed.check_group(group)
-        distributed.check_calls_agree(group, check, q, k, v, rf, causal, backend, initial_state)
+        distributed.check_calls_agree(group, lambda: validate(*checked), q, k, v, rf, causal,
+                                      backend, initial_state)  # fmt: skip
     if query_padding_mask is None and causal:
         query_padding_mask = key_padding_mask
     if learned is not None:  # scale (q kᵀ) = (√scale q)(√scale k)ᵀ, on every path
@@ -144,8 +148,8 @@ def run(call: Call):
     read as 0 and given output 0 (their cotangents dropped), the head maps of ``call.rf``
     (:meth:`RandomFeatures.map_tensors`) applied where q and k are read, then the backend."""
     qpm = call.query_padding_mask
-    q = padded_rows(call.q, qpm)
-    res = _attend(call.replace(q=q, maps=call.rf.map_tensors(q, call.k)))
+    q = call.q if qpm is None else padded_rows(call.q, qpm)
+    res = _attend(dataclasses.replace(call, q=q, maps=call.rf.map_tensors(q, call.k)))
     if qpm is None:
         return res
     return (padded_rows(res[0], qpm), res[1]) if call.return_state else padded_rows(res, qpm)
@@ -154,12 +158,16 @@ def run(call: Call):
 def _attend(call: Call):
     """The backend's result for a call with its head maps attached: a non-causal grouped-query
     call runs as one call per key/value head (:meth:`Call.as_rows`); a sharded call maps q and k
-    first; otherwise the fused kernels or the torch path (:func:`rfattn.backends.attend`)."""
-    rows = call.as_rows()
+    first; otherwise the fused kernels or the torch path (:func:`rfattn.backends.attend`, here
+    without the hop)."""
+    grouped = not call.causal and call.q.shape[1] != call.k.shape[1]  # as_rows's own test
+    rows = call.as_rows() if grouped else call
     if call.group is not None:
         from rfattn import distributed
 
         res = distributed.sharded_attention(rows.with_maps_applied())
+    elif runs_fused(rows.q, rows.rf, rows.causal, rows.backend):
+        res = fused.attend(rows)
     else:
-        res = backends.attend(rows)
-    return res if call.return_state else call.ungroup(res)
+        res = torch_path.attend(rows)
+    return res if rows is call else call.ungroup(res)

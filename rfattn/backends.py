@@ -1,6 +1,6 @@
 """One process's attention: the fused kernels (:mod:`rfattn.fused`) or the torch path
-(:mod:`rfattn.torch_path`), for :func:`rfattn.rf_attention` and for the sharded path's local
-pass (:mod:`rfattn.distributed`)."""
+(:mod:`rfattn.torch_path`), for the sharded path's local pass (:mod:`rfattn.distributed`);
+:func:`rfattn.rf_attention` makes the same choice (``call.runs_fused``) without this hop."""
 
 from __future__ import annotations
 

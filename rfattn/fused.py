@@ -11,7 +11,6 @@ import dataclasses
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from rfattn import blocked
 from rfattn.call import Call, RFState, learns_gerf_a, mapped, no_kernel_reason, query_rows
 from rfattn.features import StatsFeature, compute_dtype, prescale
 from rfattn.features.exponential import coefficient_form
@@ -41,9 +40,13 @@ def attend(call: Call, gpu_tiles=None):
             "the fused kernels hold GERF's A constant: a call that needs the gradient of a "
             "learnable gerf_A runs backend='torch' (or run this one under torch.no_grad())"
         )
-    given = (call.q, call.k, call.v, rf.weight) + tuple(call.initial_state or ())
-    grad = blocked.backward_follows(*given, *(call.maps or ()))
-    if grad:
+    grad = False  # whether autograd records the call (blocked.backward_follows, inlined)
+    if torch.is_grad_enabled():
+        given = (call.q, call.k, call.v, rf.weight, *(call.initial_state or ()),
+                 *(call.maps or ()))  # fmt: skip
+        for x in given:
+            grad = grad or x is not None and x.requires_grad
+    if grad and call.maps is not None:
         call = call.with_maps_applied()
     q, k, v, mask, scale = call.q, call.k, call.v, call.key_padding_mask, call.scale
     form = kernel_form(rf, q, k, mask, scale, causal, call.query_padding_mask, maps=call.maps)
@@ -177,6 +180,8 @@ def constant_form(rf, device: torch.device, dtype: torch.dtype, causal: bool):
     the component weights, GERF's A or a buffer of the feature map (draws, running statistics)
     is replaced or changed in place (its ``_version``; ``redraw``, ``load_state_dict``, an
     optimiser step), or when the module's training mode changes."""
+    from rfattn import ops
+
     fm = rf.feature_map
     key = (device, dtype, fm.mode(causal) if isinstance(fm, StatsFeature) else None, fm.training)
     sources = _sources(rf)
@@ -190,6 +195,23 @@ def constant_form(rf, device: torch.device, dtype: torch.dtype, causal: bool):
     with torch.inference_mode(False):  # a kept form is used outside inference mode too
         q = torch.empty(0, device=device, dtype=dtype).view(1, 1, 0, rf.head_dim)
         form = _params_form(rf, q, None, causal)
+        if sources is not None and not ops.on_torch(q):  # kept as the kernels read it
+            form = _kernel_layout(form, dtype)
     if sources is not None:
         _FORMS.setdefault(rf, {})[key] = (tuple((t, t._version) for t in sources), form)
     return form
+
+
+def _kernel_layout(form, dtype: torch.dtype):
+    """``form`` with its tensors as the launchers take them (``kernels.common.launch_setup``):
+    W, tables, tau and rows contiguous in the accumulation ``dtype``, lam and rmf's segment
+    indices int32; the same values, so a kept form costs no cast at each launch."""
+
+    def cast(x, to):
+        return None if x is None else x.detach().to(dtype=to).contiguous()
+
+    return dataclasses.replace(
+        form, w=cast(form.w, dtype), table=cast(form.table, dtype), tau=cast(form.tau, dtype),
+        rows=cast(form.rows, dtype), lam=cast(form.lam, torch.int32),
+        segments=cast(form.segments, torch.int32),
+    )  # fmt: skip

@@ -280,7 +280,7 @@ def test_plots_refuses_other_json(tmp_path, capsys):
         assert "not a JSON of python -m bench" in capsys.readouterr().err
 
 
-def _fake_gpu_problem() -> str | None:
+def fake_gpu_problem() -> str | None:
     """Why ``python -m bench.host`` cannot run here, or None."""
     import importlib.util
     import os
@@ -297,7 +297,7 @@ def _fake_gpu_problem() -> str | None:
     return None
 
 
-@pytest.mark.skipif(_fake_gpu_problem() is not None, reason=str(_fake_gpu_problem()))
+@pytest.mark.skipif(fake_gpu_problem() is not None, reason=str(fake_gpu_problem()))
 def test_host_quick_run(tmp_path):
     """python -m bench.host --quick (posrf, non-causal forward, small shape, 20 calls) runs
     Triton's real launch path against the fake H100 in a fresh process with the interpreter off,
