@@ -274,7 +274,11 @@ def _model_worker(rank, world, init_file, out_dir, shards):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("one_token", [False, True], ids=["uneven", "one-token shard"])
+@pytest.mark.parametrize(
+    "one_token",
+    [False, pytest.param(True, marks=pytest.mark.slow)],  # slow: ~16 s (two processes)
+    ids=["uneven", "one-token shard"],
+)
 def test_layers_and_hugging_face_take_the_group(tmp_path, one_token):
     """RFAttention (``layer.group``) and a Llama (``set_context_parallel_group``, shards fed
     with their global position_ids) over 2 processes: outputs, input gradients and the layer's
@@ -462,7 +466,7 @@ def in_step(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3: ~12 s
 def test_multihead_one_token_shard_stays_causal(world, in_step):
     """RFMultiheadAttention with ``mha.group`` and each shard's own causal mask: the one-token
     shard's mask is ``[[0.]]`` (``[[False]]``), the empty shard's ``[0, 0]``; they mask nothing

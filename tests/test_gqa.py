@@ -76,6 +76,7 @@ def test_grouped_heads_equal_repeated_heads(feature, opts, causal, kernel_device
     [pytest.param(f, o, id=f, marks=[pytest.mark.slow] if f != "posrf" else [])
      for f, o in FEATURES[:3]],
 )  # fmt: skip
+@pytest.mark.slow  # ~12 s interpreted; test_grouped_heads_equal_repeated_heads covers GQA here
 def test_grouped_state_is_per_key_value_head(feature, opts, kernel_device):
     """The state is [B, Hkv, F, E]; split/resume and token-by-token decoding (the decode kernel:
     no gradient, few tokens) equal one shot; the initial state's gradient is the sum over its

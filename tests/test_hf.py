@@ -441,6 +441,7 @@ def _window_worker(rank, world, init_file, out_dir):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # ~15 s: two processes
 def test_a_sliding_window_over_a_process_group_is_refused_on_every_rank(tmp_path):
     """set_context_parallel_group: the window is judged on the whole sequence, alike on every
     rank: 6 tokens in a window of 6 run (the single process's logits), 8 are refused on both

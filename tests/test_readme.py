@@ -158,6 +158,7 @@ def _word_tokenizer(texts):
                                                 unk_token="[UNK]")  # fmt: skip
 
 
+@pytest.mark.slow  # ~17 s: the calibration example's steps
 def test_calibrate(tmp_path):
     transformers = pytest.importorskip("transformers")
     model = transformers.LlamaForCausalLM(_tiny_llama()).eval()
