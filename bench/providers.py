@@ -161,9 +161,9 @@ def _previous_causal(
     over features. Within a chunk, key j enters as ``g_j exp(u_j - m_j)`` times
     ``exp(m_j - r_i) <= 1``; the carried state sits at the running max of every key so far and
     enters row i times ``exp(offset - r_i) <= 1``. So no output depends on a later key, not even
-    through underflow, and where chunks fall changes only rounding (DESIGN §3). Non-finite keys
-    or values poison the outputs from their position on, never earlier ones: future keys are
-    removed by selection (``where``), not by multiplying with 0.
+    through underflow, and where chunks fall changes only rounding (docs/numerics.md). Non-finite
+    keys or values poison the outputs from their position on, never earlier ones: future keys
+    are removed by selection (``where``), not by multiplying with 0.
 
     Args:
         phi_q: stabilised query features ``[B, H, G, T, F]``: the G query heads that share each

@@ -14,7 +14,7 @@ chunks <= c and all features); the forward reads every row at its own offset
             / (exp(R_{c-1} - r_i) a_i z'_c + sum_{j in c, j <= i} exp(m_j - r_i) a_i . b_j)
 
 Every factor is <= 1 and no row reads a later key's offset, so no output depends on a later
-token, not even through underflow, and where chunks fall changes only rounding (DESIGN §3).
+token, not even through underflow, and where chunks fall changes only rounding (docs/numerics.md).
 
 Forward, three launches (features never touch HBM; chunk states do, transiently):
 

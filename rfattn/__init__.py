@@ -1,6 +1,6 @@
 """rfattn: random-feature linear attention with fused Triton kernels.
 
-Public API (DESIGN §2)::
+Public API (docs/usage.md)::
 
     rf = rfattn.RandomFeatures(head_dim=64, num_features=256, feature="posrf", weights="orf")
     out = rfattn.rf_attention(q, k, v, rf)          # q, k: [B, H, T, D]; v: [B, H, T, E]

@@ -3,7 +3,7 @@
 ``group=``), the fused Triton kernels (:mod:`rfattn.fused`) or the torch path
 (:mod:`rfattn.torch_path`, the CPU backend and the reference for streaming: blocks of T, features
 of one block at a time, hand-written backwards, the causal state ``(S, z, offset)`` with the
-running key max of DESIGN §3, so a sequence can be split and resumed).
+running key max of docs/numerics.md, so a sequence can be split and resumed).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ kernels are: features are computed for one block of tokens at a time and dropped
   backward on a worker thread with one intra-op thread (:func:`rfattn.threads.over_heads`;
   where W and the feature parameters are shared by the heads, :func:`_split`).
 
-Offsets are those of DESIGN §3 and of the fused chunk kernel: query row i reads
+Offsets are those of docs/numerics.md and of the fused chunk kernel: query row i reads
 key j <= i at ``r_i = max(offset before the chunk, m_l for l <= i in the chunk)``, key j entering
 as ``g_j exp(u_j - m_j) exp(m_j - r_i)`` with ``m_j`` its max logit; so no output depends on a
 later key, not even through underflow. A non-finite key or value poisons the outputs from its

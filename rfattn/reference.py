@@ -6,7 +6,7 @@ Three references, each the plainest correct form (quadratic memory where that is
 * :func:`kernel_attention`: ``K(Q, K) V / K(Q, K) 1`` for any kernel function of (q, k).
 * :func:`linear_attention`: ``phi_q (phi_k^T V) / phi_q (phi_k^T 1)`` from feature maps.
 
-Conventions shared with the torch path and the kernels (DESIGN §2-§3):
+Conventions shared with the torch path and the kernels (docs/usage.md, docs/numerics.md):
 
 * layout ``[B, H, T, D]`` (values ``[B, H, T, E]``);
 * ``key_padding_mask`` ``[B, Tk]`` bool, True = padding: padded keys are removed from numerator

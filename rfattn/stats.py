@@ -1,6 +1,6 @@
 """Data statistics for the data-dependent component functions (oprf, saderf, poisrf, geomrf).
 
-Three modes (DESIGN §3; ``crt-flt.md`` A.1.5 and A.3.6):
+Three modes (docs/numerics.md; ``crt-flt.md`` A.1.5 and A.3.6):
 
 * ``"global"``: per (b, h), over the valid tokens of this call (padded keys excluded; when
   ``Tq == Tk`` the key padding mask also marks the padded queries, as in self-attention).

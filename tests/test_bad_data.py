@@ -375,7 +375,7 @@ def test_query_padding_mask_is_checked():
 @pytest.mark.parametrize("feature", ["oprf", "saderf", "posrf", "hyprf"])
 @pytest.mark.parametrize("head_dim", [8, 16])
 def test_large_norms_match_float64_in_float32(feature, head_dim, kernel_device):
-    """|q| = |k| = 30 (DESIGN §3's large-norm case), non-causal: fp32 equals fp64 of the same
+    """|q| = |k| = 30 (docs/numerics.md's large-norm case), non-causal: fp32 equals fp64 of the same
     estimator to fp32 rounding, no zero row, finite gradients. Before: oprf/saderf logits spread
     by hundreds across features, and one key offset per (b, h) let whole rows underflow to 0 (up
     to 32 of 64) with NaN dq/dk; keys now sit at per-feature offsets moved to the queries."""

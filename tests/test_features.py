@@ -1,4 +1,4 @@
-"""posrf: unbiased for the softmax kernel; stabilisers exactly as DESIGN §3."""
+"""posrf: unbiased for the softmax kernel; stabilisers exactly as docs/numerics.md."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""RandomFeatures: the pinned module API (DESIGN §2)."""
+"""RandomFeatures: the pinned module API (docs/usage.md)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Component functions phi: the pure-torch maths of record (DESIGN §1-§3).
+"""Component functions phi: the pure-torch maths of record (docs/design.md).
 
 One file per family, the registries here:
 
@@ -64,7 +64,7 @@ __all__ = [
     "python_scalar",
 ]
 
-#: name -> FeatureMap class, for every component function (DESIGN §2 order).
+#: name -> FeatureMap class, for every component function (the order of docs/usage.md).
 FEATURES: dict[str, type[FeatureMap]] = {
     "trigrf": TrigRF,
     "posrf": PosRF,
@@ -77,7 +77,7 @@ FEATURES: dict[str, type[FeatureMap]] = {
     "hrf": HRF,
     "rmf": RMF,
 }
-#: names pinned by DESIGN §2 whose maths is not written yet (none left).
+#: public names (docs/usage.md) whose maths is not written yet (none left).
 ALL_FEATURES = tuple(FEATURES)
 
 #: rows marginally N(0, I_D): what the Gaussian-frequency features need.

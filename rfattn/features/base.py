@@ -11,17 +11,17 @@ Every feature is one of three forms (the attributes ``exponential`` and ``positi
   bounded signed *amplitude* ``g`` (cos/sin values, sign parities, ±1 block signs);
 * plain (rmf): ``phi`` directly (products of projections; ``exponential = False``).
 
-Exponential features are stabilised through their logits ``u`` with the offsets of DESIGN §3,
+Exponential features are stabilised through their logits ``u`` with the offsets of docs/numerics.md,
 applied identically by the torch path, the references and the kernels:
 
 * non-causal keys: one offset ``c_f`` per (b, h, feature), the max of ``u`` over the valid keys
   (:func:`key_offset`), added to the query logits so that each product ``phi_q,f phi_k,f`` is
   unchanged; then queries per row, the max over features (:func:`query_features`). Every row's
-  largest term is then exactly 1 (DESIGN §3 has one key offset per (b, h); at large norms the
+  largest term is then exactly 1 (docs/numerics.md has one key offset per (b, h); at large norms the
   logits of oprf/saderf spread by hundreds across features and whole rows underflowed, so the
   non-causal offsets became per feature);
 * causal keys (the torch path's scan, ``rfattn.attention``): one running offset per (b, h), the
-  max over valid keys and features so far, per query row as in DESIGN §3.
+  max over valid keys and features so far, per query row as in docs/numerics.md.
 
 A per-key max would re-weight keys and bias the kernel; a max across the batch would couple batch
 elements. Padded keys get ``phi = 0``; a (b, h) with no valid key gets offset 0.
@@ -75,7 +75,7 @@ __all__ = [
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Features, S and z accumulate in fp32, or fp64 for fp64 inputs (DESIGN §3)."""
+    """Features, S and z accumulate in fp32, or fp64 for fp64 inputs (docs/numerics.md)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -191,7 +191,7 @@ def query_features(
 def component_weights(params: dict | None, width: int) -> torch.Tensor | None:
     """The owner's per-row weights c ``[M]`` (``params["component_weight"]``, e.g. sgq's scaled
     quadrature weights) tiled over the ``width // M`` component blocks of the F features
-    (component-major order, DESIGN §1.3), or None when the owner gave none (all ones).
+    (component-major order, docs/design.md), or None when the owner gave none (all ones).
 
     They multiply the key features only, sign included (sgq's centre weight is negative), so an
     estimate is ``(1/M) sum_f c_f phi_q,f phi_k,f``.

@@ -1,4 +1,4 @@
-"""nn.Modules, one file per family (DESIGN §1): :mod:`.features` (RandomFeatures, PPSBN),
+"""nn.Modules, one file per family (docs/design.md): :mod:`.features` (RandomFeatures, PPSBN),
 :mod:`.flt` (FourierRPE) and :mod:`.attention` (RFAttention, RFMultiheadAttention)."""
 
 from rfattn.modules.attention import RFAttention, RFMultiheadAttention, layer_seed

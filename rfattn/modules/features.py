@@ -336,7 +336,7 @@ class RandomFeatures(nn.Module):
         scale: float | None = None,
         query_padding_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reference feature maps with the stabilisers of DESIGN §3.
+        """Reference feature maps with the stabilisers of docs/numerics.md.
 
         Args:
             q: ``[B, H, Tq, D]``; k: ``[B, H, Tk, D]``.

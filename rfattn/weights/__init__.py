@@ -76,7 +76,7 @@ WEIGHTS = {
     "fastfoodl": fastfoodl,
     "rademacher": rademacher,
 }
-#: names pinned by DESIGN §2 that are not implemented yet (none left).
+#: public names (docs/usage.md) that are not implemented yet (none left).
 ALL_WEIGHTS = tuple(WEIGHTS)
 #: name -> nn.Module class ``cls(M, D, *, generator)`` whose ``forward()`` rebuilds W.
 LEARNABLE_WEIGHTS = {"fastfoodl": FastFoodL}
