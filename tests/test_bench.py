@@ -233,6 +233,7 @@ def test_time_cpu_rounds_alternates_and_pairs():
     assert (p50, p20, p80) == pytest.approx((2.5, 1.6, 3.4), rel=1e-12)
 
 
+@pytest.mark.slow  # ~10 s: a side-by-side run
 def test_cpu_backend_side_by_side(monkeypatch, tmp_path):
     """bench.cpu_backend end to end on a tiny T (compiled providers replaced by an eager one,
     no memory worker): every row timed, the side-by-side ones with their ratio to rfattn's, a
@@ -298,6 +299,7 @@ def fake_gpu_problem() -> str | None:
 
 
 @pytest.mark.skipif(fake_gpu_problem() is not None, reason=str(fake_gpu_problem()))
+@pytest.mark.slow  # ~8 s: compiles for the fake H100
 def test_host_quick_run(tmp_path):
     """python -m bench.host --quick (posrf, non-causal forward, small shape, 20 calls) runs
     Triton's real launch path against the fake H100 in a fresh process with the interpreter off,

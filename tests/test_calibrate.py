@@ -214,7 +214,7 @@ def test_calibrating_gerf_A_lowers_the_error_and_round_trips(tmp_path):
         rfattn.calibrate(_bert(), _batches(), steps=1, params="A", progress=False)
 
 
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal", [pytest.param(False, marks=pytest.mark.slow), True])  # ~7 s
 def test_head_maps_and_gerf_A_under_fullgraph_compile(causal):
     """A calibrated RandomFeatures (head maps, a learnt GERF A) traces in one graph: outputs and
     the gradients of q, k and both maps and A equal eager."""

@@ -274,11 +274,8 @@ def _model_worker(rank, world, init_file, out_dir, shards):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(
-    "one_token",
-    [False, pytest.param(True, marks=pytest.mark.slow)],  # slow: ~16 s (two processes)
-    ids=["uneven", "one-token shard"],
-)
+@pytest.mark.slow  # ~14-16 s per case (two processes)
+@pytest.mark.parametrize("one_token", [False, True], ids=["uneven", "one-token shard"])
 def test_layers_and_hugging_face_take_the_group(tmp_path, one_token):
     """RFAttention (``layer.group``) and a Llama (``set_context_parallel_group``, shards fed
     with their global position_ids) over 2 processes: outputs, input gradients and the layer's
@@ -331,7 +328,8 @@ def _training_worker(rank, world, init_file, out_dir, kv_heads, backend):
 
 @pytest.mark.parametrize(
     "kv_heads,backend",
-    [(H, "torch"), (1, "torch"), pytest.param(1, "triton", marks=pytest.mark.slow)],
+    [(H, "torch"), pytest.param(1, "torch", marks=pytest.mark.slow),  # ~7 s each
+     pytest.param(1, "triton", marks=pytest.mark.slow)],
     ids=["mha-torch", "gqa-torch", "gqa-triton"],
 )
 def test_running_statistics_move_by_the_whole_sequence(tmp_path, kv_heads, backend):
@@ -466,7 +464,8 @@ def in_step(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3: ~12 s
+@pytest.mark.slow  # ~10-12 s per world (processes spawned)
+@pytest.mark.parametrize("world", [2, 3])
 def test_multihead_one_token_shard_stays_causal(world, in_step):
     """RFMultiheadAttention with ``mha.group`` and each shard's own causal mask: the one-token
     shard's mask is ``[[0.]]`` (``[[False]]``), the empty shard's ``[0, 0]``; they mask nothing

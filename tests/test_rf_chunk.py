@@ -413,7 +413,10 @@ class _Refusing:
         return run
 
 
-@pytest.mark.parametrize("feature,weights", [("posrf", "orf"), ("rmf", "rademacher")])
+@pytest.mark.parametrize(
+    "feature,weights",
+    [("posrf", "orf"), pytest.param("rmf", "rademacher", marks=pytest.mark.slow)],  # rmf: ~8 s
+)
 def test_backward_with_the_feature_tile_halved(feature, weights, monkeypatch, kernel_device):
     """The causal backward's fallback (its feature tile halved, :data:`LOOP_TILES`) gives the
     same gradients: the tile only loops inside the kernel."""

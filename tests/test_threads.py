@@ -139,6 +139,7 @@ def test_a_call_that_lowers_its_threads_gives_the_same_results(clocks, monkeypat
             assert rel_rms(a, b) <= tolerance(torch.float64, "grad")
 
 
+@pytest.mark.slow  # ~8 s
 def test_adaptation_is_opt_in():
     """A library call leaves torch's process-wide thread count alone unless asked: the
     adaptation is off by default and on with RFATTN_ADAPTIVE_THREADS=1 (issue 35)."""
