@@ -14,6 +14,14 @@ layouts, shared memory. This tool closes that gap without a GPU, in two steps:
    own ptxas, which needs no driver, and reads the resources from the cubin: shared memory
    (against the target's per-block limit), registers and spilled bytes.
 
+``--report DIR`` (``--save-results``: ``bench/results/<this cpu>/``) compiles the benchmark's
+scenarios (bf16, D = E = 64, M = 256; every feature form and flag) with every autotune config and
+writes ``compile-sm<arch>.json``: per config the registers, spilled stack bytes, shared memory,
+CTAs that fit one SM (:func:`ctas_per_sm`), and the tensor-core instructions in the SASS by kind
+and static count (:func:`tensor_ops`, from ``cuobjdump -sass``: ``HGMMA.64x64x16.F32.BF16`` is one
+bf16 product step, ``HGMMA.64x64x8.F32.TF32`` a TF32 one, three of them per tf32x3 product;
+:func:`product_kinds` compiles one product of each kind as the check that the counts mean that).
+
 A launch fails when no config of it compiles within the limits (the autotuner drops configs that
 run out of resources; a kernel without autotuning has one config, which ``kernels.common.launch``
 steps down, to fewer pipeline stages and then a smaller loop tile, until it fits: this tool
@@ -23,6 +31,7 @@ numerics and speed, which need the GPU (``make test``, ``python -m bench`` there
     python -m bench.compile                       # every scenario, sm_90, table + exit status
     python -m bench.compile --quick --arch 80     # D 64 fp32 + bf16, D 256 fp32; sm_80
     python -m bench.compile --json out.json       # the per-config table as JSON
+    python -m bench.compile --save-results        # the compile report, bench/results/<cpu>/
 """
 
 from __future__ import annotations
@@ -254,6 +263,12 @@ def scenarios(quick: bool = False) -> list[tuple[str, object]]:
     return out
 
 
+def report_scenarios() -> list[tuple[str, object]]:
+    """The scenarios of the compile report: the GPU benchmark's head size and dtype (D = E = 64,
+    M = 256, bf16), every feature form and flag."""
+    return [(tag, call) for tag, call in scenarios(quick=True) if "-bfloat16-D64" in tag]
+
+
 # ------------------------------------------------------------------------------------------------
 # step 2: compile each launch for a CUDA target (interpreter off)
 
@@ -281,22 +296,64 @@ def _specialise(param, kind, value):
     raise TypeError(f"argument {param.name}: cannot pass a {kind} to a non-constexpr parameter")
 
 
-def _cubin_resources(cubin: bytes) -> dict:
-    """Registers per thread and local stack bytes (spills) of a cubin, from Triton's cuobjdump."""
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    """The output of Triton's bundled ``cuobjdump <flag>`` on ``cubin``."""
     from triton.backends.nvidia.compiler import knobs
 
-    tool = knobs.nvidia.cuobjdump.path
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "k.cubin"
         path.write_bytes(cubin)
-        log = subprocess.run(
-            [tool, "--dump-resource-usage", str(path)], capture_output=True, text=True
+        return subprocess.run(
+            [knobs.nvidia.cuobjdump.path, flag, str(path)], capture_output=True, text=True
         ).stdout
+
+
+def _cubin_resources(cubin: bytes) -> dict:
+    """Registers per thread and local stack bytes (spills) of a cubin, from Triton's cuobjdump."""
+    log = _cuobjdump(cubin, "--dump-resource-usage")
     regs, stack = re.search(r"REG:(\d+)", log), re.search(r"STACK:(\d+)", log)
     return {
         "registers": int(regs.group(1)) if regs else None,
         "stack_bytes": int(stack.group(1)) if stack else None,
     }
+
+
+#: tensor-core instructions in SASS: Hopper's warpgroup HGMMA, the warp-level HMMA / IMMA / DMMA
+_TENSOR_OP = re.compile(r"\b((?:HGMMA|HMMA|IMMA|DMMA)(?:\.[0-9A-Za-z_]+)*)")
+
+
+def tensor_ops(sass: str) -> dict[str, int]:
+    """Static count of tensor-core instructions in SASS text by full opcode, e.g.
+    ``{"HGMMA.64x64x16.F32.BF16": 8}``: the kind (operand type after the accumulator's) says
+    whether a product ran as bf16/fp16, TF32 or fp64; the count is per kernel, every loop body
+    counted once (an unrolled loop counts each copy)."""
+    counts: dict[str, int] = {}
+    for line in sass.splitlines():
+        m = _TENSOR_OP.search(line.split("/*")[1] if line.count("/*") >= 2 else line)
+        if m:
+            counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+    return dict(sorted(counts.items()))
+
+
+#: per-SM limits by compute capability: registers, threads, CTAs, shared memory (bytes) and the
+#: shared memory each CTA reserves beside its own (CUDA occupancy calculator's values)
+SM_LIMITS = {
+    80: dict(regs=65536, threads=2048, ctas=32, smem=164 * 1024, reserved=1024),
+    90: dict(regs=65536, threads=2048, ctas=32, smem=228 * 1024, reserved=1024),
+    100: dict(regs=65536, threads=2048, ctas=32, smem=228 * 1024, reserved=1024),
+}
+
+
+def ctas_per_sm(registers: int, num_warps: int, shared_bytes: int, arch: int = 90) -> int:
+    """How many CTAs of a kernel fit one SM at once (registers allocated per warp in units of 256,
+    threads, the CTA limit, shared memory with each CTA's reserve): what hides one CTA's
+    latency behind another's."""
+    lim = SM_LIMITS.get(arch, SM_LIMITS[90])
+    per_warp = -(-max(registers, 1) * 32 // 256) * 256
+    by_regs = lim["regs"] // (per_warp * num_warps)
+    by_threads = lim["threads"] // (32 * num_warps)
+    by_smem = lim["smem"] // (shared_bytes + lim["reserved"])
+    return min(by_regs, by_threads, lim["ctas"], by_smem)
 
 
 def _compile_args(jit, args: dict, options: dict, arch: int):
@@ -344,7 +401,12 @@ def _compile_one(job: dict) -> dict:
         if i:
             row["fell_back_to"] = {**over, "num_stages": stages}
         row["shared_bytes"] = kernel.metadata.shared
+        row["num_warps"] = kernel.metadata.num_warps
         row.update(_cubin_resources(kernel.asm["cubin"]))
+        if job.get("sass"):
+            row["tensor_ops"] = tensor_ops(_cuobjdump(kernel.asm["cubin"], "-sass"))
+            row["ctas_per_sm"] = ctas_per_sm(row["registers"] or 0, row["num_warps"],
+                                             row["shared_bytes"], arch)  # fmt: skip
         if kernel.metadata.shared > limit:
             row["status"] = "shared memory over the limit"
     except Exception as e:  # noqa: BLE001 -- reported per row
@@ -394,9 +456,11 @@ def _configs_of(rec: dict, which: str = "all") -> list[dict]:
 
 
 def compile_launches(
-    launches: list[dict], arch: int = 90, jobs: int | None = None, configs: str = "all"
-) -> list[dict]:
-    """Compile the configs (``"all"`` or ``"smallest"``) of every launch, in worker processes.
+    launches: list[dict], arch: int = 90, jobs: int | None = None, configs: str = "all",
+    sass: bool = False,
+) -> list[dict]:  # fmt: skip
+    """Compile the configs (``"all"`` or ``"smallest"``) of every launch, in worker processes
+    (``sass``: also count each one's tensor instructions and CTAs per SM).
 
     The interpreter must be off in this process (``TRITON_INTERPRET`` unset before import).
     """
@@ -405,7 +469,9 @@ def compile_launches(
     if common.INTERPRET:
         raise RuntimeError("compile_launches() needs the interpreter off (TRITON_INTERPRET unset)")
     work = [
-        {"launch": r, "config": c, "arch": arch} for r in launches for c in _configs_of(r, configs)
+        {"launch": r, "config": c, "arch": arch, "sass": sass}
+        for r in launches
+        for c in _configs_of(r, configs)
     ]
     with ProcessPoolExecutor(max_workers=jobs or os.cpu_count()) as pool:
         return list(pool.map(_compile_one, work, chunksize=1))
@@ -423,8 +489,9 @@ def _stage(*args: str, interpret: bool) -> None:
 
 
 def compile_in_child(
-    launches: list[dict], arch: int = 90, jobs: int | None = None, configs: str = "all"
-) -> list[dict]:
+    launches: list[dict], arch: int = 90, jobs: int | None = None, configs: str = "all",
+    sass: bool = False,
+) -> list[dict]:  # fmt: skip
     """:func:`compile_launches` in a child process with the interpreter off; the rows."""
     with tempfile.TemporaryDirectory() as d:
         src, dst = Path(d) / "launches.json", Path(d) / "rows.json"
@@ -433,6 +500,7 @@ def compile_in_child(
             "compile",
             str(src),
             str(dst),
+            *(["sass"] if sass else []),
             "--arch",
             str(arch),
             "--configs",
@@ -444,13 +512,16 @@ def compile_in_child(
 
 
 def check(
-    quick: bool = False, arch: int = 90, jobs: int | None = None, configs: str = "all"
-) -> list[dict]:
-    """Record under the interpreter in a child process, then compile in another; the rows."""
+    quick: bool = False, arch: int = 90, jobs: int | None = None, configs: str = "all",
+    report: bool = False,
+) -> list[dict]:  # fmt: skip
+    """Record under the interpreter in a child process, then compile in another; the rows.
+    ``report``: only the benchmark's scenarios (:func:`report_scenarios`), with SASS counts."""
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "launches.json"
-        _stage("record", str(path), *(["--quick"] if quick else []), interpret=True)
-        return compile_in_child(json.loads(path.read_text()), arch, jobs, configs)
+        which = ["report"] if report else ["--quick"] if quick else []
+        _stage("record", str(path), *which, interpret=True)
+        return compile_in_child(json.loads(path.read_text()), arch, jobs, configs, sass=report)
 
 
 def failures(rows: list[dict]) -> list[str]:
@@ -485,6 +556,93 @@ def _print_table(rows: list[dict]) -> None:
         print(f"{name:<26}{len(rs):>8}{fail:>8}{smem:>14.1f}{regs:>10}{spill:>10}{back:>11}")
 
 
+def product_kinds(arch: int = 90) -> dict[str, dict[str, int]]:
+    """What one 64 x 64 x 64 ``tl.dot`` compiles to for ``arch`` per operand dtype and
+    ``input_precision`` (:func:`tensor_ops` of each): the check that the report's counts mean
+    what they say. The interpreter must be off."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    @triton.jit
+    def _product(a_ptr, b_ptr, c_ptr, PREC: tl.constexpr):
+        o = tl.arange(0, 64)
+        a = tl.load(a_ptr + o[:, None] * 64 + o[None, :])
+        b = tl.load(b_ptr + o[:, None] * 64 + o[None, :])
+        tl.store(c_ptr + o[:, None] * 64 + o[None, :], tl.dot(a, b, input_precision=PREC))
+
+    out = {}
+    for dtype, precision in (("bf16", "ieee"), ("fp32", "tf32"), ("fp32", "tf32x3")):
+        sig = {"a_ptr": "*" + dtype, "b_ptr": "*" + dtype, "c_ptr": "*fp32", "PREC": "constexpr"}
+        src = ASTSource(fn=_product, signature=sig, constexprs={"PREC": precision})
+        kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+        out[f"{dtype}/{precision}"] = tensor_ops(_cuobjdump(kernel.asm["cubin"], "-sass"))
+    return out
+
+
+def product_kinds_in_child(arch: int = 90) -> dict[str, dict[str, int]]:
+    """:func:`product_kinds` in a child process with the interpreter off."""
+    with tempfile.TemporaryDirectory() as d:
+        dst = Path(d) / "kinds.json"
+        _stage("products", str(dst), "--arch", str(arch), interpret=False)
+        return json.loads(dst.read_text())
+
+
+def report(rows: list[dict], arch: int) -> dict:
+    """The compile report: the environment, every row, and per kernel its worst config
+    (registers, spill bytes, shared memory, fewest CTAs per SM) and the tensor instruction kinds
+    any config uses."""
+    import torch
+
+    from bench.env import environment
+
+    kernels: dict[str, dict] = {}
+    for r in rows:
+        k = kernels.setdefault(r["kernel"], {"configs": 0, "failed": 0, "registers": 0,
+                                             "spilling_configs": 0, "stack_bytes": 0,
+                                             "shared_bytes": 0, "ctas_per_sm": None,
+                                             "tensor_ops": {}})  # fmt: skip
+        k["configs"] += 1
+        if "shared_bytes" not in r:
+            k["failed"] += 1
+            continue
+        k["registers"] = max(k["registers"], r["registers"] or 0)
+        k["stack_bytes"] = max(k["stack_bytes"], r["stack_bytes"] or 0)
+        k["spilling_configs"] += bool(r["stack_bytes"])
+        k["shared_bytes"] = max(k["shared_bytes"], r["shared_bytes"])
+        c = r.get("ctas_per_sm")
+        k["ctas_per_sm"] = c if k["ctas_per_sm"] is None else min(k["ctas_per_sm"], c)
+        for op, n in r.get("tensor_ops", {}).items():
+            k["tensor_ops"][op] = max(k["tensor_ops"].get(op, 0), n)
+    return {
+        "schema": "rfattn.compile_report/1",
+        "env": environment(torch.device("cpu")),
+        "arch": arch,
+        "scenarios": "bf16, D = E = 64, M = 256: every fused feature form and flag "
+        "(bench.compile.report_scenarios), every autotune config",
+        "kernels": dict(sorted(kernels.items())),
+        "rows": rows,
+    }
+
+
+def markdown(doc: dict) -> str:
+    """The report's per-kernel table (worst config of each kernel)."""
+    lines = [
+        f"sm_{doc['arch']}, {doc['scenarios']}",
+        "",
+        "| kernel | configs | max regs | spilling configs | max stack B | max smem KiB "
+        "| min CTAs/SM | tensor instructions (most in one config) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, k in doc["kernels"].items():
+        ops = ", ".join(f"{n} × {op}" for op, n in k["tensor_ops"].items()) or "none"
+        lines.append(f"| `{name}` | {k['configs']} | {k['registers']} | {k['spilling_configs']} "
+                     f"| {k['stack_bytes']} | {k['shared_bytes'] / 1024:.1f} | {k['ctas_per_sm']} "
+                     f"| {ops} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.compile", description=__doc__.split("\n")[0])
     p.add_argument("--arch", type=int, default=90, help="compute capability (90: H100/H200)")
@@ -499,16 +657,44 @@ def main(argv=None) -> int:
         help="autotune configs to compile per launch (smallest: the likeliest to fit)",
     )
     p.add_argument("--json", type=Path, default=None, help="write the per-config rows here")
+    p.add_argument(
+        "--report",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the compile report: bf16 D 64 scenarios, every config, registers, spills, shared "
+        "memory, CTAs per SM and tensor instructions; writes DIR/compile-sm<arch>.json",
+    )
+    p.add_argument("--save-results", action="store_true",
+                   help="--report into bench/results/<this cpu>/")  # fmt: skip
     p.add_argument("--stage", nargs="+", help=argparse.SUPPRESS)  # internal: record / compile
     a = p.parse_args(argv)
     if a.stage and a.stage[0] == "record":
-        Path(a.stage[1]).write_text(json.dumps(record(scenarios(a.quick))))
+        which = report_scenarios() if "report" in a.stage[2:] else scenarios(a.quick)
+        Path(a.stage[1]).write_text(json.dumps(record(which)))
+        return 0
+    if a.stage and a.stage[0] == "products":
+        Path(a.stage[1]).write_text(json.dumps(product_kinds(a.arch)))
         return 0
     if a.stage and a.stage[0] == "compile":
         launches = json.loads(Path(a.stage[1]).read_text())
-        rows = compile_launches(launches, a.arch, a.jobs, a.configs)
+        rows = compile_launches(launches, a.arch, a.jobs, a.configs, sass="sass" in a.stage[3:])
         Path(a.stage[2]).write_text(json.dumps(rows))
         return 0
+    if a.save_results:
+        import torch
+
+        from bench.env import results_slug
+
+        a.report = Path(__file__).parent / "results" / results_slug(torch.device("cpu"))
+    if a.report:
+        rows = check(arch=a.arch, jobs=a.jobs, configs="all", report=True)
+        a.report.mkdir(parents=True, exist_ok=True)
+        path = a.report / f"compile-sm{a.arch}.json"
+        path.write_text(json.dumps(report(rows, a.arch), indent=1) + "\n")
+        print(markdown(json.loads(path.read_text())))
+        print(f"# wrote {path}")
+        return 1 if failures(rows) else 0
     rows = check(a.quick, a.arch, a.jobs, a.configs)
     _print_table(rows)
     if a.json:

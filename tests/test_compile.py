@@ -52,3 +52,24 @@ def test_a_broken_launch_is_reported(launches):
     rows = aot.compile_in_child([bad], arch=90, configs="smallest")
     assert rows[0]["status"].startswith("error")
     assert aot.failures(rows) and "_fwd_q_kernel" in aot.failures(rows)[0]
+
+
+def test_tensor_instructions_are_counted_by_kind():
+    """The report tells one bf16 product (k = 16 per HGMMA: 4 for k = 64) from TF32 (k = 8: 8)
+    and from three TF32 products (24)."""
+    assert aot.product_kinds_in_child() == {
+        "bf16/ieee": {"HGMMA.64x64x16.F32.BF16": 4},
+        "fp32/tf32": {"HGMMA.64x64x8.F32.TF32": 8},
+        "fp32/tf32x3": {"HGMMA.64x64x8.F32.TF32": 24},
+    }
+
+
+def test_ctas_per_sm():
+    # 255 registers at 4 warps: 8192 per warp, 2 CTAs by registers; 96 KiB + 1 KiB reserve: 2
+    assert aot.ctas_per_sm(255, 4, 96 * 1024) == 2
+    # 168 registers: 5376 per warp, 3 CTAs; 110 KiB shared memory caps it at 2
+    assert aot.ctas_per_sm(168, 4, 40 * 1024) == 3
+    assert aot.ctas_per_sm(168, 4, 110 * 1024) == 2
+    # tiny kernels: the 2048-thread limit (16 CTAs of 4 warps) and the 32-CTA limit
+    assert aot.ctas_per_sm(32, 4, 0) == 16
+    assert aot.ctas_per_sm(32, 1, 0) == 32
