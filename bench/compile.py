@@ -558,10 +558,12 @@ def _print_table(rows: list[dict]) -> None:
 
 def product_kinds(arch: int = 90) -> dict[str, dict[str, int]]:
     """What one 64 x 64 x 64 ``tl.dot`` compiles to for ``arch`` per operand dtype and
-    ``input_precision`` (:func:`tensor_ops` of each): the check that the report's counts mean
-    what they say. The interpreter must be off."""
+    ``input_precision`` (:func:`tensor_ops` of each), and ``kernels.common.half_dot`` of fp32
+    operands: the check that the report's counts mean what they say, and that the kernels' half
+    product is one bf16 tensor product. The interpreter must be off."""
     import triton
     import triton.language as tl
+    from rfattn.kernels.common import half_dot
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -570,10 +572,15 @@ def product_kinds(arch: int = 90) -> dict[str, dict[str, int]]:
         o = tl.arange(0, 64)
         a = tl.load(a_ptr + o[:, None] * 64 + o[None, :])
         b = tl.load(b_ptr + o[:, None] * 64 + o[None, :])
-        tl.store(c_ptr + o[:, None] * 64 + o[None, :], tl.dot(a, b, input_precision=PREC))
+        if PREC == "half_dot":  # fp32 operands, kernels.common's bf16 product
+            c = half_dot(a, b, tl.bfloat16)
+        else:
+            c = tl.dot(a, b, input_precision=PREC)
+        tl.store(c_ptr + o[:, None] * 64 + o[None, :], c)
 
     out = {}
-    for dtype, precision in (("bf16", "ieee"), ("fp32", "tf32"), ("fp32", "tf32x3")):
+    kinds = (("bf16", "ieee"), ("fp32", "tf32"), ("fp32", "tf32x3"), ("fp32", "half_dot"))
+    for dtype, precision in kinds:
         sig = {"a_ptr": "*" + dtype, "b_ptr": "*" + dtype, "c_ptr": "*fp32", "PREC": "constexpr"}
         src = ASTSource(fn=_product, signature=sig, constexprs={"PREC": precision})
         kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})

@@ -282,6 +282,59 @@ PRUNE = {"early_config_prune": _prune_configs}
 KEY = ["D", "M", "E", "FEATURE", "ACC"]
 
 
+# ------------------------------------------------------------------------------------------------
+# Half-precision products as the GPU's tensor cores compute them, and their emulation
+#
+# On a GPU, ``tl.dot`` of bf16/fp16 operands with an fp32 accumulator multiplies the rounded
+# operands exactly and adds in fp32 (HGMMA...F32.BF16). Triton's interpreter gets both halves
+# wrong for bf16: its fp32 -> bf16 cast truncates instead of rounding to nearest even, and its
+# bf16 ``tl.dot`` is garbage (relative error ~1e9). So under the interpreter :func:`half_dot`
+# rounds each operand to the half format in fp32 arithmetic (:func:`round_bf16`; fp16 casts are
+# numpy's, which round to nearest even) and multiplies the rounded values in an fp32 "ieee"
+# product: the same products, summed in another order. Tests hold the emulation against torch's
+# own rounding (``Tensor.to(torch.bfloat16)``), and ``bench.compile.product_kinds`` shows the
+# compiled form is one bf16 tensor product.
+
+#: products of :func:`half_dot` are emulated (fixed at import, as the kernels' decoration)
+EMULATE_HALF = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def round_bf16(x):
+    """fp32 ``x`` rounded to the nearest bf16 (ties to even), returned in fp32: the bits
+    ``x + 0x7FFF + (bit 16 of x)`` with the low 16 cleared. NaN stays NaN (a quiet NaN's
+    payload lies in the kept bits), infinities stay, values past the largest bf16 round to
+    infinity, as ``cvt.rn.bf16.f32`` does."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_half(x, HALF: tl.constexpr):
+    """``x`` rounded to ``HALF`` (tl.bfloat16 or tl.float16): in ``HALF`` on a GPU, in fp32
+    holding the rounded value under the interpreter (whose bf16 cast truncates)."""
+    if EMULATE_HALF:
+        if HALF == tl.bfloat16:
+            return round_bf16(x.to(tl.float32))
+        else:
+            return x.to(HALF).to(tl.float32)
+    else:
+        return x.to(HALF)
+
+
+@triton.jit
+def half_dot(a, b, HALF: tl.constexpr):
+    """``a @ b`` as one tensor-core product: the operands rounded to ``HALF`` (tl.bfloat16 or
+    tl.float16, round to nearest even), exact products, fp32 accumulation; emulated under the
+    interpreter (see above)."""
+    if EMULATE_HALF:
+        return tl.dot(round_half(a, HALF), round_half(b, HALF), input_precision="ieee",
+                      out_dtype=tl.float32)  # fmt: skip
+    else:
+        return tl.dot(a.to(HALF), b.to(HALF), out_dtype=tl.float32)
+
+
 @triton.jit
 def gerf_coeffs(ab_ptr, i_bh, HAS_AB: tl.constexpr, ACC: tl.constexpr):
     """(A, B, log D) of the (b, h) in ``u = A |w|^2 + B w . x~ - |x~|^2 / 2 + log D`` (posrf:

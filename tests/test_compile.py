@@ -56,11 +56,12 @@ def test_a_broken_launch_is_reported(launches):
 
 def test_tensor_instructions_are_counted_by_kind():
     """The report tells one bf16 product (k = 16 per HGMMA: 4 for k = 64) from TF32 (k = 8: 8)
-    and from three TF32 products (24)."""
+    and from three TF32 products (24); the kernels' ``half_dot`` is one bf16 product."""
     assert aot.product_kinds_in_child() == {
         "bf16/ieee": {"HGMMA.64x64x16.F32.BF16": 4},
         "fp32/tf32": {"HGMMA.64x64x8.F32.TF32": 8},
         "fp32/tf32x3": {"HGMMA.64x64x8.F32.TF32": 24},
+        "fp32/half_dot": {"HGMMA.64x64x16.F32.BF16": 4},  # kernels.common.half_dot
     }
 
 
