@@ -1,0 +1,128 @@
+"""Hybrid attention (rfattn/hybrid.py): exact sinks and window, random features for the rest,
+one normaliser; the blocked torch path against the [T, T] reference in float64."""
+
+import pytest
+import torch
+
+import rfattn
+from rfattn.hybrid import hybrid_attention, hybrid_reference, local_sets
+from rfattn.reference import softmax_attention
+
+FEATURES = [
+    ("posrf", "orf", {}),
+    ("trigrf", "orf", {}),
+    ("hrf", "orf", {}),
+    ("gerf", "orf", {"A": -0.1}),
+    ("oprf", "orf", {"stats": "running"}),
+    ("rmf", "rademacher", {}),
+]
+
+
+def inputs(B=2, H=4, Hk=2, T=37, D=8, E=5, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    q = 0.6 * torch.randn(B, H, T, D, generator=g, dtype=dtype)
+    k = 0.6 * torch.randn(B, Hk, T, D, generator=g, dtype=dtype)
+    v = torch.randn(B, Hk, T, E, generator=g, dtype=dtype)
+    return q, k, v
+
+
+def features(name="posrf", weights="orf", D=8, M=16, **options):
+    return rfattn.RandomFeatures(D, M, feature=name, weights=weights, seed=3, **options).eval()
+
+
+def padding(B, T, junk_into=()):
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask[0, :5] = True  # left padding
+    mask[1, 11:13] = True  # a hole
+    for x in junk_into:
+        x.data[mask[:, None, :, None].expand(*x.shape[:1], x.shape[1], T, x.shape[-1])] = float(
+            "nan")  # fmt: skip
+    return mask
+
+
+#: window and sinks at the edges (0, 1, a block, past T) for posrf; two cases for the others
+CASES = [(FEATURES[0], w, s) for w, s in [(0, 0), (1, 0), (0, 1), (3, 2), (16, 4), (100, 3)]]
+CASES += [(f, w, s) for f in FEATURES[1:] for w, s in [(0, 1), (16, 4)]]
+
+
+@pytest.mark.parametrize("form,window,sinks", CASES, ids=lambda x: x[0] if isinstance(x, tuple)
+                         else str(x))  # fmt: skip
+def test_matches_reference(form, window, sinks):
+    feature, weights, options = form
+    q, k, v = inputs()
+    rf = features(feature, weights, **options)
+    mask = padding(2, 37, junk_into=(k, v))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = hybrid_attention(*leaves, rf, window=window, sinks=sinks, key_padding_mask=mask,
+                           block=16)  # fmt: skip
+    ref_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = hybrid_reference(*ref_leaves, rf, window=window, sinks=sinks, key_padding_mask=mask)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
+    cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=out.dtype)
+    grads = torch.autograd.grad(out, leaves, cot)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, cot)
+    for name, g, r in zip("qkv", grads, ref_grads, strict=True):
+        assert not g.isnan().any(), name
+        torch.testing.assert_close(g, r, rtol=1e-8, atol=1e-10, msg=name)
+
+
+def test_sets_partition_the_causal_pairs():
+    mask = padding(2, 20)
+    exact, estimated = local_sets(20, 4, 2, mask)
+    assert not (exact & estimated).any()
+    allowed = torch.ones(20, 20, dtype=torch.bool).tril() & ~mask[:, None, None, :]
+    assert torch.equal(exact | estimated, allowed.expand_as(exact))
+    # row 19 of batch 0 (keys 0-4 padded): sinks 5, 6 and the window 16..19 exact
+    assert exact[0, 0, 19].nonzero().flatten().tolist() == [5, 6, 16, 17, 18, 19]
+
+
+def test_window_past_the_sequence_is_softmax():
+    q, k, v = inputs(H=2, Hk=2)
+    out = hybrid_attention(q, k, v, features(), window=37, sinks=0, block=8)
+    torch.testing.assert_close(out, softmax_attention(q, k, v, causal=True), rtol=1e-12,
+                               atol=1e-12)  # fmt: skip
+
+
+def test_no_window_no_sinks_is_random_feature_attention():
+    q, k, v = inputs(H=2, Hk=2)
+    rf = features()
+    out = hybrid_attention(q, k, v, rf, window=0, sinks=0, block=8)
+    want = rfattn.rf_attention(q, k, v, rf, causal=True, backend="torch")
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+
+
+def test_blocks_change_rounding_only():
+    q, k, v = inputs(seed=4)
+    rf = features("hrf")
+    one = hybrid_attention(q, k, v, rf, window=5, sinks=2, block=64)
+    for block in (1, 7, 16):
+        other = hybrid_attention(q, k, v, rf, window=5, sinks=2, block=block)
+        torch.testing.assert_close(other, one, rtol=1e-12, atol=1e-13)
+
+
+def test_no_output_depends_on_a_later_token():
+    """Not even through underflow: a later key with a huge logit (which would dominate any
+    stabiliser it reached) leaves every earlier row bit for bit unchanged."""
+    q, k, v = inputs(seed=5, H=2, Hk=2)
+    rf = features()
+    base = hybrid_attention(q, k, v, rf, window=4, sinks=1, block=8)
+    k2, v2, q2 = k.clone(), v.clone(), q.clone()
+    t = 30
+    k2[:, :, t:] = 40.0 * torch.randn_like(k2[:, :, t:])
+    v2[:, :, t:] = 1e6
+    q2[:, :, t:] = -q2[:, :, t:]
+    other = hybrid_attention(q2, k2, v2, rf, window=4, sinks=1, block=8)
+    assert torch.equal(other[:, :, :t], base[:, :, :t])
+    assert not torch.equal(other[:, :, t:], base[:, :, t:])
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(window=-1), "window must be an int >= 0"),
+    (dict(window=True), "window must be an int >= 0"),
+    (dict(window=2, sinks=1.5), "sinks must be an int >= 0"),
+])  # fmt: skip
+def test_bad_arguments(bad, match):
+    q, k, v = inputs(T=8)
+    with pytest.raises(ValueError, match=match):
+        hybrid_attention(q, k, v, features(), **bad)
