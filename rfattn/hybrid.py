@@ -37,19 +37,27 @@ Blocked, causal: query blocks ``c0 <= i < c1`` walk the sequence; the state (S `
 the block's band, keys ``c0 - window <= j < c1 - window``, is seen row by row, then joins the
 state. Memory O(C (C + window + sinks) + F E) per (b, h) besides
 what autograd keeps (this path is differentiated by autograd: it keeps one state per block).
+
+Split/resume and generation: a call with ``return_state=True`` leaves a :class:`HybridState` of
+constant size (the random-feature state, the last ``window`` positions' keys and values, the
+sinks); the next call runs on its window positions followed by its own tokens (rows only for its
+own), so a decode step costs O(window + sinks + F E) whatever the position, and split calls equal
+one call up to rounding (gradients reach the state).
+
 Reference: :func:`hybrid_reference` (quadratic, the plainest form).
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
 from rfattn.features.base import compute_dtype, prescale
 from rfattn.reference import attention_ratio
 
-__all__ = ["hybrid_attention", "hybrid_reference", "local_sets"]
+__all__ = ["HybridState", "hybrid_attention", "hybrid_reference", "local_sets"]
 
 #: query rows per block of the torch path
 BLOCK = 64
@@ -113,47 +121,126 @@ def hybrid_reference(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
     return attention_ratio(kmat @ v.to(kmat.dtype), kmat.sum(-1)).to(q.dtype)
 
 
-def _sink_slots(valid: torch.Tensor, sinks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(positions [B, S], present [B, S])`` of each row's first ``sinks`` valid keys (``present``
-    False where a row has fewer), without reading the mask on the host."""
-    T = valid.shape[-1]
-    rank = valid.long().cumsum(-1) - 1
-    is_sink = valid & (rank < sinks)
-    order = torch.arange(T, device=valid.device).expand_as(valid)
-    order = torch.argsort(torch.where(is_sink, order, order + T), dim=-1)[:, :sinks]
-    return order, is_sink.gather(1, order)
+class HybridState(NamedTuple):
+    """What a causal hybrid call leaves for the next one (split/resume, generation), of constant
+    size whatever the length: the random-feature state of the estimated keys, the last ``window``
+    positions' keys and values, and the sinks.
+
+    Attributes:
+        s: ``[B, Hk, F, E]``, z: ``[B, Hk, F]``, offset: ``[B, Hk]``: as :class:`rfattn.RFState`,
+            over the valid keys that are neither sinks nor inside the window.
+        keys: ``[B, Hk, W, D]``, values: ``[B, Hk, W, E]``: the last W positions as given
+            (padding and positions before the sequence hold junk, never read).
+        kinds: ``[B, W]`` int8: 0 nothing (padding, before the sequence), 1 a window key, 2 a sink.
+        sink_keys: ``[B, Hk, S, D]``, sink_values: ``[B, Hk, S, E]``: the sinks as given.
+        sinks_seen: ``[B]`` int64: how many of the S sink slots hold a sink.
+    """
+
+    s: torch.Tensor
+    z: torch.Tensor
+    offset: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    kinds: torch.Tensor
+    sink_keys: torch.Tensor
+    sink_values: torch.Tensor
+    sinks_seen: torch.Tensor
+
+
+#: HybridState.kinds
+NOTHING, WINDOW, SINK = 0, 1, 2
+
+
+def _empty_state(k, v, rf, window: int, sinks: int) -> HybridState:
+    B, Hk, _, D = k.shape
+    E = v.shape[-1]
+    cd = compute_dtype(k.dtype)
+    F = rf.feature_map.width(rf.weight.shape[-2])
+    return HybridState(
+        k.new_zeros(B, Hk, F, E, dtype=cd), k.new_zeros(B, Hk, F, dtype=cd),
+        k.new_full((B, Hk), -math.inf, dtype=cd), k.new_zeros(B, Hk, window, D),
+        v.new_zeros(B, Hk, window, E), torch.zeros(B, window, dtype=torch.int8, device=k.device),
+        k.new_zeros(B, Hk, sinks, D), v.new_zeros(B, Hk, sinks, E),
+        torch.zeros(B, dtype=torch.long, device=k.device),
+    )  # fmt: skip
+
+
+def _check_state(state, like: HybridState) -> None:
+    if not isinstance(state, HybridState):
+        raise TypeError(f"initial_state must be a HybridState, got {type(state).__name__}")
+    for name, got, want in zip(HybridState._fields, state, like, strict=True):
+        if tuple(got.shape) != tuple(want.shape):
+            raise ValueError(f"initial_state.{name} must have shape {tuple(want.shape)} for "
+                             f"these inputs, window and sinks, got {tuple(got.shape)}")  # fmt: skip
+
+
+def _first(flags: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(index [B, n], present [B, n])``: the positions of the first ``n`` True entries of each
+    row of ``flags`` [B, L] (``present`` False where a row has fewer), on the device."""
+    L = flags.shape[-1]
+    pos = torch.arange(L, device=flags.device).expand_as(flags)
+    order = torch.argsort(torch.where(flags, pos, pos + L), dim=-1)[:, :n]
+    present = flags.gather(1, order)
+    if L < n:  # fewer positions than slots: the rest point at 0 and are absent
+        order = torch.cat([order, order.new_zeros(flags.shape[0], n - L)], -1)
+        present = torch.cat([present, present.new_zeros(flags.shape[0], n - L)], -1)
+    return order, present
+
+
+def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x [B, H, L, C]`` at positions ``index [B, n]`` -> ``[B, H, n, C]``."""
+    return x.gather(2, index[:, None, :, None].expand(*x.shape[:2], index.shape[-1], x.shape[-1]))
 
 
 def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float | None = None,
                      key_padding_mask: torch.Tensor | None = None,
-                     block: int = BLOCK) -> torch.Tensor:  # fmt: skip
+                     initial_state: HybridState | None = None, return_state: bool = False,
+                     block: int = BLOCK):  # fmt: skip
     """Causal hybrid attention (module docstring): exact sinks and window, random features for
     the rest, one normaliser. The torch path, blocked, differentiated by autograd.
 
     Args:
-        q: ``[B, H, T, D]``; k: ``[B, Hk, T, D]``; v: ``[B, Hk, T, E]`` (H a multiple of Hk).
+        q: ``[B, H, T, D]``; k: ``[B, Hk, T, D]``; v: ``[B, Hk, T, E]`` (H a multiple of Hk:
+            grouped-query heads share their key/value head's state, nothing repeated).
         rf: a :class:`rfattn.RandomFeatures` (no head maps).
         window: exact keys per row, ``i - window < j <= i`` (0: none).
         sinks: exact first valid keys (0: none).
         scale: softmax temperature, default ``D ** -0.5``.
         key_padding_mask: ``[B, T]`` bool, True = padding (never read).
+        initial_state: a :class:`HybridState` this call continues (the same window and sinks).
+        return_state: also return the state after this call.
         block: query rows per block.
 
     Returns:
-        ``[B, H, T, E]`` in q's dtype; 0 for a row with no valid key.
+        ``[B, H, T, E]`` in q's dtype (0 for a row with no valid key), and the
+        :class:`HybridState` with ``return_state``. Split/resume equals one call up to rounding.
     """
     _check(q, k, v, window, sinks, key_padding_mask)
     if rf.head_maps is not None:
         raise NotImplementedError("window/sinks with head maps: not supported yet")
-    B, H, T, _ = q.shape
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    group = H // k.shape[1]
-    if group > 1:
-        k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
-    cd = compute_dtype(q.dtype)
-    xq, xk = prescale(q, scale), prescale(k, scale, key_padding_mask)
-    w = rf.weight.to(device=q.device, dtype=cd)
-    params = rf.feature_params(xq, xk, key_padding_mask, causal=True)
+    B, H, T, D = q.shape
+    Hk, E, W = k.shape[1], v.shape[-1], window
+    G = H // Hk
+    scale = D**-0.5 if scale is None else float(scale)
+    empty = _empty_state(k, v, rf, window, sinks)
+    st = empty if initial_state is None else initial_state
+    if initial_state is not None:
+        _check_state(initial_state, empty)
+    dev, cd = q.device, compute_dtype(q.dtype)
+    # the extended sequence: the state's last W positions, then this call's T (rows e = W + t)
+    valid = torch.ones(B, T, dtype=torch.bool, device=dev)
+    if key_padding_mask is not None:
+        valid = ~key_padding_mask
+    rank = st.sinks_seen[:, None] + valid.long().cumsum(-1) - 1
+    kinds_new = torch.where(valid & (rank < sinks), SINK, torch.where(valid, WINDOW, NOTHING))
+    kinds = torch.cat([st.kinds, kinds_new.to(torch.int8)], -1)  # [B, W + T]
+    ks, vs = torch.cat([st.keys, k.to(st.keys.dtype)], 2), torch.cat([st.values, v], 2)
+    absent = kinds == NOTHING
+    xk = prescale(ks, scale, absent)
+    xq = prescale(q, scale).view(B, Hk, G * T, D)  # a key/value head's queries as its rows
+    vv = vs.to(cd).masked_fill(absent[:, None, :, None], 0.0)
+    w = rf.weight.to(device=dev, dtype=cd)
+    params = rf.feature_params(xq, xk[:, :, W:], key_padding_mask, causal=True)
     fm = rf.feature_map
     if fm.exponential:
         u_q, u_k = fm.logits(xq, w, "query", params), fm.logits(xk, w, "key", params)
@@ -164,68 +251,75 @@ def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
         a = a if g_q is None else g_q * a
     else:
         a, b = fm.values(xq, w, "query", params), fm.values(xk, w, "key", params)
-        mq, mk = xq.new_zeros(B, H, T, 1), xk.new_zeros(B, H, T, 1)
+        mq, mk = xq.new_zeros(B, Hk, G * T, 1), xk.new_zeros(B, Hk, W + T, 1)
     g_k = fm.key_amplitude(xk, w, params)
     b = (b if g_k is None else g_k * b) / fm.num_samples(w)
-    valid = (torch.ones(B, T, dtype=torch.bool, device=q.device) if key_padding_mask is None
-             else ~key_padding_mask)  # fmt: skip
-    slot, present = _sink_slots(valid, sinks)
-    rank = valid.long().cumsum(-1) - 1
-    eligible = (valid & (rank >= sinks))[:, None, :, None]  # keys the features may hold
-    b = b.masked_fill(~eligible, 0.0)
-    mk = mk.masked_fill(~eligible, -math.inf)
-    vv = v.to(cd)
-    if key_padding_mask is not None:
-        vv = vv.masked_fill(key_padding_mask[:, None, :, None], 0.0)
-    x_s = xk.gather(2, slot[:, None, :, None].expand(B, H, sinks, xk.shape[-1]))
-    v_s = vv.gather(2, slot[:, None, :, None].expand(B, H, sinks, vv.shape[-1]))
-    F, E = a.shape[-1], vv.shape[-1]
-    S = a.new_zeros(B, H, F, E)
-    z = a.new_zeros(B, H, F)
-    R = a.new_full((B, H, 1), -math.inf)
+    estimated = (kinds == WINDOW)[:, None, :, None]  # valid, not a sink: leaves the window
+    b, mk = b.masked_fill(~estimated, 0.0), mk.masked_fill(~estimated, -math.inf)
+    a, mq, xq = (x.view(B, Hk, G, T, x.shape[-1]) for x in (a, mq, xq))
+    # sinks: the state's (seen by every row), then this call's new ones (from their position)
+    new_slot, new_present = _first(kinds_new == SINK, sinks)
+    old_present = torch.arange(sinks, device=dev)[None, :] < st.sinks_seen[:, None]
+    sink_k = torch.cat([st.sink_keys, _gather(k, new_slot).to(st.sink_keys.dtype)], 2)
+    sink_v = torch.cat([st.sink_values, _gather(v, new_slot)], 2)
+    sink_pos = torch.cat([torch.full_like(new_slot, -1), new_slot + W], -1)  # [B, 2S]
+    sink_present = torch.cat([old_present, new_present], -1)
+    x_s = prescale(sink_k, scale, ~sink_present)[:, :, None]
+    v_s = sink_v.to(cd).masked_fill(~sink_present[:, None, :, None], 0.0)[:, :, None]
+    S, z, R = st.s[:, :, None], st.z[:, :, None], st.offset[:, :, None, None]
     outs = []
-    for c0 in range(0, T, block):
-        c1 = min(c0 + block, T)
-        i = torch.arange(c0, c1, device=q.device)[:, None]
-        a_i, mq_i, xq_i = a[:, :, c0:c1], mq[:, :, c0:c1, 0], xq[:, :, c0:c1]
-        # the band: estimated keys that leave the window inside this block, c0 - W <= j < c1 - W
-        lo, hi = max(0, c0 - window), max(0, c1 - window)
-        jb = torch.arange(lo, hi, device=q.device)[None, :]
-        lb = (mq_i[..., None] + mk[:, :, lo:hi, 0][:, :, None, :]).masked_fill(
-            jb > i - window, -math.inf)  # fmt: skip
-        # the window, exact: i - W < j <= i
-        wl = max(0, c0 - window + 1)
-        jw = torch.arange(wl, c1, device=q.device)[None, :]
-        seen = (jw > i - window) & (jw <= i) & valid[:, None, None, wl:c1]
-        le = (xq_i @ xk[:, :, wl:c1].transpose(-1, -2)).masked_fill(~seen, -math.inf)
-        # the sinks outside the window, exact
-        sink_seen = (slot[:, None, None, :] <= i - window) & present[:, None, None, :]
+    for c0 in range(W, W + T, block):
+        c1 = min(c0 + block, W + T)
+        e = torch.arange(c0, c1, device=dev)[:, None]
+        rows = slice(c0 - W, c1 - W)
+        a_i, mq_i, xq_i = a[:, :, :, rows], mq[:, :, :, rows, 0], xq[:, :, :, rows]
+        # the band: estimated keys leaving the window inside this block, c0 - W <= j < c1 - W
+        lo, hi = c0 - W, c1 - W
+        jb = torch.arange(lo, hi, device=dev)[None, :]
+        lb = (mq_i[..., None] + mk[:, :, None, lo:hi, 0][:, :, :, None, :]).masked_fill(
+            jb > e - W, -math.inf)  # fmt: skip
+        # the window, exact: valid non-sink keys e - W < j <= e
+        wl = c0 - W + 1
+        jw = torch.arange(wl, c1, device=dev)[None, :]
+        seen = (jw > e - W) & (jw <= e) & (kinds[:, None, None, None, wl:c1] == WINDOW)
+        le = (xq_i @ xk[:, :, None, wl:c1].transpose(-1, -2)).masked_fill(~seen, -math.inf)
+        # the sinks seen so far, exact
+        sink_seen = (sink_pos[:, None, None, None, :] <= e) & sink_present[:, None, None, None]
         ls = (xq_i @ x_s.transpose(-1, -2)).masked_fill(~sink_seen, -math.inf)
         # one stabiliser per row for both parts, from the keys the row sees
         c = mq_i + R
-        for part, present_ in ((lb, hi > lo), (le, True), (ls, sinks > 0)):
-            if present_:
+        for part in (lb, le, ls):
+            if part.shape[-1]:
                 c = torch.maximum(c, part.amax(-1))
         c = c.detach().masked_fill(c == -math.inf, 0.0)
         f_state = torch.exp(mq_i + R - c)
         num = f_state[..., None] * (a_i @ S)
         den = f_state * (a_i @ z[..., None])[..., 0]
-        if hi > lo:
-            p = torch.exp(lb - c[..., None]) * (a_i @ b[:, :, lo:hi].transpose(-1, -2))
-            num, den = num + p @ vv[:, :, lo:hi], den + p.sum(-1)
+        p = torch.exp(lb - c[..., None]) * (a_i @ b[:, :, None, lo:hi].transpose(-1, -2))
+        num, den = num + p @ vv[:, :, None, lo:hi], den + p.sum(-1)
         p = torch.exp(le - c[..., None])
-        num, den = num + p @ vv[:, :, wl:c1], den + p.sum(-1)
-        if sinks:
-            p = torch.exp(ls - c[..., None])
-            num, den = num + p @ v_s, den + p.sum(-1)
+        num, den = num + p @ vv[:, :, None, wl:c1], den + p.sum(-1)
+        p = torch.exp(ls - c[..., None])
+        num, den = num + p @ v_s, den + p.sum(-1)
         outs.append(attention_ratio(num, den))
-        # the band joins the state: it then holds every estimated key j < c1 - W
-        if hi > lo and c1 < T:
-            R_new = torch.maximum(R, mk[:, :, lo:hi, 0].amax(-1, keepdim=True))
+        if c1 < W + T or return_state:  # the band joins the state: estimated keys j < c1 - W
+            R_new = torch.maximum(R, mk[:, :, None, lo:hi, 0].amax(-1, keepdim=True))
             R_safe = R_new.masked_fill(R_new == -math.inf, 0.0)
-            k_w = torch.exp(mk[:, :, lo:hi] - R_safe[..., None]) * b[:, :, lo:hi]
+            k_w = torch.exp(mk[:, :, None, lo:hi] - R_safe[..., None]) * b[:, :, None, lo:hi]
             decay = torch.exp(R - R_safe)
-            S = decay[..., None] * S + k_w.transpose(-1, -2) @ vv[:, :, lo:hi]
+            S = decay[..., None] * S + k_w.transpose(-1, -2) @ vv[:, :, None, lo:hi]
             z = decay * z + k_w.sum(-2)
             R = R_new
-    return torch.cat(outs, dim=2).to(q.dtype)
+    out = torch.cat(outs, dim=3).reshape(B, H, T, E).to(q.dtype)
+    if not return_state:
+        return out
+    # the sink slots after this call: the state's first, then the new ones in order
+    n = st.sinks_seen[:, None]
+    r = torch.arange(sinks, device=dev)[None, :]
+    pick = torch.where(r < n, r, sinks + r - n).clamp(max=2 * sinks - 1) if sinks else r
+    state = HybridState(
+        S[:, :, 0], z[:, :, 0], R[:, :, 0, 0], ks[:, :, T:], vs[:, :, T:], kinds[:, T:],
+        _gather(sink_k, pick.expand(B, sinks)), _gather(sink_v, pick.expand(B, sinks)),
+        torch.clamp(st.sinks_seen + (kinds_new == SINK).sum(-1), max=sinks),
+    )  # fmt: skip
+    return out, state
