@@ -28,6 +28,12 @@ matters, i.e. a query would see a key the window leaves out; until then it runs 
 attention. Attention dropout acts on the attention output (no weight
 matrix exists) and ``output_attentions`` returns None weights, with a warning (once), as sdpa.
 
+Hybrid layers: ``attach_random_features(model, window=64, sinks=4, ...)`` makes each causal layer
+attend exactly to its first 4 tokens and last 64 positions and through the random features to
+the rest, in one normaliser (:mod:`rfattn.hybrid`); its generation cache keeps those keys and
+values beside the random-feature state, still of constant size. This is rfattn's own window,
+not the model's ``sliding_window`` (refused as above).
+
 Save/load: a model saved after :func:`attach_random_features` carries ``config.rfattn``; importing
 this module hooks ``PreTrainedModel.post_init`` so that such a model builds its layers' features
 when it is constructed, and ``from_pretrained(path, attn_implementation="rfattn")`` loads the
@@ -47,6 +53,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from rfattn.attention import RFState, rf_attention
 from rfattn.distributed import runs_causal
+from rfattn.hybrid import HybridState, hybrid_attention
 from rfattn.modules import RandomFeatures, layer_seed
 
 try:
@@ -84,6 +91,16 @@ NAME = "rfattn"
 DEFAULT_OPTIONS = {"num_features": 256, "feature": "posrf", "weights": "orf", "seed": 0}
 #: what :func:`rfattn.calibrate` notes in ``config.rfattn`` besides feature options
 CALIBRATION_NOTES = ("head_maps", "gerf_A")
+#: ``config.rfattn`` options of the layers' attention, not of their features: exact sinks and a
+#: sliding window inside the random-feature attention (:mod:`rfattn.hybrid`), 0 = none
+LOCAL_OPTIONS = ("window", "sinks")
+
+
+def local_attention(config) -> tuple[int, int]:
+    """``(window, sinks)`` of a model's layers from ``config.rfattn`` ((0, 0): plain random
+    features)."""
+    opts = _options(config)
+    return int(opts.get("window", 0)), int(opts.get("sinks", 0))
 
 
 def _options(config) -> dict:
@@ -97,7 +114,8 @@ def random_features_from_config(config, layer_idx: int, head_dim: int) -> Random
 
     Args:
         config: a transformers ``PretrainedConfig``; ``config.rfattn`` (a dict, optional) holds
-            ``num_features``, ``feature``, ``weights``, ``seed``, feature options,
+            ``num_features``, ``feature``, ``weights``, ``seed``, feature options, the layers'
+            ``window`` and ``sinks`` (not the features': see :func:`attach_random_features`),
             ``head_maps`` (True after :func:`rfattn.calibrate`: maps for the config's heads)
             and ``gerf_A`` (True after calibrating GERF's A: one learnable A per key/value
             head).
@@ -107,6 +125,8 @@ def random_features_from_config(config, layer_idx: int, head_dim: int) -> Random
     opts = _options(config)
     seed = opts.pop("seed")
     learn_a = opts.pop("gerf_A", False)
+    for key in LOCAL_OPTIONS:
+        opts.pop(key, None)
     # calibrated (rfattn.calibrate): maps and A sized by the model's head counts
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -136,7 +156,12 @@ def attach_random_features(model: torch.nn.Module, **options) -> int:
     Args:
         model: a transformers model.
         **options: ``num_features``, ``feature``, ``weights``, ``seed`` and feature options
-            (stored in ``model.config.rfattn``). Unspecified ones keep their current values,
+            (stored in ``model.config.rfattn``); ``window=W, sinks=S`` (ints >= 0, default 0)
+            make every layer a hybrid (:mod:`rfattn.hybrid`): each query attends exactly to the
+            first S tokens and the last W positions, and through the random features to the
+            rest, in one normaliser (causal layers only; ``window`` past the sequence is
+            softmax attention). What converts a pretrained decoder: random features alone are
+            too far from its sharp attention. Unspecified ones keep their current values,
             except that a new ``feature`` starts without the previous feature's own options,
             and the calibration notes of :func:`rfattn.calibrate` (``head_maps``, ``gerf_A``)
             go unless given: the layers' features are drawn afresh, without what it trained.
@@ -156,6 +181,10 @@ def attach_random_features(model: torch.nn.Module, **options) -> int:
     held the old one): a config a caller built several models from is left as it was, so the
     other models, and models built from it later, keep their own attention.
     """
+    for key in LOCAL_OPTIONS:
+        value = options.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{key} must be an int >= 0, got {value!r}")
     config = _own_config(model)
     before = getattr(config, "rfattn", None)
     current = _options(config)
@@ -482,6 +511,7 @@ def rfattn_attention_forward(
     layer = _PENDING.pop(key, None)  # an RFCacheLayer's new keys, or None
     rf = _layer_features(module, query.shape[-1], query.device)
     if layer is not None:
+        layer.config = module.config
         out = _cached_attention(layer, rf, query, key, value, attention_mask, scaling)
     else:
         out = _mask_attention(module, rf, query, key, value, attention_mask, scaling, is_causal)
@@ -499,6 +529,9 @@ def _mask_attention(module, rf, query, key, value, attention_mask, scaling, is_c
     if attention_mask is not None:
         pad, causal = _split_mask(attention_mask, bool(causal), tq, tk)
     group = getattr(module, "rfattn_group", None)
+    window, sinks = local_attention(module.config)
+    if window or sinks:
+        return _hybrid(rf, query, key, value, pad, causal, group, window, sinks, scaling)
     # a single query (decoding) sees every cached key; a sharded sequence's one-token shard
     # stays causal (its ranks' collectives must match)
     causal = runs_causal(causal, tq, group)
@@ -522,6 +555,21 @@ def _mask_attention(module, rf, query, key, value, attention_mask, scaling, is_c
                         scale=scaling, query_padding_mask=qpad, group=group)  # fmt: skip
 
 
+def _hybrid(rf, query, key, value, pad, causal, group, window, sinks, scaling):
+    """:func:`rfattn.hybrid.hybrid_attention` of the layer's queries, the last Tq of Tk
+    positions (a key/value cache before them), or refuse what it has no form for."""
+    if not causal:
+        raise NotImplementedError("rfattn: window/sinks (config.rfattn) need causal attention")
+    if group is not None:
+        raise NotImplementedError("rfattn: window/sinks over a process group are not supported")
+    tq, tk = query.shape[2], key.shape[2]
+    front = query.new_zeros(*query.shape[:2], tk - tq, query.shape[-1])
+    out = hybrid_attention(torch.cat((front, query), dim=2) if tk > tq else query, key, value,
+                           rf, window=window, sinks=sinks, scale=scaling,
+                           key_padding_mask=pad)  # fmt: skip
+    return out[:, :, tk - tq :]
+
+
 # ------------------------------------------------------------------------------------------------
 # generation on a fixed-size state
 
@@ -533,7 +581,9 @@ _PENDING = WeakIdKeyDictionary()
 class RFCacheLayer(CacheLayerMixin):
     """One decoder layer's generation state: the causal :class:`rfattn.RFState` of every token
     so far (``S [B, Hkv, F, E]``, ``z``, ``offset``; one per key/value head) and their count,
-    instead of keys and values.
+    instead of keys and values; for a hybrid layer (``window``/``sinks`` in ``config.rfattn``)
+    the :class:`rfattn.hybrid.HybridState`, which adds the last ``window`` positions' keys and
+    values and the sinks (constant size too).
 
     :meth:`update` keeps nothing: it hands the new keys and values to the attention function,
     which runs them on the state and stores the new one (:func:`rfattn_attention_forward`).
@@ -544,8 +594,9 @@ class RFCacheLayer(CacheLayerMixin):
 
     def __init__(self, **kwargs):
         super().__init__()
-        self.state: RFState | None = None
+        self.state: RFState | HybridState | None = None
         self.seen = 0
+        self.config = None  # the model's, set by the attention function
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -568,7 +619,7 @@ class RFCacheLayer(CacheLayerMixin):
 
     def _map(self, fn) -> None:
         if self.state is not None:
-            self.state = RFState(*(fn(x) for x in self.state))
+            self.state = type(self.state)(*(fn(x) for x in self.state))
 
     def reset(self) -> None:
         self.state, self.seen = None, 0
@@ -642,7 +693,7 @@ class RFCache(Cache):
         for i, layer in enumerate(self.layers):
             out[f"{i}.seen"] = torch.tensor(layer.seen)
             if layer.state is not None:
-                fields = zip(RFState._fields, layer.state, strict=True)
+                fields = zip(type(layer.state)._fields, layer.state, strict=True)
                 out.update({f"{i}.{name}": x for name, x in fields})
         return out
 
@@ -654,7 +705,8 @@ class RFCache(Cache):
         for i, layer in enumerate(cache.layers):
             layer.seen = int(state[f"{i}.seen"])
             if f"{i}.s" in state:
-                layer.state = RFState(*(state[f"{i}.{n}"] for n in RFState._fields))
+                kind = HybridState if f"{i}.kinds" in state else RFState
+                layer.state = kind(*(state[f"{i}.{n}"] for n in kind._fields))
                 layer.dtype, layer.device = layer.state.s.dtype, layer.state.s.device
                 layer.is_initialized = True
         return cache
@@ -667,9 +719,16 @@ def _cached_attention(layer, rf, query, key, value, attention_mask, scaling):
     pad = None
     if attention_mask is not None:  # [B, 1, Tq, seen + Tq]: the new tokens' columns
         pad, _ = _split_mask(attention_mask[..., -tq:], True, tq, tq)
-    out, layer.state = rf_attention(query, key, value, rf, causal=True, key_padding_mask=pad,
-                                    scale=scaling, initial_state=layer.state,
-                                    return_state=True)  # fmt: skip
+    window, sinks = local_attention(layer.config) if layer.config is not None else (0, 0)
+    if window or sinks:
+        out, layer.state = hybrid_attention(query, key, value, rf, window=window, sinks=sinks,
+                                            scale=scaling, key_padding_mask=pad,
+                                            initial_state=layer.state,
+                                            return_state=True)  # fmt: skip
+    else:
+        out, layer.state = rf_attention(query, key, value, rf, causal=True,
+                                        key_padding_mask=pad, scale=scaling,
+                                        initial_state=layer.state, return_state=True)  # fmt: skip
     layer.seen += tq
     return out
 

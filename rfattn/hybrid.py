@@ -237,7 +237,7 @@ def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
     ks, vs = torch.cat([st.keys, k.to(st.keys.dtype)], 2), torch.cat([st.values, v], 2)
     absent = kinds == NOTHING
     xk = prescale(ks, scale, absent)
-    xq = prescale(q, scale).view(B, Hk, G * T, D)  # a key/value head's queries as its rows
+    xq = prescale(q, scale).reshape(B, Hk, G * T, D)  # a key/value head's queries: its rows
     vv = vs.to(cd).masked_fill(absent[:, None, :, None], 0.0)
     w = rf.weight.to(device=dev, dtype=cd)
     params = rf.feature_params(xq, xk[:, :, W:], key_padding_mask, causal=True)

@@ -456,3 +456,55 @@ def test_a_sliding_window_over_a_process_group_is_refused_on_every_rank(tmp_path
     refused = [isinstance(r[1], str) and "sliding_window=6" in r[1] for r in ranks]
     assert refused == [True, True], [type(r[1]) for r in ranks]
     assert "sliding_window=6" in _window_shard(0, 8)
+
+
+def test_a_hybrid_with_a_window_past_the_sequence_is_softmax():
+    """window >= T: every key exact, the model is its softmax self (left padding too)."""
+    model = _llama().eval()
+    ids = _ids(3)
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[1, :5] = 0
+    valid = mask.bool()
+    with torch.no_grad():
+        ref = _run(model, "sdpa", ids, mask)[valid]
+        rfhf.attach_random_features(model, num_features=16, window=T, sinks=2)
+        out = _run(model, "rfattn", ids, mask)[valid]
+        rfhf.attach_random_features(model, window=0, sinks=0)  # kept until changed
+        plain = _run(model, "rfattn", ids, mask)[valid]
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    # rounding apart, while random features alone are off (even on this near-uniform model)
+    assert (plain - ref).abs().max() > 100 * (out - ref).abs().max()
+
+
+def test_a_hybrid_generates_on_a_constant_size_cache():
+    model = _llama().eval()
+    rfhf.attach_random_features(model, num_features=32, window=4, sinks=2)
+    assert model.config.rfattn["window"] == 4
+    model.set_attn_implementation("rfattn")
+    ids = _ids(4)[:, :10]
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, :3] = 0  # left padding: the second row's sinks are its first real tokens
+    sizes = []
+    with torch.no_grad():
+        cache = rfhf.RFCache()
+        gen = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                             pad_token_id=0, **{rfhf.CACHE_KWARG: cache})  # fmt: skip
+        sizes.append(cache.nbytes())
+        full_mask = torch.cat([mask, torch.ones(2, 6, dtype=torch.long)], 1)
+        full = model(gen, attention_mask=full_mask).logits[:, 9:-1].argmax(-1)
+        cache2 = rfhf.RFCache()
+        model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                       pad_token_id=0, **{rfhf.CACHE_KWARG: cache2})  # fmt: skip
+        sizes.append(cache2.nbytes())
+    assert torch.equal(gen[:, 10:], full)
+    assert sizes[0] == sizes[1] > 0  # the window's keys and the sinks, not the context
+    restored = rfhf.RFCache.from_state_dict(cache.state_dict())
+    assert type(restored.layers[0].state).__name__ == "HybridState"
+    assert restored.nbytes() == cache.nbytes()
+
+
+def test_bad_window_options_are_refused():
+    model = _llama()
+    with pytest.raises(ValueError, match="window must be an int >= 0"):
+        rfhf.attach_random_features(model, window=-1)
+    assert getattr(model.config, "rfattn", None) is None
