@@ -103,19 +103,21 @@ def local_sets(
 def hybrid_reference(q, k, v, rf, *, window: int, sinks: int = 0, scale: float | None = None,
                      key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The hybrid as ``[T, T]`` kernel matrices (run it in float64): ``exp(s q . k)`` on the
-    exact pairs, :meth:`rfattn.RandomFeatures.estimate_kernel` on the estimated ones, then
+    exact pairs, :meth:`rfattn.RandomFeatures.estimate_kernel` on the estimated ones (of the
+    head-mapped q and k where ``rf`` has head maps), then
     :func:`rfattn.reference.kernel_attention`'s ratio. Causal; grouped-query heads repeated."""
     _check(q, k, v, window, sinks, key_padding_mask)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     group = q.shape[1] // k.shape[1]
-    k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
     if key_padding_mask is not None:  # junk in padded keys reaches no kernel value or gradient
         pad = key_padding_mask[:, None, :, None]
         k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
     exact, estimated = local_sets(q.shape[-2], window, sinks, key_padding_mask, q.device)
-    if rf.head_maps is not None:
-        raise NotImplementedError("window/sinks with head maps: not supported yet")
-    est = rf.estimate_kernel(q, k, scale=scale)
+    maps = rf.map_tensors(q, k)
+    kq, kk = (q, k) if maps is None else (q @ maps[0].to(q.dtype).transpose(-1, -2),
+                                          k @ maps[1].to(k.dtype).transpose(-1, -2))  # fmt: skip
+    est = rf.estimate_kernel(kq, kk.repeat_interleave(group, dim=1), scale=scale)
+    k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
     kmat = torch.exp((q @ k.transpose(-1, -2)) * scale)
     kmat = torch.where(exact, kmat, torch.where(estimated, est, torch.zeros_like(est)))
     return attention_ratio(kmat @ v.to(kmat.dtype), kmat.sum(-1)).to(q.dtype)
@@ -202,7 +204,8 @@ def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
     Args:
         q: ``[B, H, T, D]``; k: ``[B, Hk, T, D]``; v: ``[B, Hk, T, E]`` (H a multiple of Hk:
             grouped-query heads share their key/value head's state, nothing repeated).
-        rf: a :class:`rfattn.RandomFeatures` (no head maps).
+        rf: a :class:`rfattn.RandomFeatures` (its head maps, if any, map the features' q and k;
+            the exact part takes q and k as they are: it is the model's own attention).
         window: exact keys per row, ``i - window < j <= i`` (0: none).
         sinks: exact first valid keys (0: none).
         scale: softmax temperature, default ``D ** -0.5``.
@@ -216,8 +219,7 @@ def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
         :class:`HybridState` with ``return_state``. Split/resume equals one call up to rounding.
     """
     _check(q, k, v, window, sinks, key_padding_mask)
-    if rf.head_maps is not None:
-        raise NotImplementedError("window/sinks with head maps: not supported yet")
+    maps = rf.map_tensors(q, k)  # the features' head maps (the exact part takes q, k as they are)
     B, H, T, D = q.shape
     Hk, E, W = k.shape[1], v.shape[-1], window
     G = H // Hk
@@ -238,21 +240,25 @@ def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
     absent = kinds == NOTHING
     xk = prescale(ks, scale, absent)
     xq = prescale(q, scale).reshape(B, Hk, G * T, D)  # a key/value head's queries: its rows
+    fq, fk = xq, xk  # what the features see
+    if maps is not None:
+        fq = prescale(q, scale, None, maps[0]).reshape(B, Hk, G * T, D)
+        fk = prescale(ks, scale, absent, maps[1])
     vv = vs.to(cd).masked_fill(absent[:, None, :, None], 0.0)
     w = rf.weight.to(device=dev, dtype=cd)
-    params = rf.feature_params(xq, xk[:, :, W:], key_padding_mask, causal=True)
+    params = rf.feature_params(fq, fk[:, :, W:], key_padding_mask, causal=True)
     fm = rf.feature_map
     if fm.exponential:
-        u_q, u_k = fm.logits(xq, w, "query", params), fm.logits(xk, w, "key", params)
+        u_q, u_k = fm.logits(fq, w, "query", params), fm.logits(fk, w, "key", params)
         mq = u_q.amax(-1, keepdim=True).detach()
         mk = u_k.amax(-1, keepdim=True).detach()
         a, b = torch.exp(u_q - mq), torch.exp(u_k - mk)
-        g_q = fm.amplitude(xq, w, "query", params)
+        g_q = fm.amplitude(fq, w, "query", params)
         a = a if g_q is None else g_q * a
     else:
-        a, b = fm.values(xq, w, "query", params), fm.values(xk, w, "key", params)
+        a, b = fm.values(fq, w, "query", params), fm.values(fk, w, "key", params)
         mq, mk = xq.new_zeros(B, Hk, G * T, 1), xk.new_zeros(B, Hk, W + T, 1)
-    g_k = fm.key_amplitude(xk, w, params)
+    g_k = fm.key_amplitude(fk, w, params)
     b = (b if g_k is None else g_k * b) / fm.num_samples(w)
     estimated = (kinds == WINDOW)[:, None, :, None]  # valid, not a sink: leaves the window
     b, mk = b.masked_fill(~estimated, 0.0), mk.masked_fill(~estimated, -math.inf)

@@ -203,3 +203,24 @@ def test_a_state_of_other_sizes_is_refused():
         hybrid_attention(q, k, v, rf, window=5, sinks=1, initial_state=state)
     with pytest.raises(TypeError, match="initial_state must be a HybridState"):
         hybrid_attention(q, k, v, rf, window=4, sinks=1, initial_state=tuple(state))
+
+
+def test_head_maps_map_the_features_only():
+    q, k, v = inputs(seed=10)
+    rf = features()
+    rf.add_head_maps(4, 2)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for m in (rf.query_map, rf.key_map):
+            m.add_(0.3 * torch.randn(m.shape, generator=g, dtype=m.dtype))
+    out = hybrid_attention(q, k, v, rf, window=5, sinks=2, block=16)
+    grads = torch.autograd.grad(out.square().sum(), [rf.query_map, rf.key_map])
+    ref = hybrid_reference(q, k, v, rf, window=5, sinks=2)
+    ref_grads = torch.autograd.grad(ref.square().sum(), [rf.query_map, rf.key_map])
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
+    for gr, r in zip(grads, ref_grads, strict=True):
+        assert gr.abs().sum() > 0
+        torch.testing.assert_close(gr, r, rtol=1e-8, atol=1e-10)
+    # a window past T is softmax whatever the maps: they reach only the features
+    torch.testing.assert_close(hybrid_attention(q, k, v, rf, window=37),
+                               hybrid_attention(q, k, v, features(), window=37))  # fmt: skip
