@@ -79,6 +79,7 @@ RUN = {
     ),
     "docs/transformers.md": ("model = transformers.LlamaForCausalLM(config)",),
     "docs/calibration.md": ("report = rfattn.calibrate(model, batches",),
+    "docs/hybrid.md": ("out = hybrid_attention(q, k, v, rf, window=16, sinks=4)",),
 }
 
 
@@ -90,6 +91,13 @@ def test_every_block_is_run():
             assert len(run) + len(sketch) == 1, (
                 f"{_name(page)}: block neither run nor a sketch:\n{block}"
             )
+
+
+def test_hybrid_page():
+    ns = _run("docs/hybrid.md", "out = hybrid_attention(q, k, v, rf, window=16, sinks=4)")
+    assert ns["out"].shape == ns["v"].shape and torch.isfinite(ns["out"]).all()
+    # the block's own check: split/resume equals one call
+    assert ns["state"].keys.shape[2] == 16 and ns["state"].sink_keys.shape[2] == 4
 
 
 def test_quick_start():
