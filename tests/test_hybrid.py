@@ -224,3 +224,12 @@ def test_head_maps_map_the_features_only():
     # a window past T is softmax whatever the maps: they reach only the features
     torch.testing.assert_close(hybrid_attention(q, k, v, rf, window=37),
                                hybrid_attention(q, k, v, features(), window=37))  # fmt: skip
+
+
+def test_the_conversion_benchmarks_local_mask_is_the_exact_part():
+    """bench.convert's "local S+W" (softmax on a 4-D mask) is the hybrid's exact set."""
+    from bench.convert import local_mask
+
+    for window, sinks in ((0, 0), (1, 4), (64, 4), (5, 0)):
+        exact, _ = local_sets(70, window, sinks, None)
+        assert torch.equal(local_mask(70, window, sinks), exact)

