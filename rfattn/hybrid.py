@@ -270,27 +270,30 @@ def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
     sink_v = torch.cat([st.sink_values, _gather(v, new_slot)], 2)
     sink_pos = torch.cat([torch.full_like(new_slot, -1), new_slot + W], -1)  # [B, 2S]
     sink_present = torch.cat([old_present, new_present], -1)
-    x_s = prescale(sink_k, scale, ~sink_present)[:, :, None]
-    v_s = sink_v.to(cd).masked_fill(~sink_present[:, None, :, None], 0.0)[:, :, None]
-    S, z, R = st.s[:, :, None], st.z[:, :, None], st.offset[:, :, None, None]
+    x_s = prescale(sink_k, scale, ~sink_present)
+    v_s = sink_v.to(cd).masked_fill(~sink_present[:, None, :, None], 0.0)
+    window_key = (kinds == WINDOW)[:, None, None, :]  # [B, 1, 1, W + T]
+    S, z, R = st.s, st.z, st.offset[:, :, None]
     outs = []
     for c0 in range(W, W + T, block):
         c1 = min(c0 + block, W + T)
-        e = torch.arange(c0, c1, device=dev)[:, None]
+        C = c1 - c0
+        # the block's rows: G query heads x C positions per key/value head, as one matrix
+        e = torch.arange(c0, c1, device=dev).repeat(G)[:, None]  # [G C, 1]
         rows = slice(c0 - W, c1 - W)
-        a_i, mq_i, xq_i = a[:, :, :, rows], mq[:, :, :, rows, 0], xq[:, :, :, rows]
+        a_i, xq_i = (x[:, :, :, rows].reshape(B, Hk, G * C, x.shape[-1]) for x in (a, xq))
+        mq_i = mq[:, :, :, rows, 0].reshape(B, Hk, G * C)
         # the band: estimated keys leaving the window inside this block, c0 - W <= j < c1 - W
         lo, hi = c0 - W, c1 - W
         jb = torch.arange(lo, hi, device=dev)[None, :]
-        lb = (mq_i[..., None] + mk[:, :, None, lo:hi, 0][:, :, :, None, :]).masked_fill(
-            jb > e - W, -math.inf)  # fmt: skip
+        lb = (mq_i[..., None] + mk[:, :, None, lo:hi, 0]).masked_fill(jb > e - W, -math.inf)
         # the window, exact: valid non-sink keys e - W < j <= e
         wl = c0 - W + 1
         jw = torch.arange(wl, c1, device=dev)[None, :]
-        seen = (jw > e - W) & (jw <= e) & (kinds[:, None, None, None, wl:c1] == WINDOW)
-        le = (xq_i @ xk[:, :, None, wl:c1].transpose(-1, -2)).masked_fill(~seen, -math.inf)
+        seen = (jw > e - W) & (jw <= e) & window_key[..., wl:c1]
+        le = (xq_i @ xk[:, :, wl:c1].transpose(-1, -2)).masked_fill(~seen, -math.inf)
         # the sinks seen so far, exact
-        sink_seen = (sink_pos[:, None, None, None, :] <= e) & sink_present[:, None, None, None]
+        sink_seen = (sink_pos[:, None, None, :] <= e) & sink_present[:, None, None, :]
         ls = (xq_i @ x_s.transpose(-1, -2)).masked_fill(~sink_seen, -math.inf)
         # one stabiliser per row for both parts, from the keys the row sees
         c = mq_i + R
@@ -301,19 +304,19 @@ def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
         f_state = torch.exp(mq_i + R - c)
         num = f_state[..., None] * (a_i @ S)
         den = f_state * (a_i @ z[..., None])[..., 0]
-        p = torch.exp(lb - c[..., None]) * (a_i @ b[:, :, None, lo:hi].transpose(-1, -2))
-        num, den = num + p @ vv[:, :, None, lo:hi], den + p.sum(-1)
+        p = torch.exp(lb - c[..., None]) * (a_i @ b[:, :, lo:hi].transpose(-1, -2))
+        num, den = num + p @ vv[:, :, lo:hi], den + p.sum(-1)
         p = torch.exp(le - c[..., None])
-        num, den = num + p @ vv[:, :, None, wl:c1], den + p.sum(-1)
+        num, den = num + p @ vv[:, :, wl:c1], den + p.sum(-1)
         p = torch.exp(ls - c[..., None])
         num, den = num + p @ v_s, den + p.sum(-1)
-        outs.append(attention_ratio(num, den))
+        outs.append(attention_ratio(num, den).view(B, Hk, G, C, E))
         if c1 < W + T or return_state:  # the band joins the state: estimated keys j < c1 - W
-            R_new = torch.maximum(R, mk[:, :, None, lo:hi, 0].amax(-1, keepdim=True))
+            R_new = torch.maximum(R, mk[:, :, lo:hi, 0].amax(-1, keepdim=True))
             R_safe = R_new.masked_fill(R_new == -math.inf, 0.0)
-            k_w = torch.exp(mk[:, :, None, lo:hi] - R_safe[..., None]) * b[:, :, None, lo:hi]
+            k_w = torch.exp(mk[:, :, lo:hi] - R_safe[..., None]) * b[:, :, lo:hi]
             decay = torch.exp(R - R_safe)
-            S = decay[..., None] * S + k_w.transpose(-1, -2) @ vv[:, :, None, lo:hi]
+            S = decay[..., None] * S + k_w.transpose(-1, -2) @ vv[:, :, lo:hi]
             z = decay * z + k_w.sum(-2)
             R = R_new
     out = torch.cat(outs, dim=3).reshape(B, H, T, E).to(q.dtype)
@@ -324,7 +327,7 @@ def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
     r = torch.arange(sinks, device=dev)[None, :]
     pick = torch.where(r < n, r, sinks + r - n).clamp(max=2 * sinks - 1) if sinks else r
     state = HybridState(
-        S[:, :, 0], z[:, :, 0], R[:, :, 0, 0], ks[:, :, T:], vs[:, :, T:], kinds[:, T:],
+        S, z, R[:, :, 0], ks[:, :, T:], vs[:, :, T:], kinds[:, T:],
         _gather(sink_k, pick.expand(B, sinks)), _gather(sink_v, pick.expand(B, sinks)),
         torch.clamp(st.sinks_seen + (kinds_new == SINK).sum(-1), max=sinks),
     )  # fmt: skip
