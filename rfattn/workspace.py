@@ -92,13 +92,15 @@ def keeps(device: torch.device) -> bool:
     )
 
 
-def buffer(role: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+def buffer(role: str, shape, dtype: torch.dtype, device: torch.device,
+           new: bool = False) -> torch.Tensor | None:  # fmt: skip
     """A kept, uninitialised ``shape`` buffer for this block's next product of ``role`` (each
-    request within a block gets its own), or None where none is kept: outside :func:`blocks`,
-    while autograd records, under ``torch.compile``, for non-CPU tensors or with ``ENABLED``
-    off. The caller writes it fully (``out=``) and drops it before the next block."""
+    request within a block gets its own), or where none is kept (outside :func:`blocks`, while
+    autograd records, under ``torch.compile``, for non-CPU tensors or with ``ENABLED`` off)
+    None, or with ``new`` a new uninitialised tensor. The caller writes it fully (``out=``) and
+    drops it before the next block."""
     if torch.is_grad_enabled() or not keeps(device):
-        return None
+        return torch.empty(tuple(shape), dtype=dtype, device=device) if new else None
     n = state.counts.get(role, 0)
     state.counts[role] = n + 1
     key = (role, n, tuple(shape), dtype, torch.device(device))
