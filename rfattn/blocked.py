@@ -197,14 +197,14 @@ class _Side:
     * ``cut`` (a backward's recomputation, built under ``torch.enable_grad()``): autograd's
       graph cut at the logits. The logit parts ``(u0, r)`` and amplitude ``g`` are recorded
       (the projection and the per-row term), ``phi`` itself is computed outside autograd, in
-      place in kept buffers (:mod:`rfattn.workspace`), and :meth:`backprop` turns ``d phi``
+      place in kept buffers (:mod:`rfattn.workspace`), and :func:`add_grads` turns ``d phi``
       into the cotangents of the recorded parts by hand: ``d u = d phi * phi`` (0 at padded
       keys), ``d r = sum_f d u`` (keys only: a query's features do not depend on its per-row
       term), ``d g = d phi * exp(...)``. The offsets are detached, as in the forward, so these
       are the gradients autograd gives through the recorded way (up to the query rows' ``sum_f
       d phi phi``, 0 up to rounding: the ratio does not change with a row's scale), without the
       ``[T, F]`` temporaries it would record and allocate. Plain features are recorded whole
-      (``phi`` is the root).
+      (``root``, ``phi`` its detached value).
     """
 
     def __init__(self, fm, x, w, params, side: str, mask=None, offsets=None, cut: bool = False):
