@@ -11,21 +11,36 @@ from rfattn import blocked
 from rfattn.call import Call, RFState, query_rows
 from rfattn.features import compute_dtype, prescale
 
-__all__ = ["attend", "call_params", "causal_keys", "causal_scan", "empty_result", "torch_inputs"]
+__all__ = ["attend", "causal_keys", "causal_scan", "empty_result", "torch_inputs"]
 
 
 def attend(call: Call):
     """``out`` (or ``(out, state)`` with ``return_state``) of a call on the torch path: one
     process (no group), a non-causal grouped-query call as rows (:meth:`Call.as_rows`); head
-    maps applied inside the blocks."""
+    maps applied inside the blocks.
+
+    The feature parameters are those of :func:`torch_inputs`, without pre-scaled copies of q and
+    k where they do not need this sequence's moments (empty stand-ins give dtype, device and D;
+    grouped-query queries are not regrouped: only their moments would be). The head maps join
+    them as ``"query_map"`` and ``"key_map"``: the blocks apply them
+    (:func:`rfattn.features.prescale`), so the mapped q and k are never materialised (except for
+    the moments of data-dependent statistics)."""
     q, k, v, rf, mask = call.q, call.k, call.v, call.rf, call.key_padding_mask
-    w, params = call_params(q, k, rf, mask, call.scale, call.causal, call.query_padding_mask,
-                            call.maps)  # fmt: skip
     fm = rf.feature_map
+    needs = getattr(fm, "uses_batch_moments", None) and fm.uses_batch_moments(call.causal)
+    if needs or getattr(fm, "stats_grad", False):
+        w, _, _, params = torch_inputs(q, k, rf, mask, call.scale, call.causal,
+                                        call.query_padding_mask, maps=call.maps)  # fmt: skip
+    else:
+        w = rf.weight.to(device=q.device, dtype=compute_dtype(q.dtype))
+        x = q.new_empty((1, 1, 0, q.shape[-1]), dtype=w.dtype)
+        params = rf.feature_params(x, x, None, causal=call.causal, query_padding_mask=None)
+    if call.maps is not None:
+        params = {**params, "query_map": call.maps[0], "key_map": call.maps[1]}
     if not call.causal:
         return blocked.noncausal_attention(fm, q, k, v, w, params, call.scale, mask).to(q.dtype)
     out, state = blocked.causal_attention(fm, q, k, v, w, params, call.scale, mask,
-                                          call.initial_state)  # fmt: skip
+                                          call.initial_state, call.return_state)  # fmt: skip
     out = out.flatten(1, 2).to(q.dtype)
     return (out, RFState(*state)) if call.return_state else out
 
@@ -71,28 +86,6 @@ def torch_inputs(q, k, rf, key_padding_mask, scale: float, causal: bool, query_p
     params = rf.feature_params(xq, xk, key_padding_mask, causal=causal, update=update,
                                query_padding_mask=query_padding_mask)  # fmt: skip
     return w, xq, xk, params
-
-
-def call_params(q, k, rf, key_padding_mask, scale: float, causal: bool,
-                 query_padding_mask, maps=None) -> tuple:  # fmt: skip
-    """``(w, params)`` of a torch-path call, without pre-scaled copies of q and k where the
-    feature's parameters do not need this sequence's moments (empty stand-ins give dtype,
-    device and D; grouped-query queries are not regrouped: only their moments would be).
-    ``maps`` (``(query_map, key_map)`` or None) join the parameters as ``"query_map"`` and
-    ``"key_map"``: the blocks apply them (:func:`rfattn.features.prescale`), so the mapped q and
-    k are never materialised (except for the moments of data-dependent statistics)."""
-    fm = rf.feature_map
-    needs = getattr(fm, "uses_batch_moments", None) and fm.uses_batch_moments(causal)
-    if needs or getattr(fm, "stats_grad", False):
-        w, _, _, params = torch_inputs(q, k, rf, key_padding_mask, scale, causal,
-                                        query_padding_mask, maps=maps)  # fmt: skip
-    else:
-        w = rf.weight.to(device=q.device, dtype=compute_dtype(q.dtype))
-        x = q.new_empty((1, 1, 0, q.shape[-1]), dtype=w.dtype)
-        params = rf.feature_params(x, x, None, causal=causal, query_padding_mask=None)
-    if maps is not None:
-        params = {**params, "query_map": maps[0], "key_map": maps[1]}
-    return w, params
 
 
 def empty_result(call: Call):

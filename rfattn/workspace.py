@@ -7,10 +7,11 @@ every block faulted their pages in again: ``bench.allocator`` measured 9,000 to 
 faults per causal forward at T = 1024 to 4096 and a 1.6-1.7x slower call than with a caching
 allocator.
 
-Inside :func:`blocks` (entered by the blocked forwards and backwards) those products, and in
-the backward the features and their cotangents, are written into buffers kept here instead
-(:func:`buffer`), one per role, ordinal within the block (:func:`next_block` restarts the
-ordinals), shape, dtype and device, reused by the next block and the next call. The code that
+Inside :func:`blocks` (entered for each block by the blocked forwards and backwards) those
+products, and in the backward the features and their cotangents, are written into buffers kept
+here instead (:func:`buffer`), one per role, ordinal within the block (each :func:`blocks`
+starts the ordinals again), shape, dtype and device, reused by the next block and the next
+call. The code that
 takes them drops a block's tensors before the next block starts, and nothing a call returns
 aliases a buffer. Only CPU tensors outside autograd (or in a product that records its own
 backward, :func:`keeps`) and outside ``torch.compile`` use them; the buffers are per thread, at
@@ -28,7 +29,7 @@ from collections import OrderedDict
 
 import torch
 
-__all__ = ["blocks", "next_block", "keeps", "buffer", "product", "clear", "kept_bytes", "MAX_BYTES"]
+__all__ = ["blocks", "keeps", "buffer", "product", "clear", "kept_bytes", "MAX_BYTES"]
 
 #: the most bytes kept per thread (a default-sized block's products are about 20 MiB)
 MAX_BYTES = 128 << 20
@@ -63,7 +64,8 @@ state = _State()
 
 @contextlib.contextmanager
 def blocks():
-    """Let :func:`buffer` hand out kept buffers within (the blocked forwards' loops)."""
+    """Let :func:`buffer` hand out kept buffers within (one block of the blocked loops: the
+    previous block's buffers may be handed out again)."""
     state.active += 1
     state.counts.clear()
     try:
@@ -71,11 +73,6 @@ def blocks():
     finally:
         state.active -= 1
         state.counts.clear()
-
-
-def next_block() -> None:
-    """A new block starts: the previous block's buffers may be handed out again."""
-    state.counts.clear()
 
 
 def keeps(device: torch.device) -> bool:
@@ -92,13 +89,15 @@ def keeps(device: torch.device) -> bool:
     )
 
 
-def buffer(role: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+def buffer(role: str, shape, dtype: torch.dtype, device: torch.device,
+           new: bool = False) -> torch.Tensor | None:  # fmt: skip
     """A kept, uninitialised ``shape`` buffer for this block's next product of ``role`` (each
-    request within a block gets its own), or None where none is kept: outside :func:`blocks`,
-    while autograd records, under ``torch.compile``, for non-CPU tensors or with ``ENABLED``
-    off. The caller writes it fully (``out=``) and drops it before the next block."""
+    request within a block gets its own), or where none is kept (outside :func:`blocks`, while
+    autograd records, under ``torch.compile``, for non-CPU tensors or with ``ENABLED`` off)
+    None, or with ``new`` a new uninitialised tensor. The caller writes it fully (``out=``) and
+    drops it before the next block."""
     if torch.is_grad_enabled() or not keeps(device):
-        return None
+        return torch.empty(tuple(shape), dtype=dtype, device=device) if new else None
     n = state.counts.get(role, 0)
     state.counts[role] = n + 1
     key = (role, n, tuple(shape), dtype, torch.device(device))

@@ -6,6 +6,8 @@ boundaries, ends in a partial chunk and carries states between blocks; the refer
 gradients by autograd through it."""
 
 import contextlib
+import os
+import sys
 
 import pytest
 import torch
@@ -276,7 +278,7 @@ def test_projection_recorded_into_a_kept_buffer_has_the_products_gradients(w_sha
 
 def test_backprop_sets_a_blocks_rows_even_where_no_gradient_reaches_them():
     """The backwards leave dq, dk uninitialised and let each block set its own rows
-    (``_backprop(..., assign=n)``): a leaf the features do not depend on gets zeros there, not
+    (``add_grads(..., assign=n)``): a leaf the features do not depend on gets zeros there, not
     whatever the memory held; accumulators after the first ``assign`` are added to."""
     x, y = rand(3, 2, seed=1), rand(3, 2, seed=2)
     feats = (y * 2.0,)
@@ -326,7 +328,7 @@ def test_exp_diff_is_exp_of_the_difference(dtype):
 
 @pytest.mark.parametrize("empty", [False, True])
 def test_chunk_decay_is_exp_of_each_keys_max_over_the_rows_offset(empty):
-    """``_Offsets.decay[i, j] = exp(m_j - r_i)`` for j <= i, 0 for j > i and for empty keys
+    """``Block.decay[i, j] = exp(m_j - r_i)`` for j <= i, 0 for j > i and for empty keys
     (m_j = -inf), with ``r_i = max(offset before the chunk, m_l for l <= i)``; a later key whose
     max is far above (overflowing exp) still gives 0, never NaN. Without empty keys the decay
     is capped and multiplied, with them selected: both hold the formula, and so do the
@@ -342,7 +344,11 @@ def test_chunk_decay_is_exp_of_each_keys_max_over_the_rows_offset(empty):
         off[1, 2] = -torch.inf
         m[0, 1, 2, 5] = -torch.inf
     off[0, 1] = -torch.inf  # no key before the block
-    o = blocked.BlockOffsets(m, off, empty)
+    B, H, n = m.shape[:3]
+    zeros = torch.zeros(B, H, n * C, 1, dtype=torch.float64)  # features: only the offsets matter
+    o = blocked.Block(zeros, zeros, m.flatten(2), torch.zeros(B, H, n, C, 8, dtype=torch.float64),
+                      torch.zeros(B, H, 8, 1, dtype=torch.float64), off, 1, 1)  # fmt: skip
+    assert not o.dirty
     prev = torch.cummax(torch.cat((off[..., None], m.amax(-1)), dim=-1), dim=-1).values[..., :-1]
     r = torch.maximum(prev[..., None], torch.cummax(m, dim=-1).values)
     want = torch.zeros(2, 3, 4, C, C, dtype=torch.float64)
@@ -410,7 +416,8 @@ def test_causal_forwards_keep_block_quantities_only_for_a_backward(grad, tiny_bl
 @pytest.fixture
 def heads_split(monkeypatch):
     """Causal calls run their heads on two worker threads (rfattn.threads.over_heads) whatever
-    their size; records whether each call split (ran more than one part)."""
+    their size; records whether each call that went through over_heads split (ran more than
+    one part: a call that does not split runs its heads on the caller's thread)."""
     from rfattn import threads
 
     monkeypatch.setattr(threads, "HEADS_MIN_ELEMENTS", 0)
@@ -553,11 +560,11 @@ def test_noncausal_heads_on_worker_threads_match_the_reference(feature, weights,
     out = rfattn.rf_attention(q, k, v, rf, key_padding_mask=mask)
     ref = reference(q, k, v, rf, False, mask)
     split = feature != "saderf"
-    assert heads_split == [split]
+    assert heads_split == [True] * split
     assert rel_rms(out, ref) <= OUT
     inputs = (q, k, v, *(p for p in rf.parameters() if p.requires_grad))
     got, want = grads(out, inputs), grads(ref, inputs)
-    assert heads_split == [split, split]
+    assert heads_split == [True, True] * split
     assert (len(inputs) > 3) == (weights == "fastfoodl")  # its learnable W parts
     for i, (x, y) in enumerate(zip(got, want, strict=True)):
         assert x.abs().sum() > 0 and rel_rms(x, y) <= GRAD, i
@@ -647,3 +654,48 @@ def test_one_input_alone_requires_grad(feature, weights, causal, tiny_blocks):
         out = rfattn.rf_attention(*one, rf, causal=causal, backend="torch")
         (g,) = torch.autograd.grad(out, one[i], do)
         torch.testing.assert_close(g, full[i], rtol=1e-12, atol=1e-14, msg=name)
+
+
+#: the most distinct functions of rfattn a torch-path forward+backward may enter
+MAX_FUNCTIONS = 50
+
+
+def _functions_entered(call) -> list[str]:
+    """``file:name`` of each distinct function of rfattn's source (code objects: generator
+    expressions and comprehensions included, module bodies not) that ``call()`` enters, in order
+    of first entry: what ``python -m bench.callpath`` counts."""
+    kernels = sys.modules.get("rfattn.kernels")  # (a folder of its own, where it is loaded)
+    roots = tuple(os.path.dirname(m.__file__) + os.sep for m in (rfattn, kernels) if m)
+    seen = {}
+
+    def profile(frame, event, arg):
+        code = frame.f_code
+        if event == "call" and code not in seen and code.co_name != "<module>":
+            if code.co_filename.startswith(roots):
+                seen[code] = f"{os.path.basename(code.co_filename)}:{code.co_qualname}"
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return list(seen.values())
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_a_torch_path_call_enters_few_functions(causal):
+    """A posrf forward+backward on the torch path (``bench.callpath``'s call: no mask; here two
+    heads and a partial last chunk) enters at most MAX_FUNCTIONS of rfattn's functions, as
+    ``bench.callpath`` counts them: the blocked path is written as a few functions with plain
+    loops, not a chain of small helpers and generator expressions (114 in the causal call
+    before)."""
+    rf = rfattn.RandomFeatures(8, 16, feature="posrf", seed=0)
+    q, k, v = (rand(2, 2, 70, 8, seed=i, scale=0.5) for i in range(3))
+
+    def call():
+        rfattn.rf_attention(q, k, v, rf, causal=causal, backend="torch").sum().backward()
+
+    call()  # lazy imports and first-call set-up stay out of the count
+    functions = _functions_entered(call)
+    assert len(functions) <= MAX_FUNCTIONS, "\n".join(functions)
+    assert any("blocked.py:Block" in f for f in functions) == causal  # (the path it counts)

@@ -36,6 +36,7 @@ from rfattn.features.exponential import GERF, OPRF, SADERF, HypRF, PosRF
 from rfattn.features.hybrid import HRF
 from rfattn.features.maclaurin import DOT_KERNELS, RMF
 from rfattn.features.trigonometric import TrigRF
+from rfattn.weights import check_name
 
 __all__ = [
     "FeatureMap",
@@ -105,9 +106,7 @@ VALID_WEIGHTS: dict[str, tuple[str, ...]] = {
 
 def check_feature_name(name: str) -> None:
     """Raise ValueError for an unknown name."""
-    if name in FEATURES:
-        return
-    raise ValueError(f"unknown feature={name!r}; valid choices: {list(ALL_FEATURES)}")
+    check_name("feature", name, FEATURES)
 
 
 def make_feature_map(

@@ -327,7 +327,10 @@ class FeatureMap(nn.Module):
 
     def drawn(self) -> dict[str, torch.Tensor]:
         """The current extra-draw buffers, by name."""
-        return {key: getattr(self, key) for key in self._draw_names}
+        drawn = {}
+        for key in self._draw_names:
+            drawn[key] = getattr(self, key)
+        return drawn
 
     # ---- per-call parameters ----------------------------------------------------------------
 
@@ -401,9 +404,9 @@ class FeatureMap(nn.Module):
     ) -> torch.Tensor | None:
         """The key side's amplitude with the owner's component weights folded in (None = 1)."""
         g = self.amplitude(x, w, "key", params) if self.exponential else None
-        c = component_weights(params, self.width(w.shape[-2]))
-        if c is None:
+        if not params or params.get("component_weight") is None:
             return g
+        c = component_weights(params, self.width(w.shape[-2]))
         c = c.to(device=x.device, dtype=x.dtype).expand(*x.shape[:-1], c.shape[-1])
         return c if g is None else g * c
 

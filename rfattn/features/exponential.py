@@ -65,7 +65,7 @@ def _row_term(x, log_d, row: bool):
     (not computed)."""
     if not row:
         return None
-    r = -0.5 * sq_norm(x)
+    r = -0.5 * (x * x).sum(dim=-1, keepdim=True)
     return r if log_d is None else log_d + r
 
 

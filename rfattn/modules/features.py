@@ -297,28 +297,13 @@ class RandomFeatures(nn.Module):
         return prescale(q, scale), prescale(k, scale, key_padding_mask), w
 
     def feature_params(
-        self,
-        xq: torch.Tensor,
-        xk: torch.Tensor,
-        key_padding_mask: torch.Tensor | None = None,
-        causal: bool = False,
-        update: bool = True,
-        moments=None,
-        query_padding_mask: torch.Tensor | None = None,
+        self, xq: torch.Tensor, xk: torch.Tensor, key_padding_mask=None, **options
     ) -> dict:
         """The feature map's per-call parameters (:meth:`FeatureMap.params` on pre-scaled
-        inputs) plus this module's ``component_weight`` where the weights carry one (sgq)."""
-        params = dict(
-            self.feature_map.params(
-                xq,
-                xk,
-                key_padding_mask,
-                causal=causal,
-                update=update,
-                moments=moments,
-                query_padding_mask=query_padding_mask,
-            )
-        )
+        inputs; ``options``: its keyword arguments, ``causal``, ``update``, ``moments``,
+        ``query_padding_mask``) plus this module's ``component_weight`` where the weights carry
+        one (sgq)."""
+        params = dict(self.feature_map.params(xq, xk, key_padding_mask, **options))
         if self.weights in WEIGHTED_WEIGHTS:
             params["component_weight"] = self.component_weight.to(xq.device, xq.dtype)
         if self.gerf_A is not None:  # per key/value head, [1, Hk, 1, 1] (differentiable)

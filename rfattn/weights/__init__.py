@@ -56,6 +56,7 @@ __all__ = [
     "sgq_sizes",
     "draw_weights",
     "draw_weighted",
+    "check_name",
     "check_weights_name",
     "WEIGHTS",
     "ALL_WEIGHTS",
@@ -86,11 +87,16 @@ DETERMINISTIC_WEIGHTS = ("sgq",)
 WEIGHTED_WEIGHTS = ("sgq",)
 
 
+def check_name(kind: str, name: str, registry: dict) -> None:
+    """Raise ValueError for a ``name`` that ``registry`` does not hold (``kind``: the argument
+    it came as, ``"weights"`` or ``"feature"``)."""
+    if name not in registry:
+        raise ValueError(f"unknown {kind}={name!r}; valid choices: {list(registry)}")
+
+
 def check_weights_name(name: str) -> None:
     """Raise ValueError for an unknown name."""
-    if name in WEIGHTS:
-        return
-    raise ValueError(f"unknown weights={name!r}; valid choices: {list(ALL_WEIGHTS)}")
+    check_name("weights", name, WEIGHTS)
 
 
 def draw_weights(
@@ -119,23 +125,18 @@ def draw_weights(
 
 
 def draw_weighted(
-    name: str,
-    num_rows: int,
-    head_dim: int,
-    *,
-    generator: torch.Generator,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
+    name: str, num_rows: int, head_dim: int, **draw
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`draw_weights` plus the component weights (module docstring).
 
-    Args: as in :func:`draw_weights`.
+    Args: as in :func:`draw_weights` (``draw``: its keyword arguments, ``generator`` and
+    optionally ``device``, ``dtype``).
 
     Returns:
         ``(W [M, D], c [M])`` with ``mean(c) = 1``; ``c`` is all ones except for ``sgq``
         (``M`` times the signed quadrature weights; the centre one is negative for D >= 4).
     """
-    w = draw_weights(name, num_rows, head_dim, generator=generator, device=device, dtype=dtype)
+    w = draw_weights(name, num_rows, head_dim, **draw)
     if name == "sgq":
         _, a = sgq_rule(num_rows, head_dim, dtype=torch.float64)
         return w, (a * num_rows).to(device=w.device, dtype=w.dtype)
