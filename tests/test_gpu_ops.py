@@ -105,6 +105,24 @@ def test_statistics_call_forward_2_forward_backward_4(feature, stats, training, 
         assert ops_["_fwd_kv_stats_kernel"] == 1, str(ops_)
 
 
+@pytest.mark.parametrize("case", ["causal", "causal-train", "decode"])
+@pytest.mark.parametrize("feature", ["oprf", "saderf"])
+def test_running_statistics_causal_and_decode_copy_nothing(feature, case, launches):
+    """Causal calls and the decode step with running statistics (the kept form in eval, the
+    stats pass in training) issue no torch op: their per-(b, h) parameters are ``[B, H, ...]``
+    as the kernels read them (broadcast ones were copied at each launch, one ``clone`` each)."""
+    rf = rfattn.RandomFeatures(D, M, feature, seed=0).train(case == "causal-train")
+    q, k, v = _inputs(False)
+    if case == "decode":
+        q, k, v = q[:, :, :1], k[:, :, :1], v[:, :, :1]
+    with torch.no_grad():
+        _count(lambda: rfattn.rf_attention(q, k, v, rf, causal=True, backend="triton"), launches)
+    with OpCounter() as mode:
+        with torch.no_grad():
+            rfattn.rf_attention(q, k, v, rf, causal=True, backend="triton")
+    assert mode.of_kind("gpu", "copy") == {}
+
+
 @pytest.mark.parametrize("feature", ["posrf", "hrf", "rmf", "oprf", "saderf"])
 def test_parallel_operator_forward_2_forward_backward_4(feature, launches):
     """The operator on a kernel form built beforehand (hrf's and rmf's forms and the statistics
