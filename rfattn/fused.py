@@ -66,8 +66,8 @@ def kernel_form(rf, q, k, key_padding_mask, scale: float, causal: bool,
                  query_padding_mask=None, moments=None, maps=None, defer=False):  # fmt: skip
     """The feature's kernel form for this call. ``maps``: head maps ``(query_map, key_map)``
     (either may be None) the kernels apply (the form's ``qmap``, ``kmap``); statistics are then
-    those of the mapped q and k. Per-(b, h) parameters are ``[B, H, ...]`` as the kernels read
-    them (B of q, H of k's heads), so a launch copies nothing.
+    those of the mapped q and k. For the Triton kernels, per-(b, h) parameters are
+    ``[B, H, ...]`` (B of q, H of k's heads) as they read them, so a launch copies nothing.
 
     * Parameters that do not depend on the call's data (no statistics; running statistics
       outside training; fixed ones): the form is built once per RandomFeatures, device, compute
