@@ -250,6 +250,9 @@ def scenarios(quick: bool = False) -> list[tuple[str, object]]:
                 f"posrf-{dt}-D{D}-decode-maps",
                 _call(*base, True, grad=False, T=2, groups=3, maps=True),
             ),
+            # running statistics moved by the key pass (a training call)
+            (f"oprf-{dt}-D{D}-running", _call("oprf", "orf", dtype, D, D, M, False,
+                                               stats="running")),  # fmt: skip
             (f"hrf-{dt}-D{D}-decode", _call("hrf", "orf", dtype, D, D, M, True, grad=False, T=4)),
             (
                 f"rmf-{dt}-D{D}-decode",

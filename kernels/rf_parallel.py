@@ -20,6 +20,10 @@ Forward, two launches (phi never touches HBM):
    ``rfattn.reference.safe_denominator`` (``|den| < tiny`` -> ``sign(den) tiny``, sign of 0 +);
    saves the row max m_i and den_i for the backward.
 
+oprf and saderf whose per-(b, h) parameters come from the call's statistics (a form left to the
+key pass: ``stats.defer``) take no launch of their own for them: the key pass
+``_fwd_kv_stats_kernel`` forms them first, in its launch (below).
+
 Merging inside the key pass, not in a launch of its own nor in the query pass: each split
 program stores its partial, then adds 1 to its tile's arrival counter (one int32 per (b, h) and
 F tile, ``tl.atomic_add``, acq_rel, after a barrier); the program that sees NUM_SPLITS - 1
@@ -32,6 +36,38 @@ path (``combine``) need the merged state anyway.
 Per-feature key offsets keep the largest term ``exp(u_q,if + u_k,jf)`` of every row exactly 1
 after stabilisation, whatever the spread of the logits across features (oprf/saderf at large
 norms spread them by hundreds; one offset per (b, h) made whole rows underflow to 0).
+
+The key pass with statistics, one launch and no grid barrier (a grid-wide barrier deadlocks
+when not every program of the grid is resident at once): roles by ticket, as decoupled
+look-back scans assign them. Every program first takes a ticket (one ``tl.atomic_add`` on a
+counter, in the order programs start, whatever their ids); tickets ``0 .. NSTAT-1`` are stats
+roles, which reduce the work items ``ticket, ticket + NSTAT, ...`` of ``stats.stats_item``
+(moments of q and k; the (b, h)'s last item forms A, B, log D, psi and stores them), later
+tickets key-pass roles, (b, h) major, then split, then feature tile: each waits for its (b, h)'s
+parameters, then runs :func:`key_tile` with them. A key-pass role waits only for stats roles,
+whose tickets are smaller, so taken by programs that are already running and that wait for
+nothing: this cannot deadlock, whatever the number of resident programs and the order the
+hardware starts them; and the statistics are reduced from q and k once, not per program.
+
+Memory ordering: the stats item that completes a (b, h) stores its parameters, then a CTA
+barrier orders every thread's stores before one ``atomic_xchg`` of the (b, h)'s ready flag to 1
+with release semantics at GPU scope (cumulative: the barrier-ordered stores of the other threads
+become visible with it). A waiting role spins on ``atomic_add(flag, 0)`` with acquire semantics
+at GPU scope until it reads 1, then a CTA barrier orders its threads' loads after the acquire,
+and it loads the parameters with ``.cg`` (from L2, not an L1 line cached before). The interpreter
+runs programs one after another in program order: tickets are program ids, every stats role has
+finished before the first key-pass role starts, and the spin reads 1 at once; it checks the
+roles' arithmetic, not this ordering nor the absence of a deadlock, which rest on the argument
+above and the GPU tests. The launch's last program (an arrival counter over every program,
+``common.last_to_arrive``, which resets itself) sets the ticket and the flags back to 0, so
+the next launch on the stream finds its counters at 0 as every other launch leaves them.
+
+``RUNNING`` (a training call with running statistics): the parameters come from the running
+buffers as they are, data-independent, so key-pass roles do not wait: each forms them from the
+buffers (``stats.running_params``) and the role of split 0, feature tile 0 of each (b, h)
+stores them for the query pass and the backward; the stats roles only reduce the moments, and
+the launch's last program, after every key-pass role has read the buffers, pools the moments
+into them (``stats.running_update``).
 
 Backward (features recomputed, never stored; same offsets m_i, m_K as the forward). With
 ``g_i = do_i / den_i`` and ``c_i = -(do_i . out_i) / den_i``:
@@ -96,6 +132,16 @@ from .common import (
     store_tile,
     valid_keys,
 )
+from .stats import (
+    claim,
+    key_pass_arguments,
+    key_pass_counters,
+    ready_params,
+    running_params,
+    running_update,
+    stats_item,
+    store_params,
+)
 
 __all__ = ["rf_parallel_fwd", "rf_parallel_bwd", "FEATURE_IDS", "INTERPRET"]
 
@@ -138,11 +184,11 @@ def _merge_state(
     tl.store(mk_ptr + i_bh * M + o_f, b_off, mask=m_f)
 
 
-@triton.autotune(configs=autotune_configs(), key=KEY, prune_configs_by=PRUNE)
 @triton.jit
-def _fwd_kv_kernel(
-    k_ptr, v_ptr, w_ptr, pad_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
-    kmap_ptr, sp_ptr, zp_ptr, mp_ptr, s_ptr, z_ptr, mk_ptr, cnt_ptr,
+def key_tile(
+    i_m, i_s, i_bh, b_ca, b_cb, b_cd, b_sc,
+    k_ptr, v_ptr, w_ptr, pad_ptr, tab_ptr, xr_ptr, xi_ptr, kmap_ptr,
+    sp_ptr, zp_ptr, mp_ptr, s_ptr, z_ptr, mk_ptr, cnt_ptr,
     T, H, NUM_SPLITS, t_per_split,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
@@ -150,17 +196,15 @@ def _fwd_kv_kernel(
     D: tl.constexpr, M: tl.constexpr, E: tl.constexpr,
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
     HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
-    HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
-    HAS_MAP: tl.constexpr,
+    HAS_LAM: tl.constexpr, TINY: tl.constexpr, HAS_MAP: tl.constexpr,
 ):  # fmt: skip
-    """(m, S, z) of one feature tile over one T split of one (b, h); the last split to finish
-    merges the tile's partials."""
-    i_m, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    """(m, S, z) of feature tile i_m over T split i_s of (b, h) i_bh, with the (b, h)'s
+    (A, B, log D) and key input scale ``b_sc`` [BD]; the last split to finish merges the tile's
+    partials."""
+    NMT: tl.constexpr = (M + BM - 1) // BM
     i_b, i_h = i_bh // H, i_bh % H
     o_d, o_e, o_f = tl.arange(0, BD), tl.arange(0, BE), i_m * BM + tl.arange(0, BM)
     m_d, m_e, m_f = o_d < D, o_e < E, o_f < M
-    b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
-    b_sc = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
     b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
     v_base = v_ptr + i_b * stride_vb + i_h * stride_vh
@@ -197,9 +241,130 @@ def _fwd_kv_kernel(
         i_part = i_bh * NUM_SPLITS + i_s
         _store_rows(sp_ptr, zp_ptr, i_part, o_f, o_e, m_f, m_e, b_s, b_z, M, E)
         tl.store(mp_ptr + i_part * M + o_f, b_mx, mask=m_f)
-        if last_to_arrive(cnt_ptr + i_bh * tl.num_programs(0) + i_m, NUM_SPLITS):
+        if last_to_arrive(cnt_ptr + i_bh * NMT + i_m, NUM_SPLITS):
             _merge_state(sp_ptr, zp_ptr, mp_ptr, s_ptr, z_ptr, mk_ptr, i_bh, o_f, o_e, m_f, m_e,
                          NUM_SPLITS, M, E, BM, BE, ACC)  # fmt: skip
+
+
+@triton.autotune(configs=autotune_configs(), key=KEY, prune_configs_by=PRUNE)
+@triton.jit
+def _fwd_kv_kernel(
+    k_ptr, v_ptr, w_ptr, pad_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
+    kmap_ptr, sp_ptr, zp_ptr, mp_ptr, s_ptr, z_ptr, mk_ptr, cnt_ptr,
+    T, H, NUM_SPLITS, t_per_split,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_ve,
+    stride_wm, stride_wd, stride_pb, stride_pt,
+    D: tl.constexpr, M: tl.constexpr, E: tl.constexpr,
+    BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
+    HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
+    HAS_MAP: tl.constexpr,
+):  # fmt: skip
+    """(m, S, z) of one feature tile over one T split of one (b, h) (:func:`key_tile`)."""
+    i_m, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    o_d = tl.arange(0, BD)
+    b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+    b_sc = input_scale(scale, psi_ptr, i_bh, o_d, o_d < D, D, BD, HAS_PSI, True, ACC)  # [BD]
+    key_tile(i_m, i_s, i_bh, b_ca, b_cb, b_cd, b_sc, k_ptr, v_ptr, w_ptr, pad_ptr, tab_ptr, xr_ptr,
+             xi_ptr, kmap_ptr, sp_ptr, zp_ptr, mp_ptr, s_ptr, z_ptr, mk_ptr, cnt_ptr,
+             T, H, NUM_SPLITS, t_per_split,
+             stride_kb, stride_kh, stride_kt, stride_kd,
+             stride_vb, stride_vh, stride_vt, stride_ve,
+             stride_wm, stride_wd, stride_pb, stride_pt,
+             D, M, E, BD, BM, BE, BT, HAS_PAD, FEATURE, PRECISION, ACC, HAS_LAM, TINY,
+             HAS_MAP)  # fmt: skip
+
+
+@triton.autotune(configs=autotune_configs(), key=KEY + ["FORM"], prune_configs_by=PRUNE)
+@triton.jit
+def _fwd_kv_stats_kernel(
+    k_ptr, v_ptr, w_ptr, pad_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
+    kmap_ptr, sp_ptr, zp_ptr, mp_ptr, s_ptr, z_ptr, mk_ptr, cnt_ptr,
+    T, H, NUM_SPLITS, t_per_split,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_ve,
+    stride_wm, stride_wd, stride_pb, stride_pt,
+    q_ptr, qpad_ptr, part_ptr, pcnt_ptr, mom_ptr, run_mean, run_sq, run_abs, run_min, nbt_ptr,
+    keep: tl.float64, momentum: tl.float64, tiny: tl.float64, psi_lo: tl.float64,
+    psi_hi: tl.float64,
+    BH, RQ, TQ, TK, NSTAT, SQ, SK, q_per, k_per,
+    stride_qb, stride_qh, stride_qt, stride_qd, stride_qpb, stride_qpt,
+    D: tl.constexpr, M: tl.constexpr, E: tl.constexpr,
+    BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
+    HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
+    HAS_MAP: tl.constexpr, HAS_QPAD: tl.constexpr, FORM: tl.constexpr, RUNNING: tl.constexpr,
+    BB: tl.constexpr, RACC: tl.constexpr,
+):  # fmt: skip
+    """The stats pass and the key pass in one launch, roles by ticket (module docstring): a
+    stats role reduces work items of ``stats.stats_item``, a key-pass role runs
+    :func:`key_tile` once its (b, h)'s parameters are ready; the launch's last program resets
+    the ticket and the flags, and with RUNNING updates the running buffers."""
+    NMT: tl.constexpr = (M + BM - 1) // BM
+    p_arrive = cnt_ptr + BH * NMT  # [BH] arrivals of the stats items of each (b, h)
+    p_flag = p_arrive + BH  # [BH] 1 once the (b, h)'s parameters are stored
+    p_ticket = p_flag + BH  # then the ticket counter, then the launch's arrivals
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    # fp64 arguments as ACC (tl.full: the interpreter passes them as Python floats)
+    b_tiny = tl.full([], tiny, ACC)
+    b_lo, b_hi = tl.full([], psi_lo, ACC), tl.full([], psi_hi, ACC)
+    ticket = tl.atomic_add(p_ticket, 1, sem="relaxed")
+    if ticket < NSTAT:  # a stats role: items ticket, ticket + NSTAT, ...
+        for w in range(ticket, BH * (SQ + SK), NSTAT):
+            done = stats_item(
+                w, q_ptr, k_ptr, qpad_ptr, pad_ptr, part_ptr, pcnt_ptr, p_arrive, mom_ptr, ab_ptr,
+                psi_ptr, tl.full([], scale, ACC), b_tiny, b_lo, b_hi, BH, RQ, TQ, 1, T, TK, H,
+                SQ, SK, q_per, k_per, stride_qb, stride_qh, stride_qt, stride_qd, stride_kb,
+                stride_kh, stride_kt, stride_kd, stride_qpb, stride_qpt, stride_pb, stride_pt,
+                D, BD, BT, HAS_QPAD, HAS_PAD, FORM, RUNNING, ACC)  # fmt: skip
+            if not RUNNING:
+                if done:  # release: every thread's parameter stores before the flag
+                    tl.debug_barrier()
+                    tl.atomic_xchg(p_flag + w // (SQ + SK), 1, sem="release")
+    else:  # a key-pass role: (b, h) major, then split, then feature tile
+        r = ticket - NSTAT
+        i_bh = (r // (NMT * NUM_SPLITS)).to(tl.int64)
+        i_s = (r // NMT) % NUM_SPLITS
+        i_m = r % NMT
+        if RUNNING:  # the buffers as they are: no wait (they move after every role is done)
+            b_ca, b_cb, b_cd, b_psi = running_params(run_mean, run_sq, D, b_tiny, b_lo, b_hi,
+                                                     o_d, m_d, FORM, ACC)  # fmt: skip
+            if (i_s == 0) & (i_m == 0):  # for the query pass and the backward
+                store_params(ab_ptr, psi_ptr, i_bh, b_ca, b_cb, b_cd, b_psi, D, o_d, m_d, FORM)
+        else:  # acquire: wait for the (b, h)'s stats role (a smaller ticket: it is running)
+            b_ready = tl.atomic_add(p_flag + i_bh, 0, sem="acquire")
+            while b_ready == 0:
+                b_ready = tl.atomic_add(p_flag + i_bh, 0, sem="acquire")
+            tl.debug_barrier()
+            b_ca, b_cb, b_cd, b_psi = ready_params(ab_ptr, psi_ptr, i_bh, D, o_d, m_d, BD, FORM,
+                                                   ACC)  # fmt: skip
+        b_sc = tl.full([BD], scale, ACC) / b_psi  # keys: sqrt(scale) / psi
+        key_tile(i_m, i_s, i_bh, b_ca, b_cb, b_cd, b_sc, k_ptr, v_ptr, w_ptr, pad_ptr, tab_ptr,
+                 xr_ptr, xi_ptr, kmap_ptr, sp_ptr, zp_ptr, mp_ptr, s_ptr, z_ptr, mk_ptr, cnt_ptr,
+                 T, H, NUM_SPLITS, t_per_split,
+                 stride_kb, stride_kh, stride_kt, stride_kd,
+                 stride_vb, stride_vh, stride_vt, stride_ve,
+                 stride_wm, stride_wd, stride_pb, stride_pt,
+                 D, M, E, BD, BM, BE, BT, HAS_PAD, FEATURE, PRECISION, ACC, HAS_LAM, TINY,
+                 HAS_MAP)  # fmt: skip
+    if last_to_arrive(p_ticket + 1, NSTAT + BH * NMT * NUM_SPLITS):  # the launch's last
+        tl.store(p_ticket, 0)
+        for i0 in range(0, BH, 1024):
+            o_b = i0 + tl.arange(0, 1024)
+            tl.store(p_flag + o_b, tl.zeros([1024], dtype=tl.int32), mask=o_b < BH)
+        if RUNNING:
+            running_update(mom_ptr, run_mean, run_sq, run_abs, run_min, nbt_ptr, BH, D, keep,
+                           momentum, o_d, m_d, BD, BB, ACC, RACC)  # fmt: skip
+
+
+# the same kernel for the running mode: restore_value, since tuning runs the kernel once per
+# config and the running buffers move only once
+_fwd_kv_running_kernel = triton.autotune(
+    configs=autotune_configs(), key=KEY + ["FORM"], prune_configs_by=PRUNE,
+    restore_value=["run_mean", "run_sq", "run_abs", "run_min", "nbt_ptr"],
+)(_fwd_kv_stats_kernel.fn)
 
 
 @triton.autotune(configs=autotune_configs(), key=KEY, prune_configs_by=PRUNE)
@@ -585,6 +750,8 @@ def rf_parallel_fwd(
         q: ``[B, H, Tq, D]``; k: ``[B, H, Tk, D]``; v: ``[B, H, Tk, E]`` (any strides, one dtype).
         form: the feature's :class:`rfattn.features.form.KernelForm` (``FeatureMap.kernel_form``):
             kind, projection rows ``w`` ``[F, D]`` and the kind's parameters (no gradient here).
+            Coefficients left to this forward (``kernels.stats.defer``: oprf/saderf) are formed
+            by its key pass, in its launch, before the query pass reads them.
         scale: softmax temperature; inputs are multiplied by ``sqrt(scale)`` before projection.
         key_padding_mask: optional ``[B, Tk]`` bool, True = padding.
         precision: ``tl.dot`` input precision for fp32 products ("ieee", "tf32", "tf32x3");
@@ -615,13 +782,19 @@ def rf_parallel_fwd(
         parts = c.acc_empty(n, M, E), c.acc_empty(n, M), c.acc_empty(n, M)
     else:
         parts = s, z, mk  # unused
-    launch(_fwd_kv_kernel, (NMT, splits, B * H),
-        k, v, c.w, c.pad[0], *c.form_ptrs, c.maps[1], *parts, s, z, mk,
-        arrival_counters(dev, B * H * NMT),
-        Tk, H, splits, per if Tk else 0,
-        *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
-        HAS_PAD=c.has_pad, HAS_MAP=c.has_map, **c.meta,
-    )  # fmt: skip
+    stats = claim(form.coeffs)  # oprf/saderf's statistics, left to this launch
+    counters = B * H * NMT + (0 if stats is None else key_pass_counters(B * H))
+    kv_args = (k, v, c.w, c.pad[0], *c.form_ptrs, c.maps[1], *parts, s, z, mk,
+               arrival_counters(dev, counters), Tk, H, splits, per if Tk else 0,
+               *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2])  # fmt: skip
+    if stats is None:
+        launch(_fwd_kv_kernel, (NMT, splits, B * H), *kv_args,
+               HAS_PAD=c.has_pad, HAS_MAP=c.has_map, **c.meta)  # fmt: skip
+    else:  # the stats roles first, then the key-pass roles
+        roles, args, meta = key_pass_arguments(stats, q, k, B, H, c.D, c.acc)
+        launch(_fwd_kv_running_kernel if stats.running is not None else _fwd_kv_stats_kernel,
+               (roles + NMT * splits * B * H,), *kv_args, *args,
+               HAS_PAD=c.has_pad, HAS_MAP=c.has_map, **c.meta, **meta)  # fmt: skip
     if combine is not None:
         s, z, mk = (x.contiguous() for x in combine(s, z, mk))
     if Tq:

@@ -1,19 +1,25 @@
 """The stats pass of the data-dependent features (oprf, saderf): per-(b, h) token moments of q and
-k and the feature parameters formed from them, in ONE launch.
+k and the feature parameters formed from them, in ONE launch: its own (:func:`stats_pass`:
+causal calls and the decode step, which take the parameters of running statistics, and callers
+that want the moments), or inside the key pass of a non-causal forward, whose launch then forms
+the parameters before its key tiles use them (:class:`KeyPassStats`, ``rfattn.kernels.
+rf_parallel``).
 
 For one side (queries or keys) of one (b, h), over the valid tokens (inside T, not padded):
 
     n = #valid     sum_t x~_t     sum_t x~_t^2     sum_t |x~_t|     min_t x~_t          [D] each
 
-with ``x~ = sqrt(scale) * x`` in the accumulation dtype (fp32; fp64 for fp64 inputs). Grid
-(SQ + SK, B*H): programs ``0 .. SQ-1`` reduce contiguous ranges of the (b, h)'s query rows,
-``SQ .. SQ+SK-1`` of its keys, and write their partials. Each then counts itself in with a
-``tl.atomic_add`` on the (b, h)'s arrival counter; the last to arrive (it sees ``SQ + SK - 1``)
-adds the partials in a fixed order (deterministic whichever program is last: the atomics only
-elect it), divides by ``max(n, 1)``, writes the moments (``rfattn.stats.sequence_moments``: mean,
-mean square, mean absolute value, minimum with 0 where no token is valid), forms the feature's
-parameters from them (``FORM``) and sets the counter back to 0. The counters are zeroed once
-when their buffer is made and left at 0 by every launch, so a call fills nothing.
+with ``x~ = sqrt(scale) * x`` in the accumulation dtype (fp32; fp64 for fp64 inputs). Work items
+(:func:`stats_item`) ``i_bh * (SQ + SK) + i_s``: items ``i_s < SQ`` reduce contiguous ranges
+of the (b, h)'s query rows, the others of its keys, and write their partials. Each then counts
+itself in with a ``tl.atomic_add`` on the (b, h)'s arrival counter; the last to arrive (it sees
+``SQ + SK - 1``) adds the partials in a fixed order (deterministic whichever item is last: the
+atomics only elect it), divides by ``max(n, 1)``, writes the moments
+(``rfattn.stats.sequence_moments``: mean, mean square, mean absolute value, minimum with 0 where
+no token is valid), forms the feature's parameters from them (``FORM``) and sets the counter
+back to 0. The counters are zeroed once when their buffer is made and left at 0 by every
+launch, so a call fills nothing. The launch of :func:`stats_pass` has one program per item,
+grid (SQ + SK, B*H).
 
 ``FORM`` 1 (oprf) and 2 (saderf) are the closed forms of ``rfattn.stats``
 (:func:`~rfattn.stats.pair_sq_norm`, :func:`~rfattn.stats.oprf_A`,
@@ -21,11 +27,13 @@ when their buffer is made and left at 0 by every launch, so a call fills nothing
 here in Triton: per (b, h) the coefficients ``(A, B, log D)`` ``[3]`` and saderf's ``psi`` ``[D]``.
 
 ``RUNNING``: the running-statistics mode of a training call. The parameters come from the
-running buffers as they are before this call (not from its moments), and the buffers take this
-call's moments afterwards (``rfattn.stats.update_running``: pooled over batch and heads, the
-first update copies, later ones mix with ``momentum``; ``num_batches_tracked`` counts up). Both
+running buffers as they are before this call (not from its moments; :func:`running_params`),
+and the buffers take this call's moments afterwards (:func:`running_update`,
+``rfattn.stats.update_running``: pooled over batch and heads, the first update copies, later
+ones mix with ``momentum``; ``num_batches_tracked`` counts up). In :func:`stats_pass` both
 happen in the last program of the whole grid, elected by a second counter after the per-(b, h)
-ones: the update needs every (b, h)'s moments.
+ones (the update needs every (b, h)'s moments), which stores the parameters for every (b, h):
+per-(b, h) rows, as the kernels read them, so their launches copy nothing.
 
 Grouped-query attention: q ``[B, G*Hkv, Tq, D]``, k ``[B, Hkv, Tk, D]``; the query rows of
 key/value head h are the ``G * Tq`` rows of its query heads ``h*G .. h*G + G - 1`` (as
@@ -44,6 +52,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .common import (
     DTYPES,
@@ -55,7 +64,7 @@ from .common import (
     split_counts,
 )
 
-__all__ = ["StatsPass", "stats_pass", "sequence_moments_fused"]
+__all__ = ["StatsPass", "stats_pass", "KeyPassStats", "defer", "claim"]
 
 #: the closed forms the kernel can form (``FORM``)
 FORMS = {None: 0, "oprf": 1, "saderf": 2}
@@ -149,13 +158,29 @@ def _gerf_params(b_mq, b_sq_q, b_mk, b_sq_k, m_d, D, tiny, psi_lo, psi_hi,
 
 
 @triton.jit
-def _store_params(coef_ptr, psi_ptr, i_row, a, b, log_d, b_psi, D, o_d, m_d,
+def store_params(coef_ptr, psi_ptr, i_row, a, b, log_d, b_psi, D, o_d, m_d,
                   FORM: tl.constexpr):  # fmt: skip
     tl.store(coef_ptr + i_row * 3, a)
     tl.store(coef_ptr + i_row * 3 + 1, b)
     tl.store(coef_ptr + i_row * 3 + 2, log_d)
     if FORM == 2:
         tl.store(psi_ptr + i_row * D + o_d, b_psi, mask=m_d)
+
+
+@triton.jit
+def ready_params(coef_ptr, psi_ptr, i_bh, D, o_d, m_d, BD: tl.constexpr, FORM: tl.constexpr,
+                 ACC: tl.constexpr):  # fmt: skip
+    """``(A, B, log D, psi [BD])`` of (b, h) ``i_bh`` as a stats role of this launch stored them
+    (``.cg``: from L2, where the stats role's stores are, not a stale L1 line)."""
+    a = tl.load(coef_ptr + i_bh * 3, cache_modifier=".cg").to(ACC)
+    b = tl.load(coef_ptr + i_bh * 3 + 1, cache_modifier=".cg").to(ACC)
+    log_d = tl.load(coef_ptr + i_bh * 3 + 2, cache_modifier=".cg").to(ACC)
+    if FORM == 2:
+        b_psi = tl.load(psi_ptr + i_bh * D + o_d, mask=m_d, other=1.0,
+                        cache_modifier=".cg").to(ACC)  # fmt: skip
+    else:
+        b_psi = tl.full([BD], 1.0, ACC)
+    return a, b, log_d, b_psi
 
 
 @triton.jit
@@ -193,20 +218,82 @@ def _pool_side(mom_ptr, side, BH, D, o_d, m_d, BD: tl.constexpr, BB: tl.constexp
 
 
 @triton.jit
-def _running_update(mom_ptr, run_mean, run_sq, run_abs, run_min, nbt_ptr, coef_ptr, psi_ptr,
-                    BH, D, keep, momentum, tiny, psi_lo, psi_hi, o_d, m_d, BD: tl.constexpr,
-                    BB: tl.constexpr, FORM: tl.constexpr, ACC: tl.constexpr,
-                    RACC: tl.constexpr):  # fmt: skip
-    """The running mode's parameters from the buffers ``[2, D]`` as they are, then the buffers'
-    update with the moments of every (b, h) pooled."""
-    if FORM > 0:  # the parameters of this call: from the buffers before the update
-        b_mq = tl.load(run_mean + o_d, mask=m_d, other=0.0).to(ACC)
-        b_mk = tl.load(run_mean + D + o_d, mask=m_d, other=0.0).to(ACC)
-        b_sq_q = tl.load(run_sq + o_d, mask=m_d, other=0.0).to(ACC)
-        b_sq_k = tl.load(run_sq + D + o_d, mask=m_d, other=0.0).to(ACC)
-        a, b, log_d, b_psi = _gerf_params(b_mq, b_sq_q, b_mk, b_sq_k, m_d, D, tiny, psi_lo,
-                                          psi_hi, FORM)  # fmt: skip
-        _store_params(coef_ptr, psi_ptr, 0, a, b, log_d, b_psi, D, o_d, m_d, FORM)
+def stats_item(
+    w, q_ptr, k_ptr, qpad_ptr, kpad_ptr, part_ptr, cnt_ptr, arrive_ptr, mom_ptr, coef_ptr,
+    psi_ptr, b_sc, tiny, psi_lo, psi_hi,
+    BH, RQ, TQ, G, Tk, TK, H, SQ, SK, q_per, k_per,
+    stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_qpb, stride_qpt, stride_kpb, stride_kpt,
+    D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, HAS_QPAD: tl.constexpr,
+    HAS_KPAD: tl.constexpr, FORM: tl.constexpr, RUNNING: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """Work item ``w`` of the stats pass (item ``i_bh * (SQ + SK) + i_s``: split i_s of (b, h)
+    i_bh, queries for i_s < SQ, keys after): its partial moments; the (b, h)'s last item to
+    arrive its moments and, without RUNNING, its parameters. Returns whether this item was that
+    last one (the (b, h) is then complete)."""
+    NS = SQ + SK
+    i_bh, i_s = w // NS, w % NS
+    i_bh = i_bh.to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    if i_s < SQ:
+        b_sum, b_sq, b_abs, b_min, n = _side_sums(
+            q_ptr, qpad_ptr, i_b, i_h, i_s.to(tl.int64) * q_per, q_per, RQ, TQ, G, stride_qb,
+            stride_qh, stride_qt, stride_qd, stride_qpb, stride_qpt, b_sc, o_d, m_d, BD, BT,
+            HAS_QPAD, ACC)  # fmt: skip
+    else:
+        b_sum, b_sq, b_abs, b_min, n = _side_sums(
+            k_ptr, kpad_ptr, i_b, i_h, (i_s - SQ).to(tl.int64) * k_per, k_per, Tk, TK, 1,
+            stride_kb, stride_kh, stride_kt, stride_kd, stride_kpb, stride_kpt, b_sc, o_d, m_d,
+            BD, BT, HAS_KPAD, ACC)  # fmt: skip
+    i_part = i_bh * NS + i_s
+    p_part = part_ptr + i_part * 4 * D + o_d
+    tl.store(p_part, b_sum, mask=m_d)
+    tl.store(p_part + D, b_sq, mask=m_d)
+    tl.store(p_part + 2 * D, b_abs, mask=m_d)
+    tl.store(p_part + 3 * D, b_min, mask=m_d)
+    tl.store(cnt_ptr + i_part, n)
+    done = last_to_arrive(arrive_ptr + i_bh, NS)
+    if done:  # the (b, h)'s last item
+        b_mq, b_sq_q, b_aq, b_minq = _side_moments(part_ptr, cnt_ptr, i_bh * NS, SQ, D, o_d, m_d,
+                                                 BD, ACC)  # fmt: skip
+        b_mk, b_sq_k, b_ak, b_mink = _side_moments(part_ptr, cnt_ptr, i_bh * NS + SQ, SK, D, o_d,
+                                                 m_d, BD, ACC)  # fmt: skip
+        field = BH.to(tl.int64) * 2 * D  # mom [4, BH, 2, D]
+        p_mom = mom_ptr + i_bh * 2 * D + o_d
+        tl.store(p_mom, b_mq, mask=m_d)
+        tl.store(p_mom + D, b_mk, mask=m_d)
+        tl.store(p_mom + field, b_sq_q, mask=m_d)
+        tl.store(p_mom + field + D, b_sq_k, mask=m_d)
+        tl.store(p_mom + 2 * field, b_aq, mask=m_d)
+        tl.store(p_mom + 2 * field + D, b_ak, mask=m_d)
+        tl.store(p_mom + 3 * field, b_minq, mask=m_d)
+        tl.store(p_mom + 3 * field + D, b_mink, mask=m_d)
+        if FORM > 0 and not RUNNING:
+            a, b, log_d, b_psi = _gerf_params(b_mq, b_sq_q, b_mk, b_sq_k, m_d, D, tiny, psi_lo,
+                                              psi_hi, FORM)  # fmt: skip
+            store_params(coef_ptr, psi_ptr, i_bh, a, b, log_d, b_psi, D, o_d, m_d, FORM)
+    return done
+
+
+@triton.jit
+def running_params(run_mean, run_sq, D, tiny, psi_lo, psi_hi, o_d, m_d, FORM: tl.constexpr,
+                   ACC: tl.constexpr):  # fmt: skip
+    """The running mode's ``(A, B, log D, psi)`` from the buffers ``[2, D]`` as they are."""
+    b_mq = tl.load(run_mean + o_d, mask=m_d, other=0.0).to(ACC)
+    b_mk = tl.load(run_mean + D + o_d, mask=m_d, other=0.0).to(ACC)
+    b_sq_q = tl.load(run_sq + o_d, mask=m_d, other=0.0).to(ACC)
+    b_sq_k = tl.load(run_sq + D + o_d, mask=m_d, other=0.0).to(ACC)
+    return _gerf_params(b_mq, b_sq_q, b_mk, b_sq_k, m_d, D, tiny, psi_lo, psi_hi, FORM)
+
+
+@triton.jit
+def running_update(mom_ptr, run_mean, run_sq, run_abs, run_min, nbt_ptr, BH, D, keep, momentum,
+                   o_d, m_d, BD: tl.constexpr, BB: tl.constexpr, ACC: tl.constexpr,
+                   RACC: tl.constexpr):  # fmt: skip
+    """The running buffers' update with the moments of every (b, h) pooled (``mom`` complete:
+    the caller is the last to arrive after every (b, h))."""
     n_seen = tl.load(nbt_ptr)
     first = n_seen == 0
     for side in tl.static_range(2):  # row 0 queries, 1 keys
@@ -238,59 +325,33 @@ def _stats_kernel(
     HAS_KPAD: tl.constexpr, FORM: tl.constexpr, RUNNING: tl.constexpr, ACC: tl.constexpr,
     RACC: tl.constexpr,
 ):  # fmt: skip
-    """Partial moments of one split of one side; the last program of a (b, h) its moments and
-    parameters; with RUNNING, the last of all the running update."""
+    """Work item (split i_s, (b, h) i_bh) of the stats pass (:func:`stats_item`); with
+    RUNNING, the last (b, h) to complete the parameters from the buffers and their update."""
     i_s, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    i_b, i_h = i_bh // H, i_bh % H
-    o_d = tl.arange(0, BD)
-    m_d = o_d < D
+    BH = tl.num_programs(1)
     # fp64 arguments as ACC (tl.full: the interpreter passes them as Python floats)
     b_sc = tl.full([], sc, ACC)
     tiny = tl.full([], tiny, ACC)
     psi_lo, psi_hi = tl.full([], psi_lo, ACC), tl.full([], psi_hi, ACC)
-    NS = SQ + SK
-    if i_s < SQ:
-        b_sum, b_sq, b_abs, b_min, n = _side_sums(
-            q_ptr, qpad_ptr, i_b, i_h, i_s.to(tl.int64) * q_per, q_per, RQ, TQ, G, stride_qb,
-            stride_qh, stride_qt, stride_qd, stride_qpb, stride_qpt, b_sc, o_d, m_d, BD, BT,
-            HAS_QPAD, ACC)  # fmt: skip
-    else:
-        b_sum, b_sq, b_abs, b_min, n = _side_sums(
-            k_ptr, kpad_ptr, i_b, i_h, (i_s - SQ).to(tl.int64) * k_per, k_per, Tk, TK, 1,
-            stride_kb, stride_kh, stride_kt, stride_kd, stride_kpb, stride_kpt, b_sc, o_d, m_d,
-            BD, BT, HAS_KPAD, ACC)  # fmt: skip
-    i_part = i_bh * NS + i_s
-    p_part = part_ptr + i_part * 4 * D + o_d
-    tl.store(p_part, b_sum, mask=m_d)
-    tl.store(p_part + D, b_sq, mask=m_d)
-    tl.store(p_part + 2 * D, b_abs, mask=m_d)
-    tl.store(p_part + 3 * D, b_min, mask=m_d)
-    tl.store(cnt_ptr + i_part, n)
-    if last_to_arrive(arrive_ptr + i_bh, NS):  # the (b, h)'s last program
-        b_mq, b_sq_q, b_aq, b_minq = _side_moments(part_ptr, cnt_ptr, i_bh * NS, SQ, D, o_d, m_d,
-                                                 BD, ACC)  # fmt: skip
-        b_mk, b_sq_k, b_ak, b_mink = _side_moments(part_ptr, cnt_ptr, i_bh * NS + SQ, SK, D, o_d,
-                                                 m_d, BD, ACC)  # fmt: skip
-        field = tl.num_programs(1).to(tl.int64) * 2 * D  # mom [4, BH, 2, D]
-        p_mom = mom_ptr + i_bh * 2 * D + o_d
-        tl.store(p_mom, b_mq, mask=m_d)
-        tl.store(p_mom + D, b_mk, mask=m_d)
-        tl.store(p_mom + field, b_sq_q, mask=m_d)
-        tl.store(p_mom + field + D, b_sq_k, mask=m_d)
-        tl.store(p_mom + 2 * field, b_aq, mask=m_d)
-        tl.store(p_mom + 2 * field + D, b_ak, mask=m_d)
-        tl.store(p_mom + 3 * field, b_minq, mask=m_d)
-        tl.store(p_mom + 3 * field + D, b_mink, mask=m_d)
-        if FORM > 0 and not RUNNING:
-            a, b, log_d, b_psi = _gerf_params(b_mq, b_sq_q, b_mk, b_sq_k, m_d, D, tiny, psi_lo,
-                                              psi_hi, FORM)  # fmt: skip
-            _store_params(coef_ptr, psi_ptr, i_bh, a, b, log_d, b_psi, D, o_d, m_d, FORM)
-        if RUNNING:
-            BH = tl.num_programs(1)
+    done = stats_item(
+        i_bh * (SQ + SK) + i_s, q_ptr, k_ptr, qpad_ptr, kpad_ptr, part_ptr, cnt_ptr, arrive_ptr,
+        mom_ptr, coef_ptr, psi_ptr, b_sc, tiny, psi_lo, psi_hi, BH, RQ, TQ, G, Tk, TK, H, SQ, SK,
+        q_per, k_per, stride_qb, stride_qh, stride_qt, stride_qd, stride_kb, stride_kh,
+        stride_kt, stride_kd, stride_qpb, stride_qpt, stride_kpb, stride_kpt,
+        D, BD, BT, HAS_QPAD, HAS_KPAD, FORM, RUNNING, ACC)  # fmt: skip
+    if RUNNING:
+        if done:
             if last_to_arrive(arrive_ptr + BH, BH):  # the grid's last (b, h)
-                _running_update(mom_ptr, run_mean, run_sq, run_abs, run_min, nbt_ptr, coef_ptr,
-                                psi_ptr, BH, D, keep, momentum, tiny, psi_lo, psi_hi, o_d, m_d,
-                                BD, BB, FORM, ACC, RACC)  # fmt: skip
+                o_d = tl.arange(0, BD)
+                m_d = o_d < D
+                if FORM > 0:  # this call's parameters: from the buffers before the update
+                    a, b, log_d, b_psi = running_params(run_mean, run_sq, D, tiny, psi_lo,
+                                                        psi_hi, o_d, m_d, FORM, ACC)  # fmt: skip
+                    for r in range(0, BH):  # every (b, h) row: the launchers read them so
+                        store_params(coef_ptr, psi_ptr, r, a, b, log_d, b_psi, D, o_d, m_d,
+                                     FORM)  # fmt: skip
+                running_update(mom_ptr, run_mean, run_sq, run_abs, run_min, nbt_ptr, BH, D, keep,
+                               momentum, o_d, m_d, BD, BB, ACC, RACC)  # fmt: skip
 
 
 class StatsPass(NamedTuple):
@@ -299,8 +360,8 @@ class StatsPass(NamedTuple):
     Attributes:
         moments: ``(mean, sq, abs, min)``, each ``[B, H, 2, D]`` (row 0 queries, row 1 keys):
             the fields of ``rfattn.stats.Moments``.
-        coeffs: ``(A, B, log D)`` ``[B, H, 3]`` (``[1, 1, 3]`` in running mode), or None.
-        psi: saderf's ``[B, H, D]`` (``[1, 1, D]`` in running mode), or None.
+        coeffs: ``(A, B, log D)`` ``[B, H, 3]`` (in running mode every (b, h) the same), or None.
+        psi: saderf's ``[B, H, D]``, or None.
     """
 
     moments: tuple
@@ -352,53 +413,133 @@ def stats_pass(
         raise ValueError("the stats pass needs at least one (b, h)")
     G = Hq // H
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    r = _reduction(q, Tk, B, H, G, D, acc, query_padding_mask, running, num_splits)
+    coeffs = torch.empty(B, H, 3, device=q.device, dtype=acc) if form else None
+    psi = torch.empty(B, H, D, device=q.device, dtype=acc) if form == "saderf" else None
+    kpad = _mask_arg(key_padding_mask, r.mom)
+    launch(_stats_kernel, (r.sq + r.sk, B * H),
+        q, k, r.qpad[0], kpad[0], r.part, r.cnt, arrival_counters(q.device, B * H + 1), r.mom,
+        r.mom if coeffs is None else coeffs, r.mom if psi is None else psi, *r.running,
+        float(scale) ** 0.5, *r.scalars,
+        G * Tq, max(Tq, 1), G, Tk, max(Tk, 1), H, r.sq, r.sk, r.q_per, r.k_per, *q.stride(),
+        *k.stride(), *r.qpad[1:], *kpad[1:], D=D, BD=next_pow2(D),
+        HAS_KPAD=key_padding_mask is not None,
+        FORM=FORMS[form], ACC=tl.float64 if acc == torch.float64 else tl.float32, **r.meta,
+    )  # fmt: skip
+    return StatsPass(tuple(r.mom.unbind(0)), coeffs, psi)
+
+
+class _Reduction(NamedTuple):
+    """What a launch of the moments' reduction takes beside q and k (:func:`_reduction`)."""
+
+    sq: int  # query splits per (b, h)
+    sk: int  # key splits
+    q_per: int  # rows per query split
+    k_per: int
+    part: torch.Tensor  # [BH, sq + sk, 4, D] the splits' partial sums
+    cnt: torch.Tensor  # [BH, sq + sk] their counts
+    mom: torch.Tensor  # [4, B, H, 2, D] the moments
+    running: tuple  # (mean, sq, abs, min, num_batches_tracked) or placeholders
+    scalars: tuple  # (1 - momentum, momentum, tiny, the psi ratio's range)
+    qpad: tuple  # (query mask as uint8 or a placeholder, its strides or 0)
+    meta: dict  # constexprs
+
+
+def _mask_arg(mask, placeholder) -> tuple:
+    """(a bool mask as uint8, stride_b, stride_t), or ``(placeholder, 0, 0)`` without one."""
+    if mask is None:
+        return placeholder, 0, 0
+    m = mask.view(torch.uint8)
+    return m, m.stride(0), m.stride(1)
+
+
+def _reduction(q, Tk: int, B: int, H: int, G: int, D: int, acc, query_padding_mask, running,
+               num_splits) -> _Reduction:  # fmt: skip
+    """The splits, buffers and arguments of the moments' reduction of a call (``G * Tq``
+    query rows and ``Tk`` keys per (b, h)), shared by :func:`stats_pass` and the key pass that
+    forms its statistics (:func:`key_pass_arguments`)."""
     dev = q.device
-    sq_, q_per = split_counts(G * Tq, B * H, dev, num_splits)
+    sq_, q_per = split_counts(G * q.shape[2], B * H, dev, num_splits)
     sk_, k_per = split_counts(Tk, B * H, dev, num_splits)
-    part = torch.empty(B * H, sq_ + sk_, 4, D, device=dev, dtype=acc)
-    cnt = torch.empty(B * H, sq_ + sk_, device=dev, dtype=acc)
     mom = torch.empty(4, B, H, 2, D, device=dev, dtype=acc)
-    rows = (1, 1) if running is not None else (B, H)
-    coeffs = torch.empty(*rows, 3, device=dev, dtype=acc) if form else None
-    psi = torch.empty(*rows, D, device=dev, dtype=acc) if form == "saderf" else None
-    arrive = arrival_counters(dev, B * H + 1)
     if running is not None:
         *bufs, nbt, momentum = running
         racc = tl.float64 if bufs[0].dtype == torch.float64 else tl.float32
     else:
-        bufs, nbt, momentum, racc = (mom,) * 4, arrive, 0.0, tl.float32  # never read
-    pads = []
-    for m in (query_padding_mask, key_padding_mask):
-        m = None if m is None else m.view(torch.uint8)
-        pads.append((mom, 0, 0) if m is None else (m, m.stride(0), m.stride(1)))
+        bufs, nbt, momentum, racc = (mom,) * 4, mom, 0.0, tl.float32  # never read
     lo, hi = PSI_RATIO_RANGE
-    launch(_stats_kernel, (sq_ + sk_, B * H),
-        q, k, pads[0][0], pads[1][0], part, cnt, arrive, mom,
-        mom if coeffs is None else coeffs, mom if psi is None else psi, *bufs, nbt,
-        float(scale) ** 0.5, 1.0 - momentum, momentum, torch.finfo(acc).tiny, lo, hi,
-        G * Tq, max(Tq, 1), G, Tk, max(Tk, 1), H, sq_, sk_, q_per, k_per, *q.stride(), *k.stride(),
-        *pads[0][1:], *pads[1][1:],
-        D=D, BD=next_pow2(D), BB=2 if INTERPRET else max(1, 2048 // next_pow2(D)),  # 2: loops
-        HAS_QPAD=query_padding_mask is not None,
-        HAS_KPAD=key_padding_mask is not None, FORM=FORMS[form], RUNNING=running is not None,
-        ACC=tl.float64 if acc == torch.float64 else tl.float32, RACC=racc,
+    qpad = _mask_arg(query_padding_mask, mom)
+    return _Reduction(
+        sq_, sk_, q_per, k_per,
+        torch.empty(B * H, sq_ + sk_, 4, D, device=dev, dtype=acc),
+        torch.empty(B * H, sq_ + sk_, device=dev, dtype=acc),
+        mom, (*bufs, nbt), (1.0 - momentum, momentum, torch.finfo(acc).tiny, lo, hi), qpad,
+        dict(BB=2 if INTERPRET else max(1, 2048 // next_pow2(D)),  # 2: loops in the interpreter
+             HAS_QPAD=query_padding_mask is not None, RUNNING=running is not None, RACC=racc),
     )  # fmt: skip
-    return StatsPass(tuple(mom.unbind(0)), coeffs, psi)
 
 
-def sequence_moments_fused(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    scale: float,
-    key_padding_mask: torch.Tensor | None = None,
-    query_padding_mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The fused equivalent of ``rfattn.stats.sequence_moments(sqrt(scale) q, sqrt(scale) k,
-    key_padding_mask, query_padding_mask)`` on raw q ``[B, H, Tq, D]``, k ``[B, H, Tk, D]``
-    (:func:`stats_pass` without a form).
+class KeyPassStats(NamedTuple):
+    """The statistics of a non-causal call that its forward's key pass forms in its own launch
+    (``rfattn.kernels.rf_parallel``): a form's parameters, left unwritten until then
+    (:func:`defer`).
 
-    Returns:
-        ``(mean, sq, abs, min)``, each ``[B, H, 2, D]`` (row 0 queries, row 1 keys), the fields
-        of ``rfattn.stats.Moments``.
+    Attributes:
+        form: "oprf" or "saderf".
+        query_padding_mask: ``[B, Tq]`` bool of the operator's query rows, or None.
+        running: as :func:`stats_pass`'s (a training call with running statistics), or None.
+        programs: stats roles of the launch (default: one per work item, ``B*H`` times the
+            splits of both sides).
+        num_splits: as :func:`stats_pass`'s.
     """
-    return stats_pass(q, k, scale, key_padding_mask, query_padding_mask).moments
+
+    form: str
+    query_padding_mask: torch.Tensor | None = None
+    running: tuple | None = None
+    programs: int | None = None
+    num_splits: int | None = None
+
+
+#: kernel forms' coefficients ``[B, H, 3]`` whose values the next key pass that takes them forms
+#: (:func:`defer`, :func:`claim`)
+DEFERRED = WeakIdKeyDictionary()
+
+
+def defer(coeffs: torch.Tensor, stats: KeyPassStats) -> torch.Tensor:
+    """Leave ``coeffs`` (and the form's psi beside it) to be formed by the key pass of the
+    forward that takes them (:func:`claim`), in its launch: the form is then meant for that one
+    forward (``rfattn.fused.attend``'s non-causal calls). Returns ``coeffs``."""
+    if stats.form not in ("oprf", "saderf"):
+        raise ValueError(f"the key pass forms oprf's or saderf's parameters, not {stats.form!r}")
+    DEFERRED[coeffs] = stats
+    return coeffs
+
+
+def claim(coeffs: torch.Tensor | None) -> KeyPassStats | None:
+    """The statistics left to this key pass with ``coeffs`` (:func:`defer`), once, or None."""
+    return None if coeffs is None or not DEFERRED else DEFERRED.pop(coeffs, None)
+
+
+#: counters a key pass with statistics takes beside its own: per (b, h) the stats items'
+#: arrivals and a ready flag, then the ticket and the launch's arrivals
+def key_pass_counters(BH: int) -> int:
+    return 2 * BH + 2
+
+
+def key_pass_arguments(stats: KeyPassStats, q, k, B: int, H: int, D: int,
+                       acc) -> tuple[int, tuple, dict]:  # fmt: skip
+    """``(stats roles, the arguments after the key pass's own, constexprs)`` of a key pass that
+    forms ``stats`` (``rf_parallel._fwd_kv_stats_kernel``) for q ``[B, H, Tq, D]`` (query rows
+    of one group: G = 1) and k ``[B, H, Tk, D]``."""
+    m = stats.query_padding_mask
+    Tq, Tk = q.shape[2], k.shape[2]
+    if m is not None and (m.dtype != torch.bool or tuple(m.shape) != (B, Tq)):
+        raise ValueError(f"query_padding_mask must be bool [B, Tq] = {(B, Tq)}")
+    r = _reduction(q, Tk, B, H, 1, D, acc, m, stats.running, stats.num_splits)
+    roles = B * H * (r.sq + r.sk) if stats.programs is None else stats.programs
+    if roles < 1:
+        raise ValueError(f"a key pass with statistics needs stats roles, got {roles}")
+    args = (q, r.qpad[0], r.part, r.cnt, r.mom, *r.running, *r.scalars,
+            B * H, Tq, max(Tq, 1), max(Tk, 1), roles, r.sq, r.sk, r.q_per, r.k_per, *q.stride(),
+            *r.qpad[1:])  # fmt: skip
+    return roles, args, dict(FORM=FORMS[stats.form], **r.meta)

@@ -1,8 +1,8 @@
 """The fused path of one process's call: the feature's kernel form for the call (kept across
 calls where it does not depend on the call's data; oprf/saderf's statistics and parameters from
-the fused stats pass, one launch), then the custom operators of :mod:`rfattn.ops` (non-causal,
-chunked causal, or the decode step). Importing the operators imports Triton, so they are imported
-on the first fused call only."""
+the fused stats pass: inside a non-causal forward's key pass, else one launch of its own), then
+the custom operators of :mod:`rfattn.ops` (non-causal, chunked causal, or the decode step).
+Importing the operators imports Triton, so they are imported on the first fused call only."""
 
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ def attend(call: Call, gpu_tiles=None):
     if grad and call.maps is not None:
         call = call.with_maps_applied()
     q, k, v, mask, scale = call.q, call.k, call.v, call.key_padding_mask, call.scale
-    form = kernel_form(rf, q, k, mask, scale, causal, call.query_padding_mask, maps=call.maps)
+    form = kernel_form(rf, q, k, mask, scale, causal, call.query_padding_mask, maps=call.maps,
+                       defer=not causal)  # fmt: skip
     kw = dict(key_padding_mask=mask, gpu_tiles=gpu_tiles)
     if not causal:
         return ops.rf_parallel(q, k, v, form, scale, **kw)
@@ -62,10 +63,11 @@ def attend(call: Call, gpu_tiles=None):
 
 
 def kernel_form(rf, q, k, key_padding_mask, scale: float, causal: bool,
-                 query_padding_mask=None, moments=None, maps=None):  # fmt: skip
+                 query_padding_mask=None, moments=None, maps=None, defer=False):  # fmt: skip
     """The feature's kernel form for this call. ``maps``: head maps ``(query_map, key_map)``
     (either may be None) the kernels apply (the form's ``qmap``, ``kmap``); statistics are then
-    those of the mapped q and k.
+    those of the mapped q and k. For the Triton kernels, per-(b, h) parameters are
+    ``[B, H, ...]`` (B of q, H of k's heads) as they read them, so a launch copies nothing.
 
     * Parameters that do not depend on the call's data (no statistics; running statistics
       outside training; fixed ones): the form is built once per RandomFeatures, device, compute
@@ -78,6 +80,10 @@ def kernel_form(rf, q, k, key_padding_mask, scale: float, causal: bool,
       k and forms the parameters, and in training moves the running buffers; in torch where the
       operators run their torch kernels, or from ``moments`` when the caller has them (a sharded
       call's, over every shard). Held constant (``stats_grad=False``).
+    * ``defer`` (a non-causal call whose forward takes the form next, once: :func:`attend`;
+      q as rows of its key/value head, no head maps, not traced): no launch here; the form's
+      parameters are left to the forward's key pass, which forms them in its own launch
+      (``rfattn.kernels.stats.defer``).
     """
     from rfattn import ops
 
@@ -88,13 +94,16 @@ def kernel_form(rf, q, k, key_padding_mask, scale: float, causal: bool,
             q, k = mapped(q, maps[0]), mapped(k, maps[1], key_padding_mask)
         form = None
         if not ops.on_torch(q):
-            form = _stats_pass_form(rf, q, k, key_padding_mask, query_padding_mask, scale, causal)
+            defer = defer and maps is None and q.shape[1] == k.shape[1] and \
+                not torch.compiler.is_compiling()  # fmt: skip
+            form = _stats_pass_form(rf, q, k, key_padding_mask, query_padding_mask, scale, causal,
+                                    defer)  # fmt: skip
         if form is None:
             form = _moments_form(rf, q, k, key_padding_mask, query_padding_mask, scale, causal)
     elif moments is not None:
         form = _params_form(rf, q, key_padding_mask, causal, query_padding_mask, moments)
     else:
-        form = constant_form(rf, q.device, compute_dtype(q.dtype), causal)
+        form = constant_form(rf, q.device, compute_dtype(q.dtype), causal, (q.shape[0], k.shape[1]))
     if maps is None:
         return form
     qmap, kmap = (None if m is None else m.detach() for m in maps)
@@ -123,17 +132,17 @@ def _moments_form(rf, q, k, key_padding_mask, query_padding_mask, scale, causal)
     if ops.on_torch(q):
         return _params_form(rf, q, key_padding_mask, causal, query_padding_mask,
                             xq=prescale(q, scale), xk=prescale(k, scale))  # fmt: skip
-    from rfattn.kernels.stats import sequence_moments_fused
+    from rfattn.kernels.stats import stats_pass
 
-    moments = Moments(*sequence_moments_fused(q, k, scale, key_padding_mask, query_padding_mask))
+    moments = Moments(*stats_pass(q, k, scale, key_padding_mask, query_padding_mask).moments)
     return _params_form(rf, q, key_padding_mask, causal, query_padding_mask, moments)
 
 
-def _stats_pass_form(rf, q, k, key_padding_mask, query_padding_mask, scale, causal):
+def _stats_pass_form(rf, q, k, key_padding_mask, query_padding_mask, scale, causal, defer):
     """The form of oprf/saderf with the parameters formed by the stats pass in its one launch
-    (in training with running statistics, from the buffers, which it then moves), or None where
-    the pass cannot form them (another feature; buffers not on q's device as the pass writes
-    them)."""
+    (in training with running statistics, from the buffers, which it then moves), or with
+    ``defer`` left to the key pass of the forward that takes the form; None where the pass
+    cannot form them (another feature; buffers not on q's device as the pass writes them)."""
     fm = rf.feature_map
     if fm.kernel_stats is None or q.shape[0] * k.shape[1] == 0:
         return None
@@ -144,14 +153,22 @@ def _stats_pass_form(rf, q, k, key_padding_mask, query_padding_mask, scale, caus
                 len({b.dtype for b in bufs[:-1]}) != 1:  # fmt: skip
             return None
         running = (*bufs, fm.momentum)
-    from rfattn.kernels.stats import stats_pass
+    from rfattn.kernels import stats
 
-    res = stats_pass(q, k, scale, key_padding_mask, query_padding_mask, form=fm.kernel_stats,
-                     running=running)  # fmt: skip
+    if defer:  # written by the key pass: [B, H, ...] in the accumulation dtype
+        B, H, D, acc = q.shape[0], k.shape[1], q.shape[3], compute_dtype(q.dtype)
+        coeffs = q.new_empty(B, H, 3, dtype=acc)
+        psi = q.new_empty(B, H, D, dtype=acc) if fm.kernel_stats == "saderf" else None
+    else:
+        coeffs, psi = stats.stats_pass(q, k, scale, key_padding_mask, query_padding_mask,
+                                       form=fm.kernel_stats, running=running)[1:]  # fmt: skip
     if running is not None:  # moved in the kernel, where no version counter saw it
         _FORMS.pop(rf, None)
     params = {"component_weight": rf.component_weight} if rf.weights in WEIGHTED_WEIGHTS else None
-    return coefficient_form(rf.weight.to(q.device), res.coeffs, res.psi, params, fm.name)
+    form = coefficient_form(rf.weight.to(q.device), coeffs, psi, params, fm.name)
+    if defer:
+        stats.defer(form.coeffs, stats.KeyPassStats(fm.kernel_stats, query_padding_mask, running))
+    return form
 
 
 #: per RandomFeatures: {(device, dtype, statistics mode, training): (the tensors the form was
@@ -174,12 +191,14 @@ def _sources(rf) -> tuple | None:
     return None if any(t.is_inference() for t in out) else out
 
 
-def constant_form(rf, device: torch.device, dtype: torch.dtype, causal: bool):
+def constant_form(rf, device: torch.device, dtype: torch.dtype, causal: bool,
+                  heads: tuple[int, int] | None = None):  # fmt: skip
     """The form of a call whose parameters do not depend on its data (:func:`kernel_form`),
     kept per RandomFeatures, ``device``, compute ``dtype`` and statistics mode: rebuilt when W,
     the component weights, GERF's A or a buffer of the feature map (draws, running statistics)
     is replaced or changed in place (its ``_version``; ``redraw``, ``load_state_dict``, an
-    optimiser step), or when the module's training mode changes."""
+    optimiser step), or when the module's training mode changes. ``heads``: ``(B, H)`` of the
+    call, per-(b, h) parameters then ``[B, H, ...]`` (kept per ``heads`` too)."""
     from rfattn import ops
 
     fm = rf.feature_map
@@ -191,15 +210,42 @@ def constant_form(rf, device: torch.device, dtype: torch.dtype, causal: bool):
         and len(kept[0]) == len(sources)
         and all(t is s and t._version == v for (t, v), s in zip(kept[0], sources, strict=True))
     ):
-        return kept[1]
+        return _per_heads(kept, heads)
     with torch.inference_mode(False):  # a kept form is used outside inference mode too
         q = torch.empty(0, device=device, dtype=dtype).view(1, 1, 0, rf.head_dim)
         form = _params_form(rf, q, None, causal)
-        if sources is not None and not ops.on_torch(q):  # kept as the kernels read it
+        kernels = sources is not None and not ops.on_torch(q)
+        if kernels:  # kept as the kernels read it
             form = _kernel_layout(form, dtype)
+    kept = (None, form, {} if kernels else None)
     if sources is not None:
-        _FORMS.setdefault(rf, {})[key] = (tuple((t, t._version) for t in sources), form)
-    return form
+        kept = (tuple((t, t._version) for t in sources), form, kept[2])
+        _FORMS.setdefault(rf, {})[key] = kept
+    return _per_heads(kept, heads)
+
+
+#: shapes ``(B, H)`` a kept form keeps its per-(b, h) parameters for, at most
+MAX_HEADS = 8
+
+
+def _per_heads(kept: tuple, heads):
+    """The kept form with per-(b, h) parameters ``[B, H, ...]`` for ``heads = (B, H)``, made
+    once per shape (``launch_setup`` would otherwise copy the broadcast ones at each launch);
+    the form itself without per-(b, h) parameters, without ``heads`` or on the torch kernels."""
+    _, form, shaped = kept
+    if heads is None or shaped is None or (form.coeffs is None and form.psi is None):
+        return form
+    out = shaped.get(heads)
+    if out is None:
+        if len(shaped) >= MAX_HEADS:
+            shaped.clear()
+        with torch.inference_mode(False):
+            out = dataclasses.replace(form, **{
+                name: x.detach().to(form.w.dtype).expand(*heads, x.shape[-1]).contiguous()
+                for name in ("coeffs", "psi") if (x := getattr(form, name)) is not None
+            })  # fmt: skip
+        shaped[heads] = out
+    return out
 
 
 def _kernel_layout(form, dtype: torch.dtype):

@@ -3,6 +3,9 @@ ops (``bench.opcount``'s kind ``gpu``, and ``copy``), counted on CPU with the la
 by no-ops (only the launchers' Python runs, as on a GPU). Targets: a forward is at most 2 (the
 key pass, the query pass), a forward+backward at most 4 (the dS pass, one dq/dk/dv pass).
 
+oprf and saderf form their statistics in the key pass's launch (a stats launch before it made
+them 3 / 5).
+
 Before: the forward launched the key pass, a merge of the split partials and the query pass and
 filled sqrt(scale) on the device (4); the backward three kernels, a fill and two torch sums of
 the split partials (10 in all)."""
@@ -81,6 +84,43 @@ def test_posrf_call_forward_2_forward_backward_4(launches):
     call = _grads(lambda q, k, v: rfattn.rf_attention(q, k, v, rf, backend="triton"), _inputs(True))
     n, ops_ = _count(call, launches)
     assert n <= 4, str(ops_)
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("stats", ["global", "running"])
+@pytest.mark.parametrize("feature", ["oprf", "saderf"])
+def test_statistics_call_forward_2_forward_backward_4(feature, stats, training, launches):
+    """oprf/saderf, the whole call: the statistics (global, or running in training, which moves
+    the buffers) come from the key pass's own launch, not a launch before it."""
+    rf = rfattn.RandomFeatures(D, M, feature, stats=stats, seed=0).train(training)
+    q, k, v = _inputs(False)
+    with torch.no_grad():
+        n, ops_ = _count(lambda: rfattn.rf_attention(q, k, v, rf, backend="triton"), launches)
+    assert n <= 2, str(ops_)
+    assert "_stats_kernel" not in ops_
+    call = _grads(lambda q, k, v: rfattn.rf_attention(q, k, v, rf, backend="triton"), _inputs(True))
+    n, ops_ = _count(call, launches)
+    assert n <= 4, str(ops_)
+    if stats == "global" or training:
+        assert ops_["_fwd_kv_stats_kernel"] == 1, str(ops_)
+
+
+@pytest.mark.parametrize("case", ["causal", "causal-train", "decode"])
+@pytest.mark.parametrize("feature", ["oprf", "saderf"])
+def test_running_statistics_causal_and_decode_copy_nothing(feature, case, launches):
+    """Causal calls and the decode step with running statistics (the kept form in eval, the
+    stats pass in training) issue no torch op: their per-(b, h) parameters are ``[B, H, ...]``
+    as the kernels read them (broadcast ones were copied at each launch, one ``clone`` each)."""
+    rf = rfattn.RandomFeatures(D, M, feature, seed=0).train(case == "causal-train")
+    q, k, v = _inputs(False)
+    if case == "decode":
+        q, k, v = q[:, :, :1], k[:, :, :1], v[:, :, :1]
+    with torch.no_grad():
+        _count(lambda: rfattn.rf_attention(q, k, v, rf, causal=True, backend="triton"), launches)
+    with OpCounter() as mode:
+        with torch.no_grad():
+            rfattn.rf_attention(q, k, v, rf, causal=True, backend="triton")
+    assert mode.of_kind("gpu", "copy") == {}
 
 
 @pytest.mark.parametrize("feature", ["posrf", "hrf", "rmf", "oprf", "saderf"])

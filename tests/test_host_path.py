@@ -184,9 +184,10 @@ def test_kept_forms_follow_their_sources():
             p = rf.feature_params(x, x, causal=causal)
         return rf.feature_map.kernel_form(rf.weight, p)
 
-    def same(a, b):  # b's values as a (a kept form holds them as the kernels read them)
+    def same(a, b):  # b's values as a (a kept form holds them as the kernels read them: in
+        # their dtype, per-(b, h) parameters per (b, h))
         return all(
-            (x is None and y is None) or torch.equal(x, y.to(x.dtype))
+            (x is None and y is None) or torch.equal(x, y.to(x.dtype).expand_as(x))
             for x, y in ((a.w, b.w), (a.coeffs, b.coeffs), (a.psi, b.psi), (a.table, b.table),
                          (a.tau, b.tau), (a.rows, b.rows))  # fmt: skip
         )

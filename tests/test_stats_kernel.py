@@ -26,7 +26,7 @@ CASES = [  # B, H, Tq, Tk, D, masked
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}-H{}-Tq{}-Tk{}-D{}-mask{}".format(*c))
 def test_moments_match_sequence_moments(case, dtype, kernel_device):
-    from rfattn.kernels.stats import sequence_moments_fused
+    from rfattn.kernels.stats import stats_pass
 
     B, H, Tq, Tk, D, masked = case
     scale = 0.3
@@ -38,7 +38,7 @@ def test_moments_match_sequence_moments(case, dtype, kernel_device):
         mask[-1] = True  # a batch element with no valid token: means 0, min 0
         mask = mask.to(kernel_device)
         k[mask[:, None, :, None].expand_as(k)] = float("nan")  # padded content is never read
-    got = sequence_moments_fused(q, k, scale, mask)
+    got = stats_pass(q, k, scale, mask).moments
     x64 = [x.double() * scale**0.5 for x in (q, k)]
     if mask is not None:
         x64[1] = x64[1].masked_fill(mask[:, None, :, None], 0.0)
@@ -50,11 +50,11 @@ def test_moments_match_sequence_moments(case, dtype, kernel_device):
 
 
 def test_empty_sequences(kernel_device):
-    from rfattn.kernels.stats import sequence_moments_fused
+    from rfattn.kernels.stats import stats_pass
 
     x = rand(2, 2, 0, 8, device=kernel_device)
     zeros = torch.zeros(2, 2, 2, 8, device=x.device)
-    assert all(torch.equal(t, zeros) for t in sequence_moments_fused(x, x, 0.5))
+    assert all(torch.equal(t, zeros) for t in stats_pass(x, x, 0.5).moments)
 
 
 @pytest.mark.parametrize("feature", ["oprf", "saderf"])
@@ -83,9 +83,11 @@ def test_feature_parameters_from_the_stats_pass(feature, stats, kernel_device):
     form = kernel_form(rf, q, k, mask, 0.25, causal=False)
     ab, psi = form.coeffs, form.psi
     p = rf_torch.feature_params(q * 0.5, k * 0.5, mask)
-    assert rel_rms(ab, torch.cat((p["A"], p["B"], p["log_D"]), dim=-1).flatten(-2)) <= 1e-6
+    assert ab.shape == (B, H, 3)  # per (b, h), as the kernels read them: no copy at launch
+    want = torch.cat((p["A"], p["B"], p["log_D"]), dim=-1).flatten(-2)
+    assert rel_rms(ab, want.expand_as(ab)) <= 1e-6
     if feature == "saderf":
-        assert rel_rms(psi, p["psi"].squeeze(-2)) <= 1e-6
+        assert rel_rms(psi, p["psi"].squeeze(-2).expand_as(psi)) <= 1e-6
     assert float(p["A"].abs().max()) > 1e-3  # the statistics are not trivial
 
 
@@ -170,3 +172,134 @@ def test_running_statistics_in_the_stats_pass_float64(feature, kernel_device):
         want = _torch_coeffs(rf_torch, q, k, kmask, 0.3, causal=True, qmask=kmask)
         _assert_form_params(kernel_form(rf, q, k, kmask, 0.3, True, kmask), want, feature)
     assert float(want[0][..., 0].abs().min()) > 1e-3
+
+
+# ------------------------------------------------------------------------------------------------
+# the statistics formed by the key pass (rf_parallel._fwd_kv_stats_kernel): a non-causal call's
+# stats roles and key-pass roles in one launch
+
+
+@pytest.fixture
+def kv_launches(monkeypatch):
+    """The kernels the non-causal forward launches, in order (launched as they are)."""
+    from rfattn.kernels import rf_parallel
+
+    seen, real = [], rf_parallel.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        seen.append(kernel)
+        return real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(rf_parallel, "launch", spy)
+    return seen
+
+
+def _call64(rf, q, k, v, kmask, qmask, backend):
+    """out and (dq, dk, dv) of a float64 call with both masks."""
+    xs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = rfattn.rf_attention(*xs, rf, key_padding_mask=kmask, query_padding_mask=qmask,
+                              backend=backend)  # fmt: skip
+    do = rand(*out.shape, seed=9, dtype=torch.float64, device=out.device)
+    return out, torch.autograd.grad(out, xs, do)
+
+
+@pytest.mark.parametrize("feature,stats", [
+    ("saderf", "global"), ("oprf", "running"),
+    pytest.param("oprf", "global", marks=pytest.mark.slow),
+    pytest.param("saderf", "running", marks=pytest.mark.slow),
+], ids=lambda x: x)  # fmt: skip
+def test_key_pass_statistics_float64_masks_grouped_heads(feature, stats, kernel_device,
+                                                         kv_launches):  # fmt: skip
+    """A call whose statistics the key pass forms (one launch before the query pass) equals the
+    torch path in float64, outputs and gradients: key and query padding masks, grouped-query
+    heads (the query rows of each key/value head), a (b, h) without a valid key, two splits per
+    side. Running statistics: two training steps, the second from the buffers the first moved
+    (in the key pass's launch), and the buffers themselves."""
+    from rfattn.kernels.rf_parallel import _fwd_kv_running_kernel, _fwd_kv_stats_kernel
+
+    q, k, kmask, qmask = _gqa_inputs(kernel_device, Tq=70, Tk=140)
+    v = rand(*k.shape[:3], 8, seed=3, dtype=torch.float64, device=kernel_device)
+    rf = rfattn.RandomFeatures(q.shape[-1], 16, feature=feature, stats=stats, seed=0)
+    rf = rf.double().to(kernel_device)
+    rf_torch = copy.deepcopy(rf)
+    for step in range(2 if stats == "running" else 1):
+        qs, ks = q * (1 + step), k - 0.3 * step
+        kv_launches.clear()
+        out, grads = _call64(rf, qs, ks, v, kmask, qmask, "triton")
+        want, want_grads = _call64(rf_torch, qs, ks, v, kmask, qmask, "torch")
+        kernel = _fwd_kv_running_kernel if stats == "running" else _fwd_kv_stats_kernel
+        assert [getattr(x, "fn", x).__name__ for x in kv_launches[:2]] == [
+            "_fwd_kv_stats_kernel", "_fwd_q_kernel"] and kv_launches[0] is kernel  # fmt: skip
+        assert rel_rms(out, want) <= 1e-12
+        for a, b in zip(grads, want_grads, strict=True):
+            assert rel_rms(a, b) <= 1e-12
+        if stats == "running":
+            fm, fm_torch = rf.feature_map, rf_torch.feature_map
+            for name in Moments._fields:
+                a, b = getattr(fm, f"running_{name}"), getattr(fm_torch, f"running_{name}")
+                assert rel_rms(a, b) <= 1e-13, (step, name)
+            assert int(fm.num_batches_tracked) == step + 1
+    # not trivial: the statistics move the result away from posrf's
+    plain = rfattn.RandomFeatures(q.shape[-1], 16, seed=0).double().to(kernel_device)
+    assert rel_rms(_call64(plain, qs, ks, v, kmask, qmask, "torch")[0], want) > 1e-3
+
+
+def _deferred_forward(rf, q, k, v, kmask, qmask, programs, num_splits=None):
+    """(out, coeffs, psi) of rf_parallel_fwd on a form whose parameters its key pass forms with
+    ``programs`` stats roles."""
+    from rfattn.kernels import stats
+    from rfattn.kernels.rf_parallel import rf_parallel_fwd
+
+    from rfattn.fused import kernel_form
+
+    form = kernel_form(rf, q, k, kmask, 0.3, False, qmask, defer=True)
+    st = stats.claim(form.coeffs)
+    assert st is not None and stats.claim(form.coeffs) is None  # left once
+    stats.defer(form.coeffs, st._replace(programs=programs, num_splits=num_splits))
+    out = rf_parallel_fwd(q, k, v, form, 0.3, kmask, num_splits=num_splits)
+    assert stats.claim(form.coeffs) is None  # taken by the launch
+    return out, form
+
+
+@pytest.mark.parametrize("feature,programs", [
+    ("oprf", 1), ("saderf", 3), ("oprf", 40),
+    *(pytest.param(f, n, marks=pytest.mark.slow) for f, n in (("saderf", 1), ("oprf", 3),
+                                                              ("saderf", 40))),
+], ids=lambda x: f"roles{x}" if isinstance(x, int) else x)  # fmt: skip
+def test_key_pass_statistics_any_number_of_stats_roles(feature, programs, kernel_device):
+    """B*H = 4 (b, h) of 3 query and 3 key splits (24 work items): one stats role for all of
+    them, 3 (fewer than the (b, h); several items each, a (b, h)'s items in several roles), 40
+    (more than the items: some have none). Parameters and output as the torch path's, float64;
+    the arrival counters, ready flags and ticket back at 0 after each launch."""
+    from rfattn.kernels.common import arrival_counters
+
+    q, k, kmask, qmask = _gqa_inputs(kernel_device, B=2, Hq=2, H=2, Tq=300, Tk=300)
+    v = rand(*k.shape[:3], 8, seed=3, dtype=torch.float64, device=kernel_device)
+    rf = rfattn.RandomFeatures(q.shape[-1], 16, feature=feature, seed=0).double()
+    rf = rf.to(kernel_device)
+    out, form = _deferred_forward(rf, q, k, v, kmask, qmask, programs, num_splits=3)
+    _assert_form_params(form, _torch_coeffs(rf, q, k, kmask, 0.3, qmask=qmask), feature)
+    want = rfattn.rf_attention(q, k, v, rf, key_padding_mask=kmask, scale=0.3,
+                               query_padding_mask=qmask, backend="torch")  # fmt: skip
+    valid = ~qmask[:, None, :, None]  # padded query rows are the caller's to zero
+    assert rel_rms(out * valid, want * valid) <= 1e-12
+    assert not arrival_counters(q.device, 1).any()
+
+
+def test_key_pass_statistics_two_calls_take_their_own_data(kernel_device):
+    """Two launches in a row on different data: the second forms the second data's parameters
+    (the ticket, flags and arrival counters the first left are at 0: none of its roles is taken
+    for one of the first's, none skips its wait)."""
+    from rfattn.kernels.common import arrival_counters
+
+    q, k, kmask, qmask = _gqa_inputs(kernel_device, Hq=2, Tq=150, Tk=150)
+    v = rand(*k.shape[:3], 8, seed=3, dtype=torch.float64, device=kernel_device)
+    rf = rfattn.RandomFeatures(q.shape[-1], 16, feature="saderf", seed=0).double()
+    rf = rf.to(kernel_device)
+    firsts = []
+    for qs, ks in ((q, k), (0.5 * q - 0.2, 2.0 * k)):
+        _, form = _deferred_forward(rf, qs, ks, v, kmask, qmask, None)
+        _assert_form_params(form, _torch_coeffs(rf, qs, ks, kmask, 0.3, qmask=qmask), "saderf")
+        firsts.append(form.coeffs)
+        assert not arrival_counters(q.device, 1).any()
+    assert rel_rms(firsts[1], firsts[0]) > 1e-2  # the two data's parameters differ
