@@ -520,9 +520,9 @@ def claim(coeffs: torch.Tensor | None) -> KeyPassStats | None:
     return None if coeffs is None or not DEFERRED else DEFERRED.pop(coeffs, None)
 
 
-#: counters a key pass with statistics takes beside its own: per (b, h) the stats items'
-#: arrivals and a ready flag, then the ticket and the launch's arrivals
 def key_pass_counters(BH: int) -> int:
+    """The arrival counters a key pass with statistics takes after its own: per (b, h) the
+    stats items' arrivals and a ready flag, then the ticket and the launch's arrivals."""
     return 2 * BH + 2
 
 

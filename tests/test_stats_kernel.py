@@ -204,9 +204,10 @@ def _call64(rf, q, k, v, kmask, qmask, backend):
 
 
 @pytest.mark.parametrize("feature,stats", [
-    ("saderf", "global"), ("oprf", "running"),
-    pytest.param("oprf", "global", marks=pytest.mark.slow),
-    pytest.param("saderf", "running", marks=pytest.mark.slow),
+    ("oprf", "running"),  # global statistics in make test: the two tests below
+    *(pytest.param(f, s, marks=pytest.mark.slow) for f, s in (("saderf", "global"),
+                                                              ("oprf", "global"),
+                                                              ("saderf", "running"))),
 ], ids=lambda x: x)  # fmt: skip
 def test_key_pass_statistics_float64_masks_grouped_heads(feature, stats, kernel_device,
                                                          kv_launches):  # fmt: skip
