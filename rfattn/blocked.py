@@ -589,6 +589,8 @@ def no_autocast(backward):
     @functools.wraps(backward)
     def run(ctx, *grads):
         dev = next((g.device.type for g in grads if isinstance(g, torch.Tensor)), "cpu")
+        if not torch.is_autocast_enabled(dev):  # nothing to turn off (the context costs µs)
+            return backward(ctx, *grads)
         with torch.autocast(dev, enabled=False):
             return backward(ctx, *grads)
 

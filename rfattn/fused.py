@@ -7,17 +7,18 @@ on the first fused call only."""
 from __future__ import annotations
 
 import dataclasses
+import weakref
+from typing import NamedTuple
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from rfattn.call import Call, RFState, learns_gerf_a, mapped, no_kernel_reason, query_rows
-from rfattn.features import StatsFeature, compute_dtype, prescale
+from rfattn.features import compute_dtype, prescale
 from rfattn.features.exponential import coefficient_form
 from rfattn.stats import Moments, running_moments
 from rfattn.weights import WEIGHTED_WEIGHTS
 
-__all__ = ["attend", "kernel_form", "constant_form"]
+__all__ = ["attend", "kernel_form", "constant_form", "kept_form", "Kept"]
 
 
 def attend(call: Call, gpu_tiles=None):
@@ -28,36 +29,47 @@ def attend(call: Call, gpu_tiles=None):
     are the torch path's). Head maps are applied by the forward kernels as they load q and k; a
     call that needs gradients (of anything, the maps included) maps q and k first (the backward
     kernels take no maps). ``gpu_tiles``: as the launchers' (``bench.compile`` records a GPU's
-    launches)."""
+    launches).
+
+    A call whose form is kept (:func:`constant_form`) for a RandomFeatures the fused kernels take
+    as it is (no head maps, no learnable GERF A; checked when the form was kept) goes straight
+    to the operator."""
     from rfattn import ops
 
-    rf, causal = call.rf, call.causal
-    reason = no_kernel_reason(rf, causal)
-    if reason is not None:
-        raise NotImplementedError(f"{reason}; use backend='torch'")
-    if learns_gerf_a(rf):
-        raise NotImplementedError(
-            "the fused kernels hold GERF's A constant: a call that needs the gradient of a "
-            "learnable gerf_A runs backend='torch' (or run this one under torch.no_grad())"
-        )
-    grad = False  # whether autograd records the call (blocked.backward_follows, inlined)
-    if torch.is_grad_enabled():
-        given = (call.q, call.k, call.v, rf.weight, *(call.initial_state or ()),
-                 *(call.maps or ()))  # fmt: skip
-        for x in given:
-            grad = grad or x is not None and x.requires_grad
-    if grad and call.maps is not None:
-        call = call.with_maps_applied()
+    rf, causal, q = call.rf, call.causal, call.q
+    kept = kept_form(rf, q.device, q.dtype, causal)
+    if kept is not None and kept.plain_call and call.maps is None and \
+            not (causal and kept.w.requires_grad):  # fmt: skip
+        form = kept.form
+        grad = torch.is_grad_enabled() and (q.requires_grad or call.k.requires_grad or
+                                            call.v.requires_grad or kept.w.requires_grad or
+                                            call.initial_state is not None and
+                                            call.initial_state[0].requires_grad)  # fmt: skip
+    else:
+        reason = no_kernel_reason(rf, causal)
+        if reason is not None:
+            raise NotImplementedError(f"{reason}; use backend='torch'")
+        if learns_gerf_a(rf):
+            raise NotImplementedError(
+                "the fused kernels hold GERF's A constant: a call that needs the gradient of a "
+                "learnable gerf_A runs backend='torch' (or run this one under torch.no_grad())"
+            )
+        grad = False  # whether autograd records the call (blocked.backward_follows, inlined)
+        if torch.is_grad_enabled():
+            given = (call.q, call.k, call.v, rf.weight, *(call.initial_state or ()),
+                     *(call.maps or ()))  # fmt: skip
+            for x in given:
+                grad = grad or x is not None and x.requires_grad
+        if grad and call.maps is not None:
+            call = call.with_maps_applied()
+        form = kernel_form(rf, call.q, call.k, call.key_padding_mask, call.scale, causal,
+                           call.query_padding_mask, maps=call.maps)  # fmt: skip
     q, k, v, mask, scale = call.q, call.k, call.v, call.key_padding_mask, call.scale
-    form = kernel_form(rf, q, k, mask, scale, causal, call.query_padding_mask, maps=call.maps)
-    kw = dict(key_padding_mask=mask, gpu_tiles=gpu_tiles)
     if not causal:
-        return ops.rf_parallel(q, k, v, form, scale, **kw)
-    from rfattn.kernels.rf_recurrent import MAX_TOKENS
-
+        return ops.rf_parallel(q, k, v, form, scale, mask, gpu_tiles=gpu_tiles)
     # decoding (few tokens, no gradient): one launch, O(M (D + E)) per token
-    run = ops.rf_decode if not grad and q.shape[2] <= MAX_TOKENS else ops.rf_chunk
-    out, s, z, off = run(q, k, v, form, scale, initial_state=call.initial_state, **kw)
+    run = ops.rf_decode if not grad and q.shape[2] <= ops.DECODE_TOKENS else ops.rf_chunk
+    out, s, z, off = run(q, k, v, form, scale, mask, call.initial_state, gpu_tiles=gpu_tiles)
     return (out, RFState(s, z, off)) if call.return_state else out
 
 
@@ -94,7 +106,7 @@ def kernel_form(rf, q, k, key_padding_mask, scale: float, causal: bool,
     elif moments is not None:
         form = _params_form(rf, q, key_padding_mask, causal, query_padding_mask, moments)
     else:
-        form = constant_form(rf, q.device, compute_dtype(q.dtype), causal)
+        form = constant_form(rf, q.device, compute_dtype(q.dtype), causal, q.dtype)
     if maps is None:
         return form
     qmap, kmap = (None if m is None else m.detach() for m in maps)
@@ -154,9 +166,39 @@ def _stats_pass_form(rf, q, k, key_padding_mask, query_padding_mask, scale, caus
     return coefficient_form(rf.weight.to(q.device), res.coeffs, res.psi, params, fm.name)
 
 
-#: per RandomFeatures: {(device, dtype, statistics mode, training): (the tensors the form was
-#: built from with their versions, the form)}
-_FORMS = WeakIdKeyDictionary()
+class Kept(NamedTuple):
+    """A kept data-independent form (:func:`constant_form`) and what says it is still valid."""
+
+    revision: int  # the RandomFeatures' revision it was built at
+    feature_map: torch.nn.Module
+    training: bool  # the feature map's mode then
+    versions: tuple  # (tensor, its _version) of each tensor the form was built from
+    w: torch.Tensor  # W then (its requires_grad is read at each call)
+    form: object  # the KernelForm, its tensors as the kernels read them
+    plain_call: bool  # a fused kernel takes the module as it is: no head maps, no learnable A
+
+
+#: per RandomFeatures (held weakly): {(device, input dtype, causal): Kept}
+_FORMS = weakref.WeakKeyDictionary()
+
+
+def kept_form(rf, device: torch.device, dtype: torch.dtype, causal: bool) -> Kept | None:
+    """The kept form of a call on ``device`` with inputs of ``dtype`` (:func:`constant_form`), if
+    there is one and it is valid: the module's revision, its feature map's mode and the versions
+    of the tensors it was built from are those it was built with, W takes no gradient now and
+    nothing is being traced. A dictionary lookup and a few integer comparisons."""
+    kept = _FORMS.get(rf)
+    kept = None if kept is None else kept.get((device, dtype, causal))
+    if kept is None or kept.revision != rf.revision or \
+            kept.feature_map.training is not kept.training or \
+            torch.compiler.is_compiling():  # fmt: skip
+        return None
+    for t, version in kept.versions:
+        if t._version != version:
+            return None
+    if kept.w.requires_grad and torch.is_grad_enabled():
+        return None
+    return kept
 
 
 def _sources(rf) -> tuple | None:
@@ -174,31 +216,34 @@ def _sources(rf) -> tuple | None:
     return None if any(t.is_inference() for t in out) else out
 
 
-def constant_form(rf, device: torch.device, dtype: torch.dtype, causal: bool):
+def constant_form(rf, device: torch.device, dtype: torch.dtype, causal: bool,
+                  input_dtype: torch.dtype | None = None):  # fmt: skip
     """The form of a call whose parameters do not depend on its data (:func:`kernel_form`),
-    kept per RandomFeatures, ``device``, compute ``dtype`` and statistics mode: rebuilt when W,
-    the component weights, GERF's A or a buffer of the feature map (draws, running statistics)
-    is replaced or changed in place (its ``_version``; ``redraw``, ``load_state_dict``, an
-    optimiser step), or when the module's training mode changes."""
+    kept per RandomFeatures, ``device``, input dtype (``input_dtype``, default ``dtype``;
+    ``dtype`` is its compute dtype) and causality (:func:`kept_form`): rebuilt when W, the
+    component weights, GERF's A or a buffer of the feature map (draws, running statistics) is
+    changed in place (its ``_version``: an optimiser step, ``load_state_dict``), or when the
+    module's revision moves (:attr:`RandomFeatures.revision`: a redraw, ``.to()``, a train/eval
+    switch, ``load_state_dict``, W made learnable)."""
     from rfattn import ops
 
-    fm = rf.feature_map
-    key = (device, dtype, fm.mode(causal) if isinstance(fm, StatsFeature) else None, fm.training)
+    key = (device, dtype if input_dtype is None else input_dtype, causal)
+    kept = kept_form(rf, *key)
+    if kept is not None:
+        return kept.form
     sources = _sources(rf)
-    kept = _FORMS.get(rf, {}).get(key) if sources is not None else None
-    if (
-        kept is not None
-        and len(kept[0]) == len(sources)
-        and all(t is s and t._version == v for (t, v), s in zip(kept[0], sources, strict=True))
-    ):
-        return kept[1]
     with torch.inference_mode(False):  # a kept form is used outside inference mode too
         q = torch.empty(0, device=device, dtype=dtype).view(1, 1, 0, rf.head_dim)
         form = _params_form(rf, q, None, causal)
         if sources is not None and not ops.on_torch(q):  # kept as the kernels read it
             form = _kernel_layout(form, dtype)
     if sources is not None:
-        _FORMS.setdefault(rf, {})[key] = (tuple((t, t._version) for t in sources), form)
+        fm = rf.feature_map
+        plain_call = no_kernel_reason(rf, causal) is None and rf.query_map is None and \
+            rf.gerf_A is None  # fmt: skip
+        kept = Kept(rf.revision, fm, fm.training, tuple((t, t._version) for t in sources),
+                    sources[0], form, plain_call)  # fmt: skip
+        _FORMS.setdefault(rf, {})[key] = kept
     return form
 
 
