@@ -213,15 +213,18 @@ def _plan(kernel, compiled, positional: int, consts: dict):
     """``(run, compiled kernel, the constexprs after the positional arguments in the kernel's
     order, the grid's meta)`` of a launch that returned ``compiled``, or None (no plan: every
     launch of it then goes Triton's way) when the launch cannot be replayed: not a compiled
-    kernel (the interpreter), an autotuner that resets or restores arguments, a config with a
-    pre-hook, an argument by keyword that is not a constexpr, or a tensor among them."""
+    kernel (the interpreter), a config with a pre-hook (Triton runs it at every launch), an
+    argument by keyword that is not a constexpr, or a tensor among them. An autotuner's
+    ``reset_to_zero`` and ``restore_value`` act only while it tunes (around its benchmark runs,
+    the first launch of a key), never at a launch of a tuned key: such a launch is replayed as
+    Triton makes it."""
     compiled = compiled.result() if hasattr(compiled, "result") else compiled  # 3.6's futures
     if not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
         return None
     jit = kernel
     if isinstance(kernel, Autotuner):
         config = kernel.best_config
-        if kernel.reset_to_zero or kernel.restore_value or config.pre_hook:
+        if config.pre_hook:
             return None
         jit, consts = kernel.fn, {**consts, **config.kwargs}
     if not isinstance(jit, JITFunction):

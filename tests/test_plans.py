@@ -112,6 +112,28 @@ def test_plans_follow_what_they_derive_from(setups, kernel_device):
         assert setups[0] == 0, name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_scratch_buffers_and_their_addresses(dtype):
+    """A launcher's scratch (``common.Scratch``): one allocation, each buffer on 16 bytes and
+    apart from the others; the addresses a replayed launch takes are those of the views Triton's
+    own launch (and the interpreter) takes (an empty buffer's view has no address of its own)."""
+    from rfattn.kernels.common import Scratch
+
+    shapes = [(3, 5, 7), (3, 5), (1,), (2, 9), (0, 4), (6,)]
+    scratch = Scratch(dtype, *shapes)
+    buf, views = scratch("cpu", False)
+    assert [tuple(x.shape) for x in views] == shapes
+    used = [i for i, x in enumerate(views) if x.numel()]
+    starts = [views[i].data_ptr() - buf.data_ptr() for i in used]
+    ends = [a + views[i].numel() * buf.element_size() for a, i in zip(starts, used, strict=True)]
+    assert all(views[i].data_ptr() % 16 == 0 for i in used)
+    assert all(e <= s for e, s in zip(ends, starts[1:], strict=False))  # no overlap, in order
+    assert ends[-1] <= buf.numel() * buf.element_size()
+    buf2, addresses = scratch("cpu", True)
+    addresses = list(addresses)
+    assert [addresses[i] - buf2.data_ptr() for i in used] == starts
+
+
 #: name -> (the change, whether it changes the features' values)
 CHANGES = {
     "redraw": (lambda rf: rf.redraw(seed=7), True),
