@@ -665,14 +665,18 @@ def rf_parallel_fwd(
     """
     p = shape_plan(_FWD_PLANS, _plan, q, k, v, form, scale, key_padding_mask, precision,
                    gpu_tiles, num_splits, None)  # fmt: skip
-    B, H, Tq, E, acc, dev = p.B, p.H, p.Tq, p.E, p.acc, q.device
+    B, H, Tq, M, E, acc, dev = p.B, p.H, p.Tq, p.M, p.E, p.acc, q.device
     w, *ptrs, qmap, kmap = form_args(form, B, H, H, acc, dev)
     out = torch.empty(B, H, Tq, E, device=dev, dtype=q.dtype)
     # S, z, m_K, m_q, den: outputs where asked for, else scratch with the splits' partials
     addresses = p.kv.direct is not None and p.q.direct is not None
     if return_aux or combine is not None or B * H == 0:
-        s, z, mk, mq, den = (torch.empty(shape, device=dev, dtype=acc)
-                             for shape in p.aux.shapes[:5])  # fmt: skip
+        BH = B * H
+        s, z = torch.empty(BH, M, E, device=dev, dtype=acc), torch.empty(BH, M, device=dev,
+                                                                         dtype=acc)  # fmt: skip
+        mk, mq = torch.empty(BH, M, device=dev, dtype=acc), torch.empty(BH, Tq, device=dev,
+                                                                        dtype=acc)  # fmt: skip
+        den = torch.empty(BH, Tq, device=dev, dtype=acc)
         if B * H == 0:
             return (out, (s, z, mk, mq, den)) if return_aux else out
         ws, parts = p.parts(dev, addresses) if p.splits > 1 else (None, ())

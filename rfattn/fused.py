@@ -40,11 +40,12 @@ def attend(call: Call, gpu_tiles=None):
     kept = kept_form(rf, q.device, q.dtype, causal)
     if kept is not None and kept.plain_call and call.maps is None and \
             not (causal and kept.w.requires_grad):  # fmt: skip
-        form = kept.form
-        grad = torch.is_grad_enabled() and (q.requires_grad or call.k.requires_grad or
-                                            call.v.requires_grad or kept.w.requires_grad or
-                                            call.initial_state is not None and
-                                            call.initial_state[0].requires_grad)  # fmt: skip
+        form, st = kept.form, call.initial_state
+        grad = torch.is_grad_enabled() and (
+            q.requires_grad or call.k.requires_grad or call.v.requires_grad or
+            kept.w.requires_grad or st is not None and (st[0].requires_grad or
+                                                        st[1].requires_grad or
+                                                        st[2].requires_grad))  # fmt: skip
     else:
         reason = no_kernel_reason(rf, causal)
         if reason is not None:
@@ -80,11 +81,12 @@ def kernel_form(rf, q, k, key_padding_mask, scale: float, causal: bool,
     those of the mapped q and k.
 
     * Parameters that do not depend on the call's data (no statistics; running statistics
-      outside training; fixed ones): the form is built once per RandomFeatures, device, compute
-      dtype and statistics mode, and kept while every tensor it was built from (W, the
-      component weights, GERF's A, the feature map's buffers: draws and running statistics) is
-      the same object at the same version (:func:`constant_form`). Such a call issues no GPU
-      operation of its own.
+      outside training; fixed ones): the form is built once per RandomFeatures, device, input
+      dtype and causality, and kept while the module's revision, its feature map's mode and the
+      version of every tensor it was built from (W, the component weights, GERF's A, the
+      feature map's buffers: draws and running statistics) are unchanged
+      (:func:`constant_form`, :func:`kept_form`). Such a call issues no GPU operation of its
+      own.
     * oprf/saderf with this call's statistics (global mode, or a running-mode call in training):
       ONE launch of the fused stats pass (``rfattn.kernels.stats``) reduces the moments of q and
       k and forms the parameters, and in training moves the running buffers; in torch where the
