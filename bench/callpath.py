@@ -26,6 +26,12 @@ untraced, so that lazy imports and the autotuner's first benchmark stay out of t
 * file crossings: consecutive call events whose files differ (a return is no event: A calls B
   in another file and then C in A's file counts 2).
 
+``--fake-gpu`` runs the fused paths through Triton's compiled launch path against the fake sm_90
+driver of ``python -m bench.host`` (``bench/fake_gpu.py``; the interpreter off, the kernels
+compiled for an H100, launches that do nothing) instead of the interpreter: the functions a GPU's
+call enters (the interpreter adds its own few per launch: Triton's launch and the grid).
+``--paths`` picks some of the paths.
+
 Imports come from the checkout this file lies in (``rfattn`` from ``rfattn/``, ``rfattn.kernels``
 from ``kernels/``), whatever editable install the environment has; the script checks that.
 """
@@ -45,7 +51,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"rfattn": ROOT / "rfattn", "rfattn.kernels": ROOT / "kernels"}
 FOLDERS = tuple(str(p) + os.sep for p in PACKAGES.values())
-os.environ["TRITON_INTERPRET"] = "1"  # CPU inputs; read when the kernels are decorated
+#: the interpreter unless --fake-gpu (read when the kernels are decorated, at rfattn's import)
+FAKE_GPU = "--fake-gpu" in sys.argv[1:] and __name__ == "__main__"
+if not FAKE_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"  # CPU inputs
+else:
+    os.environ.pop("TRITON_INTERPRET", None)
 
 
 class _CheckoutFinder(importlib.abc.MetaPathFinder):
@@ -65,8 +76,16 @@ sys.meta_path.insert(0, _CheckoutFinder())
 
 import torch  # noqa: E402
 
+if FAKE_GPU:  # Triton's CUDA driver against the stand-in libcuda, before the kernels compile
+    from bench import fake_gpu, host  # noqa: E402
+
+    fake_gpu.activate()
+
 import rfattn  # noqa: E402
 from rfattn import kernels  # noqa: E402
+
+if FAKE_GPU:
+    host.route_cpu_tensors_to_triton()
 
 B, H, T, D, M = 1, 1, 16, 8, 16
 
@@ -162,6 +181,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.callpath",
                                      description=__doc__.split("\n\n")[0])  # fmt: skip
     parser.add_argument("--out", type=Path, help="also write the results as JSON here")
+    parser.add_argument("--fake-gpu", action="store_true",
+                        help="compiled launches on the fake sm_90 driver, not the interpreter")
+    parser.add_argument("--paths", nargs="+", help="only these paths (default: every one)")
     args = parser.parse_args(argv)
     for mod in (rfattn, kernels):
         if not os.path.realpath(mod.__file__).startswith(FOLDERS):
@@ -169,16 +191,20 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     results = {}
     for name, call in paths().items():
-        call()  # warm: lazy imports, autotuning
+        if args.paths and name not in args.paths:
+            continue
+        call()  # warm: lazy imports, autotuning, launch plans
         results[name] = summary(trace(call))
-    print(f"rfattn call paths ({ROOT}, backend='triton', TRITON_INTERPRET=1)\n")
+    how = "the fake sm_90 driver" if FAKE_GPU else "TRITON_INTERPRET=1"
+    print(f"rfattn call paths ({ROOT}, backend='triton', {how})\n")
     print("| path | functions | files | file crossings |\n| --- | --- | --- | --- |")
     for name, r in results.items():
         print(f"| {name} | {len(r['functions'])} | {len(r['files'])} | {r['crossings']} |")
     for name, r in results.items():
         print(f"\n{name}:\n  " + "\n  ".join(r["functions"]))
     if args.out:
-        args.out.write_text(json.dumps({"root": str(ROOT), "paths": results}, indent=1) + "\n")
+        args.out.write_text(json.dumps({"root": str(ROOT), "fake_gpu": FAKE_GPU,
+                                        "paths": results}, indent=1) + "\n")  # fmt: skip
 
 
 if __name__ == "__main__":

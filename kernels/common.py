@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import types
 
 import torch
 import triton
@@ -91,7 +92,8 @@ def launch(kernel, grid, *args, **kwargs):
     with the grid of the config the first one ran (a callable ``grid`` is called with the
     launch's constexprs and that config, never with its tensors). ~4 µs a launch instead of
     Triton's 30-50 (``python -m bench.host``). Tensors are passed positionally, constexprs and
-    launch options by keyword.
+    launch options by keyword. (A launcher with a per-shape plan binds its launches once,
+    :class:`Launch`, and skips even this lookup.)
 
     A kernel without autotuning also takes the first of its :func:`fallbacks` that fits where
     the config asked for runs out of shared memory (which would otherwise be an
@@ -119,15 +121,66 @@ def launch(kernel, grid, *args, **kwargs):
                 compiled.launch_metadata(g, stream, *args, *tail),
                 hooks.launch_enter_hook, hooks.launch_exit_hook, *args, *tail)  # fmt: skip
             return compiled
-    if isinstance(kernel, Autotuner):  # its configs carry the launch options
-        out, consts = kernel[grid](*args, **kwargs), kwargs
-    else:
-        out, consts = _fitting_launch(kernel, grid, args, kwargs)
+    out, consts = _triton_launch(kernel, grid, args, kwargs)
     if PLANS:
         if len(LAUNCH_PLANS) >= MAX_PLANS:  # ever new shapes: start over rather than grow
             LAUNCH_PLANS.clear()
         LAUNCH_PLANS[key] = _plan(kernel, out, len(args), consts)
     return out
+
+
+def _triton_launch(kernel, grid, args: tuple, kwargs: dict):
+    """(what Triton's launch returned, its constexprs): the autotuner's way, or the fitting
+    launch of a kernel without autotuning."""
+    if isinstance(kernel, Autotuner):  # its configs carry the launch options
+        return kernel[grid](*args, **kwargs), kwargs
+    return _fitting_launch(kernel, grid, args, dict(kwargs))
+
+
+class Launch:
+    """One launch of a launcher's per-shape plan (:func:`shape_plan`): the kernel, its grid and
+    its constexprs, bound once; each call passes the positional arguments.
+
+    The first call goes Triton's whole way (as :func:`launch`'s first launch); later ones call
+    the compiled kernel the first one ran directly, with its grid, without building a key from
+    the arguments: the plan's key (sizes, strides, dtypes, devices, 16-byte alignment
+    of the inputs) fixes everything Triton specialises on, and every tensor the launcher makes
+    (outputs, scratch, the form's tensors, :func:`form_args`) is contiguous and aligned. The
+    launch metadata Triton's hooks read is made only while a hook is installed. Under the
+    interpreter (nothing compiled), or for a launch that cannot be replayed (:func:`_plan`),
+    every call goes Triton's way."""
+
+    __slots__ = ("kernel", "grid", "kwargs", "direct")
+
+    def __init__(self, kernel, grid, **kwargs):
+        self.kernel, self.grid, self.kwargs, self.direct = kernel, grid, kwargs, None
+
+    def __call__(self, *args) -> None:
+        direct = self.direct
+        if direct is not None:
+            drv, device, run, compiled, function, packed, g, tail = direct
+            if drv is driver.active and drv.get_current_device() == device:
+                stream = drv.get_current_stream(device)
+                hooks = knobs.runtime
+                enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+                # a hook installed: a function, or (Triton 3.9) a chain of hooks with some in it;
+                # an empty chain is no hook, nothing for the launcher to call
+                if enter is not None and getattr(enter, "calls", True) or \
+                        leave is not None and getattr(leave, "calls", True):  # fmt: skip
+                    meta = compiled.launch_metadata(g, stream, *args, *tail)
+                else:
+                    meta = enter = leave = None
+                run(*g, stream, function, packed, meta, enter, leave, *args, *tail)
+                return
+        compiled, consts = _triton_launch(self.kernel, self.grid, args, self.kwargs)
+        plan = _plan(self.kernel, compiled, len(args), consts) if PLANS else None
+        if plan is not None:
+            run, compiled, tail, meta = plan
+            g = self.grid(meta) if callable(self.grid) else self.grid
+            g = (g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1)
+            drv = driver.active
+            self.direct = (drv, drv.get_current_device(), run, compiled, compiled.function,
+                           compiled.packed_metadata, g, tail)
 
 
 def _fitting_launch(kernel, grid, args: tuple, kwargs: dict):
@@ -160,15 +213,18 @@ def _plan(kernel, compiled, positional: int, consts: dict):
     """``(run, compiled kernel, the constexprs after the positional arguments in the kernel's
     order, the grid's meta)`` of a launch that returned ``compiled``, or None (no plan: every
     launch of it then goes Triton's way) when the launch cannot be replayed: not a compiled
-    kernel (the interpreter), an autotuner that resets or restores arguments, a config with a
-    pre-hook, an argument by keyword that is not a constexpr, or a tensor among them."""
+    kernel (the interpreter), a config with a pre-hook (Triton runs it at every launch), an
+    argument by keyword that is not a constexpr, or a tensor among them. An autotuner's
+    ``reset_to_zero`` and ``restore_value`` act only while it tunes (around its benchmark runs,
+    the first launch of a key), never at a launch of a tuned key: such a launch is replayed as
+    Triton makes it."""
     compiled = compiled.result() if hasattr(compiled, "result") else compiled  # 3.6's futures
     if not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
         return None
     jit = kernel
     if isinstance(kernel, Autotuner):
         config = kernel.best_config
-        if kernel.reset_to_zero or kernel.restore_value or config.pre_hook:
+        if config.pre_hook:
             return None
         jit, consts = kernel.fn, {**consts, **config.kwargs}
     if not isinstance(jit, JITFunction):
@@ -835,13 +891,13 @@ class Setup:
         return torch.empty(*shape, device=self.w.device, dtype=self.acc)
 
 
-def _form_args(form, B: int, H: int, D: int, acc, placeholder) -> tuple[tuple, dict]:
-    """(the per-feature pointers after sqrt(scale), the constexpr flags) of a
-    :class:`rfattn.features.form.KernelForm`, checked and contiguous on the inputs' device."""
+def _form_args(form, B: int, H: int, D: int, acc, placeholder) -> tuple:
+    """The per-feature pointers after sqrt(scale) of a :class:`rfattn.features.form.KernelForm`,
+    checked, contiguous and 16-byte aligned on the inputs' device."""
     dev = placeholder.device
 
     def dense(x, dtype=acc):
-        return x.detach().to(device=dev, dtype=dtype).contiguous()
+        return aligned(x.detach().to(device=dev, dtype=dtype).contiguous())
 
     ab = placeholder if form.coeffs is None else _per_head(form.coeffs, B, H, (3,), "coeffs",
                                                            acc, dev)  # fmt: skip
@@ -851,10 +907,20 @@ def _form_args(form, B: int, H: int, D: int, acc, placeholder) -> tuple[tuple, d
     index = form.lam if form.kind == "table" else form.segments
     xr = placeholder if extra is None or extra.numel() == 0 else dense(extra)
     xi = placeholder if index is None else dense(index, torch.int32)
-    has_lam = form.kind == "table" and form.tau is not None
-    flags = dict(FEATURE=FEATURE_IDS[form.kind], HAS_AB=form.coeffs is not None,
-                 HAS_PSI=form.psi is not None, HAS_LAM=has_lam)  # fmt: skip
-    return (ab, psi, tab, xr, xi), flags
+    return ab, psi, tab, xr, xi
+
+
+def form_flags(form) -> dict:
+    """The constexpr flags of a kernel form: its kind and which parameters it has."""
+    return dict(FEATURE=FEATURE_IDS[form.kind], HAS_AB=form.coeffs is not None,
+                HAS_PSI=form.psi is not None,
+                HAS_LAM=form.kind == "table" and form.tau is not None)  # fmt: skip
+
+
+def aligned(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or a copy of it where its data does not start on 16 bytes (what Triton specialises
+    pointers on: a plan's launches take every tensor the launcher makes aligned)."""
+    return x.clone() if x.data_ptr() % 16 else x
 
 
 def _head_maps(form, Hq: int, H: int, D: int, acc, placeholder) -> tuple:
@@ -868,8 +934,116 @@ def _head_maps(form, Hq: int, H: int, D: int, acc, placeholder) -> tuple:
             m = torch.eye(D, dtype=acc, device=placeholder.device).expand(heads, D, D)
         if tuple(m.shape) != (heads, D, D):
             raise ValueError(f"{name} must be [{heads}, {D}, {D}], got {tuple(m.shape)}")
-        out.append(m.detach().to(device=placeholder.device, dtype=acc).contiguous())
+        out.append(aligned(m.detach().to(device=placeholder.device, dtype=acc).contiguous()))
     return tuple(out)
+
+
+#: what :func:`form_args` made of a form: (id, B, Hq, H, accumulation dtype, device) ->
+#: (the form, its arguments); the form is held, so its id is not reused while it is here
+FORM_ARGS: dict = {}
+#: forms kept at most; past it the table starts over
+MAX_FORMS = 64
+
+
+def form_args(form, B: int, Hq: int, H: int, acc, device) -> tuple:
+    """``(w, ab, psi, tab, xr, xi, qmap, kmap)``: a kernel form's tensors as every feature kernel
+    takes them (W and the parameters in the accumulation dtype ``acc``, contiguous and aligned on
+    ``device``, per-(b, h) ones broadcast to ``[B*H, ...]``, placeholders for what the form lacks;
+    :class:`Setup`), checked. Made once per form object and call shape: a kept form
+    (``rfattn.fused``) costs a dictionary lookup at each call, a form made for one call (this
+    call's statistics) its conversion."""
+    key = (id(form), B, Hq, H, acc, device)
+    kept = FORM_ARGS.get(key)
+    if kept is not None and kept[0] is form:
+        return kept[1]
+    w, D = form.w, form.w.shape[-1]
+    # W in the accumulation dtype: rounded to bf16 it would move each logit by ~|u| 2^-9. It
+    # doubles as the placeholder of absent pointers (never read: the flags say so)
+    w = aligned(w.detach().to(device=device, dtype=acc).contiguous())
+    args = (w, *_form_args(form, B, H, D, acc, w), *_head_maps(form, Hq, H, D, acc, w))
+    if len(FORM_ARGS) >= MAX_FORMS:
+        FORM_ARGS.clear()
+    FORM_ARGS[key] = (form, args)
+    return args
+
+
+class Scratch:
+    """The scratch buffers of one launcher call (written and read by its launches only, never
+    returned), laid out once per plan in one allocation, each on 16 bytes.
+
+    ``scratch(device, addresses)`` allocates them: ``(the allocation, the buffers)``, the buffers
+    as views of it, or with ``addresses`` as their device addresses (ints: what a compiled
+    kernel's launcher takes for a pointer, so a replayed launch, :class:`Launch`, needs no tensor
+    per buffer; Triton's own launch path and the interpreter take the views). The caller holds
+    the allocation until its launches are issued. ``bench.host``: one allocation of ~2 µs
+    instead of one per buffer (posrf's non-causal forward without gradient: 8 of them)."""
+
+    __slots__ = ("dtype", "shapes", "offsets", "bytes", "total")
+
+    def __init__(self, dtype: torch.dtype, *shapes):
+        size = dtype.itemsize
+        step = max(1, 16 // size)  # elements per 16 bytes
+        offsets, n = [], 0
+        for shape in shapes:
+            offsets.append(n)
+            n += -(-_numel(shape) // step) * step
+        self.dtype, self.shapes, self.total = dtype, shapes, max(n, 1)
+        self.offsets, self.bytes = tuple(offsets), tuple(o * size for o in offsets)
+
+    def __call__(self, device, addresses: bool):
+        buf = torch.empty(self.total, device=device, dtype=self.dtype)
+        if addresses:  # map over a bound method: no Python frame per buffer
+            return buf, map(buf.data_ptr().__add__, self.bytes)
+        return buf, [buf[o : o + _numel(s)].view(s) for o, s in zip(self.offsets, self.shapes,
+                                                                    strict=True)]  # fmt: skip
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+class Plan(types.SimpleNamespace):
+    """A launcher's per-shape plan (:func:`shape_plan`): named values (sizes, splits, bound
+    :class:`Launch` objects, their integer arguments), fixed when it is made."""
+
+
+def shape_plan(plans: dict, build, q, k, v, form, scale: float, key_padding_mask, precision,
+               gpu_tiles, *options):  # fmt: skip
+    """A launcher's per-shape plan for this call: ``plans[key]``, made by ``build(q, k, v, form,
+    scale, key_padding_mask, precision, gpu_tiles, *options)`` (which checks the inputs and
+    derives what the launches need: :func:`launch_setup`, sizes, splits, bound :class:`Launch`
+    objects) on the first call with its key, and then kept.
+
+    The key is everything such a plan derives from and Triton specialises on, read without
+    touching the data: q, k and v's sizes, strides, dtypes, devices and 16-byte alignment, the
+    form's kind, width and which parameters it has (its tensors are the call's own,
+    :func:`form_args`), the mask's size and dtype, ``scale``, ``precision``, the tiles
+    (``gpu_tiles`` resolved) and the launcher's ``options``. A plan holds no tensor of a call.
+    ``bench.host``: 3 µs for the key and lookup, against 25-40 µs for a launch setup and the
+    launches' keys."""
+    w, mask = form.w, key_padding_mask
+    tiles = GPU_TILES if gpu_tiles is None else bool(gpu_tiles)
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
+           v.dtype, q.device, k.device, v.device, q.data_ptr() % 16, k.data_ptr() % 16,
+           v.data_ptr() % 16, form.kind, w.shape, form.coeffs is None, form.psi is None,
+           form.table is None, form.tau is None, form.rows is None, form.qmap is None,
+           form.kmap is None, None if mask is None else (mask.shape, mask.dtype, mask.device),
+           scale, precision, tiles, *options)  # fmt: skip
+    plan = plans.get(key)
+    if plan is None:
+        if len(plans) >= MAX_PLANS:  # ever new shapes: start over rather than grow
+            plans.clear()
+        plan = plans[key] = build(q, k, v, form, scale, mask, precision, gpu_tiles, *options)
+    return plan
+
+
+def mask_rows(key_padding_mask: torch.Tensor) -> torch.Tensor:
+    """The key padding mask as the kernels read it: int32 ``[B, Tk]``, contiguous (a new tensor:
+    aligned)."""
+    return key_padding_mask.to(torch.int32, memory_format=torch.contiguous_format)
 
 
 def check_forward_only(c: Setup) -> None:
@@ -899,14 +1073,12 @@ def launch_setup(q, k, v, form, scale, key_padding_mask, precision=None, causal=
     else:  # the interpreter keeps the big 16-bit tiles whatever the dtype: faster tests
         bt, rows = None, _feature_rows(big, itemsize if gpu else 2)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    # W in the accumulation dtype: rounded to bf16 it would move each logit by ~|u| 2^-9. It
-    # doubles as the placeholder of absent pointers (never read: the flags say so)
-    w = form.w.detach().to(device=q.device, dtype=acc)
-    ptrs, flags = _form_args(form, B, H, D, acc, w)
+    w, *ptrs, qmap, kmap = form_args(form, B, Hq, H, acc, q.device)
+    flags = form_flags(form)
     if key_padding_mask is not None:
         # int32, not a uint8 view: Triton 3.6 fails to compile fp64 tl.dot kernels that mask
         # with an 8-bit load (found ahead of time by bench/compile.py); B*T ints are cheap
-        mask = key_padding_mask.to(torch.int32)
+        mask = mask_rows(key_padding_mask)
         pad = (mask, mask.stride(0), mask.stride(1))
     else:
         pad = (w, 0, 0)
@@ -914,13 +1086,12 @@ def launch_setup(q, k, v, form, scale, key_padding_mask, precision=None, causal=
     ACC = tl.float64 if acc == torch.float64 else tl.float32
     meta = dict(D=D, M=M, E=E, BD=BD, BM=BM, BE=BE, PRECISION=precision, ACC=ACC,
                 TINY=torch.finfo(acc).tiny, **flags)  # fmt: skip
-    maps = _head_maps(form, Hq, H, D, acc, w)
     return Setup(
         B=B, H=H, G=G, Tq=Tq, Tk=Tk, D=D, E=E, M=M, BD=BD, BE=BE, BM=BM, BT=bt, itemsize=itemsize,
         gpu_tiles=gpu, acc=acc, precision=precision, plain=flags["FEATURE"] == FEATURE_IDS["rmf"],
         w=w, pad=pad, has_pad=key_padding_mask is not None,
         # sqrt(scale) a scalar argument (fp64 in the kernels' signatures)
-        form_ptrs=(float(scale) ** 0.5, *ptrs), maps=maps,
+        form_ptrs=(float(scale) ** 0.5, *ptrs), maps=(qmap, kmap),
         has_map=form.qmap is not None or form.kmap is not None,
         NMT=cdiv(M, BM), ACC=ACC, meta=meta,
     )  # fmt: skip

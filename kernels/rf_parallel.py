@@ -111,6 +111,10 @@ from .common import (
     KEY,
     NEG,
     PRUNE,
+    Launch,
+    Plan,
+    Scratch,
+    aligned,
     arrival_counters,
     autotune_configs,
     cdiv,
@@ -118,6 +122,7 @@ from .common import (
     feature_dw,
     feature_dx,
     feature_tile,
+    form_args,
     gerf_coeffs,
     input_scale,
     last_to_arrive,
@@ -126,8 +131,10 @@ from .common import (
     load_mapped,
     load_rows,
     load_w,
+    mask_rows,
     query_cotangents,
     ratio,
+    shape_plan,
     split_counts,
     store_tile,
     valid_keys,
@@ -731,6 +738,59 @@ def _one_group(c) -> None:
         )
 
 
+#: per-shape plans of the launchers (:func:`common.shape_plan`)
+_FWD_PLANS: dict = {}
+_BWD_PLANS: dict = {}
+
+
+def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, num_splits, need_dw,
+          *_layout):  # fmt: skip
+    """What a launcher of one shape derives once (``need_dw``: None for the forward, whether the
+    backward computes dW; ``_layout``: the backward's out and do, in the key only): the setup's
+    sizes and constexprs, the splits over T and the bound launches with their integer
+    arguments."""
+    c = launch_setup(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles=gpu_tiles)
+    _one_group(c)
+    B, H, Tq, Tk, NMT, dev = c.B, c.H, c.Tq, c.Tk, c.NMT, q.device
+    p = dict(B=B, H=H, Tq=Tq, Tk=Tk, M=c.M, D=c.D, E=c.E, NMT=NMT, acc=c.acc, root=c.form_ptrs[0],
+             has_pad=c.has_pad)  # fmt: skip
+    pad = c.pad[1:]  # the int32 mask's strides (contiguous), or placeholders
+    if need_dw is None:  # the forward: a key pass split over Tk, a query pass
+        splits, per = split_counts(Tk, max(B * H * NMT, 1), dev, num_splits)
+        kv = Launch(_fwd_kv_kernel, (NMT, splits, B * H), HAS_PAD=c.has_pad, HAS_MAP=c.has_map,
+                    **c.meta)  # fmt: skip
+        q_ = Launch(_fwd_q_kernel, lambda meta: (cdiv(Tq, meta["BT"]), B * H), HAS_MAP=c.has_map,
+                    **c.meta)  # fmt: skip
+        out = (H * Tq * c.E, Tq * c.E, c.E, 1)  # contiguous, made by the launcher
+        BH, M, E, n = B * H, c.M, c.E, B * H * splits
+        # the splits' partials of S, z, m_K, merged by the last split of each tile
+        parts = ((n, M, E), (n, M), (n, M)) if splits > 1 else ()
+        return Plan(
+            **p, splits=splits, aux=Scratch(c.acc, (BH, M, E), (BH, M), (BH, M), (BH, Tq),
+                                            (BH, Tq), *parts),
+            parts=Scratch(c.acc, *parts),
+            kv=kv, kv_ints=(Tk, H, splits, per if Tk else 0, *k.stride(), *v.stride(),
+                            *c.w.stride(), *pad),
+            q=q_, q_ints=(Tq, H, *q.stride(), *c.w.stride(), *out),
+        )  # fmt: skip
+    check_forward_only(c)
+    programs = max(B * H * NMT, 1)  # (no (b, h): the launcher returns before any launch)
+    splits, per = split_counts(Tq, programs, dev, num_splits)
+    ksplits, kper = split_counts(Tk, programs, dev, num_splits) if need_dw and Tk else (0, 0)
+    BH, M, E, n = B * H, c.M, c.E, B * H * splits
+    parts = ((n, M, E), (n, M)) if splits > 1 else ()
+    return Plan(
+        **p, splits=splits, ksplits=ksplits, scratch=Scratch(c.acc, (BH, M, E), (BH, M), *parts),
+        ds=Launch(_bwd_ds_kernel, (NMT, splits, B * H), W_GRAD=need_dw, **c.meta),
+        ds_ints=(Tq, H, splits, per if Tq else 0, *q.stride(), *c.w.stride()),
+        dqkv=Launch(_bwd_dqkv_kernel, lambda meta: (cdiv(Tq, meta["BT"]) + cdiv(Tk, meta["BT"]),
+                                                    B * H), HAS_PAD=c.has_pad, **c.meta),
+        dqkv_ints=(Tq, Tk, H, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), *pad),
+        dwk=Launch(_bwd_dwk_kernel, (NMT, ksplits, B * H), HAS_PAD=c.has_pad, **c.meta),
+        dwk_ints=(Tk, H, ksplits, kper, *k.stride(), *v.stride(), *c.w.stride(), *pad),
+    )  # fmt: skip
+
+
 def rf_parallel_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -767,42 +827,49 @@ def rf_parallel_fwd(
     Returns:
         ``out [B, H, Tq, E]`` in the input dtype; with ``return_aux`` also
         ``(S [B*H, M, E], z [B*H, M], m_K [B*H, M], m_q [B*H, Tq], den [B*H, Tq])``.
+
+    Everything but the call's tensors (checks, setup, splits, launches) comes from the plan of
+    the call's shape (:func:`common.shape_plan`), made at its first call.
     """
-    c = launch_setup(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles=gpu_tiles)
-    _one_group(c)
-    B, H, Tq, Tk, M, E, NMT, dev = c.B, c.H, c.Tq, c.Tk, c.M, c.E, c.NMT, q.device
+    p = shape_plan(_FWD_PLANS, _plan, q, k, v, form, scale, key_padding_mask, precision,
+                   gpu_tiles, num_splits, None)  # fmt: skip
+    B, H, Tq, M, E, acc, dev = p.B, p.H, p.Tq, p.M, p.E, p.acc, q.device
+    w, *ptrs, qmap, kmap = form_args(form, B, H, H, acc, dev)
     out = torch.empty(B, H, Tq, E, device=dev, dtype=q.dtype)
-    s, z, mk = c.acc_empty(B * H, M, E), c.acc_empty(B * H, M), c.acc_empty(B * H, M)
-    mq, den = c.acc_empty(B * H, Tq), c.acc_empty(B * H, Tq)
-    if B * H == 0:
-        return (out, (s, z, mk, mq, den)) if return_aux else out
-    splits, per = split_counts(Tk, B * H * NMT, dev, num_splits)
-    if splits > 1:  # the splits' partials, merged by the last split of each tile
-        n = B * H * splits
-        parts = c.acc_empty(n, M, E), c.acc_empty(n, M), c.acc_empty(n, M)
+    # oprf/saderf's statistics, left to this forward's key pass
+    stats = None if form.coeffs is None else claim(form.coeffs)
+    # S, z, m_K, m_q, den: outputs where asked for, else scratch with the splits' partials
+    # (as device addresses once both launches replay: not for the statistics' launch)
+    addresses = p.kv.direct is not None and p.q.direct is not None and stats is None
+    if return_aux or combine is not None or B * H == 0:
+        BH = B * H
+        s, z = torch.empty(BH, M, E, device=dev, dtype=acc), torch.empty(BH, M, device=dev,
+                                                                         dtype=acc)  # fmt: skip
+        mk, mq = torch.empty(BH, M, device=dev, dtype=acc), torch.empty(BH, Tq, device=dev,
+                                                                        dtype=acc)  # fmt: skip
+        den = torch.empty(BH, Tq, device=dev, dtype=acc)
+        if B * H == 0:
+            return (out, (s, z, mk, mq, den)) if return_aux else out
+        ws, parts = p.parts(dev, addresses) if p.splits > 1 else (None, ())
     else:
-        parts = s, z, mk  # unused
-    stats = claim(form.coeffs)  # oprf/saderf's statistics, left to this launch
-    counters = B * H * NMT + (0 if stats is None else key_pass_counters(B * H))
-    kv_args = (k, v, c.w, c.pad[0], *c.form_ptrs, c.maps[1], *parts, s, z, mk,
-               arrival_counters(dev, counters), Tk, H, splits, per if Tk else 0,
-               *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2])  # fmt: skip
+        ws, (s, z, mk, mq, den, *parts) = p.aux(dev, addresses)
+    if p.splits == 1:
+        parts = s, z, mk  # unused: the one split writes S, z, m_K itself
+    # (ws: the scratch's allocation, held until the launches are issued)
+    pad = mask_rows(key_padding_mask) if p.has_pad else w
+    kv_args = (k, v, w, pad, p.root, *ptrs, kmap, *parts, s, z, mk)
     if stats is None:
-        launch(_fwd_kv_kernel, (NMT, splits, B * H), *kv_args,
-               HAS_PAD=c.has_pad, HAS_MAP=c.has_map, **c.meta)  # fmt: skip
-    else:  # the stats roles first, then the key-pass roles
-        roles, args, meta = key_pass_arguments(stats, q, k, B, H, c.D, c.acc)
+        p.kv(*kv_args, arrival_counters(dev, B * H * p.NMT), *p.kv_ints)
+    else:  # the stats roles first, then the key-pass roles (Triton's launch path: tensors)
+        roles, args, meta = key_pass_arguments(stats, q, k, B, H, p.D, acc)
+        counters = arrival_counters(dev, B * H * p.NMT + key_pass_counters(B * H))
         launch(_fwd_kv_running_kernel if stats.running is not None else _fwd_kv_stats_kernel,
-               (roles + NMT * splits * B * H,), *kv_args, *args,
-               HAS_PAD=c.has_pad, HAS_MAP=c.has_map, **c.meta, **meta)  # fmt: skip
+               (roles + p.NMT * p.splits * B * H,), *kv_args, counters, *p.kv_ints, *args,
+               **p.kv.kwargs, **meta)  # fmt: skip
     if combine is not None:
-        s, z, mk = (x.contiguous() for x in combine(s, z, mk))
+        s, z, mk = (aligned(x.contiguous()) for x in combine(s, z, mk))
     if Tq:
-        launch(_fwd_q_kernel, lambda meta: (cdiv(Tq, meta["BT"]), B * H),
-            q, c.w, *c.form_ptrs, c.maps[0], s, z, mk, out, mq, den,
-            Tq, H, *q.stride(), *c.w.stride(), *out.stride(),
-            HAS_MAP=c.has_map, **c.meta,
-        )  # fmt: skip
+        p.q(q, w, p.root, *ptrs, qmap, s, z, mk, out, mq, den, *p.q_ints)
     return (out, (s, z, mk, mq, den)) if return_aux else out
 
 
@@ -838,48 +905,38 @@ def rf_parallel_bwd(
     """
     if need_dw and form.plain:
         raise NotImplementedError("kind 'rmf': no gradient for its projection rows")
-    c = launch_setup(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles=gpu_tiles)
-    check_forward_only(c)
-    _one_group(c)
-    B, H, Tq, Tk, M, D, E, NMT, dev = c.B, c.H, c.Tq, c.Tk, c.M, c.D, c.E, c.NMT, q.device
+    # the strides and alignment of out and do are the plan's too (Triton specialises on them)
+    p = shape_plan(_BWD_PLANS, _plan, q, k, v, form, scale, key_padding_mask, precision,
+                   gpu_tiles, num_splits, bool(need_dw), out.stride(), do.stride(),
+                   out.data_ptr() % 16, do.data_ptr() % 16)  # fmt: skip
+    B, H, Tq, Tk, M, D, acc, dev = p.B, p.H, p.Tq, p.Tk, p.M, p.D, p.acc, q.device
     s, z, mk, mq, den = aux
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if B * H == 0:
         return dq, dk, dv, (torch.zeros(M, D, device=dev, dtype=form.w.dtype) if need_dw else None)
-
-    splits, per = split_counts(Tq, B * H * NMT, dev, num_splits)
-    ds, dz = c.acc_empty(B * H, M, E), c.acc_empty(B * H, M)
-    if splits > 1:  # the splits' partials, summed by the last split of each tile
-        ds_part, dz_part = c.acc_empty(B * H * splits, M, E), c.acc_empty(B * H * splits, M)
-    else:
-        ds_part, dz_part = ds, dz  # unused
+    w, *ptrs, _, _ = form_args(form, B, H, H, acc, dev)
+    splits, ksplits = p.splits, p.ksplits
+    # dS, dz and the splits' partials of them (summed by the last split of each tile): scratch,
+    # or tensors for reduce_ds (ws: the scratch's allocation, held until the launches are issued)
+    addresses = p.ds.direct is not None and p.dqkv.direct is not None and \
+        (p.dwk.direct is not None or not (need_dw and ksplits))  # fmt: skip
+    ws, (ds, dz, *parts) = p.scratch(dev, addresses and reduce_ds is None)
+    ds_part, dz_part = parts if splits > 1 else (ds, dz)  # (unused with one split)
     # dW's partials: the query side's [B*H*splits], then the key side's [B*H*ksplits]
-    ksplits, kper = split_counts(Tk, B * H * NMT, dev, num_splits) if need_dw and Tk else (0, 0)
-    dw_part = c.acc_empty(B * H * (splits + ksplits), M, D) if need_dw else ds
-    launch(_bwd_ds_kernel, (NMT, splits, B * H),
-        q, c.w, *c.form_ptrs, s, z, mk, out, do, mq, den,
-        ds_part, dz_part, dw_part, ds, dz, arrival_counters(dev, B * H * NMT),
-        Tq, H, splits, per if Tq else 0,
-        *q.stride(), *c.w.stride(), *out.stride(), *do.stride(),
-        W_GRAD=need_dw, **c.meta,
-    )  # fmt: skip
+    dw_part = torch.empty(B * H * (splits + ksplits), M, D, device=dev, dtype=acc) \
+        if need_dw else ds  # fmt: skip
+    p.ds(q, w, p.root, *ptrs, s, z, mk, out, do, mq, den, ds_part, dz_part, dw_part, ds, dz,
+         arrival_counters(dev, B * H * p.NMT), *p.ds_ints, *out.stride(), *do.stride())  # fmt: skip
     if reduce_ds is not None:
-        ds, dz = (x.contiguous() for x in reduce_ds(ds, dz))
+        ds, dz = (aligned(x.contiguous()) for x in reduce_ds(ds, dz))
+    pad = mask_rows(key_padding_mask) if p.has_pad else w
     if Tq or Tk:
-        launch(_bwd_dqkv_kernel, lambda meta: (cdiv(Tq, meta["BT"]) + cdiv(Tk, meta["BT"]), B * H),
-            q, k, v, c.w, c.pad[0], *c.form_ptrs, s, z, mk, out, do, mq, den, ds, dz, dq, dk, dv,
-            Tq, Tk, H, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
-            *out.stride(), *do.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
-            HAS_PAD=c.has_pad, **c.meta,
-        )  # fmt: skip
+        p.dqkv(q, k, v, w, pad, p.root, *ptrs, s, z, mk, out, do, mq, den, ds, dz, dq, dk, dv,
+               *p.dqkv_ints, *out.stride(), *do.stride(), *dq.stride(), *dk.stride(),
+               *dv.stride())  # fmt: skip
     if not need_dw:
         return dq, dk, dv, None
     if ksplits:
-        launch(_bwd_dwk_kernel, (NMT, ksplits, B * H),
-            k, v, c.w, c.pad[0], *c.form_ptrs, ds, dz, mk, dw_part[B * H * splits :],
-            Tk, H, ksplits, kper,
-            *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
-            HAS_PAD=c.has_pad, **c.meta,
-        )  # fmt: skip
+        p.dwk(k, v, w, pad, p.root, *ptrs, ds, dz, mk, dw_part[B * H * splits :], *p.dwk_ints)
     # both sides' partials in one fixed-order torch sum (learnable W only)
     return dq, dk, dv, dw_part.sum(0).to(form.w.dtype)

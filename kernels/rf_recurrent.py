@@ -25,18 +25,22 @@ import triton.language as tl
 
 from .common import (
     NEG,
+    Launch,
+    Plan,
     feature_tile,
+    form_args,
     gerf_coeffs,
     input_scale,
-    launch,
     launch_setup,
     load_mapped,
     load_mapped_heads,
     load_offset,
     load_rows,
     load_w,
+    mask_rows,
     next_pow2,
     ratio,
+    shape_plan,
     store_offset,
     valid_keys,
 )
@@ -151,6 +155,25 @@ def _recurrent_kernel(
     store_offset(r_ptr + i_bh, b_r)
 
 
+#: per-shape plans of the launcher (:func:`common.shape_plan`)
+_PLANS: dict = {}
+
+
+def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, has_init, *_alignment):
+    """What :func:`rf_recurrent_fwd` derives once per shape (``_alignment``: the state's, in the
+    key only): the setup's sizes, the bound launch and its integer arguments."""
+    c = launch_setup(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles=gpu_tiles)
+    B, H, G, T, E = c.B, c.H, c.G, c.Tq, c.E
+    launch = Launch(_recurrent_kernel, (B * H,), HAS_PAD=c.has_pad, HAS_INIT=has_init,
+                    PLAIN=c.plain, GP=next_pow2(G), HAS_MAP=c.has_map,
+                    **c.launch_options(num_warps=4), **c.meta)  # fmt: skip
+    out = (H * G * T * E, T * E, E, 1)  # contiguous, made by the launcher
+    return Plan(B=B, H=H, G=G, T=T, M=c.M, E=E, acc=c.acc, plain=c.plain, root=c.form_ptrs[0],
+                has_pad=c.has_pad, launch=launch, ints=(
+                    T, H, G, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), *c.pad[1:],
+                    *out))  # fmt: skip
+
+
 def rf_recurrent_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -181,32 +204,38 @@ def rf_recurrent_fwd(
     if q.shape[2] != k.shape[2] or q.shape[2] > MAX_TOKENS:
         raise ValueError(f"the decode step takes Tq == Tk <= {MAX_TOKENS} tokens, got "
                          f"{q.shape[2]} and {k.shape[2]}")  # fmt: skip
-    c = launch_setup(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles=gpu_tiles)
-    B, H, G, T, M, E = c.B, c.H, c.G, c.Tq, c.M, c.E
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     if initial_state is None:
         if inplace:
             raise ValueError("inplace=True needs an initial_state to update")
-        s0 = z0 = r0 = c.w  # never read
+        state = None
     else:
-        s0, z0, r0 = initial_state
-        if inplace and not all(x.dtype == c.acc and x.is_contiguous() for x in initial_state):
+        if inplace and not all(x.dtype == acc and x.is_contiguous() for x in initial_state):
             raise ValueError("inplace=True needs a contiguous state in the accumulation dtype")
-        s0, z0, r0 = (x.to(c.acc).contiguous() for x in initial_state)
-    s, z, r = (s0, z0, r0) if inplace else (c.acc_empty(B, H, M, E), c.acc_empty(B, H, M),
-                                            c.acc_empty(B, H))  # fmt: skip
-    out = torch.empty(B, H * G, T, E, device=q.device, dtype=q.dtype)
+        s0, z0, r0 = initial_state
+        s0, z0, r0 = s0.to(acc).contiguous(), z0.to(acc).contiguous(), r0.to(acc).contiguous()
+        # the state's alignment is the plan's (Triton specialises on it; in place, no copy)
+        state = (s0.data_ptr() % 16, z0.data_ptr() % 16, r0.data_ptr() % 16)
+    p = shape_plan(_PLANS, _plan, q, k, v, form, scale, key_padding_mask, precision, gpu_tiles,
+                   state is not None, *(state or ()))  # fmt: skip
+    B, H, G, T, M, E, dev = p.B, p.H, p.G, p.T, p.M, p.E, q.device
+    w, *ptrs = form_args(form, B, H * G, H, acc, dev)
+    if state is None:
+        s0 = z0 = r0 = w  # never read
+    if inplace:
+        s, z, r = s0, z0, r0
+    else:
+        s, z, r = (torch.empty(B, H, M, E, device=dev, dtype=acc),
+                   torch.empty(B, H, M, device=dev, dtype=acc),
+                   torch.empty(B, H, device=dev, dtype=acc))  # fmt: skip
+    out = torch.empty(B, H * G, T, E, device=dev, dtype=q.dtype)
     if T == 0:  # no token: the state passes through (the kernel would write nothing)
-        if initial_state is None:
-            s.zero_(), z.zero_(), r.fill_(0.0 if c.plain else float("-inf"))
+        if state is None:
+            s.zero_(), z.zero_(), r.fill_(0.0 if p.plain else float("-inf"))
         elif not inplace:
             s.copy_(s0), z.copy_(z0), r.copy_(r0)
         return out, (s, z, r)
     if B * H:
-        launch(_recurrent_kernel, (B * H,),
-            q, k, v, c.w, c.pad[0], *c.form_ptrs, *c.maps, s0, z0, r0, s, z, r, out,
-            T, H, G, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
-            *out.stride(), HAS_PAD=c.has_pad, HAS_INIT=initial_state is not None,
-            PLAIN=c.plain, GP=next_pow2(G), HAS_MAP=c.has_map, **c.launch_options(num_warps=4),
-            **c.meta,
-        )  # fmt: skip
+        pad = mask_rows(key_padding_mask) if p.has_pad else w
+        p.launch(q, k, v, w, pad, p.root, *ptrs, s0, z0, r0, s, z, r, out, *p.ints)
     return out, (s, z, r)

@@ -135,9 +135,16 @@ def rf_attention(
                 return_state=return_state, group=group)  # fmt: skip
     if 0 in (q.shape[0], q.shape[1], k.shape[1]):  # no batch rows or no heads: nothing to run
         res = torch_path.empty_result(call)
+    elif interception() is not None:  # rfattn.calibrate records calls
+        res = interception()(call, run)
+    elif group is None and query_padding_mask is None and (causal or q.shape[1] == k.shape[1]) \
+            and rf.query_map is None and rf.gerf_A is None and \
+            runs_fused(q, rf, causal, backend):  # fmt: skip
+        # the common case straight to the fused kernels: what run and _attend would do with no
+        # padded queries, no head maps, no grouped rows and no process group
+        res = fused.attend(call)
     else:
-        hook = interception()
-        res = run(call) if hook is None else hook(call, run)  # rfattn.calibrate records calls
+        res = run(call)
     if return_state:
         return returned_state(*res, rf, True)
     return res

@@ -550,6 +550,8 @@ def no_autocast(backward):
             if isinstance(g, torch.Tensor):
                 dev = g.device.type
                 break
+        if not torch.is_autocast_enabled(dev):  # nothing to turn off (the context costs µs)
+            return backward(ctx, *grads)
         with torch.autocast(dev, enabled=False):
             return backward(ctx, *grads)
 

@@ -72,36 +72,37 @@ def validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_stat
             _check_tensor(name, x, 4, dims)
         if not x.dtype.is_floating_point:
             raise TypeError(f"{name} must be floating point, got dtype {x.dtype}")
-    for name, x in (("k", k), ("v", v)):
+    qs, ks, vs = q.shape, k.shape, v.shape  # (each .shape is a new object: read once)
+    for name, x, xs in (("k", k, ks), ("v", v, vs)):
         if x.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {x.dtype}, expected q's dtype {q.dtype}")
         if x.device != q.device:
             raise ValueError(f"{name} is on device {x.device}, expected q's device {q.device}")
-        if x.shape[0] != q.shape[0]:
-            raise ValueError(f"{name} has batch size {x.shape[0]}, expected q's {q.shape[0]}")
-    if v.shape[1] != k.shape[1]:
-        raise ValueError(f"v has {v.shape[1]} heads, expected k's {k.shape[1]}")
-    if k.shape[1] == 0 and q.shape[1] != 0 or k.shape[1] and q.shape[1] % k.shape[1]:
+        if xs[0] != qs[0]:
+            raise ValueError(f"{name} has batch size {xs[0]}, expected q's {qs[0]}")
+    if vs[1] != ks[1]:
+        raise ValueError(f"v has {vs[1]} heads, expected k's {ks[1]}")
+    if ks[1] == 0 and qs[1] != 0 or ks[1] and qs[1] % ks[1]:
         raise ValueError(
-            f"q has {q.shape[1]} heads, which must be a multiple of k's and v's {k.shape[1]} "
+            f"q has {qs[1]} heads, which must be a multiple of k's and v's {ks[1]} "
             "(grouped-query attention: each key/value head serves q heads // k heads query heads)"
         )
-    if k.shape[3] != q.shape[3]:
-        raise ValueError(f"k has head_dim {k.shape[3]}, expected q's head_dim {q.shape[3]}")
-    if v.shape[2] != k.shape[2]:
-        raise ValueError(f"v has {v.shape[2]} tokens, expected k's Tk={k.shape[2]}")
-    if not (hasattr(rf, "feature_map") and hasattr(rf, "weight") and hasattr(rf, "head_dim")):
+    if ks[3] != qs[3]:
+        raise ValueError(f"k has head_dim {ks[3]}, expected q's head_dim {qs[3]}")
+    if vs[2] != ks[2]:
+        raise ValueError(f"v has {vs[2]} tokens, expected k's Tk={ks[2]}")
+    # W by its class's property where it has one: reading it may rebuild it (fastfoodl)
+    if not (hasattr(rf, "feature_map") and hasattr(rf, "head_dim") and
+            (hasattr(type(rf), "weight") or hasattr(rf, "weight"))):  # fmt: skip
         raise TypeError(f"rf must be an rfattn.RandomFeatures, got {type(rf).__name__}")
-    if rf.head_dim != q.shape[3]:
-        raise ValueError(
-            f"rf was built for head_dim={rf.head_dim}, but q has head_dim {q.shape[3]}"
-        )
+    if rf.head_dim != qs[3]:
+        raise ValueError(f"rf was built for head_dim={rf.head_dim}, but q has head_dim {qs[3]}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
-    if causal and q.shape[2] != k.shape[2]:
-        raise ValueError(f"causal=True needs Tq == Tk, got Tq={q.shape[2]}, Tk={k.shape[2]}")
+    if causal and qs[2] != ks[2]:
+        raise ValueError(f"causal=True needs Tq == Tk, got Tq={qs[2]}, Tk={ks[2]}")
     if key_padding_mask is not None:
-        check_mask("key_padding_mask", key_padding_mask, (k.shape[0], k.shape[2]), q.device)
+        check_mask("key_padding_mask", key_padding_mask, (ks[0], ks[2]), q.device)
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
@@ -114,7 +115,7 @@ def validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_stat
     if initial_state is not None:
         _check_state(initial_state, q, v, rf)
     if query_padding_mask is not None:
-        check_mask("query_padding_mask", query_padding_mask, (q.shape[0], q.shape[2]), q.device)
+        check_mask("query_padding_mask", query_padding_mask, (qs[0], qs[2]), q.device)
 
 
 def check_mask(name: str, mask, shape: tuple, device) -> None:

@@ -7,17 +7,18 @@ Importing the operators imports Triton, so they are imported on the first fused 
 from __future__ import annotations
 
 import dataclasses
+import weakref
+from typing import NamedTuple
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from rfattn.call import Call, RFState, learns_gerf_a, mapped, no_kernel_reason, query_rows
-from rfattn.features import StatsFeature, compute_dtype, prescale
+from rfattn.features import compute_dtype, prescale
 from rfattn.features.exponential import coefficient_form
 from rfattn.stats import Moments, running_moments
 from rfattn.weights import WEIGHTED_WEIGHTS
 
-__all__ = ["attend", "kernel_form", "constant_form"]
+__all__ = ["attend", "kernel_form", "constant_form", "kept_form", "Kept"]
 
 
 def attend(call: Call, gpu_tiles=None):
@@ -28,37 +29,48 @@ def attend(call: Call, gpu_tiles=None):
     are the torch path's). Head maps are applied by the forward kernels as they load q and k; a
     call that needs gradients (of anything, the maps included) maps q and k first (the backward
     kernels take no maps). ``gpu_tiles``: as the launchers' (``bench.compile`` records a GPU's
-    launches)."""
+    launches).
+
+    A call whose form is kept (:func:`constant_form`) for a RandomFeatures the fused kernels take
+    as it is (no head maps, no learnable GERF A; checked when the form was kept) goes straight
+    to the operator."""
     from rfattn import ops
 
-    rf, causal = call.rf, call.causal
-    reason = no_kernel_reason(rf, causal)
-    if reason is not None:
-        raise NotImplementedError(f"{reason}; use backend='torch'")
-    if learns_gerf_a(rf):
-        raise NotImplementedError(
-            "the fused kernels hold GERF's A constant: a call that needs the gradient of a "
-            "learnable gerf_A runs backend='torch' (or run this one under torch.no_grad())"
-        )
-    grad = False  # whether autograd records the call (blocked.backward_follows, inlined)
-    if torch.is_grad_enabled():
-        given = (call.q, call.k, call.v, rf.weight, *(call.initial_state or ()),
-                 *(call.maps or ()))  # fmt: skip
-        for x in given:
-            grad = grad or x is not None and x.requires_grad
-    if grad and call.maps is not None:
-        call = call.with_maps_applied()
+    rf, causal, q = call.rf, call.causal, call.q
+    kept = kept_form(rf, q.device, q.dtype, causal)
+    if kept is not None and kept.plain_call and call.maps is None and \
+            not (causal and kept.w.requires_grad):  # fmt: skip
+        form, st = kept.form, call.initial_state
+        grad = torch.is_grad_enabled() and (
+            q.requires_grad or call.k.requires_grad or call.v.requires_grad or
+            kept.w.requires_grad or st is not None and (st[0].requires_grad or
+                                                        st[1].requires_grad or
+                                                        st[2].requires_grad))  # fmt: skip
+    else:
+        reason = no_kernel_reason(rf, causal)
+        if reason is not None:
+            raise NotImplementedError(f"{reason}; use backend='torch'")
+        if learns_gerf_a(rf):
+            raise NotImplementedError(
+                "the fused kernels hold GERF's A constant: a call that needs the gradient of a "
+                "learnable gerf_A runs backend='torch' (or run this one under torch.no_grad())"
+            )
+        grad = False  # whether autograd records the call
+        if torch.is_grad_enabled():
+            given = (call.q, call.k, call.v, rf.weight, *(call.initial_state or ()),
+                     *(call.maps or ()))  # fmt: skip
+            for x in given:
+                grad = grad or x is not None and x.requires_grad
+        if grad and call.maps is not None:
+            call = call.with_maps_applied()
+        form = kernel_form(rf, call.q, call.k, call.key_padding_mask, call.scale, causal,
+                           call.query_padding_mask, maps=call.maps, defer=not causal)  # fmt: skip
     q, k, v, mask, scale = call.q, call.k, call.v, call.key_padding_mask, call.scale
-    form = kernel_form(rf, q, k, mask, scale, causal, call.query_padding_mask, maps=call.maps,
-                       defer=not causal)  # fmt: skip
-    kw = dict(key_padding_mask=mask, gpu_tiles=gpu_tiles)
     if not causal:
-        return ops.rf_parallel(q, k, v, form, scale, **kw)
-    from rfattn.kernels.rf_recurrent import MAX_TOKENS
-
+        return ops.rf_parallel(q, k, v, form, scale, mask, gpu_tiles=gpu_tiles)
     # decoding (few tokens, no gradient): one launch, O(M (D + E)) per token
-    run = ops.rf_decode if not grad and q.shape[2] <= MAX_TOKENS else ops.rf_chunk
-    out, s, z, off = run(q, k, v, form, scale, initial_state=call.initial_state, **kw)
+    run = ops.rf_decode if not grad and q.shape[2] <= ops.DECODE_TOKENS else ops.rf_chunk
+    out, s, z, off = run(q, k, v, form, scale, mask, call.initial_state, gpu_tiles=gpu_tiles)
     return (out, RFState(s, z, off)) if call.return_state else out
 
 
@@ -66,15 +78,17 @@ def kernel_form(rf, q, k, key_padding_mask, scale: float, causal: bool,
                  query_padding_mask=None, moments=None, maps=None, defer=False):  # fmt: skip
     """The feature's kernel form for this call. ``maps``: head maps ``(query_map, key_map)``
     (either may be None) the kernels apply (the form's ``qmap``, ``kmap``); statistics are then
-    those of the mapped q and k. For the Triton kernels, per-(b, h) parameters are
-    ``[B, H, ...]`` (B of q, H of k's heads) as they read them, so a launch copies nothing.
+    those of the mapped q and k. A call's own statistics are ``[B, H, ...]`` (B of q, H of k's
+    heads) as the kernels read them; a kept form's broadcast ones are laid out once per call
+    shape (``kernels.common.form_args``), so a launch copies nothing.
 
     * Parameters that do not depend on the call's data (no statistics; running statistics
-      outside training; fixed ones): the form is built once per RandomFeatures, device, compute
-      dtype and statistics mode, and kept while every tensor it was built from (W, the
-      component weights, GERF's A, the feature map's buffers: draws and running statistics) is
-      the same object at the same version (:func:`constant_form`). Such a call issues no GPU
-      operation of its own.
+      outside training; fixed ones): the form is built once per RandomFeatures, device, input
+      dtype and causality, and kept while the module's revision, its feature map's mode and the
+      version of every tensor it was built from (W, the component weights, GERF's A, the
+      feature map's buffers: draws and running statistics) are unchanged
+      (:func:`constant_form`, :func:`kept_form`). Such a call issues no GPU operation of its
+      own.
     * oprf/saderf with this call's statistics (global mode, or a running-mode call in training):
       ONE launch of the fused stats pass (``rfattn.kernels.stats``) reduces the moments of q and
       k and forms the parameters, and in training moves the running buffers; in torch where the
@@ -103,7 +117,7 @@ def kernel_form(rf, q, k, key_padding_mask, scale: float, causal: bool,
     elif moments is not None:
         form = _params_form(rf, q, key_padding_mask, causal, query_padding_mask, moments)
     else:
-        form = constant_form(rf, q.device, compute_dtype(q.dtype), causal, (q.shape[0], k.shape[1]))
+        form = constant_form(rf, q.device, compute_dtype(q.dtype), causal, q.dtype)
     if maps is None:
         return form
     qmap, kmap = (None if m is None else m.detach() for m in maps)
@@ -171,9 +185,39 @@ def _stats_pass_form(rf, q, k, key_padding_mask, query_padding_mask, scale, caus
     return form
 
 
-#: per RandomFeatures: {(device, dtype, statistics mode, training): (the tensors the form was
-#: built from with their versions, the form)}
-_FORMS = WeakIdKeyDictionary()
+class Kept(NamedTuple):
+    """A kept data-independent form (:func:`constant_form`) and what says it is still valid."""
+
+    revision: int  # the RandomFeatures' revision it was built at
+    feature_map: torch.nn.Module
+    training: bool  # the feature map's mode then
+    versions: tuple  # (tensor, its _version) of each tensor the form was built from
+    w: torch.Tensor  # W then (its requires_grad is read at each call)
+    form: object  # the KernelForm, its tensors as the kernels read them
+    plain_call: bool  # a fused kernel takes the module as it is: no head maps, no learnable A
+
+
+#: per RandomFeatures (held weakly): {(device, input dtype, causal): Kept}
+_FORMS = weakref.WeakKeyDictionary()
+
+
+def kept_form(rf, device: torch.device, dtype: torch.dtype, causal: bool) -> Kept | None:
+    """The kept form of a call on ``device`` with inputs of ``dtype`` (:func:`constant_form`), if
+    there is one and it is valid: the module's revision, its feature map's mode and the versions
+    of the tensors it was built from are those it was built with, W takes no gradient now and
+    nothing is being traced. A dictionary lookup and a few integer comparisons."""
+    kept = _FORMS.get(rf)
+    kept = None if kept is None else kept.get((device, dtype, causal))
+    if kept is None or kept.revision != rf.revision or \
+            kept.feature_map.training is not kept.training or \
+            torch.compiler.is_compiling():  # fmt: skip
+        return None
+    for t, version in kept.versions:
+        if t._version != version:
+            return None
+    if kept.w.requires_grad and torch.is_grad_enabled():
+        return None
+    return kept
 
 
 def _sources(rf) -> tuple | None:
@@ -192,60 +236,34 @@ def _sources(rf) -> tuple | None:
 
 
 def constant_form(rf, device: torch.device, dtype: torch.dtype, causal: bool,
-                  heads: tuple[int, int] | None = None):  # fmt: skip
+                  input_dtype: torch.dtype | None = None):  # fmt: skip
     """The form of a call whose parameters do not depend on its data (:func:`kernel_form`),
-    kept per RandomFeatures, ``device``, compute ``dtype`` and statistics mode: rebuilt when W,
-    the component weights, GERF's A or a buffer of the feature map (draws, running statistics)
-    is replaced or changed in place (its ``_version``; ``redraw``, ``load_state_dict``, an
-    optimiser step), or when the module's training mode changes. ``heads``: ``(B, H)`` of the
-    call, per-(b, h) parameters then ``[B, H, ...]`` (kept per ``heads`` too)."""
+    kept per RandomFeatures, ``device``, input dtype (``input_dtype``, default ``dtype``;
+    ``dtype`` is its compute dtype) and causality (:func:`kept_form`): rebuilt when W, the
+    component weights, GERF's A or a buffer of the feature map (draws, running statistics) is
+    changed in place (its ``_version``: an optimiser step, ``load_state_dict``), or when the
+    module's revision moves (:attr:`RandomFeatures.revision`: a redraw, ``.to()``, a train/eval
+    switch, ``load_state_dict``, W made learnable)."""
     from rfattn import ops
 
-    fm = rf.feature_map
-    key = (device, dtype, fm.mode(causal) if isinstance(fm, StatsFeature) else None, fm.training)
+    key = (device, dtype if input_dtype is None else input_dtype, causal)
+    kept = kept_form(rf, *key)
+    if kept is not None:
+        return kept.form
     sources = _sources(rf)
-    kept = _FORMS.get(rf, {}).get(key) if sources is not None else None
-    if (
-        kept is not None
-        and len(kept[0]) == len(sources)
-        and all(t is s and t._version == v for (t, v), s in zip(kept[0], sources, strict=True))
-    ):
-        return _per_heads(kept, heads)
     with torch.inference_mode(False):  # a kept form is used outside inference mode too
         q = torch.empty(0, device=device, dtype=dtype).view(1, 1, 0, rf.head_dim)
         form = _params_form(rf, q, None, causal)
-        kernels = sources is not None and not ops.on_torch(q)
-        if kernels:  # kept as the kernels read it
+        if sources is not None and not ops.on_torch(q):  # kept as the kernels read it
             form = _kernel_layout(form, dtype)
-    kept = (None, form, {} if kernels else None)
     if sources is not None:
-        kept = (tuple((t, t._version) for t in sources), form, kept[2])
+        fm = rf.feature_map
+        plain_call = no_kernel_reason(rf, causal) is None and rf.query_map is None and \
+            rf.gerf_A is None  # fmt: skip
+        kept = Kept(rf.revision, fm, fm.training, tuple((t, t._version) for t in sources),
+                    sources[0], form, plain_call)  # fmt: skip
         _FORMS.setdefault(rf, {})[key] = kept
-    return _per_heads(kept, heads)
-
-
-#: shapes ``(B, H)`` a kept form keeps its per-(b, h) parameters for, at most
-MAX_HEADS = 8
-
-
-def _per_heads(kept: tuple, heads):
-    """The kept form with per-(b, h) parameters ``[B, H, ...]`` for ``heads = (B, H)``, made
-    once per shape (``launch_setup`` would otherwise copy the broadcast ones at each launch);
-    the form itself without per-(b, h) parameters, without ``heads`` or on the torch kernels."""
-    _, form, shaped = kept
-    if heads is None or shaped is None or (form.coeffs is None and form.psi is None):
-        return form
-    out = shaped.get(heads)
-    if out is None:
-        if len(shaped) >= MAX_HEADS:
-            shaped.clear()
-        with torch.inference_mode(False):
-            out = dataclasses.replace(form, **{
-                name: x.detach().to(form.w.dtype).expand(*heads, x.shape[-1]).contiguous()
-                for name in ("coeffs", "psi") if (x := getattr(form, name)) is not None
-            })  # fmt: skip
-        shaped[heads] = out
-    return out
+    return form
 
 
 def _kernel_layout(form, dtype: torch.dtype):

@@ -64,7 +64,10 @@ from rfattn.kernels import rf_parallel as rf_parallel_kernels
 from rfattn.kernels import rf_recurrent as rf_recurrent_kernels
 from rfattn.kernels.common import INTERPRET
 
-__all__ = ["flat_form", "on_torch", "rf_chunk", "rf_decode", "rf_parallel"]
+__all__ = ["flat_form", "on_torch", "rf_chunk", "rf_decode", "rf_parallel", "DECODE_TOKENS"]
+
+#: the most tokens :func:`rf_decode` takes (``rfattn.kernels.rf_recurrent.MAX_TOKENS``)
+DECODE_TOKENS = rf_recurrent_kernels.MAX_TOKENS
 
 # Schema pieces shared by the operators: the kernel form (flattened by flat_form), the call, the
 # carried state and the launch options.
@@ -84,17 +87,44 @@ def _op(name: str, args: str, returns: str, mutates=()):
     return custom_op(f"rfattn::{name}", mutates_args=mutates, schema=f"({args}) -> {returns}")
 
 
-def flat_form(form: KernelForm) -> tuple:
+def _differentiable(name: str, args: str, returns: str, body, fake, setup, backward, bwd_op,
+                    bwd_body):  # fmt: skip
+    """``rfattn::<name>`` with its fake impl and autograd (``backward`` calls ``ctx.bwd``: the
+    backward operator ``bwd_op`` where traced), and the same forward ``body``, context ``setup``
+    and ``backward`` as a plain ``torch.autograd.Function`` for eager calls (``ctx.bwd`` the
+    backward's body ``bwd_body``: no dispatch either way). Returns ``(operator, Function)``."""
+    op = _op(name, args, returns)(body)
+    op.register_fake(fake)
+    op.register_autograd(backward,
+                         setup_context=lambda ctx, inputs, output: setup(ctx, inputs, output,
+                                                                         bwd_op))  # fmt: skip
+
+    def forward(ctx, *inputs):  # not setup_context: Function.apply would bind a signature
+        output = body(*inputs)
+        setup(ctx, inputs, output, bwd_body)
+        return output
+
+    eager = type(name.title(), (torch.autograd.Function,),
+                 {"forward": staticmethod(forward), "backward": staticmethod(backward),
+                  "__doc__": f"``rfattn::{name}`` without the operator's dispatch."})  # fmt: skip
+    return op, eager
+
+
+def flat_form(form: KernelForm, eager: bool = False) -> tuple:
     """The form as operator arguments (``_FORM``): kind, w, coeffs, psi, table, extra, index,
-    qmap, kmap."""
+    qmap, kmap. ``eager``: the form itself in kind's place, for the eager
+    ``torch.autograd.Function`` (:func:`_form` then takes it as it is: a kept form reaches the
+    launchers as the same object, whose kernel arguments they keep)."""
     extra, index = (form.tau, form.lam) if form.kind == "table" else (form.rows, form.segments)
-    return (form.kind, form.w, form.coeffs, form.psi, form.table, extra, index, form.qmap,
-            form.kmap)  # fmt: skip
+    return (form if eager else form.kind, form.w, form.coeffs, form.psi, form.table, extra, index,
+            form.qmap, form.kmap)  # fmt: skip
 
 
 def _form(args: tuple) -> tuple[KernelForm, tuple]:
     """(the KernelForm of the leading ``_FORM`` arguments, the arguments after them)."""
     kind, w, coeffs, psi, table, extra, index, qmap, kmap = args[:_NFORM]
+    if type(kind) is KernelForm:  # flat_form(eager=True)
+        return kind, args[_NFORM:]
     named = dict(tau=extra, lam=index) if kind == "table" else dict(rows=extra, segments=index)
     form = KernelForm(kind, w, coeffs, psi, table, qmap=qmap, kmap=kmap, **named)
     return form, args[_NFORM:]
@@ -225,15 +255,7 @@ def _parallel_body(q, k, v, *args):
     return (out, *aux)
 
 
-_parallel = _op(
-    "parallel",
-    f"{_QKV}, {_FORM}, {_CALL}, {_OPTS}",
-    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-)(_parallel_body)
-
-
-@_parallel.register_fake
-def _(q, k, v, *args):
+def _parallel_fake(q, k, v, *args):
     BH, Tq, F, acc = q.shape[0] * q.shape[1], q.shape[2], args[1].shape[0], compute_dtype(q.dtype)
     aux = [(BH, F, v.shape[3]), (BH, F), (BH, F), (BH, Tq), (BH, Tq)]
     return (q.new_empty(*q.shape[:3], v.shape[3]), *(q.new_empty(s, dtype=acc) for s in aux))
@@ -272,11 +294,10 @@ def _auxiliary(ctx, outputs) -> None:
     ctx.set_materialize_grads(False)
 
 
-def _parallel_setup(ctx, inputs, output, eager=False):
+def _parallel_setup(ctx, inputs, output, bwd):
     ctx.save_for_backward(*inputs[:3], *inputs[4:_SCALE], inputs[_SCALE + 1], *output)
     _auxiliary(ctx, output[1:])
-    ctx.kind, ctx.scale, ctx.opts = inputs[3], inputs[_SCALE], inputs[_SCALE + 2 :]
-    ctx.bwd = _parallel_bwd_body if eager else _parallel_bwd  # the operator where traced
+    ctx.kind, ctx.scale, ctx.opts, ctx.bwd = inputs[3], inputs[_SCALE], inputs[_SCALE + 2 :], bwd
 
 
 @no_autocast
@@ -301,19 +322,11 @@ def _parallel_backward(ctx, d_out, *_aux):
     return dq, dk, dv, None, (dw if need_dw else None), *([None] * (_NFORM + 2))
 
 
-_parallel.register_autograd(_parallel_backward, setup_context=_parallel_setup)
-
-
-class _Parallel(torch.autograd.Function):
-    """``rfattn::parallel`` without the operator's dispatch: its body, context and backward."""
-
-    backward = staticmethod(_parallel_backward)
-
-    @staticmethod
-    def forward(ctx, *inputs):  # not setup_context: Function.apply would bind a signature
-        output = _parallel_body(*inputs)
-        _parallel_setup(ctx, inputs, output, eager=True)
-        return output
+_parallel, _Parallel = _differentiable(
+    "parallel", f"{_QKV}, {_FORM}, {_CALL}, {_OPTS}",
+    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", _parallel_body, _parallel_fake,
+    _parallel_setup, _parallel_backward, _parallel_bwd, _parallel_bwd_body,
+)
 
 
 def rf_parallel(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, precision=None,
@@ -324,7 +337,8 @@ def rf_parallel(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, 
     traced = torch.compiler.is_compiling()
     grad = q.requires_grad or k.requires_grad or v.requires_grad or form.w.requires_grad
     if traced or grad and torch.is_grad_enabled():
-        args = (q, k, v, *flat_form(form), scale, key_padding_mask, precision, gpu_tiles)
+        args = (q, k, v, *flat_form(form, not traced), scale, key_padding_mask, precision,
+                gpu_tiles)  # fmt: skip
         return (_parallel if traced else _Parallel.apply)(*args)[0]
     if on_torch(q):  # no gradient follows: the operator's body, on the form itself
         return _torch_parallel(q, k, v, form, scale, key_padding_mask)[0]
@@ -349,13 +363,6 @@ def _chunk_body(q, k, v, *args):
     return out, *state, *aux
 
 
-_chunk = _op(
-    "chunk",
-    f"{_QKV}, {_FORM}, {_CALL}, {_STATE}, {_OPTS}",
-    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-)(_chunk_body)
-
-
 def _chunk_aux_like(q, k) -> tuple:
     """Empty ``(m_q, den [B*Hq, T], m_k [B*Hk, T])`` in the accumulation dtype."""
     B, T, acc = q.shape[0], q.shape[2], compute_dtype(q.dtype)
@@ -363,8 +370,7 @@ def _chunk_aux_like(q, k) -> tuple:
     return tuple(q.new_empty(n, T, dtype=acc) for n in rows)
 
 
-@_chunk.register_fake
-def _(q, k, v, *args):
+def _chunk_fake(q, k, v, *args):
     return (q.new_empty(*q.shape[:3], v.shape[3]), *_state_like(q, v, args[1]),
             *_chunk_aux_like(q, k))  # fmt: skip
 
@@ -398,13 +404,12 @@ def _(do, ds, dz, q, k, v, *args):
             torch.empty_like(z0) if init else q.new_empty(0))  # fmt: skip
 
 
-def _chunk_setup(ctx, inputs, output, eager=False):
+def _chunk_setup(ctx, inputs, output, bwd):
     out, mq, den, mk = output[0], *output[4:7]
     _auxiliary(ctx, output[3:])  # the offsets and the backward's row statistics
     ctx.save_for_backward(*inputs[:3], *inputs[4:_SCALE], *inputs[_SCALE + 1 : _SCALE + 5], out,
                           mq, den, mk)  # fmt: skip
-    ctx.kind, ctx.scale, ctx.opts = inputs[3], inputs[_SCALE], inputs[_SCALE + 5 :]
-    ctx.bwd = _chunk_bwd_body if eager else _chunk_bwd  # the operator where traced
+    ctx.kind, ctx.scale, ctx.opts, ctx.bwd = inputs[3], inputs[_SCALE], inputs[_SCALE + 5 :], bwd
 
 
 @no_autocast
@@ -434,19 +439,11 @@ def _chunk_backward(ctx, d_out, d_s, d_z, *_rest):
             None, None, None)  # fmt: skip
 
 
-_chunk.register_autograd(_chunk_backward, setup_context=_chunk_setup)
-
-
-class _Chunk(torch.autograd.Function):
-    """``rfattn::chunk`` without the operator's dispatch: its body, context and backward."""
-
-    backward = staticmethod(_chunk_backward)
-
-    @staticmethod
-    def forward(ctx, *inputs):  # not setup_context: Function.apply would bind a signature
-        output = _chunk_body(*inputs)
-        _chunk_setup(ctx, inputs, output, eager=True)
-        return output
+_chunk, _Chunk = _differentiable(
+    "chunk", f"{_QKV}, {_FORM}, {_CALL}, {_STATE}, {_OPTS}",
+    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", _chunk_body, _chunk_fake,
+    _chunk_setup, _chunk_backward, _chunk_bwd, _chunk_bwd_body,
+)
 
 
 def rf_chunk(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, initial_state=None,
@@ -454,9 +451,10 @@ def rf_chunk(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, ini
     """Causal fused attention of the kernel form ``form`` (``rfattn::chunk``); see
     ``rfattn.kernels.rf_chunk.rf_chunk_fwd``. Returns ``(out, S, z, offset)``."""
     s0, z0, off0 = (None, None, None) if initial_state is None else initial_state
-    args = (q, k, v, *flat_form(form), scale, key_padding_mask, s0, z0, off0, precision,
-            gpu_tiles)  # fmt: skip
-    if torch.compiler.is_compiling():
+    traced = torch.compiler.is_compiling()
+    args = (q, k, v, *flat_form(form, not traced), scale, key_padding_mask, s0, z0, off0,
+            precision, gpu_tiles)  # fmt: skip
+    if traced:
         run = _chunk
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                       or s0 is not None and (s0.requires_grad

@@ -83,11 +83,14 @@ def test_feature_parameters_from_the_stats_pass(feature, stats, kernel_device):
     form = kernel_form(rf, q, k, mask, 0.25, causal=False)
     ab, psi = form.coeffs, form.psi
     p = rf_torch.feature_params(q * 0.5, k * 0.5, mask)
-    assert ab.shape == (B, H, 3)  # per (b, h), as the kernels read them: no copy at launch
+    # per (b, h) from this call's statistics; a kept form's (eval, running) broadcast, laid
+    # out per call shape once by the launchers (kernels.common.form_args)
+    assert ab.shape == ((1, 1, 3) if stats == "running" else (B, H, 3))
     want = torch.cat((p["A"], p["B"], p["log_D"]), dim=-1).flatten(-2)
-    assert rel_rms(ab, want.expand_as(ab)) <= 1e-6
+    assert rel_rms(ab.expand(B, H, 3), want.expand(B, H, 3)) <= 1e-6
     if feature == "saderf":
-        assert rel_rms(psi, p["psi"].squeeze(-2).expand_as(psi)) <= 1e-6
+        got, ref = psi.expand(B, H, D), p["psi"].squeeze(-2).expand(B, H, D)
+        assert rel_rms(got, ref) <= 1e-6
     assert float(p["A"].abs().max()) > 1e-3  # the statistics are not trivial
 
 
@@ -181,7 +184,8 @@ def test_running_statistics_in_the_stats_pass_float64(feature, kernel_device):
 
 @pytest.fixture
 def kv_launches(monkeypatch):
-    """The kernels the non-causal forward launches, in order (launched as they are)."""
+    """The kernels the non-causal forward launches through ``launch`` (its key pass with
+    statistics; the planned launches replay without it), in order."""
     from rfattn.kernels import rf_parallel
 
     seen, real = [], rf_parallel.launch
@@ -229,8 +233,9 @@ def test_key_pass_statistics_float64_masks_grouped_heads(feature, stats, kernel_
         out, grads = _call64(rf, qs, ks, v, kmask, qmask, "triton")
         want, want_grads = _call64(rf_torch, qs, ks, v, kmask, qmask, "torch")
         kernel = _fwd_kv_running_kernel if stats == "running" else _fwd_kv_stats_kernel
-        assert [getattr(x, "fn", x).__name__ for x in kv_launches[:2]] == [
-            "_fwd_kv_stats_kernel", "_fwd_q_kernel"] and kv_launches[0] is kernel  # fmt: skip
+        # the key pass's launch was the statistics' (the query pass replays its plan:
+        # tests/test_gpu_ops.py counts every launch of the call)
+        assert kv_launches[:1] == [kernel]
         assert rel_rms(out, want) <= 1e-12
         for a, b in zip(grads, want_grads, strict=True):
             assert rel_rms(a, b) <= 1e-12

@@ -63,6 +63,12 @@ class RandomFeatures(nn.Module):
     """
 
     component_weight: torch.Tensor
+    #: bumped whenever what the fused path keeps for this module (its kernel forms,
+    #: ``rfattn.fused``) may be stale without a tensor's version saying so: a redraw, a state
+    #: dict loaded, a move or cast (``.to``, ``.cuda``, ``.double``), a train/eval switch, W or
+    #: GERF's A made learnable, head maps added. (In-place changes of its tensors, such as an
+    #: optimiser step, are seen by their version counters.)
+    revision: int = 0
 
     def __init__(
         self,
@@ -84,6 +90,7 @@ class RandomFeatures(nn.Module):
         if not isinstance(weights, str):
             raise TypeError(f"weights must be a str, got {weights!r}")
         check_weights_name(weights)
+        self.revision = 0
         self.head_dim = head_dim
         self.num_features = num_features
         self.feature = feature
@@ -132,6 +139,7 @@ class RandomFeatures(nn.Module):
             with _normal_tensors():
                 eye = torch.eye(self.head_dim, device=like.device, dtype=torch.float32)
                 setattr(self, name, nn.Parameter(eye.expand(h, -1, -1).clone()))
+            self.revision += 1
 
     @property
     def head_maps(self) -> tuple[int, int] | None:
@@ -164,6 +172,7 @@ class RandomFeatures(nn.Module):
         with _normal_tensors():
             a = torch.full((kv_heads,), fm.A.real, dtype=w.dtype, device=w.device)
             self.gerf_A = nn.Parameter(a)
+        self.revision += 1
         return self.gerf_A
 
     def map_tensors(self, q: torch.Tensor, k: torch.Tensor):
@@ -197,6 +206,17 @@ class RandomFeatures(nn.Module):
         if self.gerf_A is None and a is not None:
             self.learn_gerf_A(a.shape[0])
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.revision += 1
+
+    def _apply(self, fn, recurse=True):  # .to(), .cuda(), .double(), ...: new tensors
+        out = super()._apply(fn, recurse)
+        self.revision += 1
+        return out
+
+    def train(self, mode: bool = True):
+        out = super().train(mode)
+        self.revision += 1
+        return out
 
     def extra_repr(self) -> str:
         return (
@@ -220,6 +240,7 @@ class RandomFeatures(nn.Module):
             self._generator.manual_seed(seed)
         # which draw this is: a causal state is only continued by the draw that made it
         self.draw_id = next(_DRAW_IDS)
+        self.revision += 1
         # the component function's own draws (hrf's lambda projections, rmf's degrees), if any
         self.feature_map.redraw(self._generator)
         if self.learner is not None:
@@ -258,6 +279,7 @@ class RandomFeatures(nn.Module):
             w = self._buffers.pop("weight")
             with _normal_tensors():
                 self.register_parameter("weight", nn.Parameter(w.detach().clone()))
+            self.revision += 1
         return self._parameters["weight"]
 
     @property
