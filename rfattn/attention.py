@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from rfattn import fused, torch_path
+from rfattn import fused, hybrid, torch_path
 from rfattn.call import (
     BACKENDS,
     Call,
@@ -44,6 +44,9 @@ def rf_attention(
     return_state: bool = False,
     query_padding_mask: torch.Tensor | None = None,
     group=None,
+    *,
+    window: int = 0,
+    sinks: int = 0,
 ):
     """Random-feature linear attention, a drop-in for softmax attention in SDPA's layout.
 
@@ -93,6 +96,11 @@ def rf_attention(
             initial_state given or not, statistics and path: one all-gather of the calls'
             signatures checks it first, and every rank raises naming what differs
             (:func:`rfattn.distributed.check_calls_agree`). None: one process.
+        window, sinks: exact attention inside the random features (:mod:`rfattn.hybrid`, causal
+            only): each query attends exactly to the first ``sinks`` valid keys and to the keys
+            at positions ``i - window < j <= i``, and through the features to every other key,
+            in one normaliser; ``initial_state`` / the returned state are then a
+            :class:`rfattn.hybrid.HybridState` (constant size). The torch path runs them.
 
     Returns:
         ``out`` ``[B, H, Tq, E]`` in the input dtype, or ``(out, state)`` with ``return_state``.
@@ -103,7 +111,8 @@ def rf_attention(
         with torch.autocast(q.device.type, enabled=False):
             q, k, v = autocast_inputs(q, k, v, torch.get_autocast_dtype(q.device.type))
             return rf_attention(q, k, v, rf, causal, key_padding_mask, scale, backend,
-                                initial_state, return_state, query_padding_mask, group)  # fmt: skip
+                                initial_state, return_state, query_padding_mask, group,
+                                window=window, sinks=sinks)  # fmt: skip
     learned = learned_scale(scale) if torch.is_tensor(scale) else None
     if learned is not None:  # applied to q and k (below); checked without a host sync
         torch._assert_async((learned.detach() > 0) & learned.detach().isfinite(),
@@ -114,7 +123,7 @@ def rf_attention(
     if scale is not None and type(scale) is not float:
         scale = python_scalar(scale)
     checked = (q, k, v, rf, causal, key_padding_mask, scale, backend, initial_state,
-               return_state, query_padding_mask)  # fmt: skip
+               return_state, query_padding_mask, window, sinks, group)  # fmt: skip
     if group is None:
         validate(*checked)
     else:  # every rank's call checked against the others' before any other collective
@@ -132,13 +141,13 @@ def rf_attention(
     call = Call(q, k, v, rf, causal=causal, key_padding_mask=key_padding_mask,
                 scale=q.shape[-1] ** -0.5 if scale is None else float(scale), backend=backend,
                 query_padding_mask=query_padding_mask, initial_state=initial_state,
-                return_state=return_state, group=group)  # fmt: skip
+                return_state=return_state, group=group, window=window, sinks=sinks)  # fmt: skip
     if 0 in (q.shape[0], q.shape[1], k.shape[1]):  # no batch rows or no heads: nothing to run
         res = torch_path.empty_result(call)
     elif interception() is not None:  # rfattn.calibrate records calls
         res = interception()(call, run)
     elif group is None and query_padding_mask is None and (causal or q.shape[1] == k.shape[1]) \
-            and rf.query_map is None and rf.gerf_A is None and \
+            and rf.query_map is None and rf.gerf_A is None and window == sinks == 0 and \
             runs_fused(q, rf, causal, backend):  # fmt: skip
         # the common case straight to the fused kernels: what run and _attend would do with no
         # padded queries, no head maps, no grouped rows and no process group
@@ -156,7 +165,10 @@ def run(call: Call):
     (:meth:`RandomFeatures.map_tensors`) applied where q and k are read, then the backend."""
     qpm = call.query_padding_mask
     q = call.q if qpm is None else padded_rows(call.q, qpm)
-    res = _attend(dataclasses.replace(call, q=q, maps=call.rf.map_tensors(q, call.k)))
+    if call.window or call.sinks:  # exact sinks and window inside the features (torch path)
+        res = hybrid.attend(dataclasses.replace(call, q=q))
+    else:
+        res = _attend(dataclasses.replace(call, q=q, maps=call.rf.map_tensors(q, call.k)))
     if qpm is None:
         return res
     return (padded_rows(res[0], qpm), res[1]) if call.return_state else padded_rows(res, qpm)

@@ -77,6 +77,8 @@ class _Call(NamedTuple):
     backend: str
     query_padding_mask: torch.Tensor | None
     target: torch.Tensor
+    window: int = 0
+    sinks: int = 0
 
     def error_terms(self, rf) -> tuple[torch.Tensor, torch.Tensor]:
         """``(sum |o_rf - o|^2, sum |o|^2)`` over the valid query rows, o_rf by ``rf`` now."""
@@ -96,8 +98,8 @@ def rf_output(call: _Call, rf) -> torch.Tensor:
 
     return rf_attention(call.q, call.k, call.v, rf, causal=call.causal,
                         key_padding_mask=call.key_padding_mask, scale=call.scale,
-                        backend=call.backend,
-                        query_padding_mask=call.query_padding_mask)  # fmt: skip
+                        backend=call.backend, query_padding_mask=call.query_padding_mask,
+                        window=call.window, sinks=call.sinks)  # fmt: skip
 
 
 class _Recorder:
@@ -126,7 +128,8 @@ class _Recorder:
         kpm, qpm = call.key_padding_mask, call.query_padding_mask
         target = softmax_target(q, k, v, call.causal, kpm, call.scale)
         self.calls.setdefault(name, []).append(
-            _Call(q, k, v, call.causal, kpm, call.scale, call.backend, qpm, target)
+            _Call(q, k, v, call.causal, kpm, call.scale, call.backend, qpm, target,
+                  call.window, call.sinks)  # fmt: skip
         )
         return target.to(q.dtype)
 
@@ -193,7 +196,7 @@ def _regrouped(per: list[list[_Call]], order: list[int]) -> list[list[_Call]] | 
 
     def settings(c):
         return (c.causal, c.scale, c.backend, c.q.dtype, c.q.shape[1], c.k.shape[1],
-                c.q.shape[3], c.v.shape[3])  # fmt: skip
+                c.q.shape[3], c.v.shape[3], c.window, c.sinks)  # fmt: skip
 
     rows, padded = [], False
     for i, c in enumerate(calls):

@@ -60,9 +60,12 @@ def _check_tensor(name: str, x, rank: int, dims: str) -> None:
 
 
 def validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_state, return_state,
-             query_padding_mask=None) -> None:  # fmt: skip
+             query_padding_mask=None, window=0, sinks=0, group=None) -> None:  # fmt: skip
     """Raise naming the argument unless ``rf_attention``'s arguments are valid (``causal`` and
     ``scale`` already plain Python values)."""
+    for name, x in (("window", window), ("sinks", sinks)):
+        if type(x) is not int or x < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {x!r}")
     for name, x, dims in (
         ("q", q, "B, H, Tq, D"),
         ("k", k, "B, H, Tk, D"),
@@ -112,7 +115,15 @@ def validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_stat
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if (initial_state is not None or return_state) and not causal:
         raise ValueError("initial_state and return_state need causal=True")
-    if initial_state is not None:
+    if window or sinks:  # the hybrid (rfattn.hybrid): its own state, checked there
+        if not causal:
+            raise NotImplementedError("window and sinks need causal=True (no non-causal form yet)")
+        if backend == "triton":
+            raise NotImplementedError("window and sinks have no fused kernel yet: use "
+                                      "backend='torch' or 'auto'")  # fmt: skip
+        if group is not None:
+            raise NotImplementedError("window and sinks over a process group are not supported")
+    elif initial_state is not None:
         _check_state(initial_state, q, v, rf)
     if query_padding_mask is not None:
         check_mask("query_padding_mask", query_padding_mask, (qs[0], qs[2]), q.device)
@@ -295,6 +306,8 @@ class Call:
         group: the process group of a sharded call, or None.
         maps: ``(query_map, key_map)`` head maps the backend applies where it reads q and k
             (either may be None), or None for none.
+        window, sinks: exact local attention inside the random features (:mod:`rfattn.hybrid`;
+            0 and 0: none).
     """
 
     q: torch.Tensor
@@ -310,6 +323,8 @@ class Call:
     return_state: bool = False
     group: object = None
     maps: tuple | None = None
+    window: int = 0
+    sinks: int = 0
 
     @property
     def groups(self) -> int:

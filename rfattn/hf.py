@@ -53,7 +53,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from rfattn.attention import RFState, rf_attention
 from rfattn.distributed import runs_causal
-from rfattn.hybrid import HybridState, hybrid_attention
+from rfattn.hybrid import HybridState
 from rfattn.modules import RandomFeatures, layer_seed
 
 try:
@@ -556,17 +556,17 @@ def _mask_attention(module, rf, query, key, value, attention_mask, scaling, is_c
 
 
 def _hybrid(rf, query, key, value, pad, causal, group, window, sinks, scaling):
-    """:func:`rfattn.hybrid.hybrid_attention` of the layer's queries, the last Tq of Tk
-    positions (a key/value cache before them), or refuse what it has no form for."""
+    """The hybrid (:mod:`rfattn.hybrid`) of the layer's queries, the last Tq of Tk positions (a
+    key/value cache before them), or refuse what it has no form for."""
     if not causal:
         raise NotImplementedError("rfattn: window/sinks (config.rfattn) need causal attention")
     if group is not None:
         raise NotImplementedError("rfattn: window/sinks over a process group are not supported")
     tq, tk = query.shape[2], key.shape[2]
     front = query.new_zeros(*query.shape[:2], tk - tq, query.shape[-1])
-    out = hybrid_attention(torch.cat((front, query), dim=2) if tk > tq else query, key, value,
-                           rf, window=window, sinks=sinks, scale=scaling,
-                           key_padding_mask=pad)  # fmt: skip
+    out = rf_attention(torch.cat((front, query), dim=2) if tk > tq else query, key, value, rf,
+                       causal=True, key_padding_mask=pad, scale=scaling, window=window,
+                       sinks=sinks)  # fmt: skip
     return out[:, :, tk - tq :]
 
 
@@ -720,15 +720,9 @@ def _cached_attention(layer, rf, query, key, value, attention_mask, scaling):
     if attention_mask is not None:  # [B, 1, Tq, seen + Tq]: the new tokens' columns
         pad, _ = _split_mask(attention_mask[..., -tq:], True, tq, tq)
     window, sinks = local_attention(layer.config) if layer.config is not None else (0, 0)
-    if window or sinks:
-        out, layer.state = hybrid_attention(query, key, value, rf, window=window, sinks=sinks,
-                                            scale=scaling, key_padding_mask=pad,
-                                            initial_state=layer.state,
-                                            return_state=True)  # fmt: skip
-    else:
-        out, layer.state = rf_attention(query, key, value, rf, causal=True,
-                                        key_padding_mask=pad, scale=scaling,
-                                        initial_state=layer.state, return_state=True)  # fmt: skip
+    out, layer.state = rf_attention(query, key, value, rf, causal=True, key_padding_mask=pad,
+                                    scale=scaling, initial_state=layer.state, return_state=True,
+                                    window=window, sinks=sinks)  # fmt: skip
     layer.seen += tq
     return out
 

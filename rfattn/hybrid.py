@@ -197,7 +197,8 @@ def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float | None = None,
                      key_padding_mask: torch.Tensor | None = None,
                      initial_state: HybridState | None = None, return_state: bool = False,
-                     block: int = BLOCK):  # fmt: skip
+                     block: int = BLOCK,
+                     query_padding_mask: torch.Tensor | None = None):  # fmt: skip
     """Causal hybrid attention (module docstring): exact sinks and window, random features for
     the rest, one normaliser. The torch path, blocked, differentiated by autograd.
 
@@ -213,6 +214,8 @@ def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
         initial_state: a :class:`HybridState` this call continues (the same window and sinks).
         return_state: also return the state after this call.
         block: query rows per block.
+        query_padding_mask: ``[B, T]`` bool, True = queries left out of the data statistics
+            (oprf, saderf, ...).
 
     Returns:
         ``[B, H, T, E]`` in q's dtype (0 for a row with no valid key), and the
@@ -246,7 +249,11 @@ def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
         fk = prescale(ks, scale, absent, maps[1])
     vv = vs.to(cd).masked_fill(absent[:, None, :, None], 0.0)
     w = rf.weight.to(device=dev, dtype=cd)
-    params = rf.feature_params(fq, fk[:, :, W:], key_padding_mask, causal=True)
+    qpm = query_padding_mask
+    if qpm is not None and G > 1:  # the rows of a key/value head: its G query heads' tokens
+        qpm = qpm.repeat(1, G)
+    params = rf.feature_params(fq, fk[:, :, W:], key_padding_mask, causal=True,
+                               query_padding_mask=qpm)  # fmt: skip
     fm = rf.feature_map
     if fm.exponential:
         u_q, u_k = fm.logits(fq, w, "query", params), fm.logits(fk, w, "key", params)
@@ -332,3 +339,13 @@ def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
         torch.clamp(st.sinks_seen + (kinds_new == SINK).sum(-1), max=sinks),
     )  # fmt: skip
     return out, state
+
+
+def attend(call):
+    """``rf_attention``'s result for a validated call with ``window`` or ``sinks``
+    (:class:`rfattn.call.Call`; padded query rows already read as 0): the torch path above."""
+    return hybrid_attention(call.q, call.k, call.v, call.rf, window=call.window, sinks=call.sinks,
+                            scale=call.scale, key_padding_mask=call.key_padding_mask,
+                            query_padding_mask=call.query_padding_mask,
+                            initial_state=call.initial_state,
+                            return_state=call.return_state)  # fmt: skip

@@ -233,3 +233,54 @@ def test_the_conversion_benchmarks_local_mask_is_the_exact_part():
     for window, sinks in ((0, 0), (1, 4), (64, 4), (5, 0)):
         exact, _ = local_sets(70, window, sinks, None)
         assert torch.equal(local_mask(70, window, sinks), exact)
+
+
+def test_rf_attention_runs_the_hybrid():
+    q, k, v = inputs(seed=12)
+    rf = features()
+    mask = padding(2, 37, junk_into=(k, v))
+    out, state = rfattn.rf_attention(q, k, v, rf, causal=True, key_padding_mask=mask, window=5,
+                                     sinks=2, return_state=True)  # fmt: skip
+    want = hybrid_attention(q, k, v, rf, window=5, sinks=2, key_padding_mask=mask)
+    torch.testing.assert_close(out, want.masked_fill(mask[:, None, :, None], 0.0), rtol=1e-12,
+                               atol=1e-12)  # fmt: skip (padded queries: output 0)
+    assert type(state).__name__ == "HybridState"
+    more = rfattn.rf_attention(*inputs(seed=13, T=3), rf, causal=True, window=5, sinks=2,
+                               initial_state=state)  # fmt: skip
+    assert more.shape == (2, 4, 3, 5) and torch.isfinite(more).all()
+    with pytest.raises(NotImplementedError, match="need causal=True"):
+        rfattn.rf_attention(q, k, v, rf, window=5)
+    with pytest.raises(NotImplementedError, match="no fused kernel yet"):
+        rfattn.rf_attention(q, k, v, rf, causal=True, window=5, backend="triton")
+    with pytest.raises(ValueError, match="sinks must be an int >= 0"):
+        rfattn.rf_attention(q, k, v, rf, causal=True, sinks=-2)
+
+
+def test_calibrating_a_hybrid_model_trains_its_maps():
+    """rfattn.calibrate records the hybrid's calls (window and sinks kept) and lowers the
+    hybrid's own error against softmax."""
+    transformers = pytest.importorskip("transformers")
+    import rfattn.hf
+    from rfattn.calibration import attention_errors
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    rfattn.hf.attach_random_features(model, num_features=16, window=24)
+    model.set_attn_implementation("rfattn")
+    batches = [torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(i))
+               for i in range(2)]  # fmt: skip
+    # the recorded calls run the hybrid: a window over the whole sequence is softmax itself
+    assert max(attention_errors(model, batches).values()) < 1e-10
+    rfattn.hf.attach_random_features(model, window=8, sinks=1)
+    hybrid_errors = attention_errors(model, batches)
+    rfattn.hf.attach_random_features(model, window=0, sinks=0)
+    plain_errors = attention_errors(model, batches)
+    # and a short window is closer to softmax than the same features alone
+    assert all(hybrid_errors[n] < 0.5 * plain_errors[n] for n in plain_errors)
+    rfattn.hf.attach_random_features(model, window=8, sinks=1)
+    report = rfattn.calibrate(model, batches, params=("map",), steps=20, lr=0.02)
+    assert report.after and all(report.after[n] < report.before[n] for n in report.before)
+    assert report.before == pytest.approx(hybrid_errors, rel=1e-4)
