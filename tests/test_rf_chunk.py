@@ -165,6 +165,40 @@ def test_feature_tiles_far_apart(kernel_device):
     assert max(errs.values()) <= tolerance(f64, "grad"), errs
 
 
+def test_segments_carry_the_state_and_its_cotangent(monkeypatch, kernel_device):
+    """Walks split into segments (on CPU three, of 2, 2 and 1 chunks) carry the state forward
+    and its cotangent back between them: outputs, final state and the gradients of q, k, v and
+    the initial state as the torch path's, in float64, with two feature tiles far apart."""
+    from rfattn.kernels import rf_chunk as kernels
+
+    monkeypatch.setattr(kernels, "HOST_SEGMENTS", 3)
+    B, H, T, D, M, E = 1, 2, 90, 16, 80, 8
+    q, k = (rand(B, H, T, D, seed=s, scale=3.0, dtype=f64, device=kernel_device) for s in (1, 2))
+    v = rand(B, H, T, E, seed=3, dtype=f64, device=kernel_device)
+    rf = rfattn.RandomFeatures(D, M, seed=4).to(kernel_device).double()
+    with torch.no_grad():
+        rf.weight[64:] *= 6.0
+    kw = dict(causal=True, return_state=True)
+    _, st = rfattn.rf_attention(q[:, :, :20], k[:, :, :20], v[:, :, :20], rf, backend="torch",
+                                **kw)  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    do, ds, dz = (torch.randn(x.shape, generator=g, dtype=f64).to(kernel_device)
+                  for x in (v[:, :, 20:], st.s, st.z))  # fmt: skip
+    res = []
+    for backend in ("triton", "torch"):
+        x = [t[:, :, 20:].clone().requires_grad_() for t in (q, k, v)]
+        s0, z0 = st.s.detach().clone().requires_grad_(), st.z.detach().clone().requires_grad_()
+        out, st1 = rfattn.rf_attention(*x, rf, backend=backend,
+                                       initial_state=rfattn.RFState(s0, z0, st.offset), **kw)
+        e = torch.exp(st1.offset.detach())  # the offset-invariant state
+        s1, z1 = st1.s * e[..., None, None], st1.z * e[..., None]
+        loss = (out * do).sum() + (s1 * ds).sum() + (z1 * dz).sum()
+        res.append([out, s1, z1, *torch.autograd.grad(loss, [*x, s0, z0])])
+    errs = {n: rel_rms(a, b) for n, a, b in zip(("out", "S", "z", "dq", "dk", "dv", "dS0", "dz0"),
+                                                *res, strict=True)}  # fmt: skip
+    assert max(errs.values()) <= tolerance(f64, "grad"), errs
+
+
 def test_chunk_states_once_forward_twice_backward(monkeypatch, kernel_device):
     """What the launchers allocate per chunk: the prefix states [F, E] once in a forward (no
     per-chunk sums beside them) and twice in a backward (recomputed, and their cotangents)."""
