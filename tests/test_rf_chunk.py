@@ -149,6 +149,7 @@ def test_initial_state_and_split_resume(kernel_device):
     assert max(errs.values()) <= tolerance(f32, "grad"), errs
 
 
+@SLOW  # the segments case below covers the same tiles in make test
 def test_feature_tiles_far_apart(kernel_device):
     """The states pass keeps each feature tile at its own running offset; the output, the final
     state and the backward bring them to the common one (the largest): two tiles (64 + 16
