@@ -584,7 +584,7 @@ def stage_decode(rec: Recorder, work: Path, args) -> None:
 # -- profile -------------------------------------------------------------------------------------
 
 PROFILE_KERNELS = (
-    "regex:_fwd_kv_kernel|_fwd_q_kernel|_chunk_local_kernel|_chunk_out_kernel|_chunk_bwd_kernel"
+    "regex:_fwd_kv_kernel|_fwd_q_kernel|_chunk_states_kernel|_chunk_out_kernel|_chunk_bwd_kernel"
 )
 
 

@@ -16,35 +16,59 @@ chunks <= c and all features); the forward reads every row at its own offset
 Every factor is <= 1 and no row reads a later key's offset, so no output depends on a later
 token, not even through underflow, and where chunks fall changes only rounding (docs/numerics.md).
 
-Forward, three launches (features never touch HBM; chunk states do, transiently):
+Forward, two launches (features never touch HBM; chunk states do, transiently):
 
-1. ``_chunk_local_kernel``, grid (M tiles, chunks, B*H): each chunk's own sum h_c = sum_j
-   exp(u_k(j) - l_c) v_j^T with its local max l_c (fully parallel over chunks);
-2. ``_chunk_scan_kernel``, grid (M tiles, B*H): the running offset and the prefix states,
-   rescaled flash-style (sequential over chunks), plus the final state; each chunk's prefix is
-   stored at R_{c-1};
-3. ``_chunk_out_kernel``, grid (chunks, B*H): a pass over the key features for m_j, then the
+1. ``_chunk_states_kernel``, grid (M tiles, segments, B*H): the chunks fall into NS segments
+   of consecutive chunks per (b, h); a program walks its segment's chunks in order from a zero
+   state, each chunk's key features of its tile computed on the way and added to the running
+   state, rescaled flash-style, and stores the state before every chunk at the walk's own
+   offset (the max over the tile's features of the segment's keys so far) with those offsets
+   ``r`` ``[B*H, NC + 1, M tiles]``. The last of a tile's segments to finish
+   (``common.last_to_arrive``) combines the segments' sums into the carries, the state before
+   each segment from the initial one (log-sum-exp: both sides at the larger offset), and the
+   tile's final state; with the final state asked for, the (b, h)'s last tile to finish brings
+   it to the common offset R_{NC-1}. The state before chunk c, S'_c, z'_c, is then its
+   segment's carry plus the walk's state there, and R_{c-1} the max of both offsets over the
+   tiles: the later kernels form it as they load S'_c, each part times a factor <= 1;
+2. ``_chunk_out_kernel``, grid (chunks, B*H): a pass over the key features for m_j, then the
    inter-chunk ``a S'`` plus the masked intra-chunk ``(a b^T ⊙ decay ⊙ tril) V`` on ``tl.dot``,
    online per-row max over M tiles, ``out = num / den`` with ``rfattn.reference.attention_ratio``'s
    policy; saves mq_i, den_i (at r_i) and m_j. A non-finite value poisons its own and later rows
    only.
 
-Backward (states recomputed by 1-2, never kept from the forward; no reverse-subtraction of
-prefix sums), every row and key at the forward's own offsets, so its gradients underflow only
-where the forward's terms do. With g_i = do_i / den_i, c_i = -(do_i . out_i) / den_i, w_i =
-exp(R_{c-1} - r_i), decay_ij = exp(m_j - r_i), kf_j = exp(m_j - R_c) (all <= 1) and
-dK_ij = (v_j . g_i + c_i) decay_ij:
+The trade of launch 1: one launch instead of a chunk-parallel pass (each chunk's own sum) and a
+scan over those sums, and no per-chunk sums in memory (half the forward's intermediate states),
+but a program walks its segment's chunks serially, a key projection and a ``[BM, BT] @ [BT,
+E]`` product per step, where the chunk-parallel pass spread them over (M tiles, chunks, B*H)
+programs. Segments bring the parallelism back: on a GPU enough (at most MAX_SEGMENTS) that no
+walk is longer than SEGMENT_STEPS chunks and the grid holds two programs per SM; at B4 H16 M256
+E64 bf16 on 132 SMs, 2 segments of 8 chunks at T = 1024 (512 programs) and 8 of 32 at T =
+16384 (2048 programs). The carries cost a ``[NS + 1, M, E]`` state per (b, h) and one more
+``[BM, BE]`` load per tile where a state is read.
 
-4. ``_chunk_local_grad_kernel``, grid (M tiles, chunks, B*H): L_c = sum_{i in c} w_i a_i g_i^T,
-   l_c = sum_{i in c} w_i c_i a_i;
-5. ``_chunk_rscan_kernel``, grid (M tiles, B*H): D_c = L_{c+1} + exp(R_c - R_{c+1}) D_{c+1},
-   the cotangent of the state after chunk c at R_c (from the final state's), the reverse scan,
-   and the initial state's gradient one step further;
-6. ``_chunk_bwd_kernel``, grid (chunks, B*H):
+Backward, three launches (states recomputed by 1, never kept from the forward; no
+reverse-subtraction of prefix sums), every row and key at the forward's own offsets, so its
+gradients underflow only where the forward's terms do. With g_i = do_i / den_i, c_i = -(do_i .
+out_i) / den_i, w_i = exp(R_{c-1} - r_i), decay_ij = exp(m_j - r_i), kf_j = exp(m_j - R_c) (all
+<= 1) and dK_ij = (v_j . g_i + c_i) decay_ij:
+
+3. ``_chunk_dstates_kernel``, grid (M tiles, segments, B*H): the reverse walk, D_c = L_{c+1} +
+   exp(R_c - R_{c+1}) D_{c+1}, the cotangent of the state after chunk c at R_c, from 0 at the
+   segment's end, with each chunk's L_c = sum_{i in c} w_i a_i g_i^T, l_c = sum_{i in c} w_i
+   c_i a_i formed on the way (the query features of its tile, the G query heads together); the
+   last of a tile's segments to finish carries the cotangents back from the final state's (the
+   cotangent after each segment) to the initial state's; D_c is the walk's plus its segment's
+   carry times exp(R_c - R_end) <= 1;
+4. ``_chunk_bwd_kernel``, grid (chunks, B*H):
    du_q = a ⊙ (w (g S'_c^T + c z'_c) + (dK ⊙ tril) b),
    du_k = b ⊙ ((dK ⊙ tril)^T a + kf (v D_c^T + dz_c)),
    dv = (a b^T ⊙ decay ⊙ tril)^T g + kf b D_c; dq, dk through ``common.feature_dx``
    (``phi = g e``: du = phi * dphi, dg = e * dphi).
+
+Recomputing the prefix states costs the backward one launch (2 + 3 = 5 per training call);
+keeping the forward's instead would save it but hold ``B H ceil(T / C) M E`` accumulator floats
+from the forward to the backward of every layer: at B4 H16 M256 E64 with C = 64, 64 MiB at
+T = 1024 and 1 GiB at T = 16384 (fp32), each layer's until its backward runs.
 
 State (``rfattn.RFState``): S [B, H, M, E], z [B, H, M] in the accumulation dtype and the offset
 [B, H] (-inf before any valid key). ``initial_state`` continues a sequence; gradients flow to
@@ -52,7 +76,8 @@ the initial S, z and from cotangents of the returned S, z (the offset is not dif
 Key padding mask: padded keys get b = 0 everywhere (left padding for batched generation works).
 Limits as ``rf_parallel`` (fp32/fp16/bf16/fp64, any D, E, M, T); Tq == Tk; learnable W (dW) is
 not supported here (``rf_attention`` routes it to the torch path). Chunk states take
-``B H ceil(T / C) M E`` accumulator floats while a call runs.
+``B H ceil(T / C) M E`` accumulator floats while a forward runs and twice that in a backward (the
+prefix states and their cotangents).
 Reference: ``rfattn.reference.linear_attention(causal=True)`` on ``RandomFeatures.features``.
 """
 
@@ -65,12 +90,14 @@ import triton.language as tl
 from .common import (
     NEG,
     Setup,
+    arrival_counters,
     cdiv,
     check_forward_only,
     feature_dx,
     feature_tile,
     gerf_coeffs,
     input_scale,
+    last_to_arrive,
     launch,
     launch_setup,
     load_mapped,
@@ -101,111 +128,191 @@ def _intra_decay(b_mk, b_ri):
 
 
 @triton.jit
-def _chunk_local_kernel(
+def _segment(i_c, NS, CPS):
+    """The segment of chunk c, or of chunk boundary c (0 .. NC; NC: the last segment's end)."""
+    return tl.minimum(i_c // CPS, NS - 1)
+
+
+@triton.jit
+def _prefix_offset(r_ptr, gr_ptr, i_bh, i_c, NC, NS, CPS, NR: tl.constexpr, BP: tl.constexpr):
+    """R_{c-1}, the offset at chunk boundary c (0 .. NC): the max over the states kernel's NR
+    feature tiles of their own offsets there, each the larger of the carry into c's segment's
+    (``gr`` ``[B*H, NS + 1, NR]``) and the segment's own walk's (``r`` ``[B*H, NC + 1, NR]``).
+    ``.cg``, from L2: the last program of a walk reads the other programs' stores."""
+    o_p = tl.arange(0, BP)
+    m_p = o_p < NR
+    i_g = i_bh * (NS + 1) + _segment(i_c, NS, CPS)
+    b_l = tl.load(r_ptr + (i_bh * (NC + 1) + i_c) * NR + o_p, mask=m_p, other=NEG,
+                  cache_modifier=".cg")  # fmt: skip
+    b_g = tl.load(gr_ptr + i_g * NR + o_p, mask=m_p, other=NEG, cache_modifier=".cg")
+    return tl.max(tl.maximum(b_l, b_g), axis=0)
+
+
+@triton.jit
+def _prefix_tile(s_ptr, z_ptr, r_ptr, gs_ptr, gz_ptr, gr_ptr, i_bh, i_c, NC, NS, CPS, i_r, b_rp,
+                 o_f, o_e, m_f, m_e, M: tl.constexpr, E: tl.constexpr,
+                 NR: tl.constexpr):  # fmt: skip
+    """Features o_f, inside the states kernel's tile i_r (of NR), of the state before chunk c
+    (S'_c [BM, BE], z'_c [BM]) at R_{c-1} = b_rp: the carry into c's segment plus the segment's
+    own walk up to c, each from its own offset (factors <= 1)."""
+    i_g = i_bh * (NS + 1) + _segment(i_c, NS, CPS)
+    b_fl = tl.exp(tl.load(r_ptr + (i_bh * (NC + 1) + i_c) * NR + i_r) - b_rp)
+    b_fg = tl.exp(tl.load(gr_ptr + i_g * NR + i_r) - b_rp)
+    o_fe = o_f[:, None] * E + o_e[None, :]
+    m_fe = m_f[:, None] & m_e[None, :]
+    b_s = b_fl * tl.load(s_ptr + (i_bh * NC + i_c) * M * E + o_fe, mask=m_fe, other=0.0)
+    b_s += b_fg * tl.load(gs_ptr + i_g * M * E + o_fe, mask=m_fe, other=0.0)
+    b_z = b_fl * tl.load(z_ptr + (i_bh * NC + i_c) * M + o_f, mask=m_f, other=0.0)
+    b_z += b_fg * tl.load(gz_ptr + i_g * M + o_f, mask=m_f, other=0.0)
+    return b_s, b_z
+
+
+@triton.jit
+def _dstate_tile(ds_ptr, dz_ptr, gd_ptr, gdz_ptr, r_ptr, gr_ptr, i_bh, i_c, NC, NS, CPS, o_f, o_e,
+                 m_f, m_e, M: tl.constexpr, E: tl.constexpr, NR: tl.constexpr,
+                 BP: tl.constexpr):  # fmt: skip
+    """Features o_f of D_c [BM, BE], dz_c [BM], the cotangent of the state after chunk c at R_c:
+    the segment's own reverse walk's plus the carry from the segments after it (at the
+    segment's end offset, times exp(R_c - R_end) <= 1)."""
+    i_g = _segment(i_c, NS, CPS)
+    b_rc = _prefix_offset(r_ptr, gr_ptr, i_bh, i_c + 1, NC, NS, CPS, NR, BP)
+    b_re = _prefix_offset(r_ptr, gr_ptr, i_bh, tl.minimum((i_g + 1) * CPS, NC), NC, NS, CPS, NR,
+                          BP)  # fmt: skip
+    b_f = tl.exp(b_rc - b_re)
+    o_fe = o_f[:, None] * E + o_e[None, :]
+    m_fe = m_f[:, None] & m_e[None, :]
+    b_ds = tl.load(ds_ptr + (i_bh * NC + i_c) * M * E + o_fe, mask=m_fe, other=0.0)
+    b_ds += b_f * tl.load(gd_ptr + (i_bh * NS + i_g) * M * E + o_fe, mask=m_fe, other=0.0)
+    b_dz = tl.load(dz_ptr + (i_bh * NC + i_c) * M + o_f, mask=m_f, other=0.0)
+    b_dz += b_f * tl.load(gdz_ptr + (i_bh * NS + i_g) * M + o_f, mask=m_f, other=0.0)
+    return b_ds, b_dz
+
+
+@triton.jit
+def _chunk_states_kernel(
     k_ptr, v_ptr, w_ptr, pad_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
-    kmap_ptr, h_ptr, hz_ptr, hm_ptr,
-    T, H, NC,
+    kmap_ptr, s0_ptr, z0_ptr, r0_ptr, s_ptr, z_ptr, r_ptr, gs_ptr, gz_ptr, gr_ptr, sT_ptr, zT_ptr,
+    rT_ptr, arrive_ptr,
+    T, H, NC, NS, CPS,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
     stride_wm, stride_wd, stride_pb, stride_pt,
     D: tl.constexpr, M: tl.constexpr, E: tl.constexpr,
-    BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
+    BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr,
     HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
-    HAS_MAP: tl.constexpr,
+    HAS_MAP: tl.constexpr, HAS_INIT: tl.constexpr, PLAIN: tl.constexpr, FINAL: tl.constexpr,
 ):  # fmt: skip
-    """Chunk c's own (h_c [BM, E], hz_c [BM], l_c) for one M tile, at its local max l_c."""
-    i_m, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    """One feature tile's walk over one segment's chunks from a zero state: each chunk's state
+    before it, S_c [BM, E], z_c [BM], at the walk's own offset, and the segment's sum; the last
+    of the tile's segments to finish forms the carries (the state before each segment, from the
+    initial one) and the tile's final state; with FINAL, the (b, h)'s last tile to finish brings
+    the final state to the common offset R_{NC-1}."""
+    i_m, i_g, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     NMT: tl.constexpr = (M + BM - 1) // BM
     o_d, o_e, o_f = tl.arange(0, BD), tl.arange(0, BE), i_m * BM + tl.arange(0, BM)
     m_d, m_e, m_f = o_d < D, o_e < E, o_f < M
-    o_t = i_c.to(tl.int64) * BT + tl.arange(0, BT)
-    m_t = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
+    m_fe = m_f[:, None] & m_e[None, :]
+    o_fe = o_f[:, None] * E + o_e[None, :]
     b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
     b_sc = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
     b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
-    b_xs = load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, kmap_ptr, i_h, D, BT, BD,
-                        HAS_MAP, PRECISION, ACC) * b_sc[None, :]  # fmt: skip
-    b_u, b_g, b_g1, b_g2 = feature_tile(
-        b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
-        M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
-    b_u = tl.where(m_t[:, None] & m_f[None, :], b_u, float("-inf"))
-    b_l = tl.maximum(tl.max(tl.max(b_u, axis=1), axis=0), NEG)
-    b_p = b_g * tl.exp(b_u - b_l)  # [BT, BM], 0 on invalid rows / features
-    p_v = (
-        v_ptr
-        + i_b * stride_vb
-        + i_h * stride_vh
-        + o_t[:, None] * stride_vt
-        + o_e[None, :] * stride_ve
-    )
-    b_v = tl.load(p_v, mask=m_t[:, None] & m_e[None, :], other=0.0)  # padded values unread
-    # [BM, BT] @ [BT, BE] -> [BM, BE]
-    b_h = tl.dot(tl.trans(b_p), b_v.to(ACC), input_precision=PRECISION, out_dtype=ACC)
-    i_blk = i_bh * NC + i_c
-    tl.store(h_ptr + i_blk * M * E + o_f[:, None] * E + o_e[None, :], b_h,
-             mask=m_f[:, None] & m_e[None, :])  # fmt: skip
-    tl.store(hz_ptr + i_blk * M + o_f, tl.sum(b_p, axis=0), mask=m_f)
-    tl.store(hm_ptr + i_blk * NMT + i_m, b_l)
-
-
-@triton.jit
-def _chunk_scan_kernel(
-    h_ptr, hz_ptr, hm_ptr, s0_ptr, z0_ptr, r0_ptr, s_ptr, z_ptr, r_ptr, sT_ptr, zT_ptr, rT_ptr,
-    NC,
-    M: tl.constexpr, E: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr,
-    HAS_INIT: tl.constexpr, PLAIN: tl.constexpr, ACC: tl.constexpr,
-):  # fmt: skip
-    """Prefix states S_c, z_c for one M tile (the keys of chunks < c) at R_{c-1}, the offset
-    before chunk c, where the rows' own offsets start; and the final state."""
-    i_m, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    NMT: tl.constexpr = (M + BM - 1) // BM
-    o_f, o_e, o_p = i_m * BM + tl.arange(0, BM), tl.arange(0, BE), tl.arange(0, BP)
-    m_f, m_fe = o_f < M, (o_f < M)[:, None] & (o_e < E)[None, :]
-    o_fe = o_f[:, None] * E + o_e[None, :]
-    b_r = load_offset(r0_ptr + i_bh, PLAIN, HAS_INIT, ACC)
-    if HAS_INIT:
-        b_s = tl.load(s0_ptr + i_bh * M * E + o_fe, mask=m_fe, other=0.0).to(ACC)
-        b_z = tl.load(z0_ptr + i_bh * M + o_f, mask=m_f, other=0.0).to(ACC)
-    else:
-        b_s = tl.zeros([BM, BE], dtype=ACC)
-        b_z = tl.zeros([BM], dtype=ACC)
-    for i_c in range(0, NC):
+    v_base = v_ptr + i_b * stride_vb + i_h * stride_vh
+    c0 = i_g * CPS
+    c1 = tl.minimum(c0 + CPS, NC)
+    b_r = load_offset(r0_ptr, PLAIN, False, ACC)  # the empty state's
+    b_s = tl.zeros([BM, BE], dtype=ACC)
+    b_z = tl.zeros([BM], dtype=ACC)
+    for i_c in range(c0, c1):
         i_blk = i_bh * NC + i_c
-        b_lall = tl.load(hm_ptr + i_blk * NMT + o_p, mask=o_p < NMT, other=NEG)  # [BP]
-        b_rn = tl.maximum(b_r, tl.max(b_lall, axis=0))
-        b_alpha = tl.exp(b_r - b_rn)
         tl.store(s_ptr + i_blk * M * E + o_fe, b_s, mask=m_fe)
         tl.store(z_ptr + i_blk * M + o_f, b_z, mask=m_f)
-        if i_m == 0:
-            tl.store(r_ptr + i_blk, b_r)
-        b_s, b_z = b_s * b_alpha, b_z * b_alpha
-        b_beta = tl.exp(tl.load(hm_ptr + i_blk * NMT + i_m) - b_rn)
-        b_s += b_beta * tl.load(h_ptr + i_blk * M * E + o_fe, mask=m_fe, other=0.0)
-        b_z += b_beta * tl.load(hz_ptr + i_blk * M + o_f, mask=m_f, other=0.0)
+        tl.store(r_ptr + (i_bh * (NC + 1) + i_c) * NMT + i_m, b_r)
+        # chunk c's keys: features of this tile [BT, BM], the offset raised to their max
+        o_t = (i_c * BT + tl.arange(0, BT)).to(tl.int64)
+        m_t = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
+        b_v = load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_t, m_e, ACC)  # padded: unread
+        b_xs = load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, kmap_ptr, i_h, D, BT,
+                           BD, HAS_MAP, PRECISION, ACC) * b_sc[None, :]  # fmt: skip
+        b_u, b_g, b_g1, b_g2 = feature_tile(
+            b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
+            M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
+        m_tf = m_t[:, None] & m_f[None, :]  # valid keys and features: the only ones read
+        b_rn = tl.maximum(b_r, tl.max(tl.max(tl.where(m_tf, b_u, NEG), axis=1), axis=0))
+        b_p = tl.where(m_tf, b_g * tl.exp(b_u - b_rn), 0.0)  # [BT, BM]
+        b_alpha = tl.exp(b_r - b_rn)
+        # [BM, BT] @ [BT, BE] -> [BM, BE]
+        b_s = b_s * b_alpha + tl.dot(tl.trans(b_p), b_v, input_precision=PRECISION,
+                                     out_dtype=ACC)  # fmt: skip
+        b_z = b_z * b_alpha + tl.sum(b_p, axis=0)
         b_r = b_rn
-    tl.store(sT_ptr + i_bh * M * E + o_fe, b_s, mask=m_fe)
-    tl.store(zT_ptr + i_bh * M + o_f, b_z, mask=m_f)
-    if i_m == 0:
-        store_offset(rT_ptr + i_bh, b_r)
+    if c1 == NC:  # the boundary after the last chunk (others open the next segment)
+        tl.store(r_ptr + (i_bh * (NC + 1) + NC) * NMT + i_m, b_r)
+    # the segment's sum in slot i_g + 1, where its carry (the state after it) will be
+    p_g = i_bh * (NS + 1) + i_g + 1
+    tl.store(gs_ptr + p_g * M * E + o_fe, b_s, mask=m_fe)
+    tl.store(gz_ptr + p_g * M + o_f, b_z, mask=m_f)
+    tl.store(gr_ptr + p_g * NMT + i_m, b_r)
+    if last_to_arrive(arrive_ptr + i_bh * NMT + i_m, NS):  # every segment's sum is written
+        b_r = load_offset(r0_ptr + i_bh, PLAIN, HAS_INIT, ACC)
+        if HAS_INIT:
+            b_s = tl.load(s0_ptr + i_bh * M * E + o_fe, mask=m_fe, other=0.0).to(ACC)
+            b_z = tl.load(z0_ptr + i_bh * M + o_f, mask=m_f, other=0.0).to(ACC)
+        else:
+            b_s = tl.zeros([BM, BE], dtype=ACC)
+            b_z = tl.zeros([BM], dtype=ACC)
+        for j in range(0, NS):  # slot j: the carry into segment j; j + 1 holds its sum
+            p_g = i_bh * (NS + 1) + j
+            b_ts = tl.load(gs_ptr + (p_g + 1) * M * E + o_fe, mask=m_fe, other=0.0,
+                           cache_modifier=".cg")  # fmt: skip
+            b_tz = tl.load(gz_ptr + (p_g + 1) * M + o_f, mask=m_f, other=0.0, cache_modifier=".cg")
+            b_tr = tl.load(gr_ptr + (p_g + 1) * NMT + i_m, cache_modifier=".cg")
+            tl.store(gs_ptr + p_g * M * E + o_fe, b_s, mask=m_fe)
+            tl.store(gz_ptr + p_g * M + o_f, b_z, mask=m_f)
+            tl.store(gr_ptr + p_g * NMT + i_m, b_r)
+            b_rn = tl.maximum(b_r, b_tr)  # log-sum-exp: both sides at the larger offset
+            b_fc, b_ft = tl.exp(b_r - b_rn), tl.exp(b_tr - b_rn)
+            b_s, b_z, b_r = b_s * b_fc + b_ts * b_ft, b_z * b_fc + b_tz * b_ft, b_rn
+        p_g = i_bh * (NS + 1) + NS  # the tile's final state, at its own offset
+        tl.store(gs_ptr + p_g * M * E + o_fe, b_s, mask=m_fe)
+        tl.store(gz_ptr + p_g * M + o_f, b_z, mask=m_f)
+        tl.store(gr_ptr + p_g * NMT + i_m, b_r)
+        if FINAL:
+            if last_to_arrive(arrive_ptr + tl.num_programs(2) * NMT + i_bh, NMT):
+                b_rT = _prefix_offset(r_ptr, gr_ptr, i_bh, NC, NC, NS, CPS, NMT, BP)
+                for j in range(0, NMT):  # each tile from its own offset to the common one
+                    o_fj = j * BM + tl.arange(0, BM)
+                    m_fj = o_fj < M
+                    m_fje = m_fj[:, None] & m_e[None, :]
+                    o_fje = o_fj[:, None] * E + o_e[None, :]
+                    b_f = tl.exp(tl.load(gr_ptr + p_g * NMT + j, cache_modifier=".cg") - b_rT)
+                    b_s = tl.load(gs_ptr + p_g * M * E + o_fje, mask=m_fje, other=0.0,
+                                  cache_modifier=".cg")  # fmt: skip
+                    tl.store(sT_ptr + i_bh * M * E + o_fje, b_f * b_s, mask=m_fje)
+                    b_z = tl.load(gz_ptr + p_g * M + o_fj, mask=m_fj, other=0.0,
+                                  cache_modifier=".cg")  # fmt: skip
+                    tl.store(zT_ptr + i_bh * M + o_fj, b_f * b_z, mask=m_fj)
+                store_offset(rT_ptr + i_bh, b_rT)
 
 
 @triton.jit
 def _chunk_out_kernel(
     q_ptr, k_ptr, v_ptr, w_ptr, pad_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr,
-    xi_ptr, qmap_ptr, kmap_ptr, s_ptr, z_ptr, r_ptr, o_ptr, mq_ptr, den_ptr, mk_ptr,
-    T, H, NC, G,
+    xi_ptr, qmap_ptr, kmap_ptr, s_ptr, z_ptr, r_ptr, gs_ptr, gz_ptr, gr_ptr, o_ptr, mq_ptr,
+    den_ptr, mk_ptr,
+    T, H, NC, G, NS, CPS,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
     stride_wm, stride_wd, stride_pb, stride_pt,
     stride_ob, stride_oh, stride_ot, stride_oe,
     D: tl.constexpr, M: tl.constexpr, E: tl.constexpr,
-    BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
-    HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
-    HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
+    BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr,
+    RM: tl.constexpr, HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr,
+    ACC: tl.constexpr, HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr,
+    TINY: tl.constexpr,
     HAS_MAP: tl.constexpr,
 ):  # fmt: skip
     """out [BT, E] of chunk c for each of the G query heads of key/value head (b, h): a S_c
@@ -213,7 +320,6 @@ def _chunk_out_kernel(
     i_c, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     NMT: tl.constexpr = (M + BM - 1) // BM
-    i_blk = i_bh * NC + i_c
     o_t = i_c.to(tl.int64) * BT + tl.arange(0, BT)
     o_d, o_e = tl.arange(0, BD), tl.arange(0, BE)
     m_q, m_d, m_e = o_t < T, o_d < D, o_e < E
@@ -224,7 +330,9 @@ def _chunk_out_kernel(
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
     b_xk = load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, kmap_ptr, i_h, D, BT, BD,
                         HAS_MAP, PRECISION, ACC) * b_sck[None, :]  # fmt: skip
-    b_rp = tl.load(r_ptr + i_blk)  # R_{c-1}: the prefix state's offset
+    NR: tl.constexpr = (M + RM - 1) // RM  # the states kernel's feature tiles (RM >= BM)
+    # R_{c-1}: where the rows' offsets start
+    b_rp = _prefix_offset(r_ptr, gr_ptr, i_bh, i_c, NC, NS, CPS, NR, BP)
     # per-row offsets: key j's own max logit m_j over features, then r_i = max(R_{c-1}, m_j for
     # j <= i), so no row reads a later key's offset (one more pass over the key features)
     b_mk = tl.full([BT], NEG, dtype=ACC)
@@ -280,9 +388,9 @@ def _chunk_out_kernel(
                 b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
                 M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # fmt: skip
             b_b = b_gk * tl.where(m_k[:, None] & m_f[None, :], tl.exp(b_uk - b_mk[:, None]), 0.0)
-            b_s = tl.load(s_ptr + i_blk * M * E + o_f[:, None] * E + o_e[None, :],
-                          mask=m_f[:, None] & m_e[None, :], other=0.0)  # [BM, BE]  # fmt: skip
-            b_z = tl.load(z_ptr + i_blk * M + o_f, mask=m_f, other=0.0)  # [BM]
+            b_s, b_z = _prefix_tile(s_ptr, z_ptr, r_ptr, gs_ptr, gz_ptr, gr_ptr, i_bh, i_c, NC,
+                                    NS, CPS, i_m * BM // RM, b_rp, o_f, o_e, m_f, m_e, M, E,
+                                    NR)  # [BM, BE], [BM]  # fmt: skip
             # [BT, BM] @ [BM, BE] -> [BT, BE]; [BT, BM] @ [BM, BT] -> [BT, BT]
             b_num = b_num * b_alpha[:, None] + tl.dot(
                 b_a, b_s, input_precision=PRECISION, out_dtype=ACC
@@ -308,103 +416,113 @@ def _chunk_out_kernel(
 
 
 @triton.jit
-def _chunk_local_grad_kernel(
+def _chunk_dstates_kernel(
     q_ptr, w_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
-    o_ptr, do_ptr, mq_ptr, den_ptr, mk_ptr, r_ptr, L_ptr, l_ptr,
-    T, H, NC, G,
+    o_ptr, do_ptr, mq_ptr, den_ptr, mk_ptr, r_ptr, gr_ptr, dsT_ptr, dzT_ptr, ds_ptr, dz_ptr,
+    gd_ptr, gdz_ptr, ds0_ptr, dz0_ptr, arrive_ptr,
+    T, H, NC, G, NS, CPS,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_wm, stride_wd,
     stride_ob, stride_oh, stride_ot, stride_oe,
     stride_dob, stride_doh, stride_dot, stride_doe,
     D: tl.constexpr, M: tl.constexpr, E: tl.constexpr,
-    BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
+    BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr,
     FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
+    HAS_DFINAL: tl.constexpr, HAS_INIT: tl.constexpr,
 ):  # fmt: skip
-    """Chunk c's L_c = sum_i w_i a_i g_i^T [BM, E] and l_c = sum_i w_i c_i a_i [BM] for one M
-    tile, with w_i = exp(R_{c-1} - r_i) <= 1 the factor row i read the prefix state with; the
-    rows of the G query heads of key/value head (b, h) together."""
-    i_m, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    """The reverse walk of one feature tile over one segment's chunks: D_c [BM, E], dz_c [BM],
+    the cotangent of the state after chunk c at R_c, D_c = L_{c+1} + exp(R_c - R_{c+1}) D_{c+1},
+    from 0 at the segment's end, with chunk c's own L_c = sum_{i in c} w_i a_i g_i^T and l_c =
+    sum_{i in c} w_i c_i a_i (w_i = exp(R_{c-1} - r_i) <= 1, the rows of the G query heads of
+    key/value head (b, h) together) formed on the way; the segment's share of the cotangent
+    before it in ``gd``. The last of the tile's segments to finish turns those shares into the
+    carries, from the final state's cotangent back: slot j the cotangent after segment j (at
+    its end offset), and the initial state's at R_{-1}, its own offset."""
+    i_m, i_g, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
+    NMT: tl.constexpr = (M + BM - 1) // BM
     o_d, o_e, o_f = tl.arange(0, BD), tl.arange(0, BE), i_m * BM + tl.arange(0, BM)
     m_d, m_e, m_f = o_d < D, o_e < E, o_f < M
-    o_t = i_c.to(tl.int64) * BT + tl.arange(0, BT)
-    m_q = o_t < T
+    m_fe = m_f[:, None] & m_e[None, :]
+    o_fe = o_f[:, None] * E + o_e[None, :]
     b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
     b_sc = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
     b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
-    i_blk = i_bh * NC + i_c
-    b_rp = tl.load(r_ptr + i_blk)
-    b_mk = tl.load(mk_ptr + i_bh * T + o_t, mask=m_q, other=NEG)
-    b_wr = tl.exp(b_rp - _row_offsets(b_rp, b_mk, o_t[:, None] >= o_t[None, :]))
-    b_L = tl.zeros([BM, BE], dtype=ACC)
-    b_l = tl.zeros([BM], dtype=ACC)
-    for g in range(0, G):
-        i_hq = i_h * G + g
-        i_row = (i_bh * G + g) * T
-        q_base = q_ptr + i_b * stride_qb + i_hq * stride_qh
-        b_xq = load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, ACC) * b_sc[None, :]
-        b_mq = tl.load(mq_ptr + i_row + o_t, mask=m_q, other=0.0)
-        b_u, b_g, b_g1, b_g2 = feature_tile(
-            b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
-            M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # fmt: skip
-        b_a = b_g * tl.where(m_q[:, None] & m_f[None, :], tl.exp(b_u - b_mq[:, None]), 0.0)
-        b_g, b_c = query_cotangents(do_ptr + i_b * stride_dob + i_hq * stride_doh,
-                                     o_ptr + i_b * stride_ob + i_hq * stride_oh, den_ptr,
-                                     i_bh * G + g, o_t, o_e, T, m_q, m_e, stride_dot, stride_doe,
-                                     stride_ot, stride_oe, ACC)  # fmt: skip
-        b_g, b_c = b_g * b_wr[:, None], b_c * b_wr
-        # [BM, BT] @ [BT, BE] -> [BM, BE]
-        b_L += tl.dot(tl.trans(b_a), b_g, input_precision=PRECISION, out_dtype=ACC)
-        b_l += tl.sum(b_a * b_c[:, None], axis=0)
-    tl.store(L_ptr + i_blk * M * E + o_f[:, None] * E + o_e[None, :], b_L,
-             mask=m_f[:, None] & m_e[None, :])  # fmt: skip
-    tl.store(l_ptr + i_blk * M + o_f, b_l, mask=m_f)
-
-
-@triton.jit
-def _chunk_rscan_kernel(
-    L_ptr, l_ptr, r_ptr, rT_ptr, dsT_ptr, dzT_ptr, ds_ptr, dz_ptr, ds0_ptr, dz0_ptr,
-    NC,
-    M: tl.constexpr, E: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr,
-    HAS_DFINAL: tl.constexpr, HAS_INIT: tl.constexpr, ACC: tl.constexpr,
-):  # fmt: skip
-    """The reverse scan: D_c, the cotangent of the state after chunk c at its offset R_c,
-    D_c = L_{c+1} + exp(R_c - R_{c+1}) D_{c+1} from the final state's cotangent D_{NC-1}; the
-    initial state's (at R_{-1}, its own offset) continues the same recursion one step.
-    ``r_ptr`` holds R_{c-1} per chunk (the forward's prefix offsets), ``rT_ptr`` R_{NC-1}."""
-    i_m, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    o_f, o_e = i_m * BM + tl.arange(0, BM), tl.arange(0, BE)
-    m_f, m_fe = o_f < M, (o_f < M)[:, None] & (o_e < E)[None, :]
-    o_fe = o_f[:, None] * E + o_e[None, :]
-    if HAS_DFINAL:  # the returned state sits at offset R_{NC-1}
-        b_ds = tl.load(dsT_ptr + i_bh * M * E + o_fe, mask=m_fe, other=0.0).to(ACC)
-        b_dz = tl.load(dzT_ptr + i_bh * M + o_f, mask=m_f, other=0.0).to(ACC)
-    else:
-        b_ds = tl.zeros([BM, BE], dtype=ACC)
-        b_dz = tl.zeros([BM], dtype=ACC)
-    b_rc = load_offset(rT_ptr + i_bh, False, True, ACC)  # R_c, from c = NC - 1 down
-    for i_r in range(0, NC):
-        i_c = NC - 1 - i_r
+    c0 = i_g * CPS
+    c1 = tl.minimum(c0 + CPS, NC)
+    b_ds = tl.zeros([BM, BE], dtype=ACC)
+    b_dz = tl.zeros([BM], dtype=ACC)
+    b_rc = _prefix_offset(r_ptr, gr_ptr, i_bh, c1, NC, NS, CPS, NMT, BP)  # R_c from c = c1 - 1
+    for i_r in range(0, c1 - c0):
+        i_c = c1 - 1 - i_r
         i_blk = i_bh * NC + i_c
         tl.store(ds_ptr + i_blk * M * E + o_fe, b_ds, mask=m_fe)
         tl.store(dz_ptr + i_blk * M + o_f, b_dz, mask=m_f)
-        b_rp = tl.load(r_ptr + i_blk)  # R_{c-1}
+        b_rp = _prefix_offset(r_ptr, gr_ptr, i_bh, i_c, NC, NS, CPS, NMT, BP)  # R_{c-1}
+        # chunk c's rows at their own offsets r_i: their share of the prefix state's cotangent
+        o_t = (i_c * BT + tl.arange(0, BT)).to(tl.int64)
+        m_q = o_t < T
+        b_mk = tl.load(mk_ptr + i_bh * T + o_t, mask=m_q, other=NEG)
+        b_wr = tl.exp(b_rp - _row_offsets(b_rp, b_mk, o_t[:, None] >= o_t[None, :]))  # [BT]
+        b_L = tl.zeros([BM, BE], dtype=ACC)
+        b_l = tl.zeros([BM], dtype=ACC)
+        for g in range(0, G):
+            i_hq = i_h * G + g
+            i_row = (i_bh * G + g) * T
+            q_base = q_ptr + i_b * stride_qb + i_hq * stride_qh
+            b_xq = load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, ACC) * b_sc[None, :]
+            b_mq = tl.load(mq_ptr + i_row + o_t, mask=m_q, other=0.0)
+            b_u, b_g, b_g1, b_g2 = feature_tile(
+                b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
+                M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # fmt: skip
+            b_a = b_g * tl.where(m_q[:, None] & m_f[None, :], tl.exp(b_u - b_mq[:, None]), 0.0)
+            b_gq, b_cq = query_cotangents(do_ptr + i_b * stride_dob + i_hq * stride_doh,
+                                          o_ptr + i_b * stride_ob + i_hq * stride_oh, den_ptr,
+                                          i_bh * G + g, o_t, o_e, T, m_q, m_e, stride_dot,
+                                          stride_doe, stride_ot, stride_oe, ACC)  # fmt: skip
+            # [BM, BT] @ [BT, BE] -> [BM, BE]
+            b_L += tl.dot(tl.trans(b_a), b_gq * b_wr[:, None], input_precision=PRECISION,
+                          out_dtype=ACC)  # fmt: skip
+            b_l += tl.sum(b_a * (b_cq * b_wr)[:, None], axis=0)
         b_f = tl.exp(b_rp - b_rc)
-        b_ds = b_ds * b_f + tl.load(L_ptr + i_blk * M * E + o_fe, mask=m_fe, other=0.0)
-        b_dz = b_dz * b_f + tl.load(l_ptr + i_blk * M + o_f, mask=m_f, other=0.0)
+        b_ds = b_ds * b_f + b_L
+        b_dz = b_dz * b_f + b_l
         b_rc = b_rp
-    if HAS_INIT:  # at R_{-1}, the initial state's offset
-        tl.store(ds0_ptr + i_bh * M * E + o_fe, b_ds, mask=m_fe)
-        tl.store(dz0_ptr + i_bh * M + o_f, b_dz, mask=m_f)
+    p_g = i_bh * NS + i_g  # the segment's share of the cotangent before it, at R_{c0-1}
+    tl.store(gd_ptr + p_g * M * E + o_fe, b_ds, mask=m_fe)
+    tl.store(gdz_ptr + p_g * M + o_f, b_dz, mask=m_f)
+    if last_to_arrive(arrive_ptr + i_bh * NMT + i_m, NS):  # every segment's share is written
+        if HAS_DFINAL:  # the returned state sits at offset R_{NC-1}
+            b_ds = tl.load(dsT_ptr + i_bh * M * E + o_fe, mask=m_fe, other=0.0).to(ACC)
+            b_dz = tl.load(dzT_ptr + i_bh * M + o_f, mask=m_f, other=0.0).to(ACC)
+        else:
+            b_ds = tl.zeros([BM, BE], dtype=ACC)
+            b_dz = tl.zeros([BM], dtype=ACC)
+        for i_r in range(0, NS):  # the cotangent after segment j, from the last one back
+            j = NS - 1 - i_r
+            p_g = i_bh * NS + j
+            b_ls = tl.load(gd_ptr + p_g * M * E + o_fe, mask=m_fe, other=0.0,
+                           cache_modifier=".cg")  # fmt: skip
+            b_lz = tl.load(gdz_ptr + p_g * M + o_f, mask=m_f, other=0.0, cache_modifier=".cg")
+            tl.store(gd_ptr + p_g * M * E + o_fe, b_ds, mask=m_fe)
+            tl.store(gdz_ptr + p_g * M + o_f, b_dz, mask=m_f)
+            b_f = tl.exp(_prefix_offset(r_ptr, gr_ptr, i_bh, j * CPS, NC, NS, CPS, NMT, BP) -
+                         _prefix_offset(r_ptr, gr_ptr, i_bh, tl.minimum(j * CPS + CPS, NC), NC,
+                                        NS, CPS, NMT, BP))  # fmt: skip
+            b_ds = b_ls + b_f * b_ds
+            b_dz = b_lz + b_f * b_dz
+        if HAS_INIT:  # at R_{-1}, the initial state's offset
+            tl.store(ds0_ptr + i_bh * M * E + o_fe, b_ds, mask=m_fe)
+            tl.store(dz0_ptr + i_bh * M + o_f, b_dz, mask=m_f)
 
 
 @triton.jit
 def _chunk_bwd_kernel(
     q_ptr, k_ptr, v_ptr, w_ptr, pad_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr,
-    xi_ptr, s_ptr, z_ptr, r_ptr, ds_ptr, dz_ptr, o_ptr, do_ptr, mq_ptr, den_ptr, mk_ptr,
-    dq_ptr, dk_ptr, dv_ptr,
-    T, H, NC, G,
+    xi_ptr, s_ptr, z_ptr, r_ptr, gs_ptr, gz_ptr, gr_ptr, ds_ptr, dz_ptr, gd_ptr, gdz_ptr, o_ptr,
+    do_ptr, mq_ptr, den_ptr, mk_ptr, dq_ptr, dk_ptr, dv_ptr,
+    T, H, NC, G, NS, CPS,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
@@ -415,9 +533,10 @@ def _chunk_bwd_kernel(
     stride_dkb, stride_dkh, stride_dkt, stride_dkd,
     stride_dvb, stride_dvh, stride_dvt, stride_dve,
     D: tl.constexpr, M: tl.constexpr, E: tl.constexpr,
-    BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
-    HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
-    HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
+    BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr,
+    RM: tl.constexpr, HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr,
+    ACC: tl.constexpr, HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr,
+    TINY: tl.constexpr,
 ):  # fmt: skip
     """dq [BT, D] of chunk c for each of the G query heads of key/value head (b, h), and dk
     [BT, D], dv [BT, E] summed over them (inter-chunk states + masked intra terms), every row
@@ -427,7 +546,6 @@ def _chunk_bwd_kernel(
     i_c, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     NMT: tl.constexpr = (M + BM - 1) // BM
-    i_blk = i_bh * NC + i_c
     o_t = i_c.to(tl.int64) * BT + tl.arange(0, BT)
     o_d, o_e = tl.arange(0, BD), tl.arange(0, BE)
     m_q, m_d, m_e = o_t < T, o_d < D, o_e < E
@@ -441,7 +559,8 @@ def _chunk_bwd_kernel(
     b_xk = load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, ACC) * b_sck[None, :]
     b_v = load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_k, m_e, ACC)  # [BT, BE]
     b_mk = tl.load(mk_ptr + i_bh * T + o_t, mask=m_q, other=NEG)
-    b_rp = tl.load(r_ptr + i_blk)  # R_{c-1}
+    NR: tl.constexpr = (M + RM - 1) // RM  # the states kernel's feature tiles (RM >= BM)
+    b_rp = _prefix_offset(r_ptr, gr_ptr, i_bh, i_c, NC, NS, CPS, NR, BP)  # R_{c-1}
     b_ri = _row_offsets(b_rp, b_mk, m_tril)
     b_wr = tl.exp(b_rp - b_ri)  # [BT] the prefix's factor per row
     b_kf = tl.exp(b_mk - tl.maximum(b_rp, tl.max(b_mk, axis=0)))  # [BT] exp(m_j - R_c)
@@ -465,8 +584,6 @@ def _chunk_bwd_kernel(
         for i_m in range(0, NMT):
             o_f = i_m * BM + tl.arange(0, BM)
             m_f = o_f < M
-            m_fe = m_f[:, None] & m_e[None, :]
-            o_fe = o_f[:, None] * E + o_e[None, :]
             b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
             b_uq, b_gq, b_g1q, b_g2q = feature_tile(
                 b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
@@ -478,8 +595,9 @@ def _chunk_bwd_kernel(
                 M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # fmt: skip
             b_ek = tl.where(m_k[:, None] & m_f[None, :], tl.exp(b_uk - b_mk[:, None]), 0.0)
             b_b = b_gk * b_ek  # [BT, BM]
-            b_s = tl.load(s_ptr + i_blk * M * E + o_fe, mask=m_fe, other=0.0)  # [BM, BE]
-            b_z = tl.load(z_ptr + i_blk * M + o_f, mask=m_f, other=0.0)
+            b_s, b_z = _prefix_tile(s_ptr, z_ptr, r_ptr, gs_ptr, gz_ptr, gr_ptr, i_bh, i_c, NC,
+                                    NS, CPS, i_m * BM // RM, b_rp, o_f, o_e, m_f, m_e, M, E,
+                                    NR)  # [BM, BE], [BM]  # fmt: skip
             # da = w (g S^T + c z) + dK b:  [BT, BE] @ [BE, BM] and [BT, BT] @ [BT, BM]
             b_da = tl.dot(b_g, tl.trans(b_s), input_precision=PRECISION, out_dtype=ACC)
             b_da = (b_da + b_c[:, None] * b_z[None, :]) * b_wr[:, None]
@@ -491,8 +609,9 @@ def _chunk_bwd_kernel(
             # once per query head): [BT, BT] @ [BT, BM] and [BT, BE] @ [BE, BM]
             b_db = tl.dot(tl.trans(b_dK), b_a, input_precision=PRECISION, out_dtype=ACC)
             if g == 0:
-                b_ds = tl.load(ds_ptr + i_blk * M * E + o_fe, mask=m_fe, other=0.0)  # [BM, BE]
-                b_dz = tl.load(dz_ptr + i_blk * M + o_f, mask=m_f, other=0.0)
+                b_ds, b_dz = _dstate_tile(ds_ptr, dz_ptr, gd_ptr, gdz_ptr, r_ptr, gr_ptr, i_bh,
+                                          i_c, NC, NS, CPS, o_f, o_e, m_f, m_e, M, E, NR,
+                                          BP)  # [BM, BE], [BM]  # fmt: skip
                 b_dbs = tl.dot(b_v, tl.trans(b_ds), input_precision=PRECISION, out_dtype=ACC)
                 b_db += (b_dbs + b_dz[None, :]) * b_kf[:, None]
                 # inter-chunk dv = kf b D: [BT, BM] @ [BM, BE]
@@ -517,34 +636,56 @@ def _chunk_bwd_kernel(
 # launchers
 
 
-def _states(c: Setup, k, v, initial_state):
-    """Launch the local and scan kernels: prefix states per chunk at R_{c-1} with the offsets
-    R_{c-1}, and the final state."""
+#: segments per (b, h) that the walks over the chunks split into, at most
+MAX_SEGMENTS = 8
+#: chunks a walk's program takes in turn, at most, where MAX_SEGMENTS allows
+SEGMENT_STEPS = 32
+#: segments per (b, h) where no GPU picks them (the interpreter, a fake device): two, so that
+#: the carries between segments run in every test with more than one chunk
+HOST_SEGMENTS = 2
+
+
+def _segments(c: Setup, NC: int, device: torch.device) -> tuple[int, int]:
+    """(segments per (b, h), chunks per segment) of the walks: enough that no program walks
+    more than SEGMENT_STEPS chunks and that the states kernel's grid (M tiles, segments, B*H)
+    fills every SM twice, at most MAX_SEGMENTS and one chunk each."""
+    if device.type != "cuda":
+        want = HOST_SEGMENTS
+    else:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        want = max(cdiv(NC, SEGMENT_STEPS), cdiv(2 * sms, c.NMT * c.B * c.H))
+    per = cdiv(NC, max(1, min(MAX_SEGMENTS, want, NC)))
+    return cdiv(NC, per), per
+
+
+def _states(c: Setup, k, v, initial_state, final: bool = True):
+    """Launch the states kernel: each chunk's state before it along its segment's walk, each
+    feature tile at its own offset, those offsets ``r`` ``[B*H, NC + 1, NMT]``, the carries into
+    the segments (``[B*H, NS + 1, ...]``, the last slot each tile's final state), and with
+    ``final`` the final state (else None). Returns ``(NC, the states' arguments of the later
+    kernels, the final state, (NS, chunks per segment))``."""
     B, H, T, M, E, NMT, bt = c.B, c.H, c.Tk, c.M, c.E, c.NMT, c.BT
     NC = max(cdiv(T, bt), 1)
-    h = c.acc_empty(B * H * NC, M, E)
-    hz = c.acc_empty(B * H * NC, M)
-    hm = c.acc_empty(B * H * NC, NMT)
-    meta = dict(**c.launch_options(), **c.meta)
-    launch(_chunk_local_kernel, (NMT, NC, B * H),
-        k, v, c.w, c.pad[0], *c.form_ptrs, c.maps[1], h, hz, hm,
-        T, H, NC, *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
-        BT=bt, HAS_PAD=c.has_pad, HAS_MAP=c.has_map, **meta,
-    )  # fmt: skip
+    NS, per = _segments(c, NC, k.device)
     s = c.acc_empty(B * H * NC, M, E)
     z = c.acc_empty(B * H * NC, M)
-    r = c.acc_empty(B * H * NC)
+    r = c.acc_empty(B * H, NC + 1, NMT)
+    gs, gz, gr = c.acc_empty(B * H, NS + 1, M, E), c.acc_empty(B * H, NS + 1, M), \
+        c.acc_empty(B * H, NS + 1, NMT)  # fmt: skip
     sT, zT, rT = c.acc_empty(B, H, M, E), c.acc_empty(B, H, M), c.acc_empty(B, H)
     if initial_state is not None:
         s0, z0, r0 = (x.to(c.acc).contiguous() for x in initial_state)
     else:
-        s0 = z0 = r0 = sT  # never read
-    launch(_chunk_scan_kernel, (NMT, B * H),
-        h, hz, hm, s0, z0, r0, s, z, r, sT, zT, rT, NC,
-        M=M, E=E, BM=c.BM, BE=c.BE, BP=next_pow2(NMT), HAS_INIT=initial_state is not None,
-        PLAIN=c.plain, ACC=c.ACC, **c.launch_options(),
+        s0 = z0 = r0 = s  # never read
+    launch(_chunk_states_kernel, (NMT, NS, B * H),
+        k, v, c.w, c.pad[0], *c.form_ptrs, c.maps[1], s0, z0, r0, s, z, r, gs, gz, gr, sT, zT, rT,
+        arrival_counters(k.device, B * H * (NMT + 1)), T, H, NC, NS, per,
+        *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
+        BT=bt, BP=next_pow2(NMT), HAS_PAD=c.has_pad, HAS_MAP=c.has_map,
+        HAS_INIT=initial_state is not None, PLAIN=c.plain, FINAL=final, **c.launch_options(),
+        **c.meta,
     )  # fmt: skip
-    return NC, (s, z, r), (sT, zT, rT)
+    return NC, (s, z, r, gs, gz, gr), ((sT, zT, rT) if final else None), (NS, per)
 
 
 def rf_chunk_fwd(
@@ -589,13 +730,14 @@ def rf_chunk_fwd(
         state = (c.acc_empty(B, H, c.M, E), c.acc_empty(B, H, c.M),
                  c.acc_empty(B, H))  # fmt: skip
         return (out, state, aux) if return_aux else (out, state)
-    NC, (s, z, r), state = _states(c, k, v, initial_state)
+    NC, states, state, segs = _states(c, k, v, initial_state)
     if T:
         launch(_chunk_out_kernel, (NC, B * H),
-            q, k, v, c.w, c.pad[0], *c.form_ptrs, *c.maps, s, z, r, out, mq, den, mk,
-            T, H, NC, G, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
-            *out.stride(), BT=bt, HAS_PAD=c.has_pad, HAS_MAP=c.has_map, **c.launch_options(),
-            **c.meta,
+            q, k, v, c.w, c.pad[0], *c.form_ptrs, *c.maps, *states, out, mq, den, mk,
+            T, H, NC, G, *segs, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1],
+            c.pad[2],
+            *out.stride(), BT=bt, BP=next_pow2(c.NMT), RM=c.BM, HAS_PAD=c.has_pad,
+            HAS_MAP=c.has_map, **c.launch_options(), **c.meta,
         )  # fmt: skip
     return (out, state, aux) if return_aux else (out, state)
 
@@ -636,35 +778,28 @@ def rf_chunk_bwd(
     dz0 = c.acc_empty(B, H, M) if has_init else None
     if B * H == 0:
         return dq, dk, dv, ds0, dz0
-    NC, (s, z, r), (_, _, rT) = _states(c, k, v, initial_state)
-    meta = dict(**c.launch_options(), BT=bt, **c.meta)
-    L = c.acc_empty(B * H * NC, M, E)
-    l_ = c.acc_empty(B * H * NC, M)
-    if T:
-        launch(_chunk_local_grad_kernel, (NMT, NC, B * H),
-            q, c.w, *c.form_ptrs, out, do, mq, den, mk, r, L, l_,
-            T, H, NC, c.G, *q.stride(), *c.w.stride(), *out.stride(), *do.stride(), **meta,
-        )  # fmt: skip
-    else:
-        L.zero_()
-        l_.zero_()
+    NC, states, _, segs = _states(c, k, v, initial_state, final=False)
+    meta = dict(**c.launch_options(), BT=bt, BP=next_pow2(NMT), **c.meta)
     ds = c.acc_empty(B * H * NC, M, E)
     dz = c.acc_empty(B * H * NC, M)
+    gd, gdz = c.acc_empty(B * H, segs[0], M, E), c.acc_empty(B * H, segs[0], M)
     if dstate is not None:
         dsT, dzT = (x.to(c.acc).contiguous() for x in dstate)
     else:
         dsT = dzT = ds  # never read
-    launch(_chunk_rscan_kernel, (NMT, B * H),
-        L, l_, r, rT, dsT, dzT, ds, dz, ds0 if has_init else ds, dz0 if has_init else dz, NC,
-        M=M, E=E, BM=c.BM, BE=c.BE, HAS_DFINAL=dstate is not None, HAS_INIT=has_init,
-        ACC=c.ACC, **c.launch_options(),
+    launch(_chunk_dstates_kernel, (NMT, segs[0], B * H),
+        q, c.w, *c.form_ptrs, out, do, mq, den, mk, states[2], states[5], dsT, dzT, ds, dz, gd,
+        gdz, ds0 if has_init else ds, dz0 if has_init else dz,
+        arrival_counters(q.device, B * H * NMT), T, H, NC, c.G, *segs,
+        *q.stride(), *c.w.stride(), *out.stride(), *do.stride(),
+        HAS_DFINAL=dstate is not None, HAS_INIT=has_init, **meta,
     )  # fmt: skip
     if T:
         launch(_chunk_bwd_kernel, (NC, B * H),
             q, k, v, c.w, c.pad[0], *c.form_ptrs,
-            s, z, r, ds, dz, out, do, mq, den, mk, dq, dk, dv, T, H, NC, c.G,
+            *states, ds, dz, gd, gdz, out, do, mq, den, mk, dq, dk, dv, T, H, NC, c.G, *segs,
             *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
             *out.stride(), *do.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
-            HAS_PAD=c.has_pad, **meta,
+            RM=c.BM, HAS_PAD=c.has_pad, **meta,
         )  # fmt: skip
     return dq, dk, dv, ds0, dz0

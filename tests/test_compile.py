@@ -31,8 +31,7 @@ def launches():
     # every kernel of every module is launched by some scenario
     assert names == {
         "_fwd_kv_kernel", "_fwd_q_kernel", "_bwd_ds_kernel", "_bwd_dqkv_kernel", "_bwd_dwk_kernel",
-        "_chunk_local_kernel", "_chunk_scan_kernel", "_chunk_out_kernel",
-        "_chunk_local_grad_kernel", "_chunk_rscan_kernel", "_chunk_bwd_kernel",
+        "_chunk_states_kernel", "_chunk_out_kernel", "_chunk_dstates_kernel", "_chunk_bwd_kernel",
         "_recurrent_kernel", "_stats_kernel", "_fwd_kv_stats_kernel",
     }  # fmt: skip
     return recorded

@@ -137,3 +137,41 @@ def test_parallel_operator_forward_2_forward_backward_4(feature, launches):
     n, ops_ = _count(_grads(lambda q, k, v: ops.rf_parallel(q, k, v, form, scale), _inputs(True)),
                      launches)  # fmt: skip
     assert n <= 4, str(ops_)
+
+
+# causal: T = 300 is 19 chunks of 16 under the interpreter (two per program's walk at least)
+
+
+def _rf_causal(feature, training):
+    rf = _rf(feature).train(training)
+    if feature in ("oprf", "saderf"):  # give the running statistics something to hold
+        rf.feature_map.running_sq.fill_(0.3)
+        rf.feature_map.num_batches_tracked.fill_(1)
+    return rf
+
+
+#: at most this many copies per launch setup of a running-statistics form's parameters, [1, 1,
+#: ...] broadcast to [B*H, ...] (coefficients; saderf's psi too): the form's layout, not the
+#: causal kernels' launches
+LAYOUT_COPIES = {"oprf": 1, "saderf": 2}
+
+
+@pytest.mark.parametrize("feature", ["posrf", "hrf", "rmf", "oprf", "saderf"])
+def test_chunk_operator_forward_2_forward_backward_5(feature, launches):
+    """The causal operator on a kernel form built beforehand: the states pass and the output
+    pass forward; the states recomputed, the reverse scan and the dq/dk/dv pass backward."""
+    rf, scale = _rf_causal(feature, training=False), D**-0.5
+    q, k, v = _inputs(False)
+    copies = LAYOUT_COPIES.get(feature, 0)
+    with torch.no_grad():
+        form = kernel_form(rf, q, k, None, scale, causal=True)
+        n, ops_ = _count(lambda: ops.rf_chunk(q, k, v, form, scale), launches)
+    clones = ops_.pop("clone", 0)
+    assert clones <= copies and n - clones <= 2, str(ops_)
+    assert set(ops_) == {"_chunk_states_kernel", "_chunk_out_kernel"}
+    n, ops_ = _count(_grads(lambda q, k, v: ops.rf_chunk(q, k, v, form, scale)[0], _inputs(True)),
+                     launches)  # fmt: skip
+    clones = ops_.pop("clone", 0)
+    assert clones <= 2 * copies and n - clones <= 5, str(ops_)
+    assert set(ops_) == {"_chunk_states_kernel", "_chunk_out_kernel", "_chunk_dstates_kernel",
+                         "_chunk_bwd_kernel"}  # fmt: skip

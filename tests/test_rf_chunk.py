@@ -5,6 +5,7 @@ test_attention.py. On CPU these run under the Triton interpreter with 16-token c
 """
 
 import copy
+import math
 
 import pytest
 import torch
@@ -146,6 +147,82 @@ def test_initial_state_and_split_resume(kernel_device):
     init = rfattn.RFState(*(x.detach() for x in st_torch))
     errs = compare(q[:, :, 30:], k[:, :, 30:], v[:, :, 30:], rf, initial_state=init)
     assert max(errs.values()) <= tolerance(f32, "grad"), errs
+
+
+@SLOW  # the segments case below covers the same tiles in make test
+def test_feature_tiles_far_apart(kernel_device):
+    """The states pass keeps each feature tile at its own running offset; the output, the final
+    state and the backward bring them to the common one (the largest): two tiles (64 + 16
+    features on CPU) whose largest key logits lie 80-95 apart, in float64 against the torch
+    path."""
+    B, H, T, D, M, E = 1, 2, 40, 16, 80, 8
+    q = rand(B, H, T, D, seed=1, scale=3.0, dtype=f64, device=kernel_device)
+    k = rand(B, H, T, D, seed=2, scale=3.0, dtype=f64, device=kernel_device)
+    v = rand(B, H, T, E, seed=3, dtype=f64, device=kernel_device)
+    rf = rfattn.RandomFeatures(D, M, seed=4).to(kernel_device).double()
+    with torch.no_grad():
+        rf.weight[64:] *= 6.0  # the second tile's logits: ~6x the first's spread
+    errs = compare(q, k, v, rf)
+    assert max(errs.values()) <= tolerance(f64, "grad"), errs
+
+
+def test_segments_carry_the_state_and_its_cotangent(monkeypatch, kernel_device):
+    """Walks split into segments (on CPU three, of 2, 2 and 1 chunks) carry the state forward
+    and its cotangent back between them: outputs, final state and the gradients of q, k, v and
+    the initial state as the torch path's, in float64, with two feature tiles far apart."""
+    from rfattn.kernels import rf_chunk as kernels
+
+    monkeypatch.setattr(kernels, "HOST_SEGMENTS", 3)
+    B, H, T, D, M, E = 1, 2, 90, 16, 80, 8
+    q, k = (rand(B, H, T, D, seed=s, scale=3.0, dtype=f64, device=kernel_device) for s in (1, 2))
+    v = rand(B, H, T, E, seed=3, dtype=f64, device=kernel_device)
+    rf = rfattn.RandomFeatures(D, M, seed=4).to(kernel_device).double()
+    with torch.no_grad():
+        rf.weight[64:] *= 6.0
+    kw = dict(causal=True, return_state=True)
+    _, st = rfattn.rf_attention(q[:, :, :20], k[:, :, :20], v[:, :, :20], rf, backend="torch",
+                                **kw)  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    do, ds, dz = (torch.randn(x.shape, generator=g, dtype=f64).to(kernel_device)
+                  for x in (v[:, :, 20:], st.s, st.z))  # fmt: skip
+    res = []
+    for backend in ("triton", "torch"):
+        x = [t[:, :, 20:].clone().requires_grad_() for t in (q, k, v)]
+        s0, z0 = st.s.detach().clone().requires_grad_(), st.z.detach().clone().requires_grad_()
+        out, st1 = rfattn.rf_attention(*x, rf, backend=backend,
+                                       initial_state=rfattn.RFState(s0, z0, st.offset), **kw)
+        e = torch.exp(st1.offset.detach())  # the offset-invariant state
+        s1, z1 = st1.s * e[..., None, None], st1.z * e[..., None]
+        loss = (out * do).sum() + (s1 * ds).sum() + (z1 * dz).sum()
+        res.append([out, s1, z1, *torch.autograd.grad(loss, [*x, s0, z0])])
+    errs = {n: rel_rms(a, b) for n, a, b in zip(("out", "S", "z", "dq", "dk", "dv", "dS0", "dz0"),
+                                                *res, strict=True)}  # fmt: skip
+    assert max(errs.values()) <= tolerance(f64, "grad"), errs
+
+
+def test_chunk_states_once_forward_twice_backward(monkeypatch, kernel_device):
+    """What the launchers allocate per chunk: the prefix states [F, E] once in a forward (no
+    per-chunk sums beside them) and twice in a backward (recomputed, and their cotangents)."""
+    from rfattn.kernels.common import Setup
+
+    sizes = []
+    acc_empty = Setup.acc_empty
+
+    def counted(self, *shape):
+        sizes.append(math.prod(shape))
+        return acc_empty(self, *shape)
+
+    monkeypatch.setattr(Setup, "acc_empty", counted)
+    B, H, T, D, M, E = 1, 2, 50, 16, 24, 8
+    q, k = (rand(B, H, T, D, seed=s, device=kernel_device).requires_grad_() for s in (1, 2))
+    v = rand(B, H, T, E, seed=3, device=kernel_device).requires_grad_()
+    rf = rfattn.RandomFeatures(D, M, seed=4).to(kernel_device)
+    out = rfattn.rf_attention(q, k, v, rf, causal=True, backend="triton")
+    states = B * H * math.ceil(T / (16 if kernel_device.type == "cpu" else 64)) * M * E
+    assert [n for n in sizes if n >= states] == [states]
+    sizes.clear()
+    out.sum().backward()
+    assert [n for n in sizes if n >= states] == [states] * 2
 
 
 @SLOW
@@ -365,7 +442,7 @@ def test_launch_falls_back_until_it_fits():
     from triton.runtime.errors import OutOfResources
 
     x = torch.zeros(2)
-    k = _FakeKernel("_chunk_local_kernel", fits=64)  # no loop tile to halve: stages only
+    k = _FakeKernel("_chunk_states_kernel", fits=64)  # no loop tile to halve: stages only
     assert launch(k, (4, 2), x, 7, BT=64, num_stages=3) == ((4, 2), (x, 7), {"BT": 64})
     assert k.tried == [(None, 3), (None, 2), (None, 1)]
     launch(k, (1,), torch.ones(3), 8, BT=64, num_stages=3)  # same specialisation: straight there
