@@ -238,7 +238,8 @@ def test_causal_outputs_do_not_depend_on_later_keys(feature, weights, kernel_dev
 
 
 @pytest.mark.parametrize(
-    "feature,weights", [("posrf", "orf"), ("trigrf", "orf"), ("hrf", "gaussian")]
+    "feature,weights",
+    [("posrf", "orf"), ("trigrf", "orf"), pytest.param("hrf", "gaussian", marks=pytest.mark.slow)],
 )
 def test_causal_gradients_hold_where_the_forward_does(feature, weights, kernel_device):
     """The same keys as above (logits spread by ~440 inside one chunk): fp32 gradients equal fp64

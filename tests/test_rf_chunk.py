@@ -65,7 +65,7 @@ def compare(q, k, v, rf, mask=None, initial_state=None, seed=0):
 SLOW = pytest.mark.slow  # make test-slow (CI); the fast cases cover every kernel and form
 SHAPES = [  # B, H, T, D, M, E
     (1, 2, 1, 16, 24, 8),
-    (2, 3, 63, 16, 40, 24),
+    pytest.param((2, 3, 63, 16, 40, 24), marks=SLOW),  # ~9 s; T = 40 crosses chunks too
     pytest.param((1, 2, 257, 32, 72, 20), marks=SLOW),
     (2, 1, 40, 24, 17, 33),
 ]
@@ -323,7 +323,7 @@ def test_parity_low_precision_gpu(dtype):
 
 SIGNED = [
     ("trigrf", "orf", {}),
-    ("hrf", "orf", {"lambda_features": 2}),
+    pytest.param("hrf", "orf", {"lambda_features": 2}, marks=SLOW),  # ~6 s; test_bad_data's hrf
     pytest.param("hrf", "orf", {}, marks=SLOW),
     ("gerf", "orf", {"A": 0.1j}),
     ("rmf", "rademacher", {}),

@@ -97,7 +97,7 @@ def test_split_merge_is_exact(splits, kernel_device):
     assert rel_rms(out, reference(q, k, v, rf)) <= tolerance(f32)
 
 
-@pytest.mark.parametrize("splits", [2, 5])
+@pytest.mark.parametrize("splits", [2, pytest.param(5, marks=pytest.mark.slow)])
 def test_split_merges_in_kernel_match_one_split_and_reset_counters(splits, kernel_device):
     """The key pass and the dS pass merge their splits' partials themselves (the last split of
     each feature tile to arrive): out, dq, dk, dv and dW (both sides' partials) as with one
