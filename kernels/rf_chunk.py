@@ -18,7 +18,8 @@ token, not even through underflow, and where chunks fall changes only rounding (
 
 Forward, two launches (features never touch HBM; chunk states do, transiently):
 
-1. ``_chunk_states_kernel``, grid (M tiles, segments, B*H): the chunks fall into NS segments
+1. ``_chunk_states_kernel``, one program per (b, h), segment and M tile (after the stats roles
+   below, if any): the chunks fall into NS segments
    of consecutive chunks per (b, h); a program walks its segment's chunks in order from a zero
    state, each chunk's key features of its tile computed on the way and added to the running
    state, rescaled flash-style, and stores the state before every chunk at the walk's own
@@ -35,6 +36,17 @@ Forward, two launches (features never touch HBM; chunk states do, transiently):
    online per-row max over M tiles, ``out = num / den`` with ``rfattn.reference.attention_ratio``'s
    policy; saves mq_i, den_i (at r_i) and m_j. A non-finite value poisons its own and later rows
    only.
+
+oprf/saderf in training (running statistics, ``kernels.stats.ChunkStats`` handed over in the
+form, ``KernelForm.stats``) take no launch of their own for them: launch 1's first programs are
+stats roles (``stats.stats_item``: this call's moments of q and k, padding left out), the walks
+form the parameters from the running buffers as they are (data-independent: no walk waits for
+a stats role, so no order between programs is needed and none can deadlock), the first walk of
+each (b, h) writes them into the form's ``coeffs`` / ``psi`` for the later launches (the
+backward's recomputing launch 1 reads them there, not the moved buffers), and the launch's last
+program to arrive (``common.last_to_arrive`` over every program, after each walk has read the
+buffers) pools the moments into the buffers (``stats.running_update``), as the stats pass's own
+launch does.
 
 The trade of launch 1: one launch instead of a chunk-parallel pass (each chunk's own sum) and a
 scan over those sums, and no per-chunk sums in memory (half the forward's intermediate states),
@@ -111,6 +123,7 @@ from .common import (
     store_tile,
     valid_keys,
 )
+from .stats import chunk_stats_arguments, running_params, running_update, stats_item, store_params
 
 __all__ = ["rf_chunk_fwd", "rf_chunk_bwd"]
 
@@ -193,30 +206,100 @@ def _chunk_states_kernel(
     k_ptr, v_ptr, w_ptr, pad_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
     kmap_ptr, s0_ptr, z0_ptr, r0_ptr, s_ptr, z_ptr, r_ptr, gs_ptr, gz_ptr, gr_ptr, sT_ptr, zT_ptr,
     rT_ptr, arrive_ptr,
-    T, H, NC, NS, CPS,
+    T, H, BH, NC, NS, CPS,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_ve,
+    stride_wm, stride_wd, stride_pb, stride_pt,
+    q_ptr, qpad_ptr, part_ptr, pcnt_ptr, mom_ptr, run_mean, run_sq, run_abs, run_min, nbt_ptr,
+    keep: tl.float64, momentum: tl.float64, tiny: tl.float64, psi_lo: tl.float64,
+    psi_hi: tl.float64,
+    RQ, TQ, TK, NSTAT, SQ, SK, q_per, k_per,
+    stride_qb, stride_qh, stride_qt, stride_qd, stride_qpb, stride_qpt,
+    D: tl.constexpr, M: tl.constexpr, E: tl.constexpr,
+    BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr,
+    HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
+    HAS_MAP: tl.constexpr, HAS_INIT: tl.constexpr, PLAIN: tl.constexpr, FINAL: tl.constexpr,
+    STATS: tl.constexpr, HAS_QPAD: tl.constexpr, FORM: tl.constexpr, BB: tl.constexpr,
+    RACC: tl.constexpr,
+):  # fmt: skip
+    """Programs ``0 .. NSTAT - 1`` (STATS): stats roles, the running statistics' work items
+    (``stats.stats_item``); the others: one feature tile's walk over one segment's chunks (in
+    (b, h), segment, tile order) from a zero state: each chunk's state before it, S_c [BM, E],
+    z_c [BM], at the walk's own offset, and the segment's sum; the last of the tile's segments
+    to finish forms the carries (the state before each segment, from the initial one) and the
+    tile's final state; with FINAL, the (b, h)'s last tile to finish brings the final state to
+    the common offset R_{NC-1}. With STATS the walks take the parameters from the running
+    buffers as they are, the first walk of each (b, h) stores them for the later launches, and
+    the launch's last program moves the buffers."""
+    NMT: tl.constexpr = (M + BM - 1) // BM
+    pid = tl.program_id(0)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    if STATS:
+        # fp64 arguments as ACC (tl.full: the interpreter passes them as Python floats)
+        b_tiny = tl.full([], tiny, ACC)
+        b_lo, b_hi = tl.full([], psi_lo, ACC), tl.full([], psi_hi, ACC)
+        if pid < NSTAT:  # a stats role: items pid, pid + NSTAT, ...
+            for w in range(pid, BH * (SQ + SK), NSTAT):
+                stats_item(
+                    w, q_ptr, k_ptr, qpad_ptr, pad_ptr, part_ptr, pcnt_ptr,
+                    arrive_ptr + BH * (NMT + 1), mom_ptr, ab_ptr, psi_ptr,
+                    tl.full([], scale, ACC), b_tiny, b_lo, b_hi, BH, RQ, TQ, RQ // TQ, T, TK, H,
+                    SQ, SK, q_per, k_per, stride_qb, stride_qh, stride_qt, stride_qd, stride_kb,
+                    stride_kh, stride_kt, stride_kd, stride_qpb, stride_qpt, stride_pb,
+                    stride_pt, D, BD, BT, HAS_QPAD, HAS_PAD, FORM, True, ACC)  # fmt: skip
+    if pid >= NSTAT:  # a walk
+        r = pid - NSTAT
+        i_bh = (r // (NMT * NS)).to(tl.int64)
+        i_g = (r // NMT) % NS
+        i_m = r % NMT
+        if STATS:  # the buffers as they are (they move once every program has read them)
+            b_ca, b_cb, b_cd, b_psi = running_params(run_mean, run_sq, D, b_tiny, b_lo, b_hi,
+                                                     o_d, m_d, FORM, ACC)  # fmt: skip
+            if (i_g == 0) & (i_m == 0):  # for the output pass and the backward
+                store_params(ab_ptr, psi_ptr, i_bh, b_ca, b_cb, b_cd, b_psi, D, o_d, m_d, FORM)
+            b_sc = tl.full([BD], scale, ACC) / b_psi  # keys: sqrt(scale) / psi
+        else:
+            b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+            b_sc = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)
+        _walk_sums(
+            i_m, i_g, i_bh, b_ca, b_cb, b_cd, b_sc, k_ptr, v_ptr, w_ptr, pad_ptr, tab_ptr, xr_ptr,
+            xi_ptr, kmap_ptr, s0_ptr, z0_ptr, r0_ptr, s_ptr, z_ptr, r_ptr, gs_ptr, gz_ptr, gr_ptr,
+            sT_ptr, zT_ptr, rT_ptr, arrive_ptr, T, H, BH, NC, NS, CPS,
+            stride_kb, stride_kh, stride_kt, stride_kd, stride_vb, stride_vh, stride_vt,
+            stride_ve, stride_wm, stride_wd, stride_pb, stride_pt,
+            D, M, E, BD, BM, BE, BT, BP, HAS_PAD, FEATURE, PRECISION, ACC, HAS_LAM, TINY,
+            HAS_MAP, HAS_INIT, PLAIN, FINAL)  # fmt: skip
+    if STATS:
+        if last_to_arrive(arrive_ptr + BH * (NMT + 2), NSTAT + NMT * NS * BH):  # the last
+            running_update(mom_ptr, run_mean, run_sq, run_abs, run_min, nbt_ptr, BH, D, keep,
+                           momentum, o_d, m_d, BD, BB, ACC, RACC)  # fmt: skip
+
+
+@triton.jit
+def _walk_sums(
+    i_m, i_g, i_bh, b_ca, b_cb, b_cd, b_sc,
+    k_ptr, v_ptr, w_ptr, pad_ptr, tab_ptr, xr_ptr, xi_ptr, kmap_ptr, s0_ptr, z0_ptr, r0_ptr,
+    s_ptr, z_ptr, r_ptr, gs_ptr, gz_ptr, gr_ptr, sT_ptr, zT_ptr, rT_ptr, arrive_ptr,
+    T, H, BH, NC, NS, CPS,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
     stride_wm, stride_wd, stride_pb, stride_pt,
     D: tl.constexpr, M: tl.constexpr, E: tl.constexpr,
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr,
     HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
-    HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
-    HAS_MAP: tl.constexpr, HAS_INIT: tl.constexpr, PLAIN: tl.constexpr, FINAL: tl.constexpr,
+    HAS_LAM: tl.constexpr, TINY: tl.constexpr, HAS_MAP: tl.constexpr, HAS_INIT: tl.constexpr,
+    PLAIN: tl.constexpr, FINAL: tl.constexpr,
 ):  # fmt: skip
-    """One feature tile's walk over one segment's chunks from a zero state: each chunk's state
-    before it, S_c [BM, E], z_c [BM], at the walk's own offset, and the segment's sum; the last
-    of the tile's segments to finish forms the carries (the state before each segment, from the
-    initial one) and the tile's final state; with FINAL, the (b, h)'s last tile to finish brings
-    the final state to the common offset R_{NC-1}."""
-    i_m, i_g, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    """The walk of feature tile i_m over segment i_g of (b, h) i_bh with the (b, h)'s
+    (A, B, log D) and key input scale ``b_sc`` [BD] (:func:`_chunk_states_kernel`)."""
     i_b, i_h = i_bh // H, i_bh % H
     NMT: tl.constexpr = (M + BM - 1) // BM
     o_d, o_e, o_f = tl.arange(0, BD), tl.arange(0, BE), i_m * BM + tl.arange(0, BM)
     m_d, m_e, m_f = o_d < D, o_e < E, o_f < M
     m_fe = m_f[:, None] & m_e[None, :]
     o_fe = o_f[:, None] * E + o_e[None, :]
-    b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
-    b_sc = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
     b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
     v_base = v_ptr + i_b * stride_vb + i_h * stride_vh
@@ -280,7 +363,7 @@ def _chunk_states_kernel(
         tl.store(gz_ptr + p_g * M + o_f, b_z, mask=m_f)
         tl.store(gr_ptr + p_g * NMT + i_m, b_r)
         if FINAL:
-            if last_to_arrive(arrive_ptr + tl.num_programs(2) * NMT + i_bh, NMT):
+            if last_to_arrive(arrive_ptr + BH * NMT + i_bh, NMT):
                 b_rT = _prefix_offset(r_ptr, gr_ptr, i_bh, NC, NC, NS, CPS, NMT, BP)
                 for j in range(0, NMT):  # each tile from its own offset to the common one
                     o_fj = j * BM + tl.arange(0, BM)
@@ -658,12 +741,14 @@ def _segments(c: Setup, NC: int, device: torch.device) -> tuple[int, int]:
     return cdiv(NC, per), per
 
 
-def _states(c: Setup, k, v, initial_state, final: bool = True):
+def _states(c: Setup, q, k, v, initial_state, final: bool = True, stats=None):
     """Launch the states kernel: each chunk's state before it along its segment's walk, each
     feature tile at its own offset, those offsets ``r`` ``[B*H, NC + 1, NMT]``, the carries into
     the segments (``[B*H, NS + 1, ...]``, the last slot each tile's final state), and with
-    ``final`` the final state (else None). Returns ``(NC, the states' arguments of the later
-    kernels, the final state, (NS, chunks per segment))``."""
+    ``final`` the final state (else None); with ``stats`` (``kernels.stats.ChunkStats``) the
+    running statistics' stats roles first, the parameters written into the form's. Returns
+    ``(NC, the states' arguments of the later kernels, the final state, (NS, chunks per
+    segment))``."""
     B, H, T, M, E, NMT, bt = c.B, c.H, c.Tk, c.M, c.E, c.NMT, c.BT
     NC = max(cdiv(T, bt), 1)
     NS, per = _segments(c, NC, k.device)
@@ -677,13 +762,14 @@ def _states(c: Setup, k, v, initial_state, final: bool = True):
         s0, z0, r0 = (x.to(c.acc).contiguous() for x in initial_state)
     else:
         s0 = z0 = r0 = s  # never read
-    launch(_chunk_states_kernel, (NMT, NS, B * H),
+    roles, stats_args, stats_meta = chunk_stats_arguments(stats, q, k, B, H, c.G, c.D, c.acc)
+    launch(_chunk_states_kernel, (roles + NMT * NS * B * H,),
         k, v, c.w, c.pad[0], *c.form_ptrs, c.maps[1], s0, z0, r0, s, z, r, gs, gz, gr, sT, zT, rT,
-        arrival_counters(k.device, B * H * (NMT + 1)), T, H, NC, NS, per,
-        *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
+        arrival_counters(k.device, B * H * (NMT + 2) + 1), T, H, B * H, NC, NS, per,
+        *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2], *stats_args,
         BT=bt, BP=next_pow2(NMT), HAS_PAD=c.has_pad, HAS_MAP=c.has_map,
         HAS_INIT=initial_state is not None, PLAIN=c.plain, FINAL=final, **c.launch_options(),
-        **c.meta,
+        **c.meta, **stats_meta,
     )  # fmt: skip
     return NC, (s, z, r, gs, gz, gr), ((sT, zT, rT) if final else None), (NS, per)
 
@@ -730,7 +816,8 @@ def rf_chunk_fwd(
         state = (c.acc_empty(B, H, c.M, E), c.acc_empty(B, H, c.M),
                  c.acc_empty(B, H))  # fmt: skip
         return (out, state, aux) if return_aux else (out, state)
-    NC, states, state, segs = _states(c, k, v, initial_state)
+    stats = form.stats  # running statistics this launch forms and moves (or None)
+    NC, states, state, segs = _states(c, q, k, v, initial_state, stats=stats)
     if T:
         launch(_chunk_out_kernel, (NC, B * H),
             q, k, v, c.w, c.pad[0], *c.form_ptrs, *c.maps, *states, out, mq, den, mk,
@@ -778,7 +865,8 @@ def rf_chunk_bwd(
     dz0 = c.acc_empty(B, H, M) if has_init else None
     if B * H == 0:
         return dq, dk, dv, ds0, dz0
-    NC, states, _, segs = _states(c, k, v, initial_state, final=False)
+    # the parameters as the forward's first launch formed them (never its statistics again)
+    NC, states, _, segs = _states(c, q, k, v, initial_state, final=False)
     meta = dict(**c.launch_options(), BT=bt, BP=next_pow2(NMT), **c.meta)
     ds = c.acc_empty(B * H * NC, M, E)
     dz = c.acc_empty(B * H * NC, M)
