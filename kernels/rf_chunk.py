@@ -16,26 +16,27 @@ chunks <= c and all features); the forward reads every row at its own offset
 Every factor is <= 1 and no row reads a later key's offset, so no output depends on a later
 token, not even through underflow, and where chunks fall changes only rounding (docs/numerics.md).
 
-Forward, two launches (features never touch HBM; chunk states do, transiently):
+Forward, two launches (features never touch HBM, nor does any per-chunk state):
 
 1. ``_chunk_states_kernel``, one program per (b, h), segment and M tile (after the stats roles
-   below, if any): the chunks fall into NS segments
-   of consecutive chunks per (b, h); a program walks its segment's chunks in order from a zero
-   state, each chunk's key features of its tile computed on the way and added to the running
-   state, rescaled flash-style, and stores the state before every chunk at the walk's own
-   offset (the max over the tile's features of the segment's keys so far) with those offsets
-   ``r`` ``[B*H, NC + 1, M tiles]``. The last of a tile's segments to finish
-   (``common.last_to_arrive``) combines the segments' sums into the carries, the state before
-   each segment from the initial one (log-sum-exp: both sides at the larger offset), and the
-   tile's final state; with the final state asked for, the (b, h)'s last tile to finish brings
-   it to the common offset R_{NC-1}. The state before chunk c, S'_c, z'_c, is then its
-   segment's carry plus the walk's state there, and R_{c-1} the max of both offsets over the
-   tiles: the later kernels form it as they load S'_c, each part times a factor <= 1;
-2. ``_chunk_out_kernel``, grid (chunks, B*H): a pass over the key features for m_j, then the
-   inter-chunk ``a S'`` plus the masked intra-chunk ``(a b^T ⊙ decay ⊙ tril) V`` on ``tl.dot``,
-   online per-row max over M tiles, ``out = num / den`` with ``rfattn.reference.attention_ratio``'s
-   policy; saves mq_i, den_i (at r_i) and m_j. A non-finite value poisons its own and later rows
-   only.
+   below, if any): the chunks fall into NS segments of consecutive chunks per (b, h); a program
+   walks its segment's chunks in order from a zero state, each chunk's key features of its tile
+   computed on the way and added to the running state, rescaled flash-style, and stores the
+   segment's sum at the walk's own offset (the max over the tile's features of the segment's
+   keys). The last of a tile's segments to finish (``common.last_to_arrive``) combines the
+   sums into the carries, the state before each segment from the initial one (log-sum-exp:
+   both sides at the larger offset), and the tile's final state; with the final state asked
+   for, the (b, h)'s last tile to finish brings it to the common offset R_{NC-1};
+2. ``_chunk_out_kernel``, grid (segments, B*H): a program walks its segment's chunks again,
+   the running state in its segment's carry slot, each M tile at its own offset (R_{c-1}: the
+   max over the tiles). Per chunk and query head, over M tiles: query and key features with an
+   online per-row max (mq_i) and an online per-key max (m_j; the intra-chunk product rescaled
+   on both sides), the inter-chunk ``a S'`` (the tile's state times exp(r_tile - R_{c-1}) <= 1)
+   and ``a b^T`` on ``tl.dot``; once the G query heads have read a tile, the chunk's keys go
+   into it (at the tile's raised offset, as launch 1 adds them). Then the rows at their own
+   offsets, the masked intra-chunk ``(a b^T ⊙ decay ⊙ tril) V``, ``out = num / den`` with
+   ``rfattn.reference.attention_ratio``'s policy; saves mq_i, den_i (at r_i) and m_j. A
+   non-finite value poisons its own and later rows only (a prefix count along the chunk).
 
 oprf/saderf in training (running statistics, ``kernels.stats.ChunkStats`` handed over in the
 form, ``KernelForm.stats``) take no launch of their own for them: launch 1's first programs are
@@ -48,15 +49,21 @@ program to arrive (``common.last_to_arrive`` over every program, after each walk
 buffers) pools the moments into the buffers (``stats.running_update``), as the stats pass's own
 launch does.
 
-The trade of launch 1: one launch instead of a chunk-parallel pass (each chunk's own sum) and a
-scan over those sums, and no per-chunk sums in memory (half the forward's intermediate states),
-but a program walks its segment's chunks serially, a key projection and a ``[BM, BT] @ [BT,
-E]`` product per step, where the chunk-parallel pass spread them over (M tiles, chunks, B*H)
-programs. Segments bring the parallelism back: on a GPU enough (at most MAX_SEGMENTS) that no
-walk is longer than SEGMENT_STEPS chunks and the grid holds two programs per SM; at B4 H16 M256
-E64 bf16 on 132 SMs, 2 segments of 8 chunks at T = 1024 (512 programs) and 8 of 32 at T =
-16384 (2048 programs). The carries cost a ``[NS + 1, M, E]`` state per (b, h) and one more
-``[BM, BE]`` load per tile where a state is read.
+The trade of the forward: key features are computed twice per segment (once per launch: a
+projection of each key per M tile in each), and each walk's steps are serial, where a
+chunk-parallel output pass would read every chunk's prefix state from memory: B H ceil(T / C) M
+E accumulator floats (512 MiB at B4 H16 M256 E64 T = 8192, C = 64) written and read back. The
+walks keep the state on chip instead: launch 2's running state is its segment's carry slot,
+``[M, E]`` per program (64 KiB at M256 E64: L2-resident, read and written once per chunk and
+M tile, never the HBM traffic of per-chunk states), with a CTA barrier between chunks so that
+each chunk's loads see the stores of the one before it (other threads' in the same program).
+Registers hold one M tile's ``[BM, BE]`` state at a time, not the whole ``[M, E]``, so the
+feature tiles stay those of the other kernels. Segments bring the parallelism back: on a GPU
+enough (at most MAX_SEGMENTS) that no walk is longer than SEGMENT_STEPS chunks and launch 2's
+grid (segments, B*H) holds two programs per SM (launch 1 has M tiles times more); at B4 H16
+M256 E64 bf16 on 132 SMs, 6 segments of 3 chunks at T = 1024 (384 programs in launch 2), 5
+of 26 at T = 8192 (320) and 8 of 32 at T = 16384 (512). The forward's intermediate memory is
+the carries, ``[NS + 1, M, E]`` per (b, h): 24 MiB at T = 8192.
 
 Backward, three launches (states recomputed by 1, never kept from the forward; no
 reverse-subtraction of prefix sums), every row and key at the forward's own offsets, so its
@@ -87,9 +94,9 @@ State (``rfattn.RFState``): S [B, H, M, E], z [B, H, M] in the accumulation dtyp
 the initial S, z and from cotangents of the returned S, z (the offset is not differentiable).
 Key padding mask: padded keys get b = 0 everywhere (left padding for batched generation works).
 Limits as ``rf_parallel`` (fp32/fp16/bf16/fp64, any D, E, M, T); Tq == Tk; learnable W (dW) is
-not supported here (``rf_attention`` routes it to the torch path). Chunk states take
-``B H ceil(T / C) M E`` accumulator floats while a forward runs and twice that in a backward (the
-prefix states and their cotangents).
+not supported here (``rf_attention`` routes it to the torch path). The forward keeps no
+per-chunk state; the backward's chunk states take ``2 B H ceil(T / C) M E`` accumulator floats
+while it runs (the prefix states and their cotangents).
 Reference: ``rfattn.reference.linear_attention(causal=True)`` on ``RandomFeatures.features``.
 """
 
@@ -220,8 +227,8 @@ def _chunk_states_kernel(
     HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
     HAS_MAP: tl.constexpr, HAS_INIT: tl.constexpr, PLAIN: tl.constexpr, FINAL: tl.constexpr,
-    STATS: tl.constexpr, HAS_QPAD: tl.constexpr, FORM: tl.constexpr, BB: tl.constexpr,
-    RACC: tl.constexpr,
+    STORE: tl.constexpr, STATS: tl.constexpr, HAS_QPAD: tl.constexpr, FORM: tl.constexpr,
+    BB: tl.constexpr, RACC: tl.constexpr,
 ):  # fmt: skip
     """Programs ``0 .. NSTAT - 1`` (STATS): stats roles, the running statistics' work items
     (``stats.stats_item``); the others: one feature tile's walk over one segment's chunks (in
@@ -270,7 +277,7 @@ def _chunk_states_kernel(
             stride_kb, stride_kh, stride_kt, stride_kd, stride_vb, stride_vh, stride_vt,
             stride_ve, stride_wm, stride_wd, stride_pb, stride_pt,
             D, M, E, BD, BM, BE, BT, BP, HAS_PAD, FEATURE, PRECISION, ACC, HAS_LAM, TINY,
-            HAS_MAP, HAS_INIT, PLAIN, FINAL)  # fmt: skip
+            HAS_MAP, HAS_INIT, PLAIN, FINAL, STORE)  # fmt: skip
     if STATS:
         if last_to_arrive(arrive_ptr + BH * (NMT + 2), NSTAT + NMT * NS * BH):  # the last
             running_update(mom_ptr, run_mean, run_sq, run_abs, run_min, nbt_ptr, BH, D, keep,
@@ -290,10 +297,11 @@ def _walk_sums(
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr,
     HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_LAM: tl.constexpr, TINY: tl.constexpr, HAS_MAP: tl.constexpr, HAS_INIT: tl.constexpr,
-    PLAIN: tl.constexpr, FINAL: tl.constexpr,
+    PLAIN: tl.constexpr, FINAL: tl.constexpr, STORE: tl.constexpr,
 ):  # fmt: skip
     """The walk of feature tile i_m over segment i_g of (b, h) i_bh with the (b, h)'s
-    (A, B, log D) and key input scale ``b_sc`` [BD] (:func:`_chunk_states_kernel`)."""
+    (A, B, log D) and key input scale ``b_sc`` [BD] (:func:`_chunk_states_kernel`); with
+    STORE each chunk's state before it and its offset, else the segment's sum only."""
     i_b, i_h = i_bh // H, i_bh % H
     NMT: tl.constexpr = (M + BM - 1) // BM
     o_d, o_e, o_f = tl.arange(0, BD), tl.arange(0, BE), i_m * BM + tl.arange(0, BM)
@@ -309,10 +317,11 @@ def _walk_sums(
     b_s = tl.zeros([BM, BE], dtype=ACC)
     b_z = tl.zeros([BM], dtype=ACC)
     for i_c in range(c0, c1):
-        i_blk = i_bh * NC + i_c
-        tl.store(s_ptr + i_blk * M * E + o_fe, b_s, mask=m_fe)
-        tl.store(z_ptr + i_blk * M + o_f, b_z, mask=m_f)
-        tl.store(r_ptr + (i_bh * (NC + 1) + i_c) * NMT + i_m, b_r)
+        if STORE:
+            i_blk = i_bh * NC + i_c
+            tl.store(s_ptr + i_blk * M * E + o_fe, b_s, mask=m_fe)
+            tl.store(z_ptr + i_blk * M + o_f, b_z, mask=m_f)
+            tl.store(r_ptr + (i_bh * (NC + 1) + i_c) * NMT + i_m, b_r)
         # chunk c's keys: features of this tile [BT, BM], the offset raised to their max
         o_t = (i_c * BT + tl.arange(0, BT)).to(tl.int64)
         m_t = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
@@ -331,8 +340,9 @@ def _walk_sums(
                                      out_dtype=ACC)  # fmt: skip
         b_z = b_z * b_alpha + tl.sum(b_p, axis=0)
         b_r = b_rn
-    if c1 == NC:  # the boundary after the last chunk (others open the next segment)
-        tl.store(r_ptr + (i_bh * (NC + 1) + NC) * NMT + i_m, b_r)
+    if STORE:
+        if c1 == NC:  # the boundary after the last chunk (others open the next segment)
+            tl.store(r_ptr + (i_bh * (NC + 1) + NC) * NMT + i_m, b_r)
     # the segment's sum in slot i_g + 1, where its carry (the state after it) will be
     p_g = i_bh * (NS + 1) + i_g + 1
     tl.store(gs_ptr + p_g * M * E + o_fe, b_s, mask=m_fe)
@@ -364,7 +374,9 @@ def _walk_sums(
         tl.store(gr_ptr + p_g * NMT + i_m, b_r)
         if FINAL:
             if last_to_arrive(arrive_ptr + BH * NMT + i_bh, NMT):
-                b_rT = _prefix_offset(r_ptr, gr_ptr, i_bh, NC, NC, NS, CPS, NMT, BP)
+                o_p = tl.arange(0, BP)  # R_{NC-1}: the max of the tiles' final offsets
+                b_rT = tl.max(tl.load(gr_ptr + p_g * NMT + o_p, mask=o_p < NMT, other=NEG,
+                                      cache_modifier=".cg"), axis=0)  # fmt: skip
                 for j in range(0, NMT):  # each tile from its own offset to the common one
                     o_fj = j * BM + tl.arange(0, BM)
                     m_fj = o_fj < M
@@ -383,8 +395,7 @@ def _walk_sums(
 @triton.jit
 def _chunk_out_kernel(
     q_ptr, k_ptr, v_ptr, w_ptr, pad_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr,
-    xi_ptr, qmap_ptr, kmap_ptr, s_ptr, z_ptr, r_ptr, gs_ptr, gz_ptr, gr_ptr, o_ptr, mq_ptr,
-    den_ptr, mk_ptr,
+    xi_ptr, qmap_ptr, kmap_ptr, gs_ptr, gz_ptr, gr_ptr, o_ptr, mq_ptr, den_ptr, mk_ptr,
     T, H, NC, G, NS, CPS,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
@@ -393,109 +404,113 @@ def _chunk_out_kernel(
     stride_ob, stride_oh, stride_ot, stride_oe,
     D: tl.constexpr, M: tl.constexpr, E: tl.constexpr,
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr,
-    RM: tl.constexpr, HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr,
-    ACC: tl.constexpr, HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr,
-    TINY: tl.constexpr,
+    HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
     HAS_MAP: tl.constexpr,
 ):  # fmt: skip
-    """out [BT, E] of chunk c for each of the G query heads of key/value head (b, h): a S_c
-    plus the masked intra-chunk term, normalised."""
-    i_c, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    """The walk of segment i_g of key/value head (b, h) over its chunks: out [BT, E] of each
+    chunk for the G query heads from the state before it (the segment's carry slot, each
+    feature tile at its own offset, brought to R_{c-1}) plus the masked intra-chunk term,
+    normalised; then the chunk's keys added to the state in its slot."""
+    i_g, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     NMT: tl.constexpr = (M + BM - 1) // BM
-    o_t = i_c.to(tl.int64) * BT + tl.arange(0, BT)
-    o_d, o_e = tl.arange(0, BD), tl.arange(0, BE)
-    m_q, m_d, m_e = o_t < T, o_d < D, o_e < E
-    m_k = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
+    o_d, o_e, o_p = tl.arange(0, BD), tl.arange(0, BE), tl.arange(0, BP)
+    m_d, m_e = o_d < D, o_e < E
     b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
     b_scq = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
     b_sck = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
-    b_xk = load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, kmap_ptr, i_h, D, BT, BD,
-                        HAS_MAP, PRECISION, ACC) * b_sck[None, :]  # fmt: skip
-    NR: tl.constexpr = (M + RM - 1) // RM  # the states kernel's feature tiles (RM >= BM)
-    # R_{c-1}: where the rows' offsets start
-    b_rp = _prefix_offset(r_ptr, gr_ptr, i_bh, i_c, NC, NS, CPS, NR, BP)
-    # per-row offsets: key j's own max logit m_j over features, then r_i = max(R_{c-1}, m_j for
-    # j <= i), so no row reads a later key's offset (one more pass over the key features)
-    b_mk = tl.full([BT], NEG, dtype=ACC)
-    for i_m in range(0, NMT):
-        o_f = i_m * BM + tl.arange(0, BM)
-        m_f = o_f < M
-        b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
-        b_uk, b_gk, b_g1, b_g2 = feature_tile(
-            b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
-            M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # fmt: skip
-        b_uk = tl.where(m_k[:, None] & m_f[None, :], b_uk, NEG)
-        b_mk = tl.maximum(b_mk, tl.max(b_uk, axis=1))
-    tl.store(mk_ptr + i_bh * T + o_t, b_mk, mask=m_q)
-    m_tril = o_t[:, None] >= o_t[None, :]  # [BT(i), BT(j)]
-    b_ri = _row_offsets(b_rp, b_mk, m_tril)
-    b_inter = tl.exp(b_rp - b_ri)
-    b_decay = _intra_decay(b_mk, b_ri)
-    p_v = (
-        v_ptr
-        + i_b * stride_vb
-        + i_h * stride_vh
-        + o_t[:, None] * stride_vt
-        + o_e[None, :] * stride_ve
-    )
-    b_v = tl.load(p_v, mask=m_k[:, None] & m_e[None, :], other=0.0).to(ACC)  # [BT, BE]
-    # a non-finite value poisons its own and later rows, never earlier ones: zero in the
-    # product (0 * NaN would reach every row), NaN from its position on (0/1 counts: exact)
-    b_bad = (b_v != b_v) | (tl.abs(b_v) == float("inf"))
-    b_tril = (o_t[:, None] >= o_t[None, :]).to(ACC)
-    b_poison = tl.dot(b_tril, b_bad.to(ACC), input_precision="ieee", out_dtype=ACC) > 0
-    b_vc = tl.where(b_bad, 0.0, b_v)
-    for g in range(0, G):  # the query heads that read this key/value head
-        i_hq = i_h * G + g
-        q_base = q_ptr + i_b * stride_qb + i_hq * stride_qh
-        b_xq = load_mapped(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, qmap_ptr, i_hq, D, BT,
-                            BD, HAS_MAP, PRECISION, ACC) * b_scq[None, :]  # fmt: skip
-        b_mx = tl.full([BT], NEG, dtype=ACC)
-        b_num = tl.zeros([BT, BE], dtype=ACC)
-        b_den = tl.zeros([BT], dtype=ACC)
-        b_A = tl.zeros([BT, BT], dtype=ACC)
-        for i_m in range(0, NMT):
-            o_f = i_m * BM + tl.arange(0, BM)
-            m_f = o_f < M
-            b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
-            b_uq, b_gq, b_g1, b_g2 = feature_tile(
-                b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
-                M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
-            b_uq = tl.where(m_f[None, :], b_uq, float("-inf"))
-            b_mx_new = tl.maximum(b_mx, tl.max(b_uq, axis=1))
-            b_alpha = tl.exp(b_mx - b_mx_new)
-            b_a = b_gq * tl.exp(b_uq - b_mx_new[:, None])  # [BT, BM]
-            b_uk, b_gk, b_g1, b_g2 = feature_tile(
-                b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
-                M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # fmt: skip
-            b_b = b_gk * tl.where(m_k[:, None] & m_f[None, :], tl.exp(b_uk - b_mk[:, None]), 0.0)
-            b_s, b_z = _prefix_tile(s_ptr, z_ptr, r_ptr, gs_ptr, gz_ptr, gr_ptr, i_bh, i_c, NC,
-                                    NS, CPS, i_m * BM // RM, b_rp, o_f, o_e, m_f, m_e, M, E,
-                                    NR)  # [BM, BE], [BM]  # fmt: skip
-            # [BT, BM] @ [BM, BE] -> [BT, BE]; [BT, BM] @ [BM, BT] -> [BT, BT]
-            b_num = b_num * b_alpha[:, None] + tl.dot(
-                b_a, b_s, input_precision=PRECISION, out_dtype=ACC
-            )
-            b_den = b_den * b_alpha + tl.sum(b_a * b_z[None, :], axis=1)
-            b_A = b_A * b_alpha[:, None] + tl.dot(
-                b_a, tl.trans(b_b), input_precision=PRECISION, out_dtype=ACC
-            )
-            b_mx = b_mx_new
-        # rows at their own offsets: the prefix times exp(R_{c-1} - r_i), key j <= i times
-        # exp(m_j - r_i) (both <= 1); later keys never enter (selection, not a product with 0)
-        b_num, b_den = b_num * b_inter[:, None], b_den * b_inter
-        b_A = tl.where(m_tril & m_k[None, :], b_A * b_decay, 0.0)  # causal inside the chunk
-        b_num += tl.dot(b_A, b_vc, input_precision=PRECISION, out_dtype=ACC)
-        b_num = tl.where(b_poison, float("nan"), b_num)
-        b_den += tl.sum(b_A, axis=1)
-        b_o, b_den = ratio(b_num, b_den, TINY)
-        store_tile(o_ptr, i_b, i_hq, o_t, o_e, stride_ob, stride_oh, stride_ot, stride_oe,
-                    b_o, m_q, m_e)  # fmt: skip
-        i_row = (i_bh * G + g) * T  # the query head's rows of m_q and den
-        tl.store(mq_ptr + i_row + o_t, b_mx, mask=m_q)
-        tl.store(den_ptr + i_row + o_t, b_den, mask=m_q)
+    v_base = v_ptr + i_b * stride_vb + i_h * stride_vh
+    p_g = i_bh * (NS + 1) + i_g  # the segment's carry: the walk's running state, in place
+    b_rt = tl.load(gr_ptr + p_g * NMT + o_p, mask=o_p < NMT, other=NEG)  # [BP] tiles' offsets
+    for i_c in range(i_g * CPS, tl.minimum(i_g * CPS + CPS, NC)):
+        o_t = (i_c * BT + tl.arange(0, BT)).to(tl.int64)
+        m_q = o_t < T
+        m_k = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
+        m_tril = o_t[:, None] >= o_t[None, :]  # [BT(i), BT(j)]
+        b_xk = load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, kmap_ptr, i_h, D,
+                           BT, BD, HAS_MAP, PRECISION, ACC) * b_sck[None, :]  # fmt: skip
+        b_v = load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_k, m_e, ACC)  # [BT, BE]
+        # a non-finite value poisons its own and later rows, never earlier ones: zero in the
+        # product (0 * NaN would reach every row), NaN from its position on (a prefix count)
+        b_bad = (b_v != b_v) | (tl.abs(b_v) == float("inf"))
+        b_poison = tl.cumsum(b_bad.to(tl.int32), axis=0) > 0
+        b_vc = tl.where(b_bad, 0.0, b_v)
+        b_rp = tl.max(b_rt, axis=0)  # R_{c-1}: where the rows' offsets start
+        for g in range(0, G):  # the query heads that read this key/value head
+            i_hq = i_h * G + g
+            q_base = q_ptr + i_b * stride_qb + i_hq * stride_qh
+            b_xq = load_mapped(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, qmap_ptr, i_hq,
+                               D, BT, BD, HAS_MAP, PRECISION, ACC) * b_scq[None, :]  # fmt: skip
+            b_mx = tl.full([BT], NEG, dtype=ACC)  # per row, online over feature tiles
+            b_mk = tl.full([BT], NEG, dtype=ACC)  # per key (m_j), likewise
+            b_num = tl.zeros([BT, BE], dtype=ACC)
+            b_den = tl.zeros([BT], dtype=ACC)
+            b_A = tl.zeros([BT, BT], dtype=ACC)
+            for i_m in range(0, NMT):
+                o_f = i_m * BM + tl.arange(0, BM)
+                m_f = o_f < M
+                b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
+                b_uq, b_gq, b_g1, b_g2 = feature_tile(
+                    b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
+                    M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
+                b_uq = tl.where(m_f[None, :], b_uq, float("-inf"))
+                b_mx_new = tl.maximum(b_mx, tl.max(b_uq, axis=1))
+                b_alpha = tl.exp(b_mx - b_mx_new)
+                b_a = b_gq * tl.exp(b_uq - b_mx_new[:, None])  # [BT, BM]
+                b_uk, b_gk, b_g1, b_g2 = feature_tile(
+                    b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
+                    M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
+                m_kf = m_k[:, None] & m_f[None, :]  # valid keys and features: the only ones read
+                b_uk = tl.where(m_kf, b_uk, NEG)
+                b_mk_new = tl.maximum(b_mk, tl.max(b_uk, axis=1))
+                b_beta = tl.exp(b_mk - b_mk_new)
+                b_b = tl.where(m_kf, b_gk * tl.exp(b_uk - b_mk_new[:, None]), 0.0)  # [BT, BM]
+                # the tile's state before the chunk, at its own offset r_m, read at R_{c-1}
+                b_rm = tl.max(tl.where(o_p == i_m, b_rt, NEG), axis=0)
+                b_f = tl.exp(b_rm - b_rp)  # <= 1
+                o_fe = o_f[:, None] * E + o_e[None, :]
+                m_fe = m_f[:, None] & m_e[None, :]
+                b_s = tl.load(gs_ptr + p_g * M * E + o_fe, mask=m_fe, other=0.0)  # [BM, BE]
+                b_z = tl.load(gz_ptr + p_g * M + o_f, mask=m_f, other=0.0)  # [BM]
+                # [BT, BM] @ [BM, BE] -> [BT, BE]; [BT, BM] @ [BM, BT] -> [BT, BT]
+                b_num = b_num * b_alpha[:, None] + b_f * tl.dot(
+                    b_a, b_s, input_precision=PRECISION, out_dtype=ACC)  # fmt: skip
+                b_den = b_den * b_alpha + b_f * tl.sum(b_a * b_z[None, :], axis=1)
+                b_A = b_A * b_alpha[:, None] * b_beta[None, :] + tl.dot(
+                    b_a, tl.trans(b_b), input_precision=PRECISION, out_dtype=ACC)  # fmt: skip
+                b_mx, b_mk = b_mx_new, b_mk_new
+                if g == G - 1:  # every head has read it: the chunk's keys into the tile
+                    b_rn = tl.maximum(b_rm, tl.max(tl.max(b_uk, axis=1), axis=0))
+                    b_p = tl.where(m_kf, b_gk * tl.exp(b_uk - b_rn), 0.0)  # [BT, BM]
+                    b_al = tl.exp(b_rm - b_rn)
+                    # [BM, BT] @ [BT, BE] -> [BM, BE]
+                    b_s = b_s * b_al + tl.dot(tl.trans(b_p), b_v, input_precision=PRECISION,
+                                              out_dtype=ACC)  # fmt: skip
+                    b_z = b_z * b_al + tl.sum(b_p, axis=0)
+                    tl.store(gs_ptr + p_g * M * E + o_fe, b_s, mask=m_fe)
+                    tl.store(gz_ptr + p_g * M + o_f, b_z, mask=m_f)
+                    b_rt = tl.where(o_p == i_m, b_rn, b_rt)
+            if g == 0:
+                tl.store(mk_ptr + i_bh * T + o_t, b_mk, mask=m_q)
+            # rows at their own offsets r_i = max(R_{c-1}, m_j for j <= i): the prefix times
+            # exp(R_{c-1} - r_i), key j <= i times exp(m_j - r_i) (both <= 1); later keys never
+            # enter (selection, not a product with 0)
+            b_ri = _row_offsets(b_rp, b_mk, m_tril)
+            b_inter = tl.exp(b_rp - b_ri)
+            b_num, b_den = b_num * b_inter[:, None], b_den * b_inter
+            b_A = tl.where(m_tril & m_k[None, :], b_A * _intra_decay(b_mk, b_ri), 0.0)
+            b_num += tl.dot(b_A, b_vc, input_precision=PRECISION, out_dtype=ACC)
+            b_num = tl.where(b_poison, float("nan"), b_num)
+            b_den += tl.sum(b_A, axis=1)
+            b_o, b_den = ratio(b_num, b_den, TINY)
+            store_tile(o_ptr, i_b, i_hq, o_t, o_e, stride_ob, stride_oh, stride_ot, stride_oe,
+                       b_o, m_q, m_e)  # fmt: skip
+            i_row = (i_bh * G + g) * T  # the query head's rows of m_q and den
+            tl.store(mq_ptr + i_row + o_t, b_mx, mask=m_q)
+            tl.store(den_ptr + i_row + o_t, b_den, mask=m_q)
+        tl.debug_barrier()  # the state's stores before the next chunk's loads (other threads')
 
 
 @triton.jit
@@ -728,48 +743,60 @@ SEGMENT_STEPS = 32
 HOST_SEGMENTS = 2
 
 
-def _segments(c: Setup, NC: int, device: torch.device) -> tuple[int, int]:
-    """(segments per (b, h), chunks per segment) of the walks: enough that no program walks
-    more than SEGMENT_STEPS chunks and that the states kernel's grid (M tiles, segments, B*H)
-    fills every SM twice, at most MAX_SEGMENTS and one chunk each."""
+def sm_count(device: torch.device) -> int | None:
+    """The streaming multiprocessors of ``device``, or None where no GPU picks the segments."""
     if device.type != "cuda":
-        want = HOST_SEGMENTS
-    else:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        want = max(cdiv(NC, SEGMENT_STEPS), cdiv(2 * sms, c.NMT * c.B * c.H))
-    per = cdiv(NC, max(1, min(MAX_SEGMENTS, want, NC)))
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def segments(NC: int, BH: int, sms: int | None) -> tuple[int, int]:
+    """(segments per (b, h), chunks per segment) of the walks over ``NC`` chunks of ``BH`` (b, h)
+    on ``sms`` SMs (None: :data:`HOST_SEGMENTS`): enough that no program walks more than
+    SEGMENT_STEPS chunks and that the output walk's grid (segments, B*H), the smallest of the
+    walks', holds two programs per SM, at most MAX_SEGMENTS and one chunk each."""
+    want = HOST_SEGMENTS if sms is None else max(cdiv(NC, SEGMENT_STEPS), cdiv(2 * sms, BH))
+    want = max(1, min(MAX_SEGMENTS, want, NC))
+    per = cdiv(NC, want)
+    # fewer chunks each where rounding up left fewer segments than wanted (16 chunks in 5)
+    while per > 1 and cdiv(NC, per) < want and cdiv(NC, per - 1) <= MAX_SEGMENTS:
+        per -= 1
     return cdiv(NC, per), per
 
 
-def _states(c: Setup, q, k, v, initial_state, final: bool = True, stats=None):
-    """Launch the states kernel: each chunk's state before it along its segment's walk, each
-    feature tile at its own offset, those offsets ``r`` ``[B*H, NC + 1, NMT]``, the carries into
-    the segments (``[B*H, NS + 1, ...]``, the last slot each tile's final state), and with
-    ``final`` the final state (else None); with ``stats`` (``kernels.stats.ChunkStats``) the
-    running statistics' stats roles first, the parameters written into the form's. Returns
-    ``(NC, the states' arguments of the later kernels, the final state, (NS, chunks per
-    segment))``."""
+def _states(c: Setup, q, k, v, initial_state, final: bool = True, stats=None,
+            store: bool = True):  # fmt: skip
+    """Launch the states kernel: the carries into the segments (``[B*H, NS + 1, ...]``, each
+    feature tile at its own offset, the last slot each tile's final state), with ``store``
+    also each chunk's state before it along its segment's walk and those offsets ``r``
+    ``[B*H, NC + 1, NMT]`` (else placeholders), with ``final`` the final state (else None);
+    with ``stats`` (``kernels.stats.ChunkStats``) the running statistics' stats roles first,
+    the parameters written into the form's. Returns ``(NC, the states' arguments of the later
+    kernels, the final state, (NS, chunks per segment))``."""
     B, H, T, M, E, NMT, bt = c.B, c.H, c.Tk, c.M, c.E, c.NMT, c.BT
     NC = max(cdiv(T, bt), 1)
-    NS, per = _segments(c, NC, k.device)
-    s = c.acc_empty(B * H * NC, M, E)
-    z = c.acc_empty(B * H * NC, M)
-    r = c.acc_empty(B * H, NC + 1, NMT)
+    NS, per = segments(NC, B * H, sm_count(k.device))
     gs, gz, gr = c.acc_empty(B * H, NS + 1, M, E), c.acc_empty(B * H, NS + 1, M), \
         c.acc_empty(B * H, NS + 1, NMT)  # fmt: skip
-    sT, zT, rT = c.acc_empty(B, H, M, E), c.acc_empty(B, H, M), c.acc_empty(B, H)
+    if store:
+        s, z, r = c.acc_empty(B * H * NC, M, E), c.acc_empty(B * H * NC, M), \
+            c.acc_empty(B * H, NC + 1, NMT)  # fmt: skip
+    else:
+        s = z = r = gs  # never written
+    sT, zT, rT = (c.acc_empty(B, H, M, E), c.acc_empty(B, H, M), c.acc_empty(B, H)) if final \
+        else (gs,) * 3  # fmt: skip
     if initial_state is not None:
         s0, z0, r0 = (x.to(c.acc).contiguous() for x in initial_state)
     else:
-        s0 = z0 = r0 = s  # never read
+        s0 = z0 = r0 = gs  # never read
     roles, stats_args, stats_meta = chunk_stats_arguments(stats, q, k, B, H, c.G, c.D, c.acc)
     launch(_chunk_states_kernel, (roles + NMT * NS * B * H,),
         k, v, c.w, c.pad[0], *c.form_ptrs, c.maps[1], s0, z0, r0, s, z, r, gs, gz, gr, sT, zT, rT,
         arrival_counters(k.device, B * H * (NMT + 2) + 1), T, H, B * H, NC, NS, per,
         *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2], *stats_args,
         BT=bt, BP=next_pow2(NMT), HAS_PAD=c.has_pad, HAS_MAP=c.has_map,
-        HAS_INIT=initial_state is not None, PLAIN=c.plain, FINAL=final, **c.launch_options(),
-        **c.meta, **stats_meta,
+        HAS_INIT=initial_state is not None, PLAIN=c.plain, FINAL=final, STORE=store,
+        **c.launch_options(), **c.meta, **stats_meta,
     )  # fmt: skip
     return NC, (s, z, r, gs, gz, gr), ((sT, zT, rT) if final else None), (NS, per)
 
@@ -817,13 +844,12 @@ def rf_chunk_fwd(
                  c.acc_empty(B, H))  # fmt: skip
         return (out, state, aux) if return_aux else (out, state)
     stats = form.stats  # running statistics this launch forms and moves (or None)
-    NC, states, state, segs = _states(c, q, k, v, initial_state, stats=stats)
+    NC, states, state, segs = _states(c, q, k, v, initial_state, stats=stats, store=False)
     if T:
-        launch(_chunk_out_kernel, (NC, B * H),
-            q, k, v, c.w, c.pad[0], *c.form_ptrs, *c.maps, *states, out, mq, den, mk,
+        launch(_chunk_out_kernel, (segs[0], B * H),
+            q, k, v, c.w, c.pad[0], *c.form_ptrs, *c.maps, *states[3:], out, mq, den, mk,
             T, H, NC, G, *segs, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1],
-            c.pad[2],
-            *out.stride(), BT=bt, BP=next_pow2(c.NMT), RM=c.BM, HAS_PAD=c.has_pad,
+            c.pad[2], *out.stride(), BT=bt, BP=next_pow2(c.NMT), HAS_PAD=c.has_pad,
             HAS_MAP=c.has_map, **c.launch_options(), **c.meta,
         )  # fmt: skip
     return (out, state, aux) if return_aux else (out, state)
