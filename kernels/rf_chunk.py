@@ -24,9 +24,10 @@ Forward, two launches (features never touch HBM, nor does any per-chunk state):
    computed on the way and added to the running state, rescaled flash-style, and stores the
    segment's sum at the walk's own offset (the max over the tile's features of the segment's
    keys). The last of a tile's segments to finish (``common.last_to_arrive``) combines the
-   sums into the carries, the state before each segment from the initial one (log-sum-exp:
-   both sides at the larger offset), and the tile's final state; with the final state asked
-   for, the (b, h)'s last tile to finish brings it to the common offset R_{NC-1};
+   sums into the carries in their slots, the state before each segment from the initial one
+   (log-sum-exp: both sides at the larger offset), and with the final state asked for writes
+   the tile's into it at its own offset; the (b, h)'s last tile to finish brings the final
+   state to the common offset R_{NC-1};
 2. ``_chunk_out_kernel``, grid (segments, B*H): a program walks its segment's chunks again,
    the running state in its segment's carry slot, each M tile at its own offset (R_{c-1}: the
    max over the tiles). Per chunk and query head, over M tiles: query and key features with an
@@ -55,8 +56,9 @@ chunk-parallel output pass would read every chunk's prefix state from memory: B 
 E accumulator floats (512 MiB at B4 H16 M256 E64 T = 8192, C = 64) written and read back. The
 walks keep the state on chip instead: launch 2's running state is its segment's carry slot,
 ``[M, E]`` per program (64 KiB at M256 E64: L2-resident, read and written once per chunk and
-M tile, never the HBM traffic of per-chunk states), with a CTA barrier between chunks so that
-each chunk's loads see the stores of the one before it (other threads' in the same program).
+M tile, never the HBM traffic of per-chunk states), with a CTA barrier between a tile's loads
+and its stores and between chunks, so that no thread of the program overwrites what another
+has yet to read and each chunk's loads see the stores of the one before it.
 Registers hold one M tile's ``[BM, BE]`` state at a time, not the whole ``[M, E]``, so the
 feature tiles stay those of the other kernels. Segments bring the parallelism back: on a GPU
 enough (at most MAX_SEGMENTS) that no walk is longer than SEGMENT_STEPS chunks and launch 2's

@@ -179,8 +179,8 @@ def test_chunk_operator_forward_2_forward_backward_5(feature, launches):
                          "_chunk_bwd_kernel"}  # fmt: skip
 
 
-@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
-@pytest.mark.parametrize("feature", ["posrf", "oprf", "saderf"])
+@pytest.mark.parametrize("feature,training", [("posrf", False), ("oprf", True), ("saderf", True)],
+                         ids=["posrf", "oprf-train", "saderf-train"])  # fmt: skip
 def test_causal_call_forward_2_forward_backward_5(feature, training, launches):
     """The whole causal call, ``rf_attention`` to the kernels: oprf/saderf in training (running
     statistics: the parameters from the buffers, which this call's moments then move) form
