@@ -16,68 +16,96 @@ chunks <= c and all features); the forward reads every row at its own offset
 Every factor is <= 1 and no row reads a later key's offset, so no output depends on a later
 token, not even through underflow, and where chunks fall changes only rounding (docs/numerics.md).
 
-Forward, two launches (features never touch HBM; chunk states do, transiently):
+Forward, two launches (features never touch HBM, nor does any per-chunk state):
 
-1. ``_chunk_states_kernel``, grid (M tiles, segments, B*H): the chunks fall into NS segments
-   of consecutive chunks per (b, h); a program walks its segment's chunks in order from a zero
-   state, each chunk's key features of its tile computed on the way and added to the running
-   state, rescaled flash-style, and stores the state before every chunk at the walk's own
-   offset (the max over the tile's features of the segment's keys so far) with those offsets
-   ``r`` ``[B*H, NC + 1, M tiles]``. The last of a tile's segments to finish
-   (``common.last_to_arrive``) combines the segments' sums into the carries, the state before
-   each segment from the initial one (log-sum-exp: both sides at the larger offset), and the
-   tile's final state; with the final state asked for, the (b, h)'s last tile to finish brings
-   it to the common offset R_{NC-1}. The state before chunk c, S'_c, z'_c, is then its
-   segment's carry plus the walk's state there, and R_{c-1} the max of both offsets over the
-   tiles: the later kernels form it as they load S'_c, each part times a factor <= 1;
-2. ``_chunk_out_kernel``, grid (chunks, B*H): a pass over the key features for m_j, then the
-   inter-chunk ``a S'`` plus the masked intra-chunk ``(a b^T ⊙ decay ⊙ tril) V`` on ``tl.dot``,
-   online per-row max over M tiles, ``out = num / den`` with ``rfattn.reference.attention_ratio``'s
-   policy; saves mq_i, den_i (at r_i) and m_j. A non-finite value poisons its own and later rows
-   only.
+1. ``_chunk_states_kernel``, one program per (b, h), segment and M tile (after the stats roles
+   below, if any): the chunks fall into NS segments of consecutive chunks per (b, h); a program
+   walks its segment's chunks in order from a zero state, each chunk's key features of its tile
+   computed on the way and added to the running state, rescaled flash-style, and stores the
+   segment's sum at the walk's own offset (the max over the tile's features of the segment's
+   keys). The last of a tile's segments to finish (``common.last_to_arrive``) combines the
+   sums into the carries in their slots, the state before each segment from the initial one
+   (log-sum-exp: both sides at the larger offset), and with the final state asked for writes
+   the tile's into it at its own offset; the (b, h)'s last tile to finish brings the final
+   state to the common offset R_{NC-1};
+2. ``_chunk_out_kernel``, grid (segments, B*H): a program walks its segment's chunks again,
+   the running state in its segment's carry slot, each M tile at its own offset (R_{c-1}: the
+   max over the tiles). Per chunk and query head, over M tiles: query and key features with an
+   online per-row max (mq_i) and an online per-key max (m_j; the intra-chunk product rescaled
+   on both sides), the inter-chunk ``a S'`` (the tile's state times exp(r_tile - R_{c-1}) <= 1)
+   and ``a b^T`` on ``tl.dot``; once the G query heads have read a tile, the chunk's keys go
+   into it (at the tile's raised offset, as launch 1 adds them). Then the rows at their own
+   offsets, the masked intra-chunk ``(a b^T ⊙ decay ⊙ tril) V``, ``out = num / den`` with
+   ``rfattn.reference.attention_ratio``'s policy; saves mq_i, den_i (at r_i) and m_j. A
+   non-finite value poisons its own and later rows only (a prefix count along the chunk).
 
-The trade of launch 1: one launch instead of a chunk-parallel pass (each chunk's own sum) and a
-scan over those sums, and no per-chunk sums in memory (half the forward's intermediate states),
-but a program walks its segment's chunks serially, a key projection and a ``[BM, BT] @ [BT,
-E]`` product per step, where the chunk-parallel pass spread them over (M tiles, chunks, B*H)
-programs. Segments bring the parallelism back: on a GPU enough (at most MAX_SEGMENTS) that no
-walk is longer than SEGMENT_STEPS chunks and the grid holds two programs per SM; at B4 H16 M256
-E64 bf16 on 132 SMs, 2 segments of 8 chunks at T = 1024 (512 programs) and 8 of 32 at T =
-16384 (2048 programs). The carries cost a ``[NS + 1, M, E]`` state per (b, h) and one more
-``[BM, BE]`` load per tile where a state is read.
+oprf/saderf in training (running statistics, ``kernels.stats.ChunkStats`` handed over in the
+form, ``KernelForm.stats``) take no launch of their own for them: launch 1's first programs are
+stats roles (``stats.stats_item``: this call's moments of q and k, padding left out), the walks
+form the parameters from the running buffers as they are (data-independent: no walk waits for
+a stats role, so no order between programs is needed and none can deadlock), the first walk of
+each (b, h) writes them into the form's ``coeffs`` / ``psi`` for the later launches (the
+backward's recomputing launch 1 reads them there, not the moved buffers), and the launch's last
+program to arrive (``common.last_to_arrive`` over every program, after each walk has read the
+buffers) pools the moments into the buffers (``stats.running_update``), as the stats pass's own
+launch does.
 
-Backward, three launches (states recomputed by 1, never kept from the forward; no
-reverse-subtraction of prefix sums), every row and key at the forward's own offsets, so its
-gradients underflow only where the forward's terms do. With g_i = do_i / den_i, c_i = -(do_i .
-out_i) / den_i, w_i = exp(R_{c-1} - r_i), decay_ij = exp(m_j - r_i), kf_j = exp(m_j - R_c) (all
-<= 1) and dK_ij = (v_j . g_i + c_i) decay_ij:
+The trade of the forward: key features are computed twice per segment (once per launch: a
+projection of each key per M tile in each), and each walk's steps are serial, where a
+chunk-parallel output pass would read every chunk's prefix state from memory: B H ceil(T / C) M
+E accumulator floats (512 MiB at B4 H16 M256 E64 T = 8192, C = 64) written and read back. The
+walks keep the state on chip instead: launch 2's running state is its segment's carry slot,
+``[M, E]`` per program (64 KiB at M256 E64: L2-resident, read and written once per chunk and
+M tile, never the HBM traffic of per-chunk states), with a CTA barrier between a tile's loads
+and its stores and between chunks, so that no thread of the program overwrites what another
+has yet to read and each chunk's loads see the stores of the one before it.
+Registers hold one M tile's ``[BM, BE]`` state at a time, not the whole ``[M, E]``, so the
+feature tiles stay those of the other kernels. Segments bring the parallelism back: on a GPU
+enough (at most MAX_SEGMENTS) that no walk is longer than SEGMENT_STEPS chunks and launch 2's
+grid (segments, B*H) holds two programs per SM (launch 1 has M tiles times more); at B4 H16
+M256 E64 bf16 on 132 SMs, 6 segments of 3 chunks at T = 1024 (384 programs in launch 2), 5
+of 26 at T = 8192 (320) and 8 of 32 at T = 16384 (512). The forward's intermediate memory is
+the carries, ``[NS, M, E]`` per (b, h): 20 MiB at T = 8192.
 
-3. ``_chunk_dstates_kernel``, grid (M tiles, segments, B*H): the reverse walk, D_c = L_{c+1} +
+Backward, three launches (the carries recomputed, never kept from the forward; no
+reverse-subtraction of prefix sums; no chunk's state or cotangent in memory), every row and key
+at the forward's own offsets, so its gradients underflow only where the forward's terms do.
+With g_i = do_i / den_i, c_i = -(do_i . out_i) / den_i, w_i = exp(R_{c-1} - r_i), decay_ij =
+exp(m_j - r_i), kf_j = exp(m_j - R_c) (all <= 1) and dK_ij = (v_j . g_i + c_i) decay_ij:
+
+3. ``_chunk_states_kernel`` again: the carries, and (``OFFSETS``) each walk's offset before
+   each chunk, ``r`` ``[B*H, NC + 1, M tiles]`` (R_{c-1}: the max over the tiles of it and the
+   carry's, ``_prefix_offset``), which the reverse walks read;
+4. ``_chunk_dstates_kernel``, grid (M tiles, segments, B*H): the reverse walk, D_c = L_{c+1} +
    exp(R_c - R_{c+1}) D_{c+1}, the cotangent of the state after chunk c at R_c, from 0 at the
    segment's end, with each chunk's L_c = sum_{i in c} w_i a_i g_i^T, l_c = sum_{i in c} w_i
    c_i a_i formed on the way (the query features of its tile, the G query heads together); the
-   last of a tile's segments to finish carries the cotangents back from the final state's (the
-   cotangent after each segment) to the initial state's; D_c is the walk's plus its segment's
-   carry times exp(R_c - R_end) <= 1;
-4. ``_chunk_bwd_kernel``, grid (chunks, B*H):
-   du_q = a ⊙ (w (g S'_c^T + c z'_c) + (dK ⊙ tril) b),
+   last of a tile's segments to finish turns the segments' sums into the carries, from the
+   final state's cotangent back: the cotangent after each segment, and the initial state's;
+5. ``_chunk_bwd_kernel``, grid (2 segments, B*H), two walks per segment: the forward walk,
+   the prefix state S'_c on chip in the segment's carry slot as in launch 2, gives
+   du_q = a ⊙ (w (g S'_c^T + c z'_c) + (dK ⊙ tril) b) and dq; the reverse walk, the cotangent
+   D_c on chip in the segment's cotangent slot (read once per chunk, then D_{c-1} formed in
+   place, each query head adding its rows' share), gives
    du_k = b ⊙ ((dK ⊙ tril)^T a + kf (v D_c^T + dz_c)),
-   dv = (a b^T ⊙ decay ⊙ tril)^T g + kf b D_c; dq, dk through ``common.feature_dx``
-   (``phi = g e``: du = phi * dphi, dg = e * dphi).
+   dv = (a b^T ⊙ decay ⊙ tril)^T g + kf b D_c and dk, summed over the G query heads; dq, dk
+   through ``common.feature_dx`` (``phi = g e``: du = phi * dphi, dg = e * dphi).
 
-Recomputing the prefix states costs the backward one launch (2 + 3 = 5 per training call);
-keeping the forward's instead would save it but hold ``B H ceil(T / C) M E`` accumulator floats
-from the forward to the backward of every layer: at B4 H16 M256 E64 with C = 64, 64 MiB at
-T = 1024 and 1 GiB at T = 16384 (fp32), each layer's until its backward runs.
+Recomputing the carries costs the backward one launch (2 + 3 = 5 per training call), and the
+walks compute the features of a chunk's queries and keys once per direction; keeping the
+forward's carries instead would save the launch but hold them from each layer's forward to its
+backward. Intermediate memory at B4 H16 M256 E64 bf16, T = 8192 (5 segments): the forward's
+carries 20 MiB, the backward's 20 MiB and its cotangents' 20 MiB, 61 MiB in all beside the
+row statistics (m_q, den, m_k) the backward takes from the forward (the launchers'
+allocations, tests/test_rf_chunk.py), where per-chunk states took 1.5 GiB.
 
 State (``rfattn.RFState``): S [B, H, M, E], z [B, H, M] in the accumulation dtype and the offset
 [B, H] (-inf before any valid key). ``initial_state`` continues a sequence; gradients flow to
 the initial S, z and from cotangents of the returned S, z (the offset is not differentiable).
 Key padding mask: padded keys get b = 0 everywhere (left padding for batched generation works).
 Limits as ``rf_parallel`` (fp32/fp16/bf16/fp64, any D, E, M, T); Tq == Tk; learnable W (dW) is
-not supported here (``rf_attention`` routes it to the torch path). Chunk states take
-``B H ceil(T / C) M E`` accumulator floats while a forward runs and twice that in a backward (the
-prefix states and their cotangents).
+not supported here (``rf_attention`` routes it to the torch path). No chunk's state is kept
+in memory: the segments' carries take ``NS M E`` accumulator floats per (b, h), NS <= 8.
 Reference: ``rfattn.reference.linear_attention(causal=True)`` on ``RandomFeatures.features``.
 """
 
@@ -111,6 +139,7 @@ from .common import (
     store_tile,
     valid_keys,
 )
+from .stats import chunk_stats_arguments, running_params, running_update, stats_item, store_params
 
 __all__ = ["rf_chunk_fwd", "rf_chunk_bwd"]
 
@@ -149,74 +178,105 @@ def _prefix_offset(r_ptr, gr_ptr, i_bh, i_c, NC, NS, CPS, NR: tl.constexpr, BP: 
 
 
 @triton.jit
-def _prefix_tile(s_ptr, z_ptr, r_ptr, gs_ptr, gz_ptr, gr_ptr, i_bh, i_c, NC, NS, CPS, i_r, b_rp,
-                 o_f, o_e, m_f, m_e, M: tl.constexpr, E: tl.constexpr,
-                 NR: tl.constexpr):  # fmt: skip
-    """Features o_f, inside the states kernel's tile i_r (of NR), of the state before chunk c
-    (S'_c [BM, BE], z'_c [BM]) at R_{c-1} = b_rp: the carry into c's segment plus the segment's
-    own walk up to c, each from its own offset (factors <= 1)."""
-    i_g = i_bh * (NS + 1) + _segment(i_c, NS, CPS)
-    b_fl = tl.exp(tl.load(r_ptr + (i_bh * (NC + 1) + i_c) * NR + i_r) - b_rp)
-    b_fg = tl.exp(tl.load(gr_ptr + i_g * NR + i_r) - b_rp)
-    o_fe = o_f[:, None] * E + o_e[None, :]
-    m_fe = m_f[:, None] & m_e[None, :]
-    b_s = b_fl * tl.load(s_ptr + (i_bh * NC + i_c) * M * E + o_fe, mask=m_fe, other=0.0)
-    b_s += b_fg * tl.load(gs_ptr + i_g * M * E + o_fe, mask=m_fe, other=0.0)
-    b_z = b_fl * tl.load(z_ptr + (i_bh * NC + i_c) * M + o_f, mask=m_f, other=0.0)
-    b_z += b_fg * tl.load(gz_ptr + i_g * M + o_f, mask=m_f, other=0.0)
-    return b_s, b_z
-
-
-@triton.jit
-def _dstate_tile(ds_ptr, dz_ptr, gd_ptr, gdz_ptr, r_ptr, gr_ptr, i_bh, i_c, NC, NS, CPS, o_f, o_e,
-                 m_f, m_e, M: tl.constexpr, E: tl.constexpr, NR: tl.constexpr,
-                 BP: tl.constexpr):  # fmt: skip
-    """Features o_f of D_c [BM, BE], dz_c [BM], the cotangent of the state after chunk c at R_c:
-    the segment's own reverse walk's plus the carry from the segments after it (at the
-    segment's end offset, times exp(R_c - R_end) <= 1)."""
-    i_g = _segment(i_c, NS, CPS)
-    b_rc = _prefix_offset(r_ptr, gr_ptr, i_bh, i_c + 1, NC, NS, CPS, NR, BP)
-    b_re = _prefix_offset(r_ptr, gr_ptr, i_bh, tl.minimum((i_g + 1) * CPS, NC), NC, NS, CPS, NR,
-                          BP)  # fmt: skip
-    b_f = tl.exp(b_rc - b_re)
-    o_fe = o_f[:, None] * E + o_e[None, :]
-    m_fe = m_f[:, None] & m_e[None, :]
-    b_ds = tl.load(ds_ptr + (i_bh * NC + i_c) * M * E + o_fe, mask=m_fe, other=0.0)
-    b_ds += b_f * tl.load(gd_ptr + (i_bh * NS + i_g) * M * E + o_fe, mask=m_fe, other=0.0)
-    b_dz = tl.load(dz_ptr + (i_bh * NC + i_c) * M + o_f, mask=m_f, other=0.0)
-    b_dz += b_f * tl.load(gdz_ptr + (i_bh * NS + i_g) * M + o_f, mask=m_f, other=0.0)
-    return b_ds, b_dz
-
-
-@triton.jit
 def _chunk_states_kernel(
     k_ptr, v_ptr, w_ptr, pad_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
-    kmap_ptr, s0_ptr, z0_ptr, r0_ptr, s_ptr, z_ptr, r_ptr, gs_ptr, gz_ptr, gr_ptr, sT_ptr, zT_ptr,
-    rT_ptr, arrive_ptr,
-    T, H, NC, NS, CPS,
+    kmap_ptr, s0_ptr, z0_ptr, r0_ptr, r_ptr, gs_ptr, gz_ptr, gr_ptr, sT_ptr, zT_ptr, rT_ptr,
+    arrive_ptr,
+    T, H, BH, NC, NS, CPS,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_ve,
+    stride_wm, stride_wd, stride_pb, stride_pt,
+    q_ptr, qpad_ptr, part_ptr, pcnt_ptr, mom_ptr, run_mean, run_sq, run_abs, run_min, nbt_ptr,
+    keep: tl.float64, momentum: tl.float64, tiny: tl.float64, psi_lo: tl.float64,
+    psi_hi: tl.float64,
+    RQ, TQ, TK, NSTAT, SQ, SK, q_per, k_per,
+    stride_qb, stride_qh, stride_qt, stride_qd, stride_qpb, stride_qpt,
+    D: tl.constexpr, M: tl.constexpr, E: tl.constexpr,
+    BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr,
+    HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
+    HAS_MAP: tl.constexpr, HAS_INIT: tl.constexpr, PLAIN: tl.constexpr, FINAL: tl.constexpr,
+    OFFSETS: tl.constexpr, STATS: tl.constexpr, HAS_QPAD: tl.constexpr, FORM: tl.constexpr,
+    BB: tl.constexpr, RACC: tl.constexpr,
+):  # fmt: skip
+    """Programs ``0 .. NSTAT - 1`` (STATS): stats roles, the running statistics' work items
+    (``stats.stats_item``); the others: one feature tile's walk over one segment's chunks (in
+    (b, h), segment, tile order) from a zero state: each chunk's state before it, S_c [BM, E],
+    z_c [BM], at the walk's own offset, and the segment's sum; the last of the tile's segments
+    to finish forms the carries (the state before each segment, from the initial one) and the
+    tile's final state; with FINAL, the (b, h)'s last tile to finish brings the final state to
+    the common offset R_{NC-1}. With STATS the walks take the parameters from the running
+    buffers as they are, the first walk of each (b, h) stores them for the later launches, and
+    the launch's last program moves the buffers."""
+    NMT: tl.constexpr = (M + BM - 1) // BM
+    pid = tl.program_id(0)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    if STATS:
+        # fp64 arguments as ACC (tl.full: the interpreter passes them as Python floats)
+        b_tiny = tl.full([], tiny, ACC)
+        b_lo, b_hi = tl.full([], psi_lo, ACC), tl.full([], psi_hi, ACC)
+        if pid < NSTAT:  # a stats role: items pid, pid + NSTAT, ...
+            for w in range(pid, BH * (SQ + SK), NSTAT):
+                stats_item(
+                    w, q_ptr, k_ptr, qpad_ptr, pad_ptr, part_ptr, pcnt_ptr,
+                    arrive_ptr + BH * (NMT + 1), mom_ptr, ab_ptr, psi_ptr,
+                    tl.full([], scale, ACC), b_tiny, b_lo, b_hi, BH, RQ, TQ, RQ // TQ, T, TK, H,
+                    SQ, SK, q_per, k_per, stride_qb, stride_qh, stride_qt, stride_qd, stride_kb,
+                    stride_kh, stride_kt, stride_kd, stride_qpb, stride_qpt, stride_pb,
+                    stride_pt, D, BD, BT, HAS_QPAD, HAS_PAD, FORM, True, ACC)  # fmt: skip
+    if pid >= NSTAT:  # a walk
+        r = pid - NSTAT
+        i_bh = (r // (NMT * NS)).to(tl.int64)
+        i_g = (r // NMT) % NS
+        i_m = r % NMT
+        if STATS:  # the buffers as they are (they move once every program has read them)
+            b_ca, b_cb, b_cd, b_psi = running_params(run_mean, run_sq, D, b_tiny, b_lo, b_hi,
+                                                     o_d, m_d, FORM, ACC)  # fmt: skip
+            if (i_g == 0) & (i_m == 0):  # for the output pass and the backward
+                store_params(ab_ptr, psi_ptr, i_bh, b_ca, b_cb, b_cd, b_psi, D, o_d, m_d, FORM)
+            b_sc = tl.full([BD], scale, ACC) / b_psi  # keys: sqrt(scale) / psi
+        else:
+            b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
+            b_sc = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)
+        _walk_sums(
+            i_m, i_g, i_bh, b_ca, b_cb, b_cd, b_sc, k_ptr, v_ptr, w_ptr, pad_ptr, tab_ptr, xr_ptr,
+            xi_ptr, kmap_ptr, s0_ptr, z0_ptr, r0_ptr, r_ptr, gs_ptr, gz_ptr, gr_ptr, sT_ptr,
+            zT_ptr, rT_ptr, arrive_ptr, T, H, BH, NC, NS, CPS,
+            stride_kb, stride_kh, stride_kt, stride_kd, stride_vb, stride_vh, stride_vt,
+            stride_ve, stride_wm, stride_wd, stride_pb, stride_pt,
+            D, M, E, BD, BM, BE, BT, BP, HAS_PAD, FEATURE, PRECISION, ACC, HAS_LAM, TINY,
+            HAS_MAP, HAS_INIT, PLAIN, FINAL, OFFSETS)  # fmt: skip
+    if STATS:
+        if last_to_arrive(arrive_ptr + BH * (NMT + 2), NSTAT + NMT * NS * BH):  # the last
+            running_update(mom_ptr, run_mean, run_sq, run_abs, run_min, nbt_ptr, BH, D, keep,
+                           momentum, o_d, m_d, BD, BB, ACC, RACC)  # fmt: skip
+
+
+@triton.jit
+def _walk_sums(
+    i_m, i_g, i_bh, b_ca, b_cb, b_cd, b_sc,
+    k_ptr, v_ptr, w_ptr, pad_ptr, tab_ptr, xr_ptr, xi_ptr, kmap_ptr, s0_ptr, z0_ptr, r0_ptr,
+    r_ptr, gs_ptr, gz_ptr, gr_ptr, sT_ptr, zT_ptr, rT_ptr, arrive_ptr,
+    T, H, BH, NC, NS, CPS,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
     stride_wm, stride_wd, stride_pb, stride_pt,
     D: tl.constexpr, M: tl.constexpr, E: tl.constexpr,
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr,
     HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
-    HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
-    HAS_MAP: tl.constexpr, HAS_INIT: tl.constexpr, PLAIN: tl.constexpr, FINAL: tl.constexpr,
+    HAS_LAM: tl.constexpr, TINY: tl.constexpr, HAS_MAP: tl.constexpr, HAS_INIT: tl.constexpr,
+    PLAIN: tl.constexpr, FINAL: tl.constexpr, OFFSETS: tl.constexpr,
 ):  # fmt: skip
-    """One feature tile's walk over one segment's chunks from a zero state: each chunk's state
-    before it, S_c [BM, E], z_c [BM], at the walk's own offset, and the segment's sum; the last
-    of the tile's segments to finish forms the carries (the state before each segment, from the
-    initial one) and the tile's final state; with FINAL, the (b, h)'s last tile to finish brings
-    the final state to the common offset R_{NC-1}."""
-    i_m, i_g, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    """The walk of feature tile i_m over segment i_g of (b, h) i_bh with the (b, h)'s
+    (A, B, log D) and key input scale ``b_sc`` [BD] (:func:`_chunk_states_kernel`): the
+    segment's sum, and with OFFSETS the walk's offset before each chunk (``r``)."""
     i_b, i_h = i_bh // H, i_bh % H
     NMT: tl.constexpr = (M + BM - 1) // BM
     o_d, o_e, o_f = tl.arange(0, BD), tl.arange(0, BE), i_m * BM + tl.arange(0, BM)
     m_d, m_e, m_f = o_d < D, o_e < E, o_f < M
     m_fe = m_f[:, None] & m_e[None, :]
     o_fe = o_f[:, None] * E + o_e[None, :]
-    b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
-    b_sc = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
     b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
     v_base = v_ptr + i_b * stride_vb + i_h * stride_vh
@@ -226,10 +286,8 @@ def _chunk_states_kernel(
     b_s = tl.zeros([BM, BE], dtype=ACC)
     b_z = tl.zeros([BM], dtype=ACC)
     for i_c in range(c0, c1):
-        i_blk = i_bh * NC + i_c
-        tl.store(s_ptr + i_blk * M * E + o_fe, b_s, mask=m_fe)
-        tl.store(z_ptr + i_blk * M + o_f, b_z, mask=m_f)
-        tl.store(r_ptr + (i_bh * (NC + 1) + i_c) * NMT + i_m, b_r)
+        if OFFSETS:
+            tl.store(r_ptr + (i_bh * (NC + 1) + i_c) * NMT + i_m, b_r)
         # chunk c's keys: features of this tile [BT, BM], the offset raised to their max
         o_t = (i_c * BT + tl.arange(0, BT)).to(tl.int64)
         m_t = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
@@ -248,13 +306,14 @@ def _chunk_states_kernel(
                                      out_dtype=ACC)  # fmt: skip
         b_z = b_z * b_alpha + tl.sum(b_p, axis=0)
         b_r = b_rn
-    if c1 == NC:  # the boundary after the last chunk (others open the next segment)
-        tl.store(r_ptr + (i_bh * (NC + 1) + NC) * NMT + i_m, b_r)
-    # the segment's sum in slot i_g + 1, where its carry (the state after it) will be
-    p_g = i_bh * (NS + 1) + i_g + 1
+    if OFFSETS:
+        if c1 == NC:  # the boundary after the last chunk (others open the next segment)
+            tl.store(r_ptr + (i_bh * (NC + 1) + NC) * NMT + i_m, b_r)
+    # the segment's sum in its own slot, where its carry (the state before it) will be
+    p_g = i_bh * NS + i_g
     tl.store(gs_ptr + p_g * M * E + o_fe, b_s, mask=m_fe)
     tl.store(gz_ptr + p_g * M + o_f, b_z, mask=m_f)
-    tl.store(gr_ptr + p_g * NMT + i_m, b_r)
+    tl.store(gr_ptr + (i_bh * (NS + 1) + i_g) * NMT + i_m, b_r)
     if last_to_arrive(arrive_ptr + i_bh * NMT + i_m, NS):  # every segment's sum is written
         b_r = load_offset(r0_ptr + i_bh, PLAIN, HAS_INIT, ACC)
         if HAS_INIT:
@@ -263,36 +322,41 @@ def _chunk_states_kernel(
         else:
             b_s = tl.zeros([BM, BE], dtype=ACC)
             b_z = tl.zeros([BM], dtype=ACC)
-        for j in range(0, NS):  # slot j: the carry into segment j; j + 1 holds its sum
-            p_g = i_bh * (NS + 1) + j
-            b_ts = tl.load(gs_ptr + (p_g + 1) * M * E + o_fe, mask=m_fe, other=0.0,
+        for j in range(0, NS):  # slot j: segment j's sum, replaced by the carry into it
+            p_g = i_bh * NS + j
+            p_r = (i_bh * (NS + 1) + j) * NMT + i_m
+            b_ts = tl.load(gs_ptr + p_g * M * E + o_fe, mask=m_fe, other=0.0,
                            cache_modifier=".cg")  # fmt: skip
-            b_tz = tl.load(gz_ptr + (p_g + 1) * M + o_f, mask=m_f, other=0.0, cache_modifier=".cg")
-            b_tr = tl.load(gr_ptr + (p_g + 1) * NMT + i_m, cache_modifier=".cg")
+            b_tz = tl.load(gz_ptr + p_g * M + o_f, mask=m_f, other=0.0, cache_modifier=".cg")
+            b_tr = tl.load(gr_ptr + p_r, cache_modifier=".cg")
+            tl.debug_barrier()  # every thread's loads of the slot before its stores
             tl.store(gs_ptr + p_g * M * E + o_fe, b_s, mask=m_fe)
             tl.store(gz_ptr + p_g * M + o_f, b_z, mask=m_f)
-            tl.store(gr_ptr + p_g * NMT + i_m, b_r)
+            tl.store(gr_ptr + p_r, b_r)
             b_rn = tl.maximum(b_r, b_tr)  # log-sum-exp: both sides at the larger offset
             b_fc, b_ft = tl.exp(b_r - b_rn), tl.exp(b_tr - b_rn)
             b_s, b_z, b_r = b_s * b_fc + b_ts * b_ft, b_z * b_fc + b_tz * b_ft, b_rn
-        p_g = i_bh * (NS + 1) + NS  # the tile's final state, at its own offset
-        tl.store(gs_ptr + p_g * M * E + o_fe, b_s, mask=m_fe)
-        tl.store(gz_ptr + p_g * M + o_f, b_z, mask=m_f)
-        tl.store(gr_ptr + p_g * NMT + i_m, b_r)
-        if FINAL:
-            if last_to_arrive(arrive_ptr + tl.num_programs(2) * NMT + i_bh, NMT):
-                b_rT = _prefix_offset(r_ptr, gr_ptr, i_bh, NC, NC, NS, CPS, NMT, BP)
+        p_r = i_bh * (NS + 1) + NS  # the tile's final offset
+        tl.store(gr_ptr + p_r * NMT + i_m, b_r)
+        if FINAL:  # the tile's final state at its own offset, then all at the common one
+            tl.store(sT_ptr + i_bh * M * E + o_fe, b_s, mask=m_fe)
+            tl.store(zT_ptr + i_bh * M + o_f, b_z, mask=m_f)
+            if last_to_arrive(arrive_ptr + BH * NMT + i_bh, NMT):
+                o_p = tl.arange(0, BP)  # R_{NC-1}: the max of the tiles' final offsets
+                b_rT = tl.max(tl.load(gr_ptr + p_r * NMT + o_p, mask=o_p < NMT, other=NEG,
+                                      cache_modifier=".cg"), axis=0)  # fmt: skip
                 for j in range(0, NMT):  # each tile from its own offset to the common one
                     o_fj = j * BM + tl.arange(0, BM)
                     m_fj = o_fj < M
                     m_fje = m_fj[:, None] & m_e[None, :]
                     o_fje = o_fj[:, None] * E + o_e[None, :]
-                    b_f = tl.exp(tl.load(gr_ptr + p_g * NMT + j, cache_modifier=".cg") - b_rT)
-                    b_s = tl.load(gs_ptr + p_g * M * E + o_fje, mask=m_fje, other=0.0,
+                    b_f = tl.exp(tl.load(gr_ptr + p_r * NMT + j, cache_modifier=".cg") - b_rT)
+                    b_s = tl.load(sT_ptr + i_bh * M * E + o_fje, mask=m_fje, other=0.0,
                                   cache_modifier=".cg")  # fmt: skip
+                    b_z = tl.load(zT_ptr + i_bh * M + o_fj, mask=m_fj, other=0.0,
+                                  cache_modifier=".cg")  # fmt: skip
+                    tl.debug_barrier()  # every thread's loads of the tile before its stores
                     tl.store(sT_ptr + i_bh * M * E + o_fje, b_f * b_s, mask=m_fje)
-                    b_z = tl.load(gz_ptr + p_g * M + o_fj, mask=m_fj, other=0.0,
-                                  cache_modifier=".cg")  # fmt: skip
                     tl.store(zT_ptr + i_bh * M + o_fj, b_f * b_z, mask=m_fj)
                 store_offset(rT_ptr + i_bh, b_rT)
 
@@ -300,8 +364,7 @@ def _chunk_states_kernel(
 @triton.jit
 def _chunk_out_kernel(
     q_ptr, k_ptr, v_ptr, w_ptr, pad_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr,
-    xi_ptr, qmap_ptr, kmap_ptr, s_ptr, z_ptr, r_ptr, gs_ptr, gz_ptr, gr_ptr, o_ptr, mq_ptr,
-    den_ptr, mk_ptr,
+    xi_ptr, qmap_ptr, kmap_ptr, gs_ptr, gz_ptr, gr_ptr, o_ptr, mq_ptr, den_ptr, mk_ptr,
     T, H, NC, G, NS, CPS,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
@@ -310,116 +373,122 @@ def _chunk_out_kernel(
     stride_ob, stride_oh, stride_ot, stride_oe,
     D: tl.constexpr, M: tl.constexpr, E: tl.constexpr,
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr,
-    RM: tl.constexpr, HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr,
-    ACC: tl.constexpr, HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr,
-    TINY: tl.constexpr,
+    HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
     HAS_MAP: tl.constexpr,
 ):  # fmt: skip
-    """out [BT, E] of chunk c for each of the G query heads of key/value head (b, h): a S_c
-    plus the masked intra-chunk term, normalised."""
-    i_c, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    """The walk of segment i_g of key/value head (b, h) over its chunks: out [BT, E] of each
+    chunk for the G query heads from the state before it (the segment's carry slot, each
+    feature tile at its own offset, brought to R_{c-1}) plus the masked intra-chunk term,
+    normalised; then the chunk's keys added to the state in its slot."""
+    i_g, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     NMT: tl.constexpr = (M + BM - 1) // BM
-    o_t = i_c.to(tl.int64) * BT + tl.arange(0, BT)
-    o_d, o_e = tl.arange(0, BD), tl.arange(0, BE)
-    m_q, m_d, m_e = o_t < T, o_d < D, o_e < E
-    m_k = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
+    o_d, o_e, o_p = tl.arange(0, BD), tl.arange(0, BE), tl.arange(0, BP)
+    m_d, m_e = o_d < D, o_e < E
     b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
     b_scq = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
     b_sck = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
-    b_xk = load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, kmap_ptr, i_h, D, BT, BD,
-                        HAS_MAP, PRECISION, ACC) * b_sck[None, :]  # fmt: skip
-    NR: tl.constexpr = (M + RM - 1) // RM  # the states kernel's feature tiles (RM >= BM)
-    # R_{c-1}: where the rows' offsets start
-    b_rp = _prefix_offset(r_ptr, gr_ptr, i_bh, i_c, NC, NS, CPS, NR, BP)
-    # per-row offsets: key j's own max logit m_j over features, then r_i = max(R_{c-1}, m_j for
-    # j <= i), so no row reads a later key's offset (one more pass over the key features)
-    b_mk = tl.full([BT], NEG, dtype=ACC)
-    for i_m in range(0, NMT):
-        o_f = i_m * BM + tl.arange(0, BM)
-        m_f = o_f < M
-        b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
-        b_uk, b_gk, b_g1, b_g2 = feature_tile(
-            b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
-            M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # fmt: skip
-        b_uk = tl.where(m_k[:, None] & m_f[None, :], b_uk, NEG)
-        b_mk = tl.maximum(b_mk, tl.max(b_uk, axis=1))
-    tl.store(mk_ptr + i_bh * T + o_t, b_mk, mask=m_q)
-    m_tril = o_t[:, None] >= o_t[None, :]  # [BT(i), BT(j)]
-    b_ri = _row_offsets(b_rp, b_mk, m_tril)
-    b_inter = tl.exp(b_rp - b_ri)
-    b_decay = _intra_decay(b_mk, b_ri)
-    p_v = (
-        v_ptr
-        + i_b * stride_vb
-        + i_h * stride_vh
-        + o_t[:, None] * stride_vt
-        + o_e[None, :] * stride_ve
-    )
-    b_v = tl.load(p_v, mask=m_k[:, None] & m_e[None, :], other=0.0).to(ACC)  # [BT, BE]
-    # a non-finite value poisons its own and later rows, never earlier ones: zero in the
-    # product (0 * NaN would reach every row), NaN from its position on (0/1 counts: exact)
-    b_bad = (b_v != b_v) | (tl.abs(b_v) == float("inf"))
-    b_tril = (o_t[:, None] >= o_t[None, :]).to(ACC)
-    b_poison = tl.dot(b_tril, b_bad.to(ACC), input_precision="ieee", out_dtype=ACC) > 0
-    b_vc = tl.where(b_bad, 0.0, b_v)
-    for g in range(0, G):  # the query heads that read this key/value head
-        i_hq = i_h * G + g
-        q_base = q_ptr + i_b * stride_qb + i_hq * stride_qh
-        b_xq = load_mapped(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, qmap_ptr, i_hq, D, BT,
-                            BD, HAS_MAP, PRECISION, ACC) * b_scq[None, :]  # fmt: skip
-        b_mx = tl.full([BT], NEG, dtype=ACC)
-        b_num = tl.zeros([BT, BE], dtype=ACC)
-        b_den = tl.zeros([BT], dtype=ACC)
-        b_A = tl.zeros([BT, BT], dtype=ACC)
-        for i_m in range(0, NMT):
-            o_f = i_m * BM + tl.arange(0, BM)
-            m_f = o_f < M
-            b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
-            b_uq, b_gq, b_g1, b_g2 = feature_tile(
-                b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
-                M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
-            b_uq = tl.where(m_f[None, :], b_uq, float("-inf"))
-            b_mx_new = tl.maximum(b_mx, tl.max(b_uq, axis=1))
-            b_alpha = tl.exp(b_mx - b_mx_new)
-            b_a = b_gq * tl.exp(b_uq - b_mx_new[:, None])  # [BT, BM]
-            b_uk, b_gk, b_g1, b_g2 = feature_tile(
-                b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
-                M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # fmt: skip
-            b_b = b_gk * tl.where(m_k[:, None] & m_f[None, :], tl.exp(b_uk - b_mk[:, None]), 0.0)
-            b_s, b_z = _prefix_tile(s_ptr, z_ptr, r_ptr, gs_ptr, gz_ptr, gr_ptr, i_bh, i_c, NC,
-                                    NS, CPS, i_m * BM // RM, b_rp, o_f, o_e, m_f, m_e, M, E,
-                                    NR)  # [BM, BE], [BM]  # fmt: skip
-            # [BT, BM] @ [BM, BE] -> [BT, BE]; [BT, BM] @ [BM, BT] -> [BT, BT]
-            b_num = b_num * b_alpha[:, None] + tl.dot(
-                b_a, b_s, input_precision=PRECISION, out_dtype=ACC
-            )
-            b_den = b_den * b_alpha + tl.sum(b_a * b_z[None, :], axis=1)
-            b_A = b_A * b_alpha[:, None] + tl.dot(
-                b_a, tl.trans(b_b), input_precision=PRECISION, out_dtype=ACC
-            )
-            b_mx = b_mx_new
-        # rows at their own offsets: the prefix times exp(R_{c-1} - r_i), key j <= i times
-        # exp(m_j - r_i) (both <= 1); later keys never enter (selection, not a product with 0)
-        b_num, b_den = b_num * b_inter[:, None], b_den * b_inter
-        b_A = tl.where(m_tril & m_k[None, :], b_A * b_decay, 0.0)  # causal inside the chunk
-        b_num += tl.dot(b_A, b_vc, input_precision=PRECISION, out_dtype=ACC)
-        b_num = tl.where(b_poison, float("nan"), b_num)
-        b_den += tl.sum(b_A, axis=1)
-        b_o, b_den = ratio(b_num, b_den, TINY)
-        store_tile(o_ptr, i_b, i_hq, o_t, o_e, stride_ob, stride_oh, stride_ot, stride_oe,
-                    b_o, m_q, m_e)  # fmt: skip
-        i_row = (i_bh * G + g) * T  # the query head's rows of m_q and den
-        tl.store(mq_ptr + i_row + o_t, b_mx, mask=m_q)
-        tl.store(den_ptr + i_row + o_t, b_den, mask=m_q)
+    v_base = v_ptr + i_b * stride_vb + i_h * stride_vh
+    p_g = i_bh * NS + i_g  # the segment's carry: the walk's running state, in place
+    b_rt = tl.load(gr_ptr + (i_bh * (NS + 1) + i_g) * NMT + o_p, mask=o_p < NMT,
+                   other=NEG)  # [BP] the tiles' offsets  # fmt: skip
+    for i_c in range(i_g * CPS, tl.minimum(i_g * CPS + CPS, NC)):
+        o_t = (i_c * BT + tl.arange(0, BT)).to(tl.int64)
+        m_q = o_t < T
+        m_k = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
+        m_tril = o_t[:, None] >= o_t[None, :]  # [BT(i), BT(j)]
+        b_xk = load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, kmap_ptr, i_h, D,
+                           BT, BD, HAS_MAP, PRECISION, ACC) * b_sck[None, :]  # fmt: skip
+        b_v = load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_k, m_e, ACC)  # [BT, BE]
+        # a non-finite value poisons its own and later rows, never earlier ones: zero in the
+        # product (0 * NaN would reach every row), NaN from its position on (a prefix count)
+        b_bad = (b_v != b_v) | (tl.abs(b_v) == float("inf"))
+        b_poison = tl.cumsum(b_bad.to(tl.int32), axis=0) > 0
+        b_vc = tl.where(b_bad, 0.0, b_v)
+        b_rp = tl.max(b_rt, axis=0)  # R_{c-1}: where the rows' offsets start
+        for g in range(0, G):  # the query heads that read this key/value head
+            i_hq = i_h * G + g
+            q_base = q_ptr + i_b * stride_qb + i_hq * stride_qh
+            b_xq = load_mapped(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, qmap_ptr, i_hq,
+                               D, BT, BD, HAS_MAP, PRECISION, ACC) * b_scq[None, :]  # fmt: skip
+            b_mx = tl.full([BT], NEG, dtype=ACC)  # per row, online over feature tiles
+            b_mk = tl.full([BT], NEG, dtype=ACC)  # per key (m_j), likewise
+            b_num = tl.zeros([BT, BE], dtype=ACC)
+            b_den = tl.zeros([BT], dtype=ACC)
+            b_A = tl.zeros([BT, BT], dtype=ACC)
+            for i_m in range(0, NMT):
+                o_f = i_m * BM + tl.arange(0, BM)
+                m_f = o_f < M
+                b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
+                b_uq, b_gq, b_g1, b_g2 = feature_tile(
+                    b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
+                    M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
+                b_uq = tl.where(m_f[None, :], b_uq, float("-inf"))
+                b_mx_new = tl.maximum(b_mx, tl.max(b_uq, axis=1))
+                b_alpha = tl.exp(b_mx - b_mx_new)
+                b_a = b_gq * tl.exp(b_uq - b_mx_new[:, None])  # [BT, BM]
+                b_uk, b_gk, b_g1, b_g2 = feature_tile(
+                    b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
+                    M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
+                m_kf = m_k[:, None] & m_f[None, :]  # valid keys and features: the only ones read
+                b_uk = tl.where(m_kf, b_uk, NEG)
+                b_mk_new = tl.maximum(b_mk, tl.max(b_uk, axis=1))
+                b_beta = tl.exp(b_mk - b_mk_new)
+                b_b = tl.where(m_kf, b_gk * tl.exp(b_uk - b_mk_new[:, None]), 0.0)  # [BT, BM]
+                # the tile's state before the chunk, at its own offset r_m, read at R_{c-1}
+                b_rm = tl.max(tl.where(o_p == i_m, b_rt, NEG), axis=0)
+                b_f = tl.exp(b_rm - b_rp)  # <= 1
+                o_fe = o_f[:, None] * E + o_e[None, :]
+                m_fe = m_f[:, None] & m_e[None, :]
+                b_s = tl.load(gs_ptr + p_g * M * E + o_fe, mask=m_fe, other=0.0)  # [BM, BE]
+                b_z = tl.load(gz_ptr + p_g * M + o_f, mask=m_f, other=0.0)  # [BM]
+                # [BT, BM] @ [BM, BE] -> [BT, BE]; [BT, BM] @ [BM, BT] -> [BT, BT]
+                b_num = b_num * b_alpha[:, None] + b_f * tl.dot(
+                    b_a, b_s, input_precision=PRECISION, out_dtype=ACC)  # fmt: skip
+                b_den = b_den * b_alpha + b_f * tl.sum(b_a * b_z[None, :], axis=1)
+                b_A = b_A * b_alpha[:, None] * b_beta[None, :] + tl.dot(
+                    b_a, tl.trans(b_b), input_precision=PRECISION, out_dtype=ACC)  # fmt: skip
+                b_mx, b_mk = b_mx_new, b_mk_new
+                if g == G - 1:  # every head has read it: the chunk's keys into the tile
+                    b_rn = tl.maximum(b_rm, tl.max(tl.max(b_uk, axis=1), axis=0))
+                    b_p = tl.where(m_kf, b_gk * tl.exp(b_uk - b_rn), 0.0)  # [BT, BM]
+                    b_al = tl.exp(b_rm - b_rn)
+                    # [BM, BT] @ [BT, BE] -> [BM, BE]
+                    b_s = b_s * b_al + tl.dot(tl.trans(b_p), b_v, input_precision=PRECISION,
+                                              out_dtype=ACC)  # fmt: skip
+                    b_z = b_z * b_al + tl.sum(b_p, axis=0)
+                    tl.debug_barrier()  # every thread's loads of the tile before its stores
+                    tl.store(gs_ptr + p_g * M * E + o_fe, b_s, mask=m_fe)
+                    tl.store(gz_ptr + p_g * M + o_f, b_z, mask=m_f)
+                    b_rt = tl.where(o_p == i_m, b_rn, b_rt)
+            if g == 0:
+                tl.store(mk_ptr + i_bh * T + o_t, b_mk, mask=m_q)
+            # rows at their own offsets r_i = max(R_{c-1}, m_j for j <= i): the prefix times
+            # exp(R_{c-1} - r_i), key j <= i times exp(m_j - r_i) (both <= 1); later keys never
+            # enter (selection, not a product with 0)
+            b_ri = _row_offsets(b_rp, b_mk, m_tril)
+            b_inter = tl.exp(b_rp - b_ri)
+            b_num, b_den = b_num * b_inter[:, None], b_den * b_inter
+            b_A = tl.where(m_tril & m_k[None, :], b_A * _intra_decay(b_mk, b_ri), 0.0)
+            b_num += tl.dot(b_A, b_vc, input_precision=PRECISION, out_dtype=ACC)
+            b_num = tl.where(b_poison, float("nan"), b_num)
+            b_den += tl.sum(b_A, axis=1)
+            b_o, b_den = ratio(b_num, b_den, TINY)
+            store_tile(o_ptr, i_b, i_hq, o_t, o_e, stride_ob, stride_oh, stride_ot, stride_oe,
+                       b_o, m_q, m_e)  # fmt: skip
+            i_row = (i_bh * G + g) * T  # the query head's rows of m_q and den
+            tl.store(mq_ptr + i_row + o_t, b_mx, mask=m_q)
+            tl.store(den_ptr + i_row + o_t, b_den, mask=m_q)
+        tl.debug_barrier()  # the state's stores before the next chunk's loads (other threads')
 
 
 @triton.jit
 def _chunk_dstates_kernel(
     q_ptr, w_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
-    o_ptr, do_ptr, mq_ptr, den_ptr, mk_ptr, r_ptr, gr_ptr, dsT_ptr, dzT_ptr, ds_ptr, dz_ptr,
-    gd_ptr, gdz_ptr, ds0_ptr, dz0_ptr, arrive_ptr,
+    o_ptr, do_ptr, mq_ptr, den_ptr, mk_ptr, r_ptr, gr_ptr, dsT_ptr, dzT_ptr, gd_ptr, gdz_ptr,
+    ds0_ptr, dz0_ptr, arrive_ptr,
     T, H, NC, G, NS, CPS,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_wm, stride_wd,
@@ -456,9 +525,6 @@ def _chunk_dstates_kernel(
     b_rc = _prefix_offset(r_ptr, gr_ptr, i_bh, c1, NC, NS, CPS, NMT, BP)  # R_c from c = c1 - 1
     for i_r in range(0, c1 - c0):
         i_c = c1 - 1 - i_r
-        i_blk = i_bh * NC + i_c
-        tl.store(ds_ptr + i_blk * M * E + o_fe, b_ds, mask=m_fe)
-        tl.store(dz_ptr + i_blk * M + o_f, b_dz, mask=m_f)
         b_rp = _prefix_offset(r_ptr, gr_ptr, i_bh, i_c, NC, NS, CPS, NMT, BP)  # R_{c-1}
         # chunk c's rows at their own offsets r_i: their share of the prefix state's cotangent
         o_t = (i_c * BT + tl.arange(0, BT)).to(tl.int64)
@@ -505,6 +571,7 @@ def _chunk_dstates_kernel(
             b_ls = tl.load(gd_ptr + p_g * M * E + o_fe, mask=m_fe, other=0.0,
                            cache_modifier=".cg")  # fmt: skip
             b_lz = tl.load(gdz_ptr + p_g * M + o_f, mask=m_f, other=0.0, cache_modifier=".cg")
+            tl.debug_barrier()  # every thread's loads of the slot before its stores
             tl.store(gd_ptr + p_g * M * E + o_fe, b_ds, mask=m_fe)
             tl.store(gdz_ptr + p_g * M + o_f, b_dz, mask=m_f)
             b_f = tl.exp(_prefix_offset(r_ptr, gr_ptr, i_bh, j * CPS, NC, NS, CPS, NMT, BP) -
@@ -518,10 +585,73 @@ def _chunk_dstates_kernel(
 
 
 @triton.jit
+def _chunk_keys(k_base, v_base, pad_ptr, mk_ptr, i_b, i_bh, i_c, b_sck, b_rp, o_d, o_e, m_d, m_e,
+                T, stride_kt, stride_kd, stride_vt, stride_ve, stride_pb, stride_pt,
+                BT: tl.constexpr, HAS_PAD: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+    """Chunk c's tokens ``o_t``, row and key masks, scaled keys [BT, BD], values [BT, BE], the
+    keys' max logits m_j [BT] as the forward saved them, and at R_{c-1} = ``b_rp`` the rows'
+    prefix factors w_i [BT] and the causal decay exp(m_j - r_i) [BT, BT] (0 off the mask)."""
+    o_t = (i_c * BT + tl.arange(0, BT)).to(tl.int64)
+    m_q = o_t < T
+    m_k = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
+    m_tril = o_t[:, None] >= o_t[None, :]  # [BT(i), BT(j)]
+    b_xk = load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, ACC) * b_sck[None, :]
+    b_v = load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_k, m_e, ACC)  # [BT, BE]
+    b_mk = tl.load(mk_ptr + i_bh * T + o_t, mask=m_q, other=NEG)
+    b_ri = _row_offsets(b_rp, b_mk, m_tril)
+    b_decay = tl.where(m_tril & m_k[None, :], _intra_decay(b_mk, b_ri), 0.0)
+    return o_t, m_q, m_k, m_tril, b_xk, b_v, b_mk, tl.exp(b_rp - b_ri), b_decay
+
+
+@triton.jit
+def _head_rows(q_ptr, o_ptr, do_ptr, mq_ptr, den_ptr, i_b, i_h, i_bh, g, G, T, o_t, o_d, o_e, m_q,
+               m_d, m_e, m_tril, b_v, b_decay, b_scq, stride_qb, stride_qh, stride_qt, stride_qd,
+               stride_ob, stride_oh, stride_ot, stride_oe, stride_dob, stride_doh, stride_dot,
+               stride_doe, PRECISION: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+    """Query head ``h * G + g``'s rows of the chunk: its index, scaled queries [BT, BD], their
+    max logits m_q [BT], the cotangents g [BT, BE], c [BT] and dK [BT, BT], causal."""
+    i_hq = i_h * G + g
+    q_base = q_ptr + i_b * stride_qb + i_hq * stride_qh
+    b_xq = load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, ACC) * b_scq[None, :]
+    b_mq = tl.load(mq_ptr + (i_bh * G + g) * T + o_t, mask=m_q, other=0.0)
+    b_g, b_c = query_cotangents(do_ptr + i_b * stride_dob + i_hq * stride_doh,
+                                o_ptr + i_b * stride_ob + i_hq * stride_oh, den_ptr, i_bh * G + g,
+                                o_t, o_e, T, m_q, m_e, stride_dot, stride_doe, stride_ot,
+                                stride_oe, ACC)  # fmt: skip
+    # dK_ij = (v_j . g_i + c_i) exp(m_j - r_i), causal: [BT, BE] @ [BE, BT] -> [BT, BT]
+    b_dK = tl.dot(b_g, tl.trans(b_v), input_precision=PRECISION, out_dtype=ACC)
+    return i_hq, b_xq, b_mq, b_g, b_c, tl.where(m_tril, (b_dK + b_c[:, None]) * b_decay, 0.0)
+
+
+@triton.jit
+def _tile_pair(b_xq, b_xk, b_mq, b_mk, m_q, m_k, w_ptr, i_m, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr,
+               xr_ptr, xi_ptr, stride_wm, stride_wd, M: tl.constexpr, D: tl.constexpr,
+               BM: tl.constexpr, FEATURE: tl.constexpr, HAS_LAM: tl.constexpr,
+               PRECISION: tl.constexpr, TINY: tl.constexpr):  # fmt: skip
+    """Feature tile i_m of the chunk's rows and keys at the forward's offsets: ``(o_f, m_f,
+    W [BM, BD], a = g_q e_q, e_q, the query side's feature_dx terms, key logits u_k (NEG where
+    not valid), g_k, e_k, the key side's feature_dx terms)``, each ``[BT, BM]``."""
+    o_f = i_m * BM + tl.arange(0, BM)
+    m_f = o_f < M
+    b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
+    b_uq, b_gq, b_g1q, b_g2q = feature_tile(
+        b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM,
+        FEATURE, False, HAS_LAM, PRECISION, TINY)  # fmt: skip
+    b_eq = tl.where(m_q[:, None] & m_f[None, :], tl.exp(b_uq - b_mq[:, None]), 0.0)
+    b_uk, b_gk, b_g1k, b_g2k = feature_tile(
+        b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM,
+        FEATURE, True, HAS_LAM, PRECISION, TINY)  # fmt: skip
+    m_kf = m_k[:, None] & m_f[None, :]
+    b_uk = tl.where(m_kf, b_uk, NEG)
+    b_ek = tl.where(m_kf, tl.exp(b_uk - b_mk[:, None]), 0.0)
+    return o_f, m_f, b_w, b_gq * b_eq, b_eq, b_g1q, b_g2q, b_uk, b_gk, b_ek, b_g1k, b_g2k
+
+
+@triton.jit
 def _chunk_bwd_kernel(
     q_ptr, k_ptr, v_ptr, w_ptr, pad_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr,
-    xi_ptr, s_ptr, z_ptr, r_ptr, gs_ptr, gz_ptr, gr_ptr, ds_ptr, dz_ptr, gd_ptr, gdz_ptr, o_ptr,
-    do_ptr, mq_ptr, den_ptr, mk_ptr, dq_ptr, dk_ptr, dv_ptr,
+    xi_ptr, r_ptr, gs_ptr, gz_ptr, gr_ptr, gd_ptr, gdz_ptr, o_ptr, do_ptr, mq_ptr, den_ptr,
+    mk_ptr, dq_ptr, dk_ptr, dv_ptr,
     T, H, NC, G, NS, CPS,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
@@ -534,102 +664,143 @@ def _chunk_bwd_kernel(
     stride_dvb, stride_dvh, stride_dvt, stride_dve,
     D: tl.constexpr, M: tl.constexpr, E: tl.constexpr,
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr,
-    RM: tl.constexpr, HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr,
-    ACC: tl.constexpr, HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr,
-    TINY: tl.constexpr,
+    BPW: tl.constexpr, RM: tl.constexpr, HAS_PAD: tl.constexpr, FEATURE: tl.constexpr,
+    PRECISION: tl.constexpr, ACC: tl.constexpr, HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr,
+    HAS_LAM: tl.constexpr, TINY: tl.constexpr,
 ):  # fmt: skip
-    """dq [BT, D] of chunk c for each of the G query heads of key/value head (b, h), and dk
-    [BT, D], dv [BT, E] summed over them (inter-chunk states + masked intra terms), every row
-    and key at the forward's offsets: prefix S_c at R_{c-1} read by row i times w_i =
-    exp(R_{c-1} - r_i), pair (i, j) times exp(m_j - r_i), key j's share of the later rows'
-    cotangent D_c (at R_c) times exp(m_j - R_c); every factor <= 1."""
-    i_c, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    """Program (w, b*h), w < NS: the forward walk of segment w, its prefix state in the
+    segment's carry slot (each M tile at its own offset): dq [BT, D] of each chunk for the G
+    query heads. w >= NS: the reverse walk of segment w - NS, the cotangent of the state after
+    each chunk in the segment's cotangent slot (at R_c): dk [BT, D], dv [BT, E] of each chunk,
+    summed over the heads. Every row and key at the forward's offsets: prefix S at R_{c-1} read
+    by row i times w_i = exp(R_{c-1} - r_i), pair (i, j) times exp(m_j - r_i), key j's share of
+    the later rows' cotangent D_c times exp(m_j - R_c); every factor <= 1."""
+    i_w, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     NMT: tl.constexpr = (M + BM - 1) // BM
-    o_t = i_c.to(tl.int64) * BT + tl.arange(0, BT)
+    NR: tl.constexpr = (M + RM - 1) // RM  # the states kernel's feature tiles (RM >= BM)
     o_d, o_e = tl.arange(0, BD), tl.arange(0, BE)
-    m_q, m_d, m_e = o_t < T, o_d < D, o_e < E
-    m_k = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
-    m_tril = o_t[:, None] >= o_t[None, :]  # [BT(i), BT(j)]
+    m_d, m_e = o_d < D, o_e < E
     b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
     b_scq = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
     b_sck = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
     v_base = v_ptr + i_b * stride_vb + i_h * stride_vh
-    b_xk = load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, ACC) * b_sck[None, :]
-    b_v = load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_k, m_e, ACC)  # [BT, BE]
-    b_mk = tl.load(mk_ptr + i_bh * T + o_t, mask=m_q, other=NEG)
-    NR: tl.constexpr = (M + RM - 1) // RM  # the states kernel's feature tiles (RM >= BM)
-    b_rp = _prefix_offset(r_ptr, gr_ptr, i_bh, i_c, NC, NS, CPS, NR, BP)  # R_{c-1}
-    b_ri = _row_offsets(b_rp, b_mk, m_tril)
-    b_wr = tl.exp(b_rp - b_ri)  # [BT] the prefix's factor per row
-    b_kf = tl.exp(b_mk - tl.maximum(b_rp, tl.max(b_mk, axis=0)))  # [BT] exp(m_j - R_c)
-    b_decay = tl.where(m_tril & m_k[None, :], _intra_decay(b_mk, b_ri), 0.0)
-    b_dxk = tl.zeros([BT, BD], dtype=ACC)
-    b_dv = tl.zeros([BT, BE], dtype=ACC)
-    for g in range(0, G):  # each query head of the group: its dq, its share of dk and dv
-        i_hq = i_h * G + g
-        q_base = q_ptr + i_b * stride_qb + i_hq * stride_qh
-        b_xq = load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, ACC) * b_scq[None, :]
-        b_mq = tl.load(mq_ptr + (i_bh * G + g) * T + o_t, mask=m_q, other=0.0)
-        b_g, b_c = query_cotangents(do_ptr + i_b * stride_dob + i_hq * stride_doh,
-                                     o_ptr + i_b * stride_ob + i_hq * stride_oh, den_ptr,
-                                     i_bh * G + g, o_t, o_e, T, m_q, m_e, stride_dot, stride_doe,
-                                     stride_ot, stride_oe, ACC)  # fmt: skip
-        # dK_ij = (v_j . g_i + c_i) exp(m_j - r_i), causal: [BT, BE] @ [BE, BT] -> [BT, BT]
-        b_dK = tl.dot(b_g, tl.trans(b_v), input_precision=PRECISION, out_dtype=ACC)
-        b_dK = tl.where(m_tril, (b_dK + b_c[:, None]) * b_decay, 0.0)
-        b_dxq = tl.zeros([BT, BD], dtype=ACC)
-        b_A = tl.zeros([BT, BT], dtype=ACC)
-        for i_m in range(0, NMT):
-            o_f = i_m * BM + tl.arange(0, BM)
-            m_f = o_f < M
-            b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
-            b_uq, b_gq, b_g1q, b_g2q = feature_tile(
-                b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
-                M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # fmt: skip
-            b_eq = tl.where(m_q[:, None] & m_f[None, :], tl.exp(b_uq - b_mq[:, None]), 0.0)
-            b_a = b_gq * b_eq  # [BT, BM]
-            b_uk, b_gk, b_g1k, b_g2k = feature_tile(
-                b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
-                M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # fmt: skip
-            b_ek = tl.where(m_k[:, None] & m_f[None, :], tl.exp(b_uk - b_mk[:, None]), 0.0)
-            b_b = b_gk * b_ek  # [BT, BM]
-            b_s, b_z = _prefix_tile(s_ptr, z_ptr, r_ptr, gs_ptr, gz_ptr, gr_ptr, i_bh, i_c, NC,
-                                    NS, CPS, i_m * BM // RM, b_rp, o_f, o_e, m_f, m_e, M, E,
-                                    NR)  # [BM, BE], [BM]  # fmt: skip
-            # da = w (g S^T + c z) + dK b:  [BT, BE] @ [BE, BM] and [BT, BT] @ [BT, BM]
-            b_da = tl.dot(b_g, tl.trans(b_s), input_precision=PRECISION, out_dtype=ACC)
-            b_da = (b_da + b_c[:, None] * b_z[None, :]) * b_wr[:, None]
-            b_da += tl.dot(b_dK, b_b, input_precision=PRECISION, out_dtype=ACC)
-            b_dxq += feature_dx(b_a * b_da, b_eq * b_da, b_g1q, b_g2q, b_xq, b_w, o_f, m_f,
-                                 o_d, m_d, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM, FEATURE,
-                                 False, PRECISION, TINY)  # fmt: skip
-            # db = dK^T a (+ kf (v D^T + dz), the later chunks' cotangent, once per key and not
-            # once per query head): [BT, BT] @ [BT, BM] and [BT, BE] @ [BE, BM]
-            b_db = tl.dot(tl.trans(b_dK), b_a, input_precision=PRECISION, out_dtype=ACC)
-            if g == 0:
-                b_ds, b_dz = _dstate_tile(ds_ptr, dz_ptr, gd_ptr, gdz_ptr, r_ptr, gr_ptr, i_bh,
-                                          i_c, NC, NS, CPS, o_f, o_e, m_f, m_e, M, E, NR,
-                                          BP)  # [BM, BE], [BM]  # fmt: skip
-                b_dbs = tl.dot(b_v, tl.trans(b_ds), input_precision=PRECISION, out_dtype=ACC)
-                b_db += (b_dbs + b_dz[None, :]) * b_kf[:, None]
-                # inter-chunk dv = kf b D: [BT, BM] @ [BM, BE]
-                b_dv += tl.dot(b_b * b_kf[:, None], b_ds, input_precision=PRECISION,
-                               out_dtype=ACC)  # fmt: skip
-            b_dxk += feature_dx(b_b * b_db, b_ek * b_db, b_g1k, b_g2k, b_xk, b_w, o_f, m_f,
-                                 o_d, m_d, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM, FEATURE,
-                                 True, PRECISION, TINY)  # fmt: skip
-            # intra dv needs A = a b^T over all features
-            b_A += tl.dot(b_a, tl.trans(b_b), input_precision=PRECISION, out_dtype=ACC)
-        b_A = tl.where(m_tril & m_k[None, :], b_A * b_decay, 0.0)
-        b_dv += tl.dot(tl.trans(b_A), b_g, input_precision=PRECISION, out_dtype=ACC)  # [BT, BE]
-        store_tile(dq_ptr, i_b, i_hq, o_t, o_d, stride_dqb, stride_dqh, stride_dqt, stride_dqd,
-                    b_dxq * b_scq[None, :], m_q, m_d)  # fmt: skip
-    store_tile(dk_ptr, i_b, i_h, o_t, o_d, stride_dkb, stride_dkh, stride_dkt, stride_dkd,
-                b_dxk * b_sck[None, :], m_q, m_d)  # fmt: skip
-    store_tile(dv_ptr, i_b, i_h, o_t, o_e, stride_dvb, stride_dvh, stride_dvt, stride_dve,
-                b_dv, m_q, m_e)  # fmt: skip
+    i_s = i_w % NS
+    c0 = i_s * CPS
+    c1 = tl.minimum(c0 + CPS, NC)
+    p_g = i_bh * NS + i_s  # the segment's slot: prefix state (gs) or its cotangent (gd)
+    if i_w < NS:  # dq: the forward walk
+        o_p = tl.arange(0, BPW)  # the offsets of this kernel's M tiles, from the carry's
+        b_rt = tl.load(gr_ptr + (i_bh * (NS + 1) + i_s) * NR + o_p * BM // RM, mask=o_p < NMT,
+                       other=NEG)  # fmt: skip
+        for i_c in range(c0, c1):
+            b_rp = tl.max(b_rt, axis=0)  # R_{c-1}
+            o_t, m_q, m_k, m_tril, b_xk, b_v, b_mk, b_wr, b_decay = _chunk_keys(
+                k_base, v_base, pad_ptr, mk_ptr, i_b, i_bh, i_c, b_sck, b_rp, o_d, o_e, m_d, m_e,
+                T, stride_kt, stride_kd, stride_vt, stride_ve, stride_pb, stride_pt, BT, HAS_PAD,
+                ACC)  # fmt: skip
+            for g in range(0, G):
+                i_hq, b_xq, b_mq, b_g, b_c, b_dK = _head_rows(
+                    q_ptr, o_ptr, do_ptr, mq_ptr, den_ptr, i_b, i_h, i_bh, g, G, T, o_t, o_d, o_e,
+                    m_q, m_d, m_e, m_tril, b_v, b_decay, b_scq, stride_qb, stride_qh, stride_qt,
+                    stride_qd, stride_ob, stride_oh, stride_ot, stride_oe, stride_dob, stride_doh,
+                    stride_dot, stride_doe, PRECISION, ACC)  # fmt: skip
+                b_dxq = tl.zeros([BT, BD], dtype=ACC)
+                for i_m in range(0, NMT):
+                    o_f, m_f, b_w, b_a, b_eq, b_g1q, b_g2q, b_uk, b_gk, b_ek, b_g1k, b_g2k = \
+                        _tile_pair(b_xq, b_xk, b_mq, b_mk, m_q, m_k, w_ptr, i_m, o_d, m_d, b_ca,
+                                   b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, stride_wm, stride_wd, M, D,
+                                   BM, FEATURE, HAS_LAM, PRECISION, TINY)  # fmt: skip
+                    m_kf = m_k[:, None] & m_f[None, :]
+                    b_b = b_gk * b_ek  # [BT, BM]
+                    # the tile's state before the chunk, at its own offset r_m
+                    b_rm = tl.max(tl.where(o_p == i_m, b_rt, NEG), axis=0)
+                    o_fe = o_f[:, None] * E + o_e[None, :]
+                    m_fe = m_f[:, None] & m_e[None, :]
+                    b_s = tl.load(gs_ptr + p_g * M * E + o_fe, mask=m_fe, other=0.0)  # [BM, BE]
+                    b_z = tl.load(gz_ptr + p_g * M + o_f, mask=m_f, other=0.0)  # [BM]
+                    # da = w (g S^T + c z) + dK b:  [BT, BE] @ [BE, BM] and [BT, BT] @ [BT, BM]
+                    b_da = tl.dot(b_g, tl.trans(b_s), input_precision=PRECISION, out_dtype=ACC)
+                    b_fr = b_wr * tl.exp(b_rm - b_rp)  # [BT] to R_{c-1}, then to r_i
+                    b_da = (b_da + b_c[:, None] * b_z[None, :]) * b_fr[:, None]
+                    b_da += tl.dot(b_dK, b_b, input_precision=PRECISION, out_dtype=ACC)
+                    b_dxq += feature_dx(b_a * b_da, b_eq * b_da, b_g1q, b_g2q, b_xq, b_w,
+                                        o_f, m_f, o_d, m_d, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m, M,
+                                        D, BM, FEATURE, False, PRECISION, TINY)  # fmt: skip
+                    if g == G - 1:  # every head has read it: the chunk's keys into the tile
+                        b_rn = tl.maximum(b_rm, tl.max(tl.max(b_uk, axis=1), axis=0))
+                        b_p = tl.where(m_kf, b_gk * tl.exp(b_uk - b_rn), 0.0)  # [BT, BM]
+                        b_al = tl.exp(b_rm - b_rn)
+                        b_s = b_s * b_al + tl.dot(tl.trans(b_p), b_v, input_precision=PRECISION,
+                                                  out_dtype=ACC)  # fmt: skip
+                        b_z = b_z * b_al + tl.sum(b_p, axis=0)
+                        tl.debug_barrier()  # every thread's loads of the tile before its stores
+                        tl.store(gs_ptr + p_g * M * E + o_fe, b_s, mask=m_fe)
+                        tl.store(gz_ptr + p_g * M + o_f, b_z, mask=m_f)
+                        b_rt = tl.where(o_p == i_m, b_rn, b_rt)
+                store_tile(dq_ptr, i_b, i_hq, o_t, o_d, stride_dqb, stride_dqh, stride_dqt,
+                           stride_dqd, b_dxq * b_scq[None, :], m_q, m_d)  # fmt: skip
+            tl.debug_barrier()  # the state's stores before the next chunk's loads
+    else:  # dk, dv: the reverse walk
+        for i_r in range(0, c1 - c0):
+            i_c = c1 - 1 - i_r
+            b_rp = _prefix_offset(r_ptr, gr_ptr, i_bh, i_c, NC, NS, CPS, NR, BP)  # R_{c-1}
+            o_t, m_q, m_k, m_tril, b_xk, b_v, b_mk, b_wr, b_decay = _chunk_keys(
+                k_base, v_base, pad_ptr, mk_ptr, i_b, i_bh, i_c, b_sck, b_rp, o_d, o_e, m_d, m_e,
+                T, stride_kt, stride_kd, stride_vt, stride_ve, stride_pb, stride_pt, BT, HAS_PAD,
+                ACC)  # fmt: skip
+            b_rc = tl.maximum(b_rp, tl.max(b_mk, axis=0))  # R_c
+            b_kf = tl.exp(b_mk - b_rc)  # [BT] exp(m_j - R_c)
+            b_dxk = tl.zeros([BT, BD], dtype=ACC)
+            b_dv = tl.zeros([BT, BE], dtype=ACC)
+            for g in range(0, G):  # each query head: its share of dk, dv and of D_{c-1}
+                i_hq, b_xq, b_mq, b_g, b_c, b_dK = _head_rows(
+                    q_ptr, o_ptr, do_ptr, mq_ptr, den_ptr, i_b, i_h, i_bh, g, G, T, o_t, o_d, o_e,
+                    m_q, m_d, m_e, m_tril, b_v, b_decay, b_scq, stride_qb, stride_qh, stride_qt,
+                    stride_qd, stride_ob, stride_oh, stride_ot, stride_oe, stride_dob, stride_doh,
+                    stride_dot, stride_doe, PRECISION, ACC)  # fmt: skip
+                b_A = tl.zeros([BT, BT], dtype=ACC)
+                for i_m in range(0, NMT):
+                    o_f, m_f, b_w, b_a, b_eq, b_g1q, b_g2q, b_uk, b_gk, b_ek, b_g1k, b_g2k = \
+                        _tile_pair(b_xq, b_xk, b_mq, b_mk, m_q, m_k, w_ptr, i_m, o_d, m_d, b_ca,
+                                   b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, stride_wm, stride_wd, M, D,
+                                   BM, FEATURE, HAS_LAM, PRECISION, TINY)  # fmt: skip
+                    b_b = b_gk * b_ek  # [BT, BM]
+                    # db = dK^T a (+ kf (v D^T + dz) once per key, not once per query head)
+                    b_db = tl.dot(tl.trans(b_dK), b_a, input_precision=PRECISION, out_dtype=ACC)
+                    o_fe = o_f[:, None] * E + o_e[None, :]
+                    m_fe = m_f[:, None] & m_e[None, :]
+                    b_ds = tl.load(gd_ptr + p_g * M * E + o_fe, mask=m_fe, other=0.0)  # [BM, BE]
+                    b_dz = tl.load(gdz_ptr + p_g * M + o_f, mask=m_f, other=0.0)  # [BM]
+                    if g == 0:  # D_c, dz_c: the cotangent after chunk c at R_c
+                        b_dbs = tl.dot(b_v, tl.trans(b_ds), input_precision=PRECISION,
+                                       out_dtype=ACC)  # fmt: skip
+                        b_db += (b_dbs + b_dz[None, :]) * b_kf[:, None]
+                        # inter-chunk dv = kf b D: [BT, BM] @ [BM, BE]
+                        b_dv += tl.dot(b_b * b_kf[:, None], b_ds, input_precision=PRECISION,
+                                       out_dtype=ACC)  # fmt: skip
+                        b_fc = tl.exp(b_rp - b_rc)  # D_{c-1} = L_c + exp(R_{c-1} - R_c) D_c
+                        b_ds, b_dz = b_ds * b_fc, b_dz * b_fc
+                    # the head's rows' share of L_c = sum_i w_i a_i g_i^T, l_c = sum_i w_i c_i a_i
+                    b_ds += tl.dot(tl.trans(b_a), b_g * b_wr[:, None], input_precision=PRECISION,
+                                   out_dtype=ACC)  # fmt: skip
+                    b_dz += tl.sum(b_a * (b_c * b_wr)[:, None], axis=0)
+                    tl.debug_barrier()  # every thread's loads of the tile before its stores
+                    tl.store(gd_ptr + p_g * M * E + o_fe, b_ds, mask=m_fe)
+                    tl.store(gdz_ptr + p_g * M + o_f, b_dz, mask=m_f)
+                    b_dxk += feature_dx(b_b * b_db, b_ek * b_db, b_g1k, b_g2k, b_xk, b_w, o_f,
+                                        m_f, o_d, m_d, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m, M, D,
+                                        BM, FEATURE, True, PRECISION, TINY)  # fmt: skip
+                    # intra dv needs A = a b^T over all features
+                    b_A += tl.dot(b_a, tl.trans(b_b), input_precision=PRECISION, out_dtype=ACC)
+                b_A = tl.where(m_tril & m_k[None, :], b_A * b_decay, 0.0)
+                b_dv += tl.dot(tl.trans(b_A), b_g, input_precision=PRECISION, out_dtype=ACC)
+                tl.debug_barrier()  # the cotangent's stores before the next loads
+            store_tile(dk_ptr, i_b, i_h, o_t, o_d, stride_dkb, stride_dkh, stride_dkt,
+                       stride_dkd, b_dxk * b_sck[None, :], m_q, m_d)  # fmt: skip
+            store_tile(dv_ptr, i_b, i_h, o_t, o_e, stride_dvb, stride_dvh, stride_dvt,
+                       stride_dve, b_dv, m_q, m_e)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------
@@ -645,47 +816,58 @@ SEGMENT_STEPS = 32
 HOST_SEGMENTS = 2
 
 
-def _segments(c: Setup, NC: int, device: torch.device) -> tuple[int, int]:
-    """(segments per (b, h), chunks per segment) of the walks: enough that no program walks
-    more than SEGMENT_STEPS chunks and that the states kernel's grid (M tiles, segments, B*H)
-    fills every SM twice, at most MAX_SEGMENTS and one chunk each."""
+def sm_count(device: torch.device) -> int | None:
+    """The streaming multiprocessors of ``device``, or None where no GPU picks the segments."""
     if device.type != "cuda":
-        want = HOST_SEGMENTS
-    else:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        want = max(cdiv(NC, SEGMENT_STEPS), cdiv(2 * sms, c.NMT * c.B * c.H))
-    per = cdiv(NC, max(1, min(MAX_SEGMENTS, want, NC)))
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def segments(NC: int, BH: int, sms: int | None) -> tuple[int, int]:
+    """(segments per (b, h), chunks per segment) of the walks over ``NC`` chunks of ``BH`` (b, h)
+    on ``sms`` SMs (None: :data:`HOST_SEGMENTS`): enough that no program walks more than
+    SEGMENT_STEPS chunks and that the output walk's grid (segments, B*H), the smallest of the
+    walks', holds two programs per SM, at most MAX_SEGMENTS and one chunk each."""
+    want = HOST_SEGMENTS if sms is None else max(cdiv(NC, SEGMENT_STEPS), cdiv(2 * sms, BH))
+    want = max(1, min(MAX_SEGMENTS, want, NC))
+    per = cdiv(NC, want)
+    # fewer chunks each where rounding up left fewer segments than wanted (16 chunks in 5)
+    while per > 1 and cdiv(NC, per) < want and cdiv(NC, per - 1) <= MAX_SEGMENTS:
+        per -= 1
     return cdiv(NC, per), per
 
 
-def _states(c: Setup, k, v, initial_state, final: bool = True):
-    """Launch the states kernel: each chunk's state before it along its segment's walk, each
-    feature tile at its own offset, those offsets ``r`` ``[B*H, NC + 1, NMT]``, the carries into
-    the segments (``[B*H, NS + 1, ...]``, the last slot each tile's final state), and with
-    ``final`` the final state (else None). Returns ``(NC, the states' arguments of the later
-    kernels, the final state, (NS, chunks per segment))``."""
+def _states(c: Setup, q, k, v, initial_state, final: bool = True, stats=None,
+            offsets: bool = False):  # fmt: skip
+    """Launch the states kernel: the carries into the segments (``[B*H, NS, M, E]``,
+    ``[B*H, NS, M]``, each feature tile at its own offset, ``[B*H, NS + 1, NMT]`` with each
+    tile's final offset last), with ``offsets`` also the walks' offsets before each chunk ``r``
+    ``[B*H, NC + 1, NMT]`` (else a placeholder), with ``final`` the final state (else None);
+    with ``stats`` (``kernels.stats.ChunkStats``) the running statistics' stats roles first,
+    the parameters written into the form's. Returns ``(NC, (r, gs, gz, gr), the final state,
+    (NS, chunks per segment))``."""
     B, H, T, M, E, NMT, bt = c.B, c.H, c.Tk, c.M, c.E, c.NMT, c.BT
     NC = max(cdiv(T, bt), 1)
-    NS, per = _segments(c, NC, k.device)
-    s = c.acc_empty(B * H * NC, M, E)
-    z = c.acc_empty(B * H * NC, M)
-    r = c.acc_empty(B * H, NC + 1, NMT)
-    gs, gz, gr = c.acc_empty(B * H, NS + 1, M, E), c.acc_empty(B * H, NS + 1, M), \
+    NS, per = segments(NC, B * H, sm_count(k.device))
+    gs, gz, gr = c.acc_empty(B * H, NS, M, E), c.acc_empty(B * H, NS, M), \
         c.acc_empty(B * H, NS + 1, NMT)  # fmt: skip
-    sT, zT, rT = c.acc_empty(B, H, M, E), c.acc_empty(B, H, M), c.acc_empty(B, H)
+    r = c.acc_empty(B * H, NC + 1, NMT) if offsets else gr  # (never written without)
+    sT, zT, rT = (c.acc_empty(B, H, M, E), c.acc_empty(B, H, M), c.acc_empty(B, H)) if final \
+        else (gs,) * 3  # fmt: skip
     if initial_state is not None:
         s0, z0, r0 = (x.to(c.acc).contiguous() for x in initial_state)
     else:
-        s0 = z0 = r0 = s  # never read
-    launch(_chunk_states_kernel, (NMT, NS, B * H),
-        k, v, c.w, c.pad[0], *c.form_ptrs, c.maps[1], s0, z0, r0, s, z, r, gs, gz, gr, sT, zT, rT,
-        arrival_counters(k.device, B * H * (NMT + 1)), T, H, NC, NS, per,
-        *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
+        s0 = z0 = r0 = gs  # never read
+    roles, stats_args, stats_meta = chunk_stats_arguments(stats, q, k, B, H, c.G, c.D, c.acc)
+    launch(_chunk_states_kernel, (roles + NMT * NS * B * H,),
+        k, v, c.w, c.pad[0], *c.form_ptrs, c.maps[1], s0, z0, r0, r, gs, gz, gr, sT, zT, rT,
+        arrival_counters(k.device, B * H * (NMT + 2) + 1), T, H, B * H, NC, NS, per,
+        *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2], *stats_args,
         BT=bt, BP=next_pow2(NMT), HAS_PAD=c.has_pad, HAS_MAP=c.has_map,
-        HAS_INIT=initial_state is not None, PLAIN=c.plain, FINAL=final, **c.launch_options(),
-        **c.meta,
+        HAS_INIT=initial_state is not None, PLAIN=c.plain, FINAL=final, OFFSETS=offsets,
+        **c.launch_options(), **c.meta, **stats_meta,
     )  # fmt: skip
-    return NC, (s, z, r, gs, gz, gr), ((sT, zT, rT) if final else None), (NS, per)
+    return NC, (r, gs, gz, gr), ((sT, zT, rT) if final else None), (NS, per)
 
 
 def rf_chunk_fwd(
@@ -730,13 +912,13 @@ def rf_chunk_fwd(
         state = (c.acc_empty(B, H, c.M, E), c.acc_empty(B, H, c.M),
                  c.acc_empty(B, H))  # fmt: skip
         return (out, state, aux) if return_aux else (out, state)
-    NC, states, state, segs = _states(c, k, v, initial_state)
+    stats = form.stats  # running statistics this launch forms and moves (or None)
+    NC, states, state, segs = _states(c, q, k, v, initial_state, stats=stats)
     if T:
-        launch(_chunk_out_kernel, (NC, B * H),
-            q, k, v, c.w, c.pad[0], *c.form_ptrs, *c.maps, *states, out, mq, den, mk,
+        launch(_chunk_out_kernel, (segs[0], B * H),
+            q, k, v, c.w, c.pad[0], *c.form_ptrs, *c.maps, *states[1:], out, mq, den, mk,
             T, H, NC, G, *segs, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1],
-            c.pad[2],
-            *out.stride(), BT=bt, BP=next_pow2(c.NMT), RM=c.BM, HAS_PAD=c.has_pad,
+            c.pad[2], *out.stride(), BT=bt, BP=next_pow2(c.NMT), HAS_PAD=c.has_pad,
             HAS_MAP=c.has_map, **c.launch_options(), **c.meta,
         )  # fmt: skip
     return (out, state, aux) if return_aux else (out, state)
@@ -778,28 +960,26 @@ def rf_chunk_bwd(
     dz0 = c.acc_empty(B, H, M) if has_init else None
     if B * H == 0:
         return dq, dk, dv, ds0, dz0
-    NC, states, _, segs = _states(c, k, v, initial_state, final=False)
+    # the parameters as the forward's first launch formed them (never its statistics again)
+    NC, states, _, segs = _states(c, q, k, v, initial_state, final=False, offsets=True)
     meta = dict(**c.launch_options(), BT=bt, BP=next_pow2(NMT), **c.meta)
-    ds = c.acc_empty(B * H * NC, M, E)
-    dz = c.acc_empty(B * H * NC, M)
     gd, gdz = c.acc_empty(B * H, segs[0], M, E), c.acc_empty(B * H, segs[0], M)
     if dstate is not None:
         dsT, dzT = (x.to(c.acc).contiguous() for x in dstate)
     else:
-        dsT = dzT = ds  # never read
+        dsT = dzT = gd  # never read
     launch(_chunk_dstates_kernel, (NMT, segs[0], B * H),
-        q, c.w, *c.form_ptrs, out, do, mq, den, mk, states[2], states[5], dsT, dzT, ds, dz, gd,
-        gdz, ds0 if has_init else ds, dz0 if has_init else dz,
+        q, c.w, *c.form_ptrs, out, do, mq, den, mk, states[0], states[3], dsT, dzT, gd, gdz,
+        ds0 if has_init else gd, dz0 if has_init else gdz,
         arrival_counters(q.device, B * H * NMT), T, H, NC, c.G, *segs,
         *q.stride(), *c.w.stride(), *out.stride(), *do.stride(),
         HAS_DFINAL=dstate is not None, HAS_INIT=has_init, **meta,
     )  # fmt: skip
-    if T:
-        launch(_chunk_bwd_kernel, (NC, B * H),
-            q, k, v, c.w, c.pad[0], *c.form_ptrs,
-            *states, ds, dz, gd, gdz, out, do, mq, den, mk, dq, dk, dv, T, H, NC, c.G, *segs,
-            *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2],
-            *out.stride(), *do.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
-            RM=c.BM, HAS_PAD=c.has_pad, **meta,
+    if T:  # the forward walks (dq) and the reverse walks (dk, dv), one launch
+        launch(_chunk_bwd_kernel, (2 * segs[0], B * H),
+            q, k, v, c.w, c.pad[0], *c.form_ptrs, *states, gd, gdz, out, do, mq, den, mk, dq, dk,
+            dv, T, H, NC, c.G, *segs, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(),
+            c.pad[1], c.pad[2], *out.stride(), *do.stride(), *dq.stride(), *dk.stride(),
+            *dv.stride(), BPW=next_pow2(cdiv(c.M, 16)), RM=c.BM, HAS_PAD=c.has_pad, **meta,
         )  # fmt: skip
     return dq, dk, dv, ds0, dz0

@@ -64,7 +64,7 @@ from .common import (
     split_counts,
 )
 
-__all__ = ["StatsPass", "stats_pass", "KeyPassStats", "defer", "claim"]
+__all__ = ["StatsPass", "stats_pass", "KeyPassStats", "defer", "claim", "ChunkStats"]
 
 #: the closed forms the kernel can form (``FORM``)
 FORMS = {None: 0, "oprf": 1, "saderf": 2}
@@ -543,3 +543,49 @@ def key_pass_arguments(stats: KeyPassStats, q, k, B: int, H: int, D: int,
             B * H, Tq, max(Tq, 1), max(Tk, 1), roles, r.sq, r.sk, r.q_per, r.k_per, *q.stride(),
             *r.qpad[1:])  # fmt: skip
     return roles, args, dict(FORM=FORMS[stats.form], **r.meta)
+
+
+class ChunkStats(NamedTuple):
+    """The running statistics of a causal training call that its forward's first launch
+    (``rfattn.kernels.rf_chunk``'s walk over the key chunks) reduces and moves in its own
+    launch: handed over in the form (``KernelForm.stats``), whose ``coeffs`` (and saderf's
+    ``psi``) ``[B, H, ...]`` that launch writes.
+
+    Attributes:
+        form: "oprf" or "saderf".
+        running: as :func:`stats_pass`'s (the buffers and momentum; required: a causal call's
+            statistics are running ones).
+        query_padding_mask: ``[B, T]`` bool, or None.
+        programs: stats roles of the launch (default: one per work item).
+    """
+
+    form: str
+    running: tuple
+    query_padding_mask: torch.Tensor | None = None
+    programs: int | None = None
+
+
+def chunk_stats_arguments(stats: ChunkStats | None, q, k, B: int, H: int, G: int, D: int,
+                          acc) -> tuple[int, tuple, dict]:  # fmt: skip
+    """``(stats roles, the arguments after the walk's own, constexprs)`` of the causal forward's
+    first launch (``rf_chunk._chunk_sums_kernel``) forming ``stats`` for q ``[B, H * G, T, D]``
+    (the G query heads of each key/value head: its query rows) and k ``[B, H, T, D]``; without
+    ``stats`` no role and placeholders (never read: ``STATS`` is off)."""
+    if stats is None:
+        return 0, (k,) * 10 + (1.0, 0.0, 1.0, 1.0, 1.0) + (0, 1, 1, 0, 1, 1, 1, 1) + (0,) * 6, \
+            dict(STATS=False, HAS_QPAD=False, FORM=0, BB=1, RACC=tl.float32)  # fmt: skip
+    if stats.form not in ("oprf", "saderf") or stats.running is None:
+        raise ValueError(f"a causal walk forms oprf's or saderf's running statistics, got "
+                         f"{stats.form!r} (running: {stats.running is not None})")  # fmt: skip
+    m, T = stats.query_padding_mask, q.shape[2]
+    if m is not None and (m.dtype != torch.bool or tuple(m.shape) != (B, T)):
+        raise ValueError(f"query_padding_mask must be bool [B, T] = {(B, T)}")
+    r = _reduction(q, k.shape[2], B, H, G, D, acc, m, stats.running, None)
+    roles = B * H * (r.sq + r.sk) if stats.programs is None else stats.programs
+    if roles < 1:
+        raise ValueError(f"a walk with statistics needs stats roles, got {roles}")
+    args = (q, r.qpad[0], r.part, r.cnt, r.mom, *r.running, *r.scalars,
+            G * T, max(T, 1), max(k.shape[2], 1), roles, r.sq, r.sk, r.q_per, r.k_per,
+            *q.stride(), *r.qpad[1:])  # fmt: skip
+    meta = {n: r.meta[n] for n in ("HAS_QPAD", "BB", "RACC")}
+    return roles, args, dict(STATS=True, FORM=FORMS[stats.form], **meta)

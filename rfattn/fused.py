@@ -63,8 +63,12 @@ def attend(call: Call, gpu_tiles=None):
                 grad = grad or x is not None and x.requires_grad
         if grad and call.maps is not None:
             call = call.with_maps_applied()
+        # the forward's first launch forms the statistics: the key pass (non-causal), the walk
+        # over the key chunks (causal, not the decode step)
+        chunked = causal and (grad or call.q.shape[2] > ops.DECODE_TOKENS)
         form = kernel_form(rf, call.q, call.k, call.key_padding_mask, call.scale, causal,
-                           call.query_padding_mask, maps=call.maps, defer=not causal)  # fmt: skip
+                           call.query_padding_mask, maps=call.maps,
+                           defer=not causal or chunked)  # fmt: skip
     q, k, v, mask, scale = call.q, call.k, call.v, call.key_padding_mask, call.scale
     if not causal:
         return ops.rf_parallel(q, k, v, form, scale, mask, gpu_tiles=gpu_tiles)
@@ -94,10 +98,11 @@ def kernel_form(rf, q, k, key_padding_mask, scale: float, causal: bool,
       k and forms the parameters, and in training moves the running buffers; in torch where the
       operators run their torch kernels, or from ``moments`` when the caller has them (a sharded
       call's, over every shard). Held constant (``stats_grad=False``).
-    * ``defer`` (a non-causal call whose forward takes the form next, once: :func:`attend`;
-      q as rows of its key/value head, no head maps, not traced): no launch here; the form's
-      parameters are left to the forward's key pass, which forms them in its own launch
-      (``rfattn.kernels.stats.defer``).
+    * ``defer`` (a call whose forward takes the form next, once: :func:`attend`; no head maps,
+      not traced; non-causal: q as rows of its key/value head): no launch here; the form's
+      parameters are left to the forward's first launch, which forms them in its own: a
+      non-causal key pass (``rfattn.kernels.stats.defer``), a causal chunked forward's walk
+      over the key chunks (the form's ``stats``, ``rfattn.kernels.stats.ChunkStats``).
     """
     from rfattn import ops
 
@@ -108,7 +113,7 @@ def kernel_form(rf, q, k, key_padding_mask, scale: float, causal: bool,
             q, k = mapped(q, maps[0]), mapped(k, maps[1], key_padding_mask)
         form = None
         if not ops.on_torch(q):
-            defer = defer and maps is None and q.shape[1] == k.shape[1] and \
+            defer = defer and maps is None and (causal or q.shape[1] == k.shape[1]) and \
                 not torch.compiler.is_compiling()  # fmt: skip
             form = _stats_pass_form(rf, q, k, key_padding_mask, query_padding_mask, scale, causal,
                                     defer)  # fmt: skip
@@ -180,6 +185,9 @@ def _stats_pass_form(rf, q, k, key_padding_mask, query_padding_mask, scale, caus
         _FORMS.pop(rf, None)
     params = {"component_weight": rf.component_weight} if rf.weights in WEIGHTED_WEIGHTS else None
     form = coefficient_form(rf.weight.to(q.device), coeffs, psi, params, fm.name)
+    if defer and causal:  # handed over in the form, to the forward's first launch
+        return dataclasses.replace(form, stats=stats.ChunkStats(fm.kernel_stats, running,
+                                                                query_padding_mask))  # fmt: skip
     if defer:
         stats.defer(form.coeffs, stats.KeyPassStats(fm.kernel_stats, query_padding_mask, running))
     return form

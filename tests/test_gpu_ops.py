@@ -1,7 +1,9 @@
-"""GPU operations per fused non-causal call (issue 35): Triton launches plus the GPU-side torch
-ops (``bench.opcount``'s kind ``gpu``, and ``copy``), counted on CPU with the launches replaced
-by no-ops (only the launchers' Python runs, as on a GPU). Targets: a forward is at most 2 (the
-key pass, the query pass), a forward+backward at most 4 (the dS pass, one dq/dk/dv pass).
+"""GPU operations per fused call (issue 35): Triton launches plus the GPU-side torch ops
+(``bench.opcount``'s kind ``gpu``, and ``copy``), counted on CPU with the launches replaced by
+no-ops (only the launchers' Python runs, as on a GPU). Targets: a non-causal forward is at most
+2 (the key pass, the query pass), a forward+backward at most 4 (the dS pass, one dq/dk/dv pass);
+a causal forward at most 2, a forward+backward at most 5, oprf/saderf in training included
+(their running statistics formed in the forward's first launch, not a stats launch before it).
 
 oprf and saderf form their statistics in the key pass's launch (a stats launch before it made
 them 3 / 5).
@@ -175,3 +177,23 @@ def test_chunk_operator_forward_2_forward_backward_5(feature, launches):
     assert clones <= 2 * copies and n - clones <= 5, str(ops_)
     assert set(ops_) == {"_chunk_states_kernel", "_chunk_out_kernel", "_chunk_dstates_kernel",
                          "_chunk_bwd_kernel"}  # fmt: skip
+
+
+@pytest.mark.parametrize("feature,training", [("posrf", False), ("oprf", True), ("saderf", True)],
+                         ids=["posrf", "oprf-train", "saderf-train"])  # fmt: skip
+def test_causal_call_forward_2_forward_backward_5(feature, training, launches):
+    """The whole causal call, ``rf_attention`` to the kernels: oprf/saderf in training (running
+    statistics: the parameters from the buffers, which this call's moments then move) form
+    them in the forward's first launch, the walk over the key chunks, not a stats pass before
+    it; the backward reads the parameters that launch wrote."""
+    rf = _rf_causal(feature, training)
+    kw = dict(causal=True, backend="triton")
+    q, k, v = _inputs(False)
+    with torch.no_grad():
+        n, ops_ = _count(lambda: rfattn.rf_attention(q, k, v, rf, **kw), launches)
+    assert n <= 2, str(ops_)
+    assert set(ops_) == {"_chunk_states_kernel", "_chunk_out_kernel"}, str(ops_)
+    n, ops_ = _count(_grads(lambda q, k, v: rfattn.rf_attention(q, k, v, rf, **kw),
+                            _inputs(True)), launches)  # fmt: skip
+    assert n <= 5, str(ops_)
+    assert "_stats_kernel" not in ops_, str(ops_)

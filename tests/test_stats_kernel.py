@@ -309,3 +309,74 @@ def test_key_pass_statistics_two_calls_take_their_own_data(kernel_device):
         firsts.append(form.coeffs)
         assert not arrival_counters(q.device, 1).any()
     assert rel_rms(firsts[1], firsts[0]) > 1e-2  # the two data's parameters differ
+
+
+# ------------------------------------------------------------------------------------------------
+# the running statistics formed by a causal forward's first launch (rf_chunk's walk over the key
+# chunks): stats roles and walks in one launch, the buffers moved by its last program
+
+
+@pytest.fixture
+def chunk_launches(monkeypatch):
+    """The kernels launched through ``launch`` by the causal launchers and the stats pass."""
+    from rfattn.kernels import rf_chunk, stats
+
+    seen = []
+    for mod in (rf_chunk, stats):
+        real = mod.launch
+
+        def spy(kernel, grid, *args, real=real, **kwargs):
+            seen.append((getattr(kernel, "fn", kernel).__name__, kwargs.get("STATS")))
+            return real(kernel, grid, *args, **kwargs)
+
+        monkeypatch.setattr(mod, "launch", spy)
+    return seen
+
+
+def _causal_call64(rf, q, k, v, kmask, backend):
+    """out and (dq, dk, dv) of a causal float64 call with a key padding mask."""
+    xs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = rfattn.rf_attention(*xs, rf, key_padding_mask=kmask, causal=True, scale=0.3,
+                              backend=backend)  # fmt: skip
+    do = rand(*out.shape, seed=9, dtype=torch.float64, device=out.device)
+    return out, torch.autograd.grad(out, xs, do)
+
+
+@pytest.mark.parametrize("feature", ["saderf", pytest.param("oprf", marks=pytest.mark.slow)])
+def test_causal_walk_running_statistics_float64(feature, kernel_device, chunk_launches):
+    """A causal training call forms its running statistics in the forward's first launch (no
+    stats pass before it): two steps, the second from the buffers the first moved, equal the
+    torch path in float64 (outputs, gradients of q, k, v, the buffers themselves), with
+    grouped-query heads and padded keys left out of the statistics (their contents NaN, never
+    read); the backward recomputes its states with the forward's parameters, not the moved
+    buffers'."""
+    B, Hq, H, T, D = 2, 2, 1, 40, 8
+    q = rand(B, T, Hq, D, seed=1, dtype=torch.float64, device=kernel_device).transpose(1, 2)
+    k = rand(B, H, T, D, seed=2, scale=0.7, dtype=torch.float64, device=kernel_device) + 0.3
+    v = rand(B, H, T, 8, seed=3, dtype=torch.float64, device=kernel_device)
+    kmask = torch.zeros(B, T, dtype=torch.bool)
+    kmask[1, :11] = True  # left padding across a chunk boundary
+    kmask = kmask.to(kernel_device)
+    k = k.masked_fill(kmask[:, None, :, None], float("nan"))
+    rf = rfattn.RandomFeatures(D, 16, feature=feature, seed=0).double().to(kernel_device)
+    rf_torch = copy.deepcopy(rf)
+    fm, fm_torch = rf.feature_map, rf_torch.feature_map
+    for step in range(2):
+        qs, ks = q * (1 + step), k - 0.3 * step
+        chunk_launches.clear()
+        out, grads = _causal_call64(rf, qs, ks, v, kmask, "triton")
+        want, want_grads = _causal_call64(rf_torch, qs, ks, v, kmask, "torch")
+        # one launch formed and moved them: the walk's, first; no stats pass
+        assert chunk_launches[0] == ("_chunk_states_kernel", True), chunk_launches
+        assert [n for n, st in chunk_launches if st] == ["_chunk_states_kernel"]
+        assert "_stats_kernel" not in [n for n, _ in chunk_launches]
+        assert rel_rms(out, want) <= 1e-12
+        for a, b in zip(grads, want_grads, strict=True):
+            assert rel_rms(a, b) <= 1e-12
+        for name in Moments._fields:
+            a, b = getattr(fm, f"running_{name}"), getattr(fm_torch, f"running_{name}")
+            assert rel_rms(a, b) <= 1e-13, (step, name)
+        assert int(fm.num_batches_tracked) == int(fm_torch.num_batches_tracked) == step + 1
+    # not trivial: the second step's parameters (from the moved buffers) are not posrf's
+    plain = rfattn.RandomFeatures(D, 16, seed=0).double().to(kernel_device)
+    assert rel_rms(_causal_call64(plain, qs, ks, v, kmask, "torch")[0], want) > 1e-3

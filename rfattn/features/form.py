@@ -82,6 +82,11 @@ class KernelForm:
         rows, segments: "rmf": stacked projection rows ``[R, D]`` and ``[F + 1 + R]`` indices.
         qmap, kmap: per-head input maps ``[Hq, D, D]`` and ``[Hk, D, D]`` (module docstring),
             held constant, or None. :meth:`evaluate` takes inputs already mapped.
+        stats: "gerf": statistics whose parameters the first launch of the forward that takes
+            the form writes into ``coeffs`` and ``psi`` before reading them
+            (``rfattn.kernels.stats.ChunkStats``: a causal training call's running statistics),
+            or None (the parameters are there). Not a tensor: the operators' traced schema
+            drops it, so only eager calls hand statistics over this way.
     """
 
     kind: str
@@ -95,6 +100,7 @@ class KernelForm:
     segments: torch.Tensor | None = None
     qmap: torch.Tensor | None = None
     kmap: torch.Tensor | None = None
+    stats: object | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
