@@ -96,11 +96,12 @@ def rf_attention(
             initial_state given or not, statistics and path: one all-gather of the calls'
             signatures checks it first, and every rank raises naming what differs
             (:func:`rfattn.distributed.check_calls_agree`). None: one process.
-        window, sinks: exact attention inside the random features (:mod:`rfattn.hybrid`, causal
-            only): each query attends exactly to the first ``sinks`` valid keys and to the keys
-            at positions ``i - window < j <= i``, and through the features to every other key,
-            in one normaliser; ``initial_state`` / the returned state are then a
-            :class:`rfattn.hybrid.HybridState` (constant size). The torch path runs them.
+        window, sinks: exact attention inside the random features (:mod:`rfattn.hybrid`;
+            Tq == Tk): each query attends exactly to the first ``sinks`` valid keys and to the
+            keys at positions ``i - window < j <= i`` (non-causal: ``|i - j| < window``), and
+            through the features to every other key, in one normaliser; ``initial_state`` /
+            the returned state are then a :class:`rfattn.hybrid.HybridState` (constant size).
+            The torch path runs them.
 
     Returns:
         ``out`` ``[B, H, Tq, E]`` in the input dtype, or ``(out, state)`` with ``return_state``.

@@ -116,8 +116,8 @@ def validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_stat
     if (initial_state is not None or return_state) and not causal:
         raise ValueError("initial_state and return_state need causal=True")
     if window or sinks:  # the hybrid (rfattn.hybrid): its own state, checked there
-        if not causal:
-            raise NotImplementedError("window and sinks need causal=True (no non-causal form yet)")
+        if not causal and qs[2] != ks[2]:
+            raise ValueError(f"window and sinks need Tq == Tk, got Tq={qs[2]}, Tk={ks[2]}")
         if backend == "triton":
             raise NotImplementedError("window and sinks have no fused kernel yet: use "
                                       "backend='torch' or 'auto'")  # fmt: skip
