@@ -201,6 +201,15 @@ def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.gather(2, index[:, None, :, None].expand(*x.shape[:2], index.shape[-1], x.shape[-1]))
 
 
+def _block_masks(G: int, C: int, W: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(band, near)``: bool ``[G C, C + W]`` over a causal block's rows (G query heads x C
+    positions e = c0 + r) and its keys ``c0 - W + t``: the band ``j <= e - W`` (t <= r) and the
+    window ``e - W < j <= e`` (r < t <= r + W). The same for every block of C rows."""
+    r = torch.arange(C, device=device).repeat(G)[:, None]
+    t = torch.arange(C + W, device=device)[None, :]
+    return t <= r, (t > r) & (t <= r + W)
+
+
 def _factors(rf, fq, fk, w, params, estimated):
     """``(a, mq, b, mk)``: the query features ``a [B, Hk, Lq, F]`` at their row maxima ``mq``
     (``[B, Hk, Lq, 1]``) and the key features ``b [B, Hk, Lk, F]`` (amplitude and ``1 / N``
@@ -301,9 +310,8 @@ def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
     sink_present = torch.cat([old_present, new_present], -1)
     x_s = prescale(sink_k, scale, ~sink_present)
     v_s = sink_v.to(cd).masked_fill(~sink_present[:, None, :, None], 0.0)
-    window_key = (kinds == WINDOW)[:, None, None, :]  # [B, 1, 1, W + T]
     S, z, R = st.s, st.z, st.offset[:, :, None]
-    outs = []
+    nums, dens, masks = [], [], None
     for c0 in range(W, W + T, block):
         c1 = min(c0 + block, W + T)
         C = c1 - c0
@@ -312,35 +320,31 @@ def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
         rows = slice(c0 - W, c1 - W)
         a_i, xq_i = (x[:, :, :, rows].reshape(B, Hk, G * C, x.shape[-1]) for x in (a, xq))
         mq_i = mq[:, :, :, rows, 0].reshape(B, Hk, G * C)
-        # the band: estimated keys leaving the window inside this block, c0 - W <= j < c1 - W
-        lo, hi = c0 - W, c1 - W
-        jb = torch.arange(lo, hi, device=dev)[None, :]
-        lb = (mq_i[..., None] + mk[:, :, None, lo:hi, 0]).masked_fill(jb > e - W, -math.inf)
-        # the window, exact: valid non-sink keys e - W < j <= e
-        wl = c0 - W + 1
-        jw = torch.arange(wl, c1, device=dev)[None, :]
-        seen = (jw > e - W) & (jw <= e) & window_key[..., wl:c1]
-        le = (xq_i @ xk[:, :, wl:c1].transpose(-1, -2)).masked_fill(~seen, -math.inf)
+        # keys c0 - W <= j < c1, one matrix: the band (estimated keys leaving the window inside
+        # this block, j <= e - W; mk is -inf off them) and the window (exact, e - W < j <= e)
+        lo = c0 - W
+        if masks is None or masks[0].shape[0] != G * C:
+            masks = _block_masks(G, C, W, dev)
+        band, near = masks[0], masks[1] & (kinds[:, None, None, lo:c1] == WINDOW)
+        lb = (mq_i[..., None] + mk[:, :, None, lo:c1, 0]).masked_fill(~band, -math.inf)
+        logits = torch.where(near, xq_i @ xk[:, :, lo:c1].transpose(-1, -2), lb)
         # the sinks seen so far, exact
         sink_seen = (sink_pos[:, None, None, :] <= e) & sink_present[:, None, None, :]
         ls = (xq_i @ x_s.transpose(-1, -2)).masked_fill(~sink_seen, -math.inf)
         # one stabiliser per row for both parts, from the keys the row sees
-        c = mq_i + R
-        for part in (lb, le, ls):
-            if part.shape[-1]:
-                c = torch.maximum(c, part.amax(-1))
+        c = torch.maximum(mq_i + R, logits.amax(-1))
+        if sinks:
+            c = torch.maximum(c, ls.amax(-1))
         c = c.detach().masked_fill(c == -math.inf, 0.0)
         f_state = torch.exp(mq_i + R - c)
-        num = f_state[..., None] * (a_i @ S)
-        den = f_state * (a_i @ z[..., None])[..., 0]
-        p = torch.exp(lb - c[..., None]) * (a_i @ b[:, :, lo:hi].transpose(-1, -2))
-        num, den = num + p @ vv[:, :, lo:hi], den + p.sum(-1)
-        p = torch.exp(le - c[..., None])
-        num, den = num + p @ vv[:, :, wl:c1], den + p.sum(-1)
-        p = torch.exp(ls - c[..., None])
-        num, den = num + p @ v_s, den + p.sum(-1)
-        outs.append(attention_ratio(num, den).view(B, Hk, G, C, E))
+        # the band's terms times its features' product, the window's as they are
+        p = torch.exp(logits - c[..., None])
+        p = p * torch.where(band, a_i @ b[:, :, lo:c1].transpose(-1, -2), 1.0)
+        ps = torch.exp(ls - c[..., None])
+        nums.append(f_state[..., None] * (a_i @ S) + p @ vv[:, :, lo:c1] + ps @ v_s)
+        dens.append(f_state * (a_i @ z[..., None])[..., 0] + p.sum(-1) + ps.sum(-1))
         if c1 < W + T or return_state:  # the band joins the state: estimated keys j < c1 - W
+            hi = c1 - W
             R_new = torch.maximum(R, mk[:, :, lo:hi, 0].amax(-1, keepdim=True))
             R_safe = R_new.masked_fill(R_new == -math.inf, 0.0)
             k_w = torch.exp(mk[:, :, lo:hi] - R_safe[..., None]) * b[:, :, lo:hi]
@@ -348,7 +352,9 @@ def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
             S = decay[..., None] * S + k_w.transpose(-1, -2) @ vv[:, :, lo:hi]
             z = decay * z + k_w.sum(-2)
             R = R_new
-    out = torch.cat(outs, dim=3).reshape(B, H, T, E).to(q.dtype)
+    num = torch.cat([x.view(B, Hk, G, -1, E) for x in nums], 3)
+    den = torch.cat([x.view(B, Hk, G, -1) for x in dens], 3)
+    out = attention_ratio(num, den).reshape(B, H, T, E).to(q.dtype)
     if not return_state:
         return out
     # the sink slots after this call: the state's first, then the new ones in order
