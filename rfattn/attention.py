@@ -132,7 +132,7 @@ def rf_attention(
 
         distributed.check_group(group)
         distributed.check_calls_agree(group, lambda: validate(*checked), q, k, v, rf, causal,
-                                      backend, initial_state)  # fmt: skip
+                                      backend, initial_state, window, sinks)  # fmt: skip
     if query_padding_mask is None and causal:
         query_padding_mask = key_padding_mask
     if learned is not None:  # scale (q kᵀ) = (√scale q)(√scale k)ᵀ, on every path

@@ -121,8 +121,14 @@ def validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_stat
         if backend == "triton":
             raise NotImplementedError("window and sinks have no fused kernel yet: use "
                                       "backend='torch' or 'auto'")  # fmt: skip
-        if group is not None:
-            raise NotImplementedError("window and sinks over a process group are not supported")
+        if group is not None and (not causal or initial_state is not None or return_state):
+            raise NotImplementedError("window and sinks over a process group: causal calls "
+                                      "without initial_state or return_state only")  # fmt: skip
+        fm = rf.feature_map
+        if group is not None and getattr(fm, "uses_batch_moments", None) and \
+                fm.uses_batch_moments(True):  # fmt: skip
+            raise NotImplementedError("window and sinks over a process group: no statistics "
+                                      "moved in training (eval mode or fixed ones)")  # fmt: skip
     elif initial_state is not None:
         _check_state(initial_state, q, v, rf)
     if query_padding_mask is not None:

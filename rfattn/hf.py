@@ -30,9 +30,9 @@ the rest, in one normaliser (:mod:`rfattn.hybrid`); its generation cache keeps t
 values beside the random-feature state, still of constant size. A model's own sliding window
 (Mistral's ``sliding_window``, Qwen2's ``use_sliding_window``, the ``"sliding_attention"`` layers
 of ``layer_types``) is the exact part of such a hybrid on its layers (the mask builder hands on
-key padding, the attention function reads the layer's ``sliding_window``), on every path but a
-cache that dropped the older keys (DynamicCache, refused as soon as it has) and a process group
-(refused: the hybrid has no context-parallel form yet). Chunked attention
+key padding, the attention function reads the layer's ``sliding_window``), on every path
+(context-parallel shards included) but a cache that dropped the older keys (DynamicCache,
+refused as soon as it has). Chunked attention
 (``attention_chunk_size``) is refused as soon as a query would see a key outside its chunk.
 
 Save/load: a model saved after :func:`attach_random_features` carries ``config.rfattn``; importing
@@ -310,8 +310,8 @@ def rfattn_mask(
     A sliding window (``local_size``, a model's ``sliding_window``) becomes the key-padding view
     too: the attention function runs the hybrid with the layer's window exact. Refused as soon
     as a query would attend to a key at least the window behind it where that key is gone (a
-    cache dropped it) or on another rank (a process group), and for chunked attention
-    (``attention_chunk_size``), which has no form.
+    cache dropped it), and for chunked attention (``attention_chunk_size``), which has no
+    form.
 
     Raises:
         NotImplementedError: a preallocated cache; a sliding window that matters.
@@ -338,12 +338,12 @@ def rfattn_mask(
         config = kwargs.get("config")
         span, dropped = _window_span(valid, q_offset, q_length, kv_offset, config)
         # a sliding window is the hybrid's exact part (the attention function reads the
-        # layer's sliding_window); chunked attention has no form. Keys a sliding-window cache
-        # dropped (DynamicCache) are gone for the features too; a sharded sequence decides on
-        # every rank alike, from the whole sequence's span
+        # layer's sliding_window); chunked attention has no form, judged on a sharded
+        # sequence's whole span (every rank alike). Keys a sliding-window cache dropped
+        # (DynamicCache) are gone for the features too
         chunked = _window_name(local_size, config) != "sliding_window"
         window = None if chunked else local_size
-        if dropped or (span >= local_size and (chunked or _group_of(config) is not None)):
+        if dropped or (span >= local_size and chunked):
             raise _window_error(local_size, span, config)
     kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
     mask = sdpa_mask(
@@ -442,10 +442,8 @@ def _window_error(local_size: int, span: int, config) -> NotImplementedError:
         return NotImplementedError(
             f"rfattn: sliding_window={local_size} is the exact part of rfattn's hybrid, whose "
             f"random features read every older key, and a query would see a key {span} "
-            f"positions before it that this cache dropped (DynamicCache) or that lies on "
-            f"another rank of a process group (context parallelism has no hybrid yet); use "
-            f"rfattn.hf.RFCache (the default cache under attn_implementation='rfattn') or one "
-            f"process"
+            f"positions before it that this cache dropped (DynamicCache); use "
+            f"rfattn.hf.RFCache (the default cache under attn_implementation='rfattn')"
         )
     return NotImplementedError(
         f"rfattn: {name}={local_size} matters here: a query would see a key {span} "
@@ -598,11 +596,15 @@ def _mask_attention(module, rf, query, key, value, attention_mask, scaling, is_c
 def _hybrid(rf, query, key, value, pad, causal, group, window, sinks, scaling):
     """The hybrid (:mod:`rfattn.hybrid`) of the layer's queries, the last Tq of Tk positions (a
     key/value cache before them), or refuse what it has no form for."""
-    if group is not None:
-        raise NotImplementedError("rfattn: window/sinks over a process group are not supported")
     tq, tk = query.shape[2], key.shape[2]
     if not causal and tq != tk:
         raise NotImplementedError("rfattn: window/sinks need self-attention (Tq == Tk)")
+    if group is not None:  # a shard of a causal self-attention (rfattn.distributed)
+        if not causal:
+            raise NotImplementedError("rfattn: window/sinks over a process group need causal "
+                                      "attention")  # fmt: skip
+        return rf_attention(query, key, value, rf, causal=True, key_padding_mask=pad,
+                            scale=scaling, window=window, sinks=sinks, group=group)  # fmt: skip
     front = query.new_zeros(*query.shape[:2], tk - tq, query.shape[-1])
     out = rf_attention(torch.cat((front, query), dim=2) if tk > tq else query, key, value, rf,
                        causal=causal, key_padding_mask=pad, scale=scaling, window=window,

@@ -62,7 +62,8 @@ import torch
 from rfattn.features.base import compute_dtype, prescale
 from rfattn.reference import attention_ratio
 
-__all__ = ["HybridState", "hybrid_attention", "hybrid_reference", "local_sets"]
+__all__ = ["HybridState", "hybrid_attention", "hybrid_reference", "key_state", "local_sets",
+           "first_true", "gather_positions"]
 
 #: query rows per block of the torch path
 BLOCK = 64
@@ -183,7 +184,7 @@ def _check_state(state, like: HybridState) -> None:
                              f"these inputs, window and sinks, got {tuple(got.shape)}")  # fmt: skip
 
 
-def _first(flags: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def first_true(flags: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(index [B, n], present [B, n])``: the positions of the first ``n`` True entries of each
     row of ``flags`` [B, L] (``present`` False where a row has fewer), on the device."""
     L = flags.shape[-1]
@@ -196,7 +197,7 @@ def _first(flags: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return order, present
 
 
-def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def gather_positions(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x [B, H, L, C]`` at positions ``index [B, n]`` -> ``[B, H, n, C]``."""
     return x.gather(2, index[:, None, :, None].expand(*x.shape[:2], index.shape[-1], x.shape[-1]))
 
@@ -230,6 +231,29 @@ def _factors(rf, fq, fk, w, params, estimated):
     g_k = fm.key_amplitude(fk, w, params)
     b = (b if g_k is None else g_k * b) / fm.num_samples(w)
     return a, mq, b.masked_fill(~estimated, 0.0), mk.masked_fill(~estimated, -math.inf)
+
+
+def key_state(rf, k, v, estimated, scale: float, key_map=None):
+    """``(s [B, Hk, F, E], z [B, Hk, F], offset [B, Hk])``: the random-feature state of the keys
+    of ``k [B, Hk, L, D]``, ``v`` where ``estimated [B, L]``, at the offset the hybrid keeps
+    (the largest key maximum; -inf for none): what :func:`hybrid_attention` would have summed
+    into its state from them. ``key_map``: the features' head map of k. For features without
+    data statistics (or with fixed ones)."""
+    cd = compute_dtype(k.dtype)
+    B, Hk, L = k.shape[:3]
+    if L == 0:
+        F = rf.feature_map.width(rf.weight.shape[-2])
+        return (k.new_zeros(B, Hk, F, v.shape[-1], dtype=cd), k.new_zeros(B, Hk, F, dtype=cd),
+                k.new_full((B, Hk), -math.inf, dtype=cd))  # fmt: skip
+    absent = ~estimated
+    fk = prescale(k, scale, absent, key_map)
+    w = rf.weight.to(device=k.device, dtype=cd)
+    params = rf.feature_params(fk[:, :, :0], fk, absent, causal=True)
+    _, _, b, mk = _factors(rf, fk[:, :, :0], fk, w, params, estimated[:, None, :, None])
+    R = mk.amax(-2)  # [B, Hk, 1]
+    k_w = torch.exp(mk - R.masked_fill(R == -math.inf, 0.0)[..., None]) * b
+    vv = v.to(cd).masked_fill(absent[:, None, :, None], 0.0)
+    return k_w.transpose(-1, -2) @ vv, k_w.sum(-2), R[..., 0]
 
 
 def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float | None = None,
@@ -302,10 +326,10 @@ def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
     a, mq, b, mk = _factors(rf, fq, fk, w, params, estimated)
     a, mq, xq = (x.view(B, Hk, G, T, x.shape[-1]) for x in (a, mq, xq))
     # sinks: the state's (seen by every row), then this call's new ones (from their position)
-    new_slot, new_present = _first(kinds_new == SINK, sinks)
+    new_slot, new_present = first_true(kinds_new == SINK, sinks)
     old_present = torch.arange(sinks, device=dev)[None, :] < st.sinks_seen[:, None]
-    sink_k = torch.cat([st.sink_keys, _gather(k, new_slot).to(st.sink_keys.dtype)], 2)
-    sink_v = torch.cat([st.sink_values, _gather(v, new_slot)], 2)
+    sink_k = torch.cat([st.sink_keys, gather_positions(k, new_slot).to(st.sink_keys.dtype)], 2)
+    sink_v = torch.cat([st.sink_values, gather_positions(v, new_slot)], 2)
     sink_pos = torch.cat([torch.full_like(new_slot, -1), new_slot + W], -1)  # [B, 2S]
     sink_present = torch.cat([old_present, new_present], -1)
     x_s = prescale(sink_k, scale, ~sink_present)
@@ -363,7 +387,8 @@ def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
     pick = torch.where(r < n, r, sinks + r - n).clamp(max=2 * sinks - 1) if sinks else r
     state = HybridState(
         S, z, R[:, :, 0], ks[:, :, T:], vs[:, :, T:], kinds[:, T:],
-        _gather(sink_k, pick.expand(B, sinks)), _gather(sink_v, pick.expand(B, sinks)),
+        gather_positions(sink_k, pick.expand(B, sinks)),
+        gather_positions(sink_v, pick.expand(B, sinks)),
         torch.clamp(st.sinks_seen + (kinds_new == SINK).sum(-1), max=sinks),
     )  # fmt: skip
     return out, state
@@ -413,9 +438,9 @@ def _bidirectional(q, k, v, rf, window, sinks, scale, key_padding_mask, query_pa
     zero = torch.zeros_like(blocks_s[:, :, :1])
     before = torch.cat([zero, blocks_s.cumsum(2)], 2)  # [B, Hk, nb + 1, F, E + 1]
     after = torch.cat([blocks_s.flip(2).cumsum(2).flip(2), zero], 2)
-    slot, present = _first(sink, sinks)
-    x_s = prescale(_gather(k, slot), scale, ~present)
-    v_s = _gather(v, slot).to(cd).masked_fill(~present[:, None, :, None], 0.0)
+    slot, present = first_true(sink, sinks)
+    x_s = prescale(gather_positions(k, slot), scale, ~present)
+    v_s = gather_positions(v, slot).to(cd).masked_fill(~present[:, None, :, None], 0.0)
     outs = []
     for c0 in range(0, T, C):
         c1 = min(c0 + C, T)
@@ -450,7 +475,12 @@ def _bidirectional(q, k, v, rf, window, sinks, scale, key_padding_mask, query_pa
 
 def attend(call):
     """``rf_attention``'s result for a validated call with ``window`` or ``sinks``
-    (:class:`rfattn.call.Call`; padded query rows already read as 0): the torch path above."""
+    (:class:`rfattn.call.Call`; padded query rows already read as 0): the torch path above, on a
+    process group through :func:`rfattn.distributed.hybrid_sharded`."""
+    if call.group is not None:
+        from rfattn.distributed import hybrid_sharded
+
+        return hybrid_sharded(call)
     return hybrid_attention(call.q, call.k, call.v, call.rf, window=call.window, sinks=call.sinks,
                             scale=call.scale, key_padding_mask=call.key_padding_mask,
                             query_padding_mask=call.query_padding_mask,
