@@ -288,6 +288,9 @@ def run(a) -> dict:
                 if train_info:
                     row["train"] = {**train_info, "seconds": train_seconds}
                 rows.append(row)
+                if a.out is not None:  # every finished row kept: a long run can be cut short
+                    a.out.mkdir(parents=True, exist_ok=True)
+                    (a.out / "partial.json").write_text(json.dumps(rows, indent=1) + "\n")
                 print(f"T {T:>5}  {row['config']:<18} {stage:<10} ppl {row['perplexity']:8.2f}  "
                       f"pass key logp {row['probe_key_logprob']:7.2f} recalled "
                       f"{row['probe_recalled']:.2f}  ({row['seconds']:.0f} s)",

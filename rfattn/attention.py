@@ -167,7 +167,12 @@ def run(call: Call):
     qpm = call.query_padding_mask
     q = call.q if qpm is None else padded_rows(call.q, qpm)
     if call.window or call.sinks:  # exact sinks and window inside the features (torch path)
-        res = hybrid.attend(dataclasses.replace(call, q=q))
+        if call.group is not None:
+            from rfattn import distributed
+
+            res = distributed.hybrid_sharded(dataclasses.replace(call, q=q))
+        else:
+            res = hybrid.attend(dataclasses.replace(call, q=q))
     else:
         res = _attend(dataclasses.replace(call, q=q, maps=call.rf.map_tensors(q, call.k)))
     if qpm is None:

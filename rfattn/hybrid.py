@@ -475,12 +475,8 @@ def _bidirectional(q, k, v, rf, window, sinks, scale, key_padding_mask, query_pa
 
 def attend(call):
     """``rf_attention``'s result for a validated call with ``window`` or ``sinks``
-    (:class:`rfattn.call.Call`; padded query rows already read as 0): the torch path above, on a
-    process group through :func:`rfattn.distributed.hybrid_sharded`."""
-    if call.group is not None:
-        from rfattn.distributed import hybrid_sharded
-
-        return hybrid_sharded(call)
+    (:class:`rfattn.call.Call`; padded query rows already read as 0): the torch path above (on
+    a process group :func:`rfattn.distributed.hybrid_sharded` runs instead)."""
     return hybrid_attention(call.q, call.k, call.v, call.rf, window=call.window, sinks=call.sinks,
                             scale=call.scale, key_padding_mask=call.key_padding_mask,
                             query_padding_mask=call.query_padding_mask,
