@@ -14,8 +14,8 @@ Attention configurations, each over the same sequences and the same model weight
 * ``softmax``: the model as trained (``sdpa``);
 * ``local S+W``: exact attention on the first S tokens and the last W positions, nothing else
   (``sdpa`` with that 4-D mask: what the hybrid's exact part alone gives);
-* ``rf M``: rfattn's random features alone (posrf, M features per layer, ``attn_implementation
-  ="rfattn"``);
+* ``rf M`` (``--kinds rf``): rfattn's random features alone (posrf, M features per layer,
+  ``attn_implementation="rfattn"``);
 * ``hybrid S+W, M``: exact sinks and window, random features for every other key, one normaliser
   (``rfattn.hf.attach_random_features(model, window=W, sinks=S, num_features=M)``).
 
@@ -38,8 +38,10 @@ the model's top choice (teacher-forced), over a few keys. With a window of 64 th
 outside it, so only the random-feature part (or softmax) can carry it.
 
     python -m bench.convert --prepare                 # once: bench/.models/smollm2-135m
-    python -m bench.convert                           # T = 256, 1024; print the table
+    python -m bench.convert                           # T = 1024, 4096; print the table
     python -m bench.convert --save-results            # bench/results/<cpu>/convert.json
+    python -m bench.convert --kinds hybrid --windows 64 --out runs/h64   # one process each,
+    python -m bench.convert --merge runs/*/convert.json --save-results  # then one file
 """
 
 from __future__ import annotations
@@ -320,7 +322,7 @@ def markdown(doc: dict) -> str:
         cells = []
         for T in lengths:
             r = by.get((cfg, stage, T))
-            cells.append("-" if r is None else f"{r['perplexity']:.1f} · "
+            cells.append("-" if r is None else f"{r['perplexity']:.2f} · "
                          f"{r['probe_key_logprob']:.2f} / {r['probe_recalled']:.2f}")  # fmt: skip
         label = cfg if stage == "zero-shot" else f"{cfg}, {stage}"
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
