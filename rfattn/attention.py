@@ -96,11 +96,12 @@ def rf_attention(
             initial_state given or not, statistics and path: one all-gather of the calls'
             signatures checks it first, and every rank raises naming what differs
             (:func:`rfattn.distributed.check_calls_agree`). None: one process.
-        window, sinks: exact attention inside the random features (:mod:`rfattn.hybrid`, causal
-            only): each query attends exactly to the first ``sinks`` valid keys and to the keys
-            at positions ``i - window < j <= i``, and through the features to every other key,
-            in one normaliser; ``initial_state`` / the returned state are then a
-            :class:`rfattn.hybrid.HybridState` (constant size). The torch path runs them.
+        window, sinks: exact attention inside the random features (:mod:`rfattn.hybrid`;
+            Tq == Tk): each query attends exactly to the first ``sinks`` valid keys and to the
+            keys at positions ``i - window < j <= i`` (non-causal: ``|i - j| < window``), and
+            through the features to every other key, in one normaliser; ``initial_state`` /
+            the returned state are then a :class:`rfattn.hybrid.HybridState` (constant size).
+            The torch path runs them.
 
     Returns:
         ``out`` ``[B, H, Tq, E]`` in the input dtype, or ``(out, state)`` with ``return_state``.
@@ -131,7 +132,7 @@ def rf_attention(
 
         distributed.check_group(group)
         distributed.check_calls_agree(group, lambda: validate(*checked), q, k, v, rf, causal,
-                                      backend, initial_state)  # fmt: skip
+                                      backend, initial_state, window, sinks)  # fmt: skip
     if query_padding_mask is None and causal:
         query_padding_mask = key_padding_mask
     if learned is not None:  # scale (q kᵀ) = (√scale q)(√scale k)ᵀ, on every path
@@ -166,7 +167,12 @@ def run(call: Call):
     qpm = call.query_padding_mask
     q = call.q if qpm is None else padded_rows(call.q, qpm)
     if call.window or call.sinks:  # exact sinks and window inside the features (torch path)
-        res = hybrid.attend(dataclasses.replace(call, q=q))
+        if call.group is not None:
+            from rfattn import distributed
+
+            res = distributed.hybrid_sharded(dataclasses.replace(call, q=q))
+        else:
+            res = hybrid.attend(dataclasses.replace(call, q=q))
     else:
         res = _attend(dataclasses.replace(call, q=q, maps=call.rf.map_tensors(q, call.k)))
     if qpm is None:

@@ -116,13 +116,19 @@ def validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_stat
     if (initial_state is not None or return_state) and not causal:
         raise ValueError("initial_state and return_state need causal=True")
     if window or sinks:  # the hybrid (rfattn.hybrid): its own state, checked there
-        if not causal:
-            raise NotImplementedError("window and sinks need causal=True (no non-causal form yet)")
+        if not causal and qs[2] != ks[2]:
+            raise ValueError(f"window and sinks need Tq == Tk, got Tq={qs[2]}, Tk={ks[2]}")
         if backend == "triton":
             raise NotImplementedError("window and sinks have no fused kernel yet: use "
                                       "backend='torch' or 'auto'")  # fmt: skip
-        if group is not None:
-            raise NotImplementedError("window and sinks over a process group are not supported")
+        if group is not None and (not causal or initial_state is not None or return_state):
+            raise NotImplementedError("window and sinks over a process group: causal calls "
+                                      "without initial_state or return_state only")  # fmt: skip
+        fm = rf.feature_map
+        if group is not None and getattr(fm, "uses_batch_moments", None) and \
+                fm.uses_batch_moments(True):  # fmt: skip
+            raise NotImplementedError("window and sinks over a process group: no statistics "
+                                      "moved in training (eval mode or fixed ones)")  # fmt: skip
     elif initial_state is not None:
         _check_state(initial_state, q, v, rf)
     if query_padding_mask is not None:

@@ -24,11 +24,21 @@ whatever the shard's length.
   between its key and query passes, the state cotangents summed between its backward passes.
 
 Before any other collective, every sharded call checks that the ranks' calls agree
-(:func:`check_calls_agree`: one ``all_gather`` of a fixed-size signature, 14 int64 per rank):
+(:func:`check_calls_agree`: one ``all_gather`` of a fixed-size signature, 16 int64 per rank):
 calls that would run different collectives (causal or not, dtype, feature, num_features, F, D,
 E, B, H, key/value heads, an initial state given or not, statistics reduced or not, the
-non-causal fused kernel or the torch path) or a call its own checks reject raise on every rank,
+non-causal fused kernel or the torch path, window and sinks) or a call its own checks reject
+raise on every rank,
 naming the field and each rank's value, instead of hanging or aborting inside the backend.
+
+* the hybrid (``window``/``sinks``, causal, :mod:`rfattn.hybrid`): a shard starts from the
+  :class:`~rfattn.hybrid.HybridState` after the ranks before it, the keys that left the window
+  in the random-feature state, the last ``window`` positions and the sinks as they are. One
+  ``all_gather`` of 1 + B counts (shard lengths, valid keys: which keys are sinks), then one of
+  each rank's last ``window`` positions (keys, values, kinds), its sinks and the state of its
+  keys before those positions: each rank takes the last ``window`` positions before its shard
+  from the ranks before it, sums the earlier ones of those tails into its state with theirs,
+  and runs the hybrid on its shard from there (:func:`hybrid_sharded`).
 
 Backward: each collective's gradient takes the mirror collective (an all-gather's gradients are
 summed over the ranks and each rank keeps its own state's; an all-reduce's are all-reduced), so
@@ -53,7 +63,14 @@ from rfattn.reference import linear_attention
 from rfattn.stats import Moments, sequence_moments, update_running
 from rfattn.torch_path import causal_keys, causal_scan, torch_inputs
 
-__all__ = ["check_calls_agree", "check_group", "combine_states", "runs_causal", "sharded_attention"]
+__all__ = [
+    "check_calls_agree",
+    "check_group",
+    "combine_states",
+    "hybrid_sharded",
+    "runs_causal",
+    "sharded_attention",
+]
 
 _FALSE = torch.tensor(False)
 
@@ -103,10 +120,13 @@ _SIGNATURE = (
     ("initial_state given", _BOOL),
     ("statistics", _STATISTICS),
     ("non-causal fused kernel", _BOOL),
+    ("window", None),
+    ("sinks", None),
 )
 
 
-def _signature(q, k, v, rf, causal: bool, backend: str, initial_state) -> list[int]:
+def _signature(q, k, v, rf, causal: bool, backend: str, initial_state, window: int = 0,
+               sinks: int = 0) -> list[int]:  # fmt: skip
     """What a validated call's collectives depend on (see :data:`_SIGNATURE`). ``return_state``
     is not part of it: it adds no collective."""
     fm = rf.feature_map
@@ -116,7 +136,7 @@ def _signature(q, k, v, rf, causal: bool, backend: str, initial_state) -> list[i
     fused = int(not causal and _fused_noncausal(q, rf, backend))
     return [0, int(causal), _code(str(q.dtype)), _code(rf.feature), rf.num_features,
             fm.width(rf.num_features), q.shape[3], v.shape[3], q.shape[0], q.shape[1],
-            k.shape[1], int(initial_state is not None), stats, fused]  # fmt: skip
+            k.shape[1], int(initial_state is not None), stats, fused, window, sinks]  # fmt: skip
 
 
 def _signature_device(group, like) -> torch.device:
@@ -129,7 +149,8 @@ def _signature_device(group, like) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def check_calls_agree(group, validate, q, k, v, rf, causal, backend, initial_state) -> None:
+def check_calls_agree(group, validate, q, k, v, rf, causal, backend, initial_state, window=0,
+                      sinks=0) -> None:  # fmt: skip
     """Run this rank's checks of an ``rf_attention(..., group=group)`` call (``validate()``,
     raising on bad arguments) and check that every rank's call agrees with it, before any
     other collective of the call: one ``all_gather`` of a fixed-size int64 signature
@@ -144,7 +165,8 @@ def check_calls_agree(group, validate, q, k, v, rf, causal, backend, initial_sta
     on gloo: see the README (``python -m bench.context_parallel --check``)."""
     try:
         validate()
-        signature, rejected = _signature(q, k, v, rf, causal, backend, initial_state), None
+        signature = _signature(q, k, v, rf, causal, backend, initial_state, window, sinks)
+        rejected = None
     except Exception as exc:  # still gathered: the other ranks must not wait for this one
         signature, rejected = [1] + [0] * (len(_SIGNATURE) - 1), exc
     device = _signature_device(group, q)
@@ -414,3 +436,86 @@ def sharded_attention(call: Call):
     applied, grouped queries as rows of their key/value head in non-causal calls): ``out``, or
     ``(out, state)`` with ``return_state``."""
     return _causal(call) if call.causal else _noncausal(call)
+
+
+def _gather_ints(x: torch.Tensor, group) -> torch.Tensor:
+    """``[world, *x.shape]``: every rank's ``x`` (no gradient), on the CPU for gloo."""
+    device = _signature_device(group, x)
+    x = x.detach().to(device).contiguous()
+    out = x.new_empty(dist.get_world_size(group), *x.shape)
+    dist.all_gather(list(out.unbind(0)), x, group=group)
+    return out.to(x.device)
+
+
+def hybrid_sharded(call: Call):
+    """``rf_attention(..., window=W, sinks=S, group=g)``: this rank's shard of the causal
+    hybrid over the whole sequence (module docstring; no initial or returned state). Every
+    rank must run it (and its backward)."""
+    from rfattn import hybrid
+
+    q, k, v, rf, group, scale = call.q, call.k, call.v, call.rf, call.group, call.scale
+    W, S = call.window, call.sinks
+    B, Hk, T, D = k.shape
+    E, dev, rank = v.shape[-1], k.device, dist.get_rank(group)
+    maps = rf.map_tensors(q, k)
+    key_map = None if maps is None else maps[1]
+    valid = torch.ones(B, T, dtype=torch.bool, device=dev)
+    if call.key_padding_mask is not None:
+        valid = ~call.key_padding_mask
+    counts = _gather_ints(torch.cat([valid.new_tensor([T], dtype=torch.long),
+                                     valid.sum(-1)]), group).to(dev)  # fmt: skip
+    lengths, before = counts[:, 0].tolist(), counts[:rank, 1:].sum(0)  # [B] valid keys before
+    rank_in = before[:, None] + valid.long().cumsum(-1) - 1
+    kinds = torch.where(valid & (rank_in < S), hybrid.SINK,
+                        torch.where(valid, hybrid.WINDOW, hybrid.NOTHING))  # fmt: skip
+    # this shard's offer: its last W positions (front-filled), its sinks, its earlier keys' state
+    n = min(W, T)
+    pad = (0, 0, W - n, 0)
+    tail = torch.cat([k[:, :, T - n :].to(v.dtype), v[:, :, T - n :]], -1)
+    tail = torch.nn.functional.pad(tail, pad)
+    tail_kinds = torch.nn.functional.pad(kinds[:, T - n :], (W - n, 0))
+    slot, present = hybrid.first_true(kinds == hybrid.SINK, S)
+    sink_kv = torch.cat([hybrid.gather_positions(k.to(v.dtype), slot),
+                         hybrid.gather_positions(v, slot)], -1)  # fmt: skip
+    head = torch.arange(T, device=dev)[None, :] < T - W
+    s, z, off = hybrid.key_state(rf, k, v, (kinds == hybrid.WINDOW) & head, scale, key_map)
+    sz = _pack(s, z).to(v.dtype)
+    sizes = [tail.numel(), sink_kv.numel(), sz.numel()]
+    flat = _AllGather.apply(torch.cat([tail.flatten(), sink_kv.flatten(), sz.flatten()]), group)
+    ints = _gather_ints(torch.cat([tail_kinds, present.long()], -1), group)
+    offs = off.new_empty(dist.get_world_size(group), *off.shape)
+    dist.all_gather(list(offs.unbind(0)), off.detach().contiguous(), group=group)
+    parts = [x.split(sizes) for x in flat[:rank]]
+    # the positions before this shard that its window may reach: the earlier ranks' tails
+    tails = [parts[r][0].view(B, Hk, W, D + E)[:, :, W - min(W, L) :]
+             for r, L in enumerate(lengths[:rank])]  # fmt: skip
+    tail_kinds = [ints[r, :, W - min(W, L) : W] for r, L in enumerate(lengths[:rank])]
+    prev = torch.cat([tail.new_zeros(B, Hk, W, D + E)] + tails, 2)
+    prev_kinds = torch.cat([kinds.new_zeros(B, W)] + [x.to(dev) for x in tail_kinds], 1)
+    L = prev.shape[2]
+    # those more than W before the shard have left the window: into the state
+    early = (prev_kinds == hybrid.WINDOW) & (torch.arange(L, device=dev) < L - W)[None, :]
+    s_t, z_t, off_t = hybrid.key_state(rf, prev[..., :D].to(k.dtype), prev[..., D:], early,
+                                       scale, key_map)  # fmt: skip
+    states = [RFState(*_unpack(p[2].view(B, Hk, -1, E + 1)), offs[r])
+              for r, p in enumerate(parts)]  # fmt: skip
+    state = combine_states(states + [RFState(s_t, z_t, off_t)])
+    # every rank's output depends on the gathered tensor (selected away where unused), so every
+    # rank runs the backward collective
+    anchor = torch.where(_FALSE, flat.sum(), 0.0)
+    sinks_kv = torch.cat([tail.new_zeros(B, Hk, 0, D + E)] +
+                         [p[1].view(B, Hk, S, D + E) for p in parts], 2)  # fmt: skip
+    sinks_present = torch.cat([present.new_zeros(B, 0)] +
+                              [ints[r, :, W:].bool() for r in range(rank)], 1).to(dev)  # fmt: skip
+    pick, _ = hybrid.first_true(sinks_present, S)
+    picked = hybrid.gather_positions(sinks_kv, pick) if sinks_kv.shape[2] else \
+        sinks_kv.new_zeros(B, Hk, S, D + E)  # fmt: skip
+    initial = hybrid.HybridState(
+        state.s + anchor, state.z, state.offset, prev[:, :, L - W :, :D].to(k.dtype),
+        prev[:, :, L - W :, D:], prev_kinds[:, L - W :].to(torch.int8),
+        picked[..., :D].to(k.dtype), picked[..., D:], torch.clamp(before, max=S),
+    )  # fmt: skip
+    return hybrid.hybrid_attention(q, k, v, rf, window=W, sinks=S, scale=scale,
+                                   key_padding_mask=call.key_padding_mask,
+                                   query_padding_mask=call.query_padding_mask,
+                                   initial_state=initial)  # fmt: skip

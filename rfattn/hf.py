@@ -21,18 +21,19 @@ Masks: the causal structure comes from the layer's ``is_causal`` and padding fro
 attention mask; the mask builder hands the attention function the key-padding mask as a
 stride-0 ``[B, 1, Tq, Tk]`` view (no quadratic tensor). Other patterns (packed sequences, custom
 4-D masks) are checked against "causal/bidirectional + key padding" and raise
-NotImplementedError when they differ. A sliding window (Mistral's ``sliding_window``, Qwen2's
-``use_sliding_window``, the ``"sliding_attention"`` layers of ``layer_types``) is refused alike
-on every path (a forward, ``generate``, a cached loop, context-parallel shards) as soon as it
-matters, i.e. a query would see a key the window leaves out; until then it runs as causal
-attention. Attention dropout acts on the attention output (no weight
+NotImplementedError when they differ. Attention dropout acts on the attention output (no weight
 matrix exists) and ``output_attentions`` returns None weights, with a warning (once), as sdpa.
 
-Hybrid layers: ``attach_random_features(model, window=64, sinks=4, ...)`` makes each causal layer
+Hybrid layers: ``attach_random_features(model, window=64, sinks=4, ...)`` makes each layer
 attend exactly to its first 4 tokens and last 64 positions and through the random features to
 the rest, in one normaliser (:mod:`rfattn.hybrid`); its generation cache keeps those keys and
-values beside the random-feature state, still of constant size. This is rfattn's own window,
-not the model's ``sliding_window`` (refused as above).
+values beside the random-feature state, still of constant size. A model's own sliding window
+(Mistral's ``sliding_window``, Qwen2's ``use_sliding_window``, the ``"sliding_attention"`` layers
+of ``layer_types``) is the exact part of such a hybrid on its layers (the mask builder hands on
+key padding, the attention function reads the layer's ``sliding_window``), on every path
+(context-parallel shards included) but a cache that dropped the older keys (DynamicCache,
+refused as soon as it has). Chunked attention
+(``attention_chunk_size``) is refused as soon as a query would see a key outside its chunk.
 
 Save/load: a model saved after :func:`attach_random_features` carries ``config.rfattn``; importing
 this module hooks ``PreTrainedModel.post_init`` so that such a model builds its layers' features
@@ -306,10 +307,11 @@ def rfattn_mask(
     bidirectional attention plus key padding for every query that is not padding; otherwise
     they are handed on, and the attention function raises.
 
-    Sliding windows (``local_size``, a model's ``sliding_window``) are refused wherever the
-    window matters: as soon as a query would attend to a key at least the window behind it (the
-    prompt, a cached decoding step or a context-parallel shard alike); within the window the
-    mask is plain causal attention.
+    A sliding window (``local_size``, a model's ``sliding_window``) becomes the key-padding view
+    too: the attention function runs the hybrid with the layer's window exact. Refused as soon
+    as a query would attend to a key at least the window behind it where that key is gone (a
+    cache dropped it), and for chunked attention (``attention_chunk_size``), which has no
+    form.
 
     Raises:
         NotImplementedError: a preallocated cache; a sliding window that matters.
@@ -331,13 +333,17 @@ def rfattn_mask(
         return _padding_view(keep, batch_size, q_length)
     if valid is None:
         valid = torch.ones(batch_size, n, dtype=torch.bool, device=device)
-    span = -1
+    span, window = -1, None
     if local_size is not None:
         config = kwargs.get("config")
         span, dropped = _window_span(valid, q_offset, q_length, kv_offset, config)
-        # keys a sliding-window cache dropped (DynamicCache) were out of the window; a sharded
-        # sequence decides on every rank alike, from the whole sequence's span
-        if dropped or (span >= local_size and _group_of(config) is not None):
+        # a sliding window is the hybrid's exact part (the attention function reads the
+        # layer's sliding_window); chunked attention has no form, judged on a sharded
+        # sequence's whole span (every rank alike). Keys a sliding-window cache dropped
+        # (DynamicCache) are gone for the features too
+        chunked = _window_name(local_size, config) != "sliding_window"
+        window = None if chunked else local_size
+        if dropped or (span >= local_size and chunked):
             raise _window_error(local_size, span, config)
     kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
     mask = sdpa_mask(
@@ -352,7 +358,7 @@ def rfattn_mask(
         device=device,
         **kwargs,
     )
-    if _plain_where_it_counts(mask, valid, q_offset, q_length, kv_offset, kv_length):
+    if _plain_where_it_counts(mask, valid, q_offset, q_length, kv_offset, kv_length, window):
         return _padding_view(keep, batch_size, q_length)
     if local_size is not None and span >= local_size:
         raise _window_error(local_size, span, kwargs.get("config"))
@@ -367,15 +373,21 @@ def _padding_view(keep: torch.Tensor | None, batch_size: int, q_length: int):
     return keep[:, None, None, :].expand(batch_size, 1, q_length, keep.shape[1])
 
 
-def _plain_where_it_counts(mask, valid, q_offset, q_length, kv_offset, kv_length) -> bool:
+def _plain_where_it_counts(mask, valid, q_offset, q_length, kv_offset, kv_length,
+                           window: int | None = None) -> bool:  # fmt: skip
     """Whether the materialised ``mask [B, 1, Tq, Tk]`` is causal or bidirectional attention
     plus key padding on the rows of queries that are tokens (``valid [B, n]``, positions
-    ``0..n-1``; a padded query's output is never read)."""
+    ``0..n-1``; a padded query's output is never read), within a sliding ``window`` if given
+    (transformers' causal ``j > i - window``, bidirectional ``|i - j| <= window``)."""
     q_pos = torch.arange(q_offset, q_offset + q_length, device=mask.device)
     k_pos = torch.arange(kv_offset, kv_offset + kv_length, device=mask.device)
     keys = valid[:, None, None, kv_offset : kv_offset + kv_length]
     rows = valid[:, None, q_offset : q_offset + q_length, None]
-    for expected in (keys & (k_pos <= q_pos[:, None]), keys):
+    causal, both = keys & (k_pos <= q_pos[:, None]), keys
+    if window is not None:
+        causal = causal & (k_pos > q_pos[:, None] - window)
+        both = both & ((k_pos - q_pos[:, None]).abs() <= window)
+    for expected in (causal, both):
         if bool(((mask == expected) | ~rows).all()):
             return True
     return False
@@ -416,15 +428,27 @@ def _global_first_last(first, last, n: int, group):
     return first, last
 
 
-def _window_error(local_size: int, span: int, config) -> NotImplementedError:
-    name = "sliding_window"
+def _window_name(local_size: int, config) -> str:
+    """``"sliding_window"``, or ``"attention_chunk_size"`` where ``local_size`` is that."""
     if getattr(config, "sliding_window", None) != local_size and \
             getattr(config, "attention_chunk_size", None) == local_size:  # fmt: skip
-        name = "attention_chunk_size"
+        return "attention_chunk_size"
+    return "sliding_window"
+
+
+def _window_error(local_size: int, span: int, config) -> NotImplementedError:
+    name = _window_name(local_size, config)
+    if name == "sliding_window":  # the hybrid's exact part, except where keys are gone
+        return NotImplementedError(
+            f"rfattn: sliding_window={local_size} is the exact part of rfattn's hybrid, whose "
+            f"random features read every older key, and a query would see a key {span} "
+            f"positions before it that this cache dropped (DynamicCache); use "
+            f"rfattn.hf.RFCache (the default cache under attn_implementation='rfattn')"
+        )
     return NotImplementedError(
         f"rfattn: {name}={local_size} matters here: a query would see a key {span} "
         f"positions before it, outside the window, and random-feature attention has no "
-        f"windowed form (it attends to every key). A model with {name} runs under "
+        f"chunked form (it attends to every key). A model with {name} runs under "
         f"attn_implementation='rfattn' only while each sequence so far (prompt and generated "
         f"tokens, padding aside) has at most {local_size} tokens; beyond that use a softmax "
         f"attn_implementation ('sdpa', 'eager'), or set config.{name} = None for full attention"
@@ -510,26 +534,40 @@ def rfattn_attention_forward(
         )
     layer = _PENDING.pop(key, None)  # an RFCacheLayer's new keys, or None
     rf = _layer_features(module, query.shape[-1], query.device)
+    sliding = kwargs.get("sliding_window")  # the layer's own window: the hybrid's exact part
     if layer is not None:
         layer.config = module.config
-        out = _cached_attention(layer, rf, query, key, value, attention_mask, scaling)
+        out = _cached_attention(layer, rf, query, key, value, attention_mask, scaling, sliding)
     else:
-        out = _mask_attention(module, rf, query, key, value, attention_mask, scaling, is_causal)
+        out = _mask_attention(module, rf, query, key, value, attention_mask, scaling, is_causal,
+                              sliding)  # fmt: skip
     if dropout > 0 and module.training:
         out = torch.nn.functional.dropout(out, dropout, training=True)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _mask_attention(module, rf, query, key, value, attention_mask, scaling, is_causal):
+def local_attention_of(config, sliding_window: int | None, causal: bool) -> tuple[int, int]:
+    """``(window, sinks)`` of a layer: :func:`local_attention`'s, the window replaced by the
+    layer's own ``sliding_window`` where it has one (transformers' causal ``j > i - W`` is the
+    hybrid's window W; bidirectional ``|i - j| <= W`` its window W + 1)."""
+    window, sinks = local_attention(config)
+    if sliding_window is not None:
+        window = int(sliding_window) + (0 if causal else 1)
+    return window, sinks
+
+
+def _mask_attention(module, rf, query, key, value, attention_mask, scaling, is_causal,
+                    sliding=None):  # fmt: skip
     """The attention ``[B, H, Tq, E]`` of queries on keys/values (``Hkv`` heads) with the
-    causal structure and padding read from the layer and the 4-D mask."""
+    causal structure and padding read from the layer and the 4-D mask; a layer with its own
+    ``sliding`` window runs the hybrid with that window exact."""
     tq, tk = query.shape[2], key.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     pad = None
     if attention_mask is not None:
         pad, causal = _split_mask(attention_mask, bool(causal), tq, tk)
     group = getattr(module, "rfattn_group", None)
-    window, sinks = local_attention(module.config)
+    window, sinks = local_attention_of(module.config, sliding, bool(causal))
     if window or sinks:
         return _hybrid(rf, query, key, value, pad, causal, group, window, sinks, scaling)
     # a single query (decoding) sees every cached key; a sharded sequence's one-token shard
@@ -558,14 +596,18 @@ def _mask_attention(module, rf, query, key, value, attention_mask, scaling, is_c
 def _hybrid(rf, query, key, value, pad, causal, group, window, sinks, scaling):
     """The hybrid (:mod:`rfattn.hybrid`) of the layer's queries, the last Tq of Tk positions (a
     key/value cache before them), or refuse what it has no form for."""
-    if not causal:
-        raise NotImplementedError("rfattn: window/sinks (config.rfattn) need causal attention")
-    if group is not None:
-        raise NotImplementedError("rfattn: window/sinks over a process group are not supported")
     tq, tk = query.shape[2], key.shape[2]
+    if not causal and tq != tk:
+        raise NotImplementedError("rfattn: window/sinks need self-attention (Tq == Tk)")
+    if group is not None:  # a shard of a causal self-attention (rfattn.distributed)
+        if not causal:
+            raise NotImplementedError("rfattn: window/sinks over a process group need causal "
+                                      "attention")  # fmt: skip
+        return rf_attention(query, key, value, rf, causal=True, key_padding_mask=pad,
+                            scale=scaling, window=window, sinks=sinks, group=group)  # fmt: skip
     front = query.new_zeros(*query.shape[:2], tk - tq, query.shape[-1])
     out = rf_attention(torch.cat((front, query), dim=2) if tk > tq else query, key, value, rf,
-                       causal=True, key_padding_mask=pad, scale=scaling, window=window,
+                       causal=causal, key_padding_mask=pad, scale=scaling, window=window,
                        sinks=sinks)  # fmt: skip
     return out[:, :, tk - tq :]
 
@@ -712,14 +754,14 @@ class RFCache(Cache):
         return cache
 
 
-def _cached_attention(layer, rf, query, key, value, attention_mask, scaling):
+def _cached_attention(layer, rf, query, key, value, attention_mask, scaling, sliding=None):
     """The attention ``[B, H, Tq, E]`` of the new tokens (``Hkv`` key/value heads) on an
     :class:`RFCacheLayer`'s state, which it advances."""
     tq = query.shape[2]
     pad = None
     if attention_mask is not None:  # [B, 1, Tq, seen + Tq]: the new tokens' columns
         pad, _ = _split_mask(attention_mask[..., -tq:], True, tq, tq)
-    window, sinks = local_attention(layer.config) if layer.config is not None else (0, 0)
+    window, sinks = local_attention_of(layer.config, sliding, True)
     out, layer.state = rf_attention(query, key, value, rf, causal=True, key_padding_mask=pad,
                                     scale=scaling, initial_state=layer.state, return_state=True,
                                     window=window, sinks=sinks)  # fmt: skip

@@ -38,6 +38,11 @@ the block's band, keys ``c0 - window <= j < c1 - window``, is seen row by row, t
 state. Memory O(C (C + window + sinks) + F E) per (b, h) besides
 what autograd keeps (this path is differentiated by autograd: it keeps one state per block).
 
+Non-causal (``causal=False``): the window is ``|i - j| < window``, the sinks are exact for every
+row, every other valid key is estimated; one offset R over all estimated keys serves every row
+(nothing is later), and a query block reads its band of key blocks row by row and every other
+estimated key through block sums before and after the band (no state).
+
 Split/resume and generation: a call with ``return_state=True`` leaves a :class:`HybridState` of
 constant size (the random-feature state, the last ``window`` positions' keys and values, the
 sinks); the next call runs on its window positions followed by its own tokens (rows only for its
@@ -57,7 +62,8 @@ import torch
 from rfattn.features.base import compute_dtype, prescale
 from rfattn.reference import attention_ratio
 
-__all__ = ["HybridState", "hybrid_attention", "hybrid_reference", "local_sets"]
+__all__ = ["HybridState", "hybrid_attention", "hybrid_reference", "key_state", "local_sets",
+           "first_true", "gather_positions"]
 
 #: query rows per block of the torch path
 BLOCK = 64
@@ -70,7 +76,7 @@ def _check(q, k, v, window, sinks, key_padding_mask) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be [B, H, T, D] / [B, H, T, E]")
     if q.shape[-2] != k.shape[-2]:
-        raise ValueError(f"causal attention needs Tq == Tk, got {q.shape[-2]} and {k.shape[-2]}")
+        raise ValueError(f"the hybrid needs Tq == Tk, got {q.shape[-2]} and {k.shape[-2]}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads {q.shape[1]} are not a multiple of key heads {k.shape[1]}")
     if key_padding_mask is not None and (
@@ -81,11 +87,11 @@ def _check(q, k, v, window, sinks, key_padding_mask) -> None:
         raise ValueError(f"key_padding_mask must be bool [B, T] = {want}, got {got}")
 
 
-def local_sets(
-    T: int, window: int, sinks: int, key_padding_mask: torch.Tensor | None, device=None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def local_sets(T: int, window: int, sinks: int, key_padding_mask: torch.Tensor | None,
+               device=None, causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(exact, estimated)``: bool ``[B or 1, 1, T, T]`` of the (query, key) pairs each part
-    holds (:mod:`rfattn.hybrid`'s E_i and R_i; disjoint, their union the causal valid pairs)."""
+    holds (:mod:`rfattn.hybrid`'s E_i and R_i; disjoint, their union the valid pairs: causal, or
+    every valid key with ``causal=False``, where the window is ``|i - j| < window``)."""
     i = torch.arange(T, device=device)[:, None]
     j = torch.arange(T, device=device)[None, :]
     if key_padding_mask is None:
@@ -94,25 +100,27 @@ def local_sets(
         valid = ~key_padding_mask
     rank = valid.long().cumsum(-1) - 1  # among valid keys
     sink = (valid & (rank < sinks))[:, None, None, :]
-    seen = (j <= i) & valid[:, None, None, :]
-    in_window = j > i - window
+    seen = ((j <= i) if causal else torch.ones_like(j <= i)) & valid[:, None, None, :]
+    in_window = (j > i - window) & (j < i + window)
     exact = seen & (in_window | sink)
     return exact, seen & ~exact
 
 
 def hybrid_reference(q, k, v, rf, *, window: int, sinks: int = 0, scale: float | None = None,
-                     key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                     key_padding_mask: torch.Tensor | None = None,
+                     causal: bool = True) -> torch.Tensor:  # fmt: skip
     """The hybrid as ``[T, T]`` kernel matrices (run it in float64): ``exp(s q . k)`` on the
     exact pairs, :meth:`rfattn.RandomFeatures.estimate_kernel` on the estimated ones (of the
     head-mapped q and k where ``rf`` has head maps), then
-    :func:`rfattn.reference.kernel_attention`'s ratio. Causal; grouped-query heads repeated."""
+    :func:`rfattn.reference.kernel_attention`'s ratio (:func:`local_sets`' pairs, causal or
+    not); grouped-query heads repeated."""
     _check(q, k, v, window, sinks, key_padding_mask)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     group = q.shape[1] // k.shape[1]
     if key_padding_mask is not None:  # junk in padded keys reaches no kernel value or gradient
         pad = key_padding_mask[:, None, :, None]
         k, v = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
-    exact, estimated = local_sets(q.shape[-2], window, sinks, key_padding_mask, q.device)
+    exact, estimated = local_sets(q.shape[-2], window, sinks, key_padding_mask, q.device, causal)
     maps = rf.map_tensors(q, k)
     kq, kk = (q, k) if maps is None else (q @ maps[0].to(q.dtype).transpose(-1, -2),
                                           k @ maps[1].to(k.dtype).transpose(-1, -2))  # fmt: skip
@@ -176,7 +184,7 @@ def _check_state(state, like: HybridState) -> None:
                              f"these inputs, window and sinks, got {tuple(got.shape)}")  # fmt: skip
 
 
-def _first(flags: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def first_true(flags: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(index [B, n], present [B, n])``: the positions of the first ``n`` True entries of each
     row of ``flags`` [B, L] (``present`` False where a row has fewer), on the device."""
     L = flags.shape[-1]
@@ -189,18 +197,72 @@ def _first(flags: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return order, present
 
 
-def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def gather_positions(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x [B, H, L, C]`` at positions ``index [B, n]`` -> ``[B, H, n, C]``."""
     return x.gather(2, index[:, None, :, None].expand(*x.shape[:2], index.shape[-1], x.shape[-1]))
+
+
+def _block_masks(G: int, C: int, W: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(band, near)``: bool ``[G C, C + W]`` over a causal block's rows (G query heads x C
+    positions e = c0 + r) and its keys ``c0 - W + t``: the band ``j <= e - W`` (t <= r) and the
+    window ``e - W < j <= e`` (r < t <= r + W). The same for every block of C rows."""
+    r = torch.arange(C, device=device).repeat(G)[:, None]
+    t = torch.arange(C + W, device=device)[None, :]
+    return t <= r, (t > r) & (t <= r + W)
+
+
+def _factors(rf, fq, fk, w, params, estimated):
+    """``(a, mq, b, mk)``: the query features ``a [B, Hk, Lq, F]`` at their row maxima ``mq``
+    (``[B, Hk, Lq, 1]``) and the key features ``b [B, Hk, Lk, F]`` (amplitude and ``1 / N``
+    included) at their own ``mk``, of the features' pre-scaled ``fq``, ``fk``; keys not
+    ``estimated`` (``[B, 1, Lk, 1]``) get ``b = 0``, ``mk = -inf``. Plain features (rmf) sit at
+    offset 0."""
+    fm = rf.feature_map
+    if fm.exponential:
+        u_q, u_k = fm.logits(fq, w, "query", params), fm.logits(fk, w, "key", params)
+        mq = u_q.amax(-1, keepdim=True).detach()
+        mk = u_k.amax(-1, keepdim=True).detach()
+        a, b = torch.exp(u_q - mq), torch.exp(u_k - mk)
+        g_q = fm.amplitude(fq, w, "query", params)
+        a = a if g_q is None else g_q * a
+    else:
+        a, b = fm.values(fq, w, "query", params), fm.values(fk, w, "key", params)
+        mq, mk = fq.new_zeros(*fq.shape[:-1], 1), fk.new_zeros(*fk.shape[:-1], 1)
+    g_k = fm.key_amplitude(fk, w, params)
+    b = (b if g_k is None else g_k * b) / fm.num_samples(w)
+    return a, mq, b.masked_fill(~estimated, 0.0), mk.masked_fill(~estimated, -math.inf)
+
+
+def key_state(rf, k, v, estimated, scale: float, key_map=None):
+    """``(s [B, Hk, F, E], z [B, Hk, F], offset [B, Hk])``: the random-feature state of the keys
+    of ``k [B, Hk, L, D]``, ``v`` where ``estimated [B, L]``, at the offset the hybrid keeps
+    (the largest key maximum; -inf for none): what :func:`hybrid_attention` would have summed
+    into its state from them. ``key_map``: the features' head map of k. For features without
+    data statistics (or with fixed ones)."""
+    cd = compute_dtype(k.dtype)
+    B, Hk, L = k.shape[:3]
+    if L == 0:
+        F = rf.feature_map.width(rf.weight.shape[-2])
+        return (k.new_zeros(B, Hk, F, v.shape[-1], dtype=cd), k.new_zeros(B, Hk, F, dtype=cd),
+                k.new_full((B, Hk), -math.inf, dtype=cd))  # fmt: skip
+    absent = ~estimated
+    fk = prescale(k, scale, absent, key_map)
+    w = rf.weight.to(device=k.device, dtype=cd)
+    params = rf.feature_params(fk[:, :, :0], fk, absent, causal=True)
+    _, _, b, mk = _factors(rf, fk[:, :, :0], fk, w, params, estimated[:, None, :, None])
+    R = mk.amax(-2)  # [B, Hk, 1]
+    k_w = torch.exp(mk - R.masked_fill(R == -math.inf, 0.0)[..., None]) * b
+    vv = v.to(cd).masked_fill(absent[:, None, :, None], 0.0)
+    return k_w.transpose(-1, -2) @ vv, k_w.sum(-2), R[..., 0]
 
 
 def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float | None = None,
                      key_padding_mask: torch.Tensor | None = None,
                      initial_state: HybridState | None = None, return_state: bool = False,
-                     block: int = BLOCK,
-                     query_padding_mask: torch.Tensor | None = None):  # fmt: skip
-    """Causal hybrid attention (module docstring): exact sinks and window, random features for
-    the rest, one normaliser. The torch path, blocked, differentiated by autograd.
+                     block: int = BLOCK, query_padding_mask: torch.Tensor | None = None,
+                     causal: bool = True):  # fmt: skip
+    """Hybrid attention (module docstring): exact sinks and window, random features for the
+    rest, one normaliser. The torch path, blocked, differentiated by autograd.
 
     Args:
         q: ``[B, H, T, D]``; k: ``[B, Hk, T, D]``; v: ``[B, Hk, T, E]`` (H a multiple of Hk:
@@ -216,12 +278,18 @@ def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
         block: query rows per block.
         query_padding_mask: ``[B, T]`` bool, True = queries left out of the data statistics
             (oprf, saderf, ...).
+        causal: False: every valid key, the window ``|i - j| < window`` exact (no state).
 
     Returns:
         ``[B, H, T, E]`` in q's dtype (0 for a row with no valid key), and the
         :class:`HybridState` with ``return_state``. Split/resume equals one call up to rounding.
     """
     _check(q, k, v, window, sinks, key_padding_mask)
+    if not causal:
+        if initial_state is not None or return_state:
+            raise ValueError("initial_state and return_state need causal=True")
+        return _bidirectional(q, k, v, rf, window, sinks, scale, key_padding_mask,
+                              query_padding_mask, block)  # fmt: skip
     maps = rf.map_tensors(q, k)  # the features' head maps (the exact part takes q, k as they are)
     B, H, T, D = q.shape
     Hk, E, W = k.shape[1], v.shape[-1], window
@@ -254,34 +322,20 @@ def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
         qpm = qpm.repeat(1, G)
     params = rf.feature_params(fq, fk[:, :, W:], key_padding_mask, causal=True,
                                query_padding_mask=qpm)  # fmt: skip
-    fm = rf.feature_map
-    if fm.exponential:
-        u_q, u_k = fm.logits(fq, w, "query", params), fm.logits(fk, w, "key", params)
-        mq = u_q.amax(-1, keepdim=True).detach()
-        mk = u_k.amax(-1, keepdim=True).detach()
-        a, b = torch.exp(u_q - mq), torch.exp(u_k - mk)
-        g_q = fm.amplitude(fq, w, "query", params)
-        a = a if g_q is None else g_q * a
-    else:
-        a, b = fm.values(fq, w, "query", params), fm.values(fk, w, "key", params)
-        mq, mk = xq.new_zeros(B, Hk, G * T, 1), xk.new_zeros(B, Hk, W + T, 1)
-    g_k = fm.key_amplitude(fk, w, params)
-    b = (b if g_k is None else g_k * b) / fm.num_samples(w)
     estimated = (kinds == WINDOW)[:, None, :, None]  # valid, not a sink: leaves the window
-    b, mk = b.masked_fill(~estimated, 0.0), mk.masked_fill(~estimated, -math.inf)
+    a, mq, b, mk = _factors(rf, fq, fk, w, params, estimated)
     a, mq, xq = (x.view(B, Hk, G, T, x.shape[-1]) for x in (a, mq, xq))
     # sinks: the state's (seen by every row), then this call's new ones (from their position)
-    new_slot, new_present = _first(kinds_new == SINK, sinks)
+    new_slot, new_present = first_true(kinds_new == SINK, sinks)
     old_present = torch.arange(sinks, device=dev)[None, :] < st.sinks_seen[:, None]
-    sink_k = torch.cat([st.sink_keys, _gather(k, new_slot).to(st.sink_keys.dtype)], 2)
-    sink_v = torch.cat([st.sink_values, _gather(v, new_slot)], 2)
+    sink_k = torch.cat([st.sink_keys, gather_positions(k, new_slot).to(st.sink_keys.dtype)], 2)
+    sink_v = torch.cat([st.sink_values, gather_positions(v, new_slot)], 2)
     sink_pos = torch.cat([torch.full_like(new_slot, -1), new_slot + W], -1)  # [B, 2S]
     sink_present = torch.cat([old_present, new_present], -1)
     x_s = prescale(sink_k, scale, ~sink_present)
     v_s = sink_v.to(cd).masked_fill(~sink_present[:, None, :, None], 0.0)
-    window_key = (kinds == WINDOW)[:, None, None, :]  # [B, 1, 1, W + T]
     S, z, R = st.s, st.z, st.offset[:, :, None]
-    outs = []
+    nums, dens, masks = [], [], None
     for c0 in range(W, W + T, block):
         c1 = min(c0 + block, W + T)
         C = c1 - c0
@@ -290,35 +344,31 @@ def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
         rows = slice(c0 - W, c1 - W)
         a_i, xq_i = (x[:, :, :, rows].reshape(B, Hk, G * C, x.shape[-1]) for x in (a, xq))
         mq_i = mq[:, :, :, rows, 0].reshape(B, Hk, G * C)
-        # the band: estimated keys leaving the window inside this block, c0 - W <= j < c1 - W
-        lo, hi = c0 - W, c1 - W
-        jb = torch.arange(lo, hi, device=dev)[None, :]
-        lb = (mq_i[..., None] + mk[:, :, None, lo:hi, 0]).masked_fill(jb > e - W, -math.inf)
-        # the window, exact: valid non-sink keys e - W < j <= e
-        wl = c0 - W + 1
-        jw = torch.arange(wl, c1, device=dev)[None, :]
-        seen = (jw > e - W) & (jw <= e) & window_key[..., wl:c1]
-        le = (xq_i @ xk[:, :, wl:c1].transpose(-1, -2)).masked_fill(~seen, -math.inf)
+        # keys c0 - W <= j < c1, one matrix: the band (estimated keys leaving the window inside
+        # this block, j <= e - W; mk is -inf off them) and the window (exact, e - W < j <= e)
+        lo = c0 - W
+        if masks is None or masks[0].shape[0] != G * C:
+            masks = _block_masks(G, C, W, dev)
+        band, near = masks[0], masks[1] & (kinds[:, None, None, lo:c1] == WINDOW)
+        lb = (mq_i[..., None] + mk[:, :, None, lo:c1, 0]).masked_fill(~band, -math.inf)
+        logits = torch.where(near, xq_i @ xk[:, :, lo:c1].transpose(-1, -2), lb)
         # the sinks seen so far, exact
         sink_seen = (sink_pos[:, None, None, :] <= e) & sink_present[:, None, None, :]
         ls = (xq_i @ x_s.transpose(-1, -2)).masked_fill(~sink_seen, -math.inf)
         # one stabiliser per row for both parts, from the keys the row sees
-        c = mq_i + R
-        for part in (lb, le, ls):
-            if part.shape[-1]:
-                c = torch.maximum(c, part.amax(-1))
+        c = torch.maximum(mq_i + R, logits.amax(-1))
+        if sinks:
+            c = torch.maximum(c, ls.amax(-1))
         c = c.detach().masked_fill(c == -math.inf, 0.0)
         f_state = torch.exp(mq_i + R - c)
-        num = f_state[..., None] * (a_i @ S)
-        den = f_state * (a_i @ z[..., None])[..., 0]
-        p = torch.exp(lb - c[..., None]) * (a_i @ b[:, :, lo:hi].transpose(-1, -2))
-        num, den = num + p @ vv[:, :, lo:hi], den + p.sum(-1)
-        p = torch.exp(le - c[..., None])
-        num, den = num + p @ vv[:, :, wl:c1], den + p.sum(-1)
-        p = torch.exp(ls - c[..., None])
-        num, den = num + p @ v_s, den + p.sum(-1)
-        outs.append(attention_ratio(num, den).view(B, Hk, G, C, E))
+        # the band's terms times its features' product, the window's as they are
+        p = torch.exp(logits - c[..., None])
+        p = p * torch.where(band, a_i @ b[:, :, lo:c1].transpose(-1, -2), 1.0)
+        ps = torch.exp(ls - c[..., None])
+        nums.append(f_state[..., None] * (a_i @ S) + p @ vv[:, :, lo:c1] + ps @ v_s)
+        dens.append(f_state * (a_i @ z[..., None])[..., 0] + p.sum(-1) + ps.sum(-1))
         if c1 < W + T or return_state:  # the band joins the state: estimated keys j < c1 - W
+            hi = c1 - W
             R_new = torch.maximum(R, mk[:, :, lo:hi, 0].amax(-1, keepdim=True))
             R_safe = R_new.masked_fill(R_new == -math.inf, 0.0)
             k_w = torch.exp(mk[:, :, lo:hi] - R_safe[..., None]) * b[:, :, lo:hi]
@@ -326,7 +376,9 @@ def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
             S = decay[..., None] * S + k_w.transpose(-1, -2) @ vv[:, :, lo:hi]
             z = decay * z + k_w.sum(-2)
             R = R_new
-    out = torch.cat(outs, dim=3).reshape(B, H, T, E).to(q.dtype)
+    num = torch.cat([x.view(B, Hk, G, -1, E) for x in nums], 3)
+    den = torch.cat([x.view(B, Hk, G, -1) for x in dens], 3)
+    out = attention_ratio(num, den).reshape(B, H, T, E).to(q.dtype)
     if not return_state:
         return out
     # the sink slots after this call: the state's first, then the new ones in order
@@ -335,17 +387,98 @@ def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
     pick = torch.where(r < n, r, sinks + r - n).clamp(max=2 * sinks - 1) if sinks else r
     state = HybridState(
         S, z, R[:, :, 0], ks[:, :, T:], vs[:, :, T:], kinds[:, T:],
-        _gather(sink_k, pick.expand(B, sinks)), _gather(sink_v, pick.expand(B, sinks)),
+        gather_positions(sink_k, pick.expand(B, sinks)),
+        gather_positions(sink_v, pick.expand(B, sinks)),
         torch.clamp(st.sinks_seen + (kinds_new == SINK).sum(-1), max=sinks),
     )  # fmt: skip
     return out, state
 
 
+def _bidirectional(q, k, v, rf, window, sinks, scale, key_padding_mask, query_padding_mask,
+                   block):  # fmt: skip
+    """:func:`hybrid_attention` with ``causal=False``. Every row sees every valid key, so one
+    offset R per (b, h) over the estimated keys serves all rows (as non-causal random-feature
+    attention's); each query block ``c0 <= i < c1`` reads the keys of the aligned key blocks
+    around it, ``c0 - window < j < c1 - 1 + window``, row by row (exact where ``|i - j| <
+    window``, estimated elsewhere) and every other estimated key through block sums: those
+    before the band and those after it, each summed (never differences)."""
+    maps = rf.map_tensors(q, k)
+    B, H, T, D = q.shape
+    Hk, E, W, C = k.shape[1], v.shape[-1], window, block
+    G = H // Hk
+    scale = D**-0.5 if scale is None else float(scale)
+    dev, cd = q.device, compute_dtype(q.dtype)
+    valid = torch.ones(B, T, dtype=torch.bool, device=dev)
+    if key_padding_mask is not None:
+        valid = ~key_padding_mask
+    sink = valid & (valid.long().cumsum(-1) <= sinks)
+    est = valid & ~sink  # the window's or the features' (by the row)
+    xq = prescale(q, scale).reshape(B, Hk, G * T, D)
+    xk = prescale(k, scale, ~valid)
+    fq, fk = xq, xk
+    if maps is not None:
+        fq = prescale(q, scale, None, maps[0]).reshape(B, Hk, G * T, D)
+        fk = prescale(k, scale, ~valid, maps[1])
+    vv = v.to(cd).masked_fill(~valid[:, None, :, None], 0.0)
+    w = rf.weight.to(device=dev, dtype=cd)
+    qpm = query_padding_mask
+    if qpm is not None and G > 1:
+        qpm = qpm.repeat(1, G)
+    params = rf.feature_params(fq, fk, key_padding_mask, causal=False, query_padding_mask=qpm)
+    a, mq, b, mk = _factors(rf, fq, fk, w, params, est[:, None, :, None])
+    R = mk.amax(-2, keepdim=True)  # [B, Hk, 1, 1], -inf without estimated keys
+    kw = torch.exp(mk - R.masked_fill(R == -math.inf, 0.0)) * b  # 0 off the estimated keys
+    a, mq, xq = (x.view(B, Hk, G, T, x.shape[-1]) for x in (a, mq, xq))
+    # block sums of the estimated keys, then the sums before block n and from block n on
+    nb = -(-T // C)
+    pad = nb * C - T
+    kw_b = torch.nn.functional.pad(kw, (0, 0, 0, pad)).view(B, Hk, nb, C, -1)
+    vv_b = torch.nn.functional.pad(vv, (0, 0, 0, pad)).view(B, Hk, nb, C, E)
+    blocks_s = torch.cat([kw_b.transpose(-1, -2) @ vv_b, kw_b.sum(-2)[..., None]], -1)
+    zero = torch.zeros_like(blocks_s[:, :, :1])
+    before = torch.cat([zero, blocks_s.cumsum(2)], 2)  # [B, Hk, nb + 1, F, E + 1]
+    after = torch.cat([blocks_s.flip(2).cumsum(2).flip(2), zero], 2)
+    slot, present = first_true(sink, sinks)
+    x_s = prescale(gather_positions(k, slot), scale, ~present)
+    v_s = gather_positions(v, slot).to(cd).masked_fill(~present[:, None, :, None], 0.0)
+    outs = []
+    for c0 in range(0, T, C):
+        c1 = min(c0 + C, T)
+        n = c1 - c0
+        i = torch.arange(c0, c1, device=dev).repeat(G)[:, None]  # [G n, 1]
+        a_i, xq_i = (x[:, :, :, c0:c1].reshape(B, Hk, G * n, x.shape[-1]) for x in (a, xq))
+        mq_i = mq[:, :, :, c0:c1, 0].reshape(B, Hk, G * n)
+        # the band: whole key blocks around the rows' windows (none without a window)
+        lo, hi = (max(c0 - W + 1, 0) // C, -(-min(c1 - 1 + W, T) // C)) if W else (0, 0)
+        j = torch.arange(lo * C, min(hi * C, T), device=dev)[None, :]
+        near = ((j - i).abs() < W) & est[:, None, None, lo * C : hi * C]
+        far = ~near & est[:, None, None, lo * C : hi * C]
+        le = (xq_i @ xk[:, :, lo * C : hi * C].transpose(-1, -2)).masked_fill(~near, -math.inf)
+        ls = (xq_i @ x_s.transpose(-1, -2)).masked_fill(~present[:, None, None, :], -math.inf)
+        c = mq_i + R[..., 0]
+        for part in (le, ls):
+            if part.shape[-1]:
+                c = torch.maximum(c, part.amax(-1))
+        c = c.detach().masked_fill(c == -math.inf, 0.0)
+        f = torch.exp(mq_i + R[..., 0] - c)
+        outside = a_i @ (before[:, :, lo] + after[:, :, hi])  # [B, Hk, G n, E + 1]
+        pb = (a_i @ kw[:, :, lo * C : hi * C].transpose(-1, -2)).masked_fill(~far, 0.0)
+        num = f[..., None] * (outside[..., :E] + pb @ vv[:, :, lo * C : hi * C])
+        den = f * (outside[..., E] + pb.sum(-1))
+        p = torch.exp(le - c[..., None])
+        num, den = num + p @ vv[:, :, lo * C : hi * C], den + p.sum(-1)
+        p = torch.exp(ls - c[..., None])
+        num, den = num + p @ v_s, den + p.sum(-1)
+        outs.append(attention_ratio(num, den).view(B, Hk, G, n, E))
+    return torch.cat(outs, dim=3).reshape(B, H, T, E).to(q.dtype)
+
+
 def attend(call):
     """``rf_attention``'s result for a validated call with ``window`` or ``sinks``
-    (:class:`rfattn.call.Call`; padded query rows already read as 0): the torch path above."""
+    (:class:`rfattn.call.Call`; padded query rows already read as 0): the torch path above (on
+    a process group :func:`rfattn.distributed.hybrid_sharded` runs instead)."""
     return hybrid_attention(call.q, call.k, call.v, call.rf, window=call.window, sinks=call.sinks,
                             scale=call.scale, key_padding_mask=call.key_padding_mask,
                             query_padding_mask=call.query_padding_mask,
                             initial_state=call.initial_state,
-                            return_state=call.return_state)  # fmt: skip
+                            return_state=call.return_state, causal=call.causal)  # fmt: skip

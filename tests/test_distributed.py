@@ -66,7 +66,11 @@ def run(case, x, cut_k=None, cut_q=None, group=None, rank=0):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     kw = dict(causal=case["causal"], key_padding_mask=mask, backend=case.get("backend", "torch"),
               group=group)  # fmt: skip
-    if not case["causal"]:
+    if "hybrid" in case:  # window and sinks (no initial or returned state)
+        window, sinks = case["hybrid"]
+        out = rfattn.rf_attention(*leaves, rf, window=window, sinks=sinks, **kw)
+        loss = (out * do).sum()
+    elif not case["causal"]:
         out = rfattn.rf_attention(*leaves, rf, **kw)
         loss = (out * do).sum()
     else:
@@ -84,7 +88,7 @@ def run(case, x, cut_k=None, cut_q=None, group=None, rank=0):
         torch.zeros_like(t) if g is None else g.detach() for t, g in zip(leaves, grads, strict=True)
     ]
     res = dict(out=out.detach(), grads=grads)
-    if case["causal"]:
+    if case["causal"] and "hybrid" not in case:
         res["state"] = [t.detach() for t in st]
     return res
 
@@ -155,6 +159,14 @@ CASES = {
                 4: [slice(0, 6), slice(6, 12), slice(12, 20), slice(20, T)]},
     ),
     "causal-maps-gqa": dict(feature="posrf", causal=True, kv_heads=1, maps=True),
+    # the hybrid: a shard starts from the window, sinks and state of the ranks before it (a
+    # shard shorter than the window, one without a valid key, tails that span several ranks)
+    "hybrid-maps-gqa": dict(feature="posrf", causal=True, kv_heads=1, maps=True, hybrid=(5, 2)),
+    "hybrid-padded-rank": dict(
+        feature="trigrf", causal=True, pad=[(6, 12)], hybrid=(7, 4),
+        shards={2: [slice(0, 3), slice(3, T)],
+                4: [slice(0, 2), slice(2, 4), slice(4, 14), slice(14, T)]},
+    ),
     "noncausal-maps": dict(feature="posrf", causal=False, maps=True),
     "noncausal-oprf-global": dict(feature="oprf", causal=False),
     "noncausal-saderf-cross": dict(feature="saderf", causal=False, tq=17),
@@ -174,7 +186,8 @@ def _compare(case, full, parts, world):
         out[:, :, s] = p["out"]
     torch.testing.assert_close(out, full["out"], rtol=RTOL, atol=1e-12)
     assert sum(s.stop - s.start for s in sq) == tq
-    names = ["q", "k", "v"] + (["s0", "z0"] if case["causal"] else [])
+    stateful = case["causal"] and "hybrid" not in case
+    names = ["q", "k", "v"] + (["s0", "z0"] if stateful else [])
     names += ["query_map", "key_map"] if case.get("maps") else []
     for i, g_full in enumerate(full["grads"]):
         if i == 0:
@@ -184,7 +197,7 @@ def _compare(case, full, parts, world):
         else:  # the initial state (and maps) are used on every rank: the gradient is the sum
             got = sum(p["grads"][i] for p in parts)
         torch.testing.assert_close(got, g_full, rtol=RTOL, atol=1e-12, msg=names[i])
-    if case["causal"]:
+    if stateful:
         for p in parts:  # every rank returns the state after the whole sequence
             for a, b in zip(p["state"], full["state"], strict=True):
                 torch.testing.assert_close(a, b, rtol=RTOL, atol=1e-12)
@@ -396,10 +409,12 @@ DISAGREEMENTS = {
     "initial-state": (dict(initial_state=True), "initial_state", "True", dict(causal=True)),
     "running-stats": (dict(train=True), "statistics", "reduced", dict(feature="oprf")),
     "fused-path": (dict(backend="triton"), "non-causal fused kernel", "True", dict(causal=False)),
+    "window": (dict(window=3), "window", "3", {}),
     "rejected": (dict(scale=-1.0), "rejected", "scale", {}),
 }  # fmt: skip
 _AGREED = dict(causal=True, M=16, feature="posrf", D=8, E=5, dtype=f64, B=2, H=2, Hkv=2, T=4,
-               initial_state=False, train=False, backend="torch", scale=None)  # fmt: skip
+               initial_state=False, train=False, backend="torch", scale=None,
+               window=0)  # fmt: skip
 
 
 def _disagreeing_call(spec, group):
@@ -409,7 +424,8 @@ def _disagreeing_call(spec, group):
     B, H, Hkv, T_, D_, E_ = (s[n] for n in ("B", "H", "Hkv", "T", "D", "E"))
     q, k, v = (torch.randn(B, h, T_, d, dtype=s["dtype"])
                for h, d in ((H, D_), (Hkv, D_), (Hkv, E_)))  # fmt: skip
-    kw = dict(causal=s["causal"], backend=s["backend"], scale=s["scale"], group=group)
+    kw = dict(causal=s["causal"], backend=s["backend"], scale=s["scale"], group=group,
+              window=s["window"])  # fmt: skip
     if s["initial_state"]:
         F = rf.feature_map.width(s["M"])
         kw["initial_state"] = rfattn.RFState(torch.zeros(B, Hkv, F, E_, dtype=s["dtype"]),

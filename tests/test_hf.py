@@ -1,5 +1,7 @@
 """Issue 8: transformers integration (attn_implementation="rfattn"); tiny random configs only."""
 
+import copy
+
 import pytest
 import torch
 
@@ -353,61 +355,71 @@ def _decode(model, ids, prompt: int, cache):
     return out.logits[:, -1]
 
 
-@pytest.mark.parametrize("path", ["forward", "generate", "loop-RFCache", "loop-DynamicCache"])
-def test_a_sliding_window_is_refused_where_it_matters(path):
-    """Mistral with sliding_window=4: every path runs while the sequence so far fits in the
-    window (the same tokens and logits as a full forward) and raises NotImplementedError naming
-    sliding_window from the first token that would see a key outside it (before: only a full
-    forward raised; generate and cached loops decoded on with full attention, silently)."""
+@pytest.mark.parametrize("path", ["forward", "generate", "loop-RFCache"])
+def test_a_sliding_window_is_the_hybrids_exact_part(path):
+    """Mistral with sliding_window=4 runs the hybrid with the model's own window exact: while
+    the sequence fits in the window it is the model's softmax self; beyond it, what
+    attach_random_features(window=4) gives a model without a window (the features reading every
+    older key), on every path (before: NotImplementedError)."""
     model = _windowed(sliding_window=4)
-    ids = _ids()[:, :5]
+    ids = _ids()[:, :7]
     with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        own = model(ids[:, :4]).logits
+        model.set_attn_implementation("rfattn")
+        plain = copy.deepcopy(model)
+        plain.config.sliding_window = None
+        rfhf.attach_random_features(plain, window=4)
+        want = plain(ids).logits
         if path == "forward":
-            model(ids[:, :4])
-            run = lambda: model(ids)  # noqa: E731
+            torch.testing.assert_close(model(ids[:, :4]).logits, own, rtol=1e-5, atol=1e-5)
+            got = model(ids).logits[:, -1]
         elif path == "generate":
-            gen = model.generate(ids[:, :3], max_new_tokens=2, do_sample=False, pad_token_id=0)
-            assert torch.equal(gen[:, 4], model(gen[:, :4]).logits[:, -1].argmax(-1))
-            run = lambda: model.generate(ids[:, :3], max_new_tokens=3, do_sample=False,  # noqa: E731
-                                         pad_token_id=0)  # fmt: skip
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2,
+                                 do_sample=False, pad_token_id=0)  # fmt: skip
+            want = plain(gen).logits
+            assert torch.equal(gen[:, 7:], want[:, 6:-1].argmax(-1))
+            got = model(gen).logits[:, -1]
         else:
-            cache = (lambda: rfhf.RFCache()) if path == "loop-RFCache" else (lambda: None)
-            last = _decode(model, ids[:, :4], 2, cache())
-            torch.testing.assert_close(last, model(ids[:, :4]).logits[:, -1])
-            run = lambda: _decode(model, ids, 2, cache())  # noqa: E731
-        with pytest.raises(NotImplementedError, match="sliding_window=4"):
-            run()
+            got = _decode(model, ids, 2, rfhf.RFCache())
+        torch.testing.assert_close(got, want[:, -1], rtol=1e-5, atol=1e-5)
+        assert (got - want[:, -1]).abs().max() < 1e-3 * (got - own[:, -1]).abs().max()
+
+
+def test_the_hybrids_exact_pairs_are_the_models_window():
+    """transformers' sliding-window masks (causal j > i - W; bidirectional |i - j| <= W) select
+    exactly the pairs the hybrid computes exactly from the layer's sliding_window."""
+    from transformers.masking_utils import (
+        sdpa_mask,
+        sliding_window_bidirectional_mask_function,
+        sliding_window_causal_mask_function,
+    )
+
+    from rfattn.hybrid import local_sets
+
+    for causal, fn in ((True, sliding_window_causal_mask_function),
+                       (False, sliding_window_bidirectional_mask_function)):  # fmt: skip
+        own = sdpa_mask(1, 10, 10, mask_function=fn(3), allow_is_causal_skip=False,
+                        allow_is_bidirectional_skip=False)  # fmt: skip
+        window, _ = rfhf.local_attention_of(None, 3, causal)
+        exact, _ = local_sets(10, window, 0, None, causal=causal)
+        assert torch.equal(own, exact)
 
 
 def test_a_sliding_window_behind_padding_or_on_other_layers():
-    """The window matters by tokens, not padding: left-padded rows whose tokens fit in it run
-    (prompt and generation); Qwen2's layer_types put it on some layers (refused alike), and
-    use_sliding_window=False leaves none (any length runs)."""
-    model = _windowed(sliding_window=4)
+    """Qwen2's layer_types put the window on some layers only: those run the hybrid (their
+    generation state a HybridState of the window), the others plain random features; a cache
+    that dropped keys outside the window (DynamicCache) is refused, naming RFCache."""
     ids = _ids()[:, :6]
-    mask = torch.ones(2, 6, dtype=torch.long)
-    mask[:, :3] = 0
-    mask[1, 2] = 1  # row 1 has 4 tokens
-    with torch.no_grad():
-        model(ids, attention_mask=mask)
-        model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False,
-                       pad_token_id=0)  # fmt: skip
-        with pytest.raises(NotImplementedError, match="sliding_window=4"):
-            model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
-                           pad_token_id=0)  # fmt: skip
-        mask[1, 1] = 1
-        with pytest.raises(NotImplementedError, match="sliding_window=4"):
-            model(ids, attention_mask=mask)
     mixed = _windowed("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1)
     assert mixed.config.layer_types == ["full_attention", "sliding_attention"]
-    full = _windowed("qwen2", use_sliding_window=False, sliding_window=4)
     with torch.no_grad():
-        full.generate(ids[:, :3], max_new_tokens=6, do_sample=False, pad_token_id=0)
-        mixed(ids[:, :4])
-        with pytest.raises(NotImplementedError, match="sliding_window=4"):
-            mixed.generate(ids[:, :3], max_new_tokens=3, do_sample=False, pad_token_id=0)
-        with pytest.raises(NotImplementedError, match="sliding_window=4"):
-            _decode(mixed, ids, 3, rfhf.RFCache())
+        cache = rfhf.RFCache()
+        _decode(mixed, ids, 3, cache)
+        assert [type(layer.state).__name__ for layer in cache.layers] == ["RFState", "HybridState"]
+        assert cache.layers[1].state.keys.shape[2] == 4
+        with pytest.raises(NotImplementedError, match="sliding_window=4.*RFCache"):
+            _decode(_windowed(sliding_window=4), ids, 2, None)
 
 
 def _window_shard(rank, length, group=None):
@@ -442,20 +454,18 @@ def _window_worker(rank, world, init_file, out_dir):
 
 
 @pytest.mark.slow  # ~15 s: two processes
-def test_a_sliding_window_over_a_process_group_is_refused_on_every_rank(tmp_path):
-    """set_context_parallel_group: the window is judged on the whole sequence, alike on every
-    rank: 6 tokens in a window of 6 run (the single process's logits), 8 are refused on both
-    ranks although each shard fits in the window (before: both ran, full attention, silently;
-    a shard beyond the window raised on its rank alone, and the others hung)."""
+def test_a_sliding_window_over_a_process_group_is_the_single_process_hybrid(tmp_path):
+    """set_context_parallel_group: a sliding window runs as the hybrid over the shards (each
+    starting from the window, sinks and state of the ranks before it): the single process's
+    logits, whether the sequence fits in the window (6 tokens) or not (8)."""
     import torch.multiprocessing as mp
 
     mp.spawn(_window_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2,
              join=True)  # fmt: skip
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    torch.testing.assert_close(torch.cat([r[0] for r in ranks], dim=1), _window_shard(0, 6))
-    refused = [isinstance(r[1], str) and "sliding_window=6" in r[1] for r in ranks]
-    assert refused == [True, True], [type(r[1]) for r in ranks]
-    assert "sliding_window=6" in _window_shard(0, 8)
+    for i, length in enumerate((6, 8)):
+        got = torch.cat([r[i] for r in ranks], dim=1)
+        torch.testing.assert_close(got, _window_shard(0, length), rtol=1e-5, atol=1e-5)
 
 
 def test_a_hybrid_with_a_window_past_the_sequence_is_softmax():

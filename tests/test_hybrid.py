@@ -45,18 +45,19 @@ CASES = [(FEATURES[0], w, s) for w, s in [(0, 0), (1, 0), (0, 1), (3, 2), (16, 4
 CASES += [(f, w, s) for f in FEATURES[1:] for w, s in [(0, 1), (16, 4)]]
 
 
-@pytest.mark.parametrize("form,window,sinks", CASES, ids=lambda x: x[0] if isinstance(x, tuple)
-                         else str(x))  # fmt: skip
-def test_matches_reference(form, window, sinks):
+def check_against_reference(form, window, sinks, causal, seed, block):
+    """hybrid_attention equals hybrid_reference in float64 (outputs and gradients) on padded
+    grouped-query inputs with NaN junk in the padding."""
     feature, weights, options = form
-    q, k, v = inputs()
+    q, k, v = inputs(seed=seed)
     rf = features(feature, weights, **options)
     mask = padding(2, 37, junk_into=(k, v))
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     out = hybrid_attention(*leaves, rf, window=window, sinks=sinks, key_padding_mask=mask,
-                           block=16)  # fmt: skip
+                           block=block, causal=causal)  # fmt: skip
     ref_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    ref = hybrid_reference(*ref_leaves, rf, window=window, sinks=sinks, key_padding_mask=mask)
+    ref = hybrid_reference(*ref_leaves, rf, window=window, sinks=sinks, key_padding_mask=mask,
+                           causal=causal)  # fmt: skip
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
     cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=out.dtype)
@@ -65,6 +66,44 @@ def test_matches_reference(form, window, sinks):
     for name, g, r in zip("qkv", grads, ref_grads, strict=True):
         assert not g.isnan().any(), name
         torch.testing.assert_close(g, r, rtol=1e-8, atol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("form,window,sinks", CASES, ids=lambda x: x[0] if isinstance(x, tuple)
+                         else str(x))  # fmt: skip
+def test_matches_reference(form, window, sinks):
+    check_against_reference(form, window, sinks, causal=True, seed=0, block=16)
+
+
+#: the non-causal form: posrf at the edges (0, 1, a block, past T), a signed and a statistics form
+#: (past T and a short window in test-slow: test_non_causal_edges has a window past T)
+BIDIRECTIONAL = [(FEATURES[0], w, s) for w, s in [(0, 1), (1, 0), (16, 4)]]
+BIDIRECTIONAL += [pytest.param(FEATURES[0], w, s, marks=pytest.mark.slow)
+                  for w, s in [(3, 2), (40, 3)]]  # fmt: skip
+BIDIRECTIONAL += [(FEATURES[1], 5, 2), (FEATURES[4], 16, 1)]
+
+
+@pytest.mark.parametrize("form,window,sinks", BIDIRECTIONAL, ids=lambda x: x[0]
+                         if isinstance(x, tuple) else str(x))  # fmt: skip
+def test_non_causal_matches_reference(form, window, sinks):
+    """|i - j| < window and the sinks exact, every other valid key estimated (blocks of 8 cut
+    the window)."""
+    check_against_reference(form, window, sinks, causal=False, seed=21, block=8)
+
+
+def test_non_causal_edges():
+    """A window past the sequence is softmax attention; none is plain random features; the
+    sinks are the first valid keys for every row, before or after it."""
+    q, k, v = inputs(H=2, Hk=2, seed=22)
+    rf = features()
+    out = hybrid_attention(q, k, v, rf, window=37, causal=False, block=8)
+    torch.testing.assert_close(out, softmax_attention(q, k, v, causal=False), rtol=1e-12,
+                               atol=1e-12)  # fmt: skip
+    out = hybrid_attention(q, k, v, rf, window=0, causal=False, block=8)
+    want = rfattn.rf_attention(q, k, v, rf, causal=False, backend="torch")
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+    exact, estimated = local_sets(10, 2, 1, None, causal=False)
+    assert exact[0, 0, 5].nonzero().flatten().tolist() == [0, 4, 5, 6]
+    assert torch.equal(exact | estimated, torch.ones(1, 1, 10, 10, dtype=torch.bool))
 
 
 def test_sets_partition_the_causal_pairs():
@@ -248,8 +287,11 @@ def test_rf_attention_runs_the_hybrid():
     more = rfattn.rf_attention(*inputs(seed=13, T=3), rf, causal=True, window=5, sinks=2,
                                initial_state=state)  # fmt: skip
     assert more.shape == (2, 4, 3, 5) and torch.isfinite(more).all()
-    with pytest.raises(NotImplementedError, match="need causal=True"):
-        rfattn.rf_attention(q, k, v, rf, window=5)
+    out = rfattn.rf_attention(q, k, v, rf, key_padding_mask=mask, window=5, sinks=2)
+    want = hybrid_attention(q, k, v, rf, window=5, sinks=2, key_padding_mask=mask, causal=False)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="need Tq == Tk"):
+        rfattn.rf_attention(q[:, :, :5], k, v, rf, window=5)
     with pytest.raises(NotImplementedError, match="no fused kernel yet"):
         rfattn.rf_attention(q, k, v, rf, causal=True, window=5, backend="triton")
     with pytest.raises(ValueError, match="sinks must be an int >= 0"):
