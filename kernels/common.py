@@ -945,13 +945,14 @@ FORM_ARGS: dict = {}
 MAX_FORMS = 64
 
 
-def form_args(form, B: int, Hq: int, H: int, acc, device) -> tuple:
+def form_args(form, B: int, Hq: int, H: int, acc, device, keep: bool = True) -> tuple:
     """``(w, ab, psi, tab, xr, xi, qmap, kmap)``: a kernel form's tensors as every feature kernel
     takes them (W and the parameters in the accumulation dtype ``acc``, contiguous and aligned on
     ``device``, per-(b, h) ones broadcast to ``[B*H, ...]``, placeholders for what the form lacks;
     :class:`Setup`), checked. Made once per form object and call shape: a kept form
     (``rfattn.fused``) costs a dictionary lookup at each call, a form made for one call (this
-    call's statistics) its conversion."""
+    call's statistics) its conversion; ``keep=False`` (such a form) leaves it out of
+    :data:`FORM_ARGS`, where it would hold its tensors and push out the kept forms'."""
     key = (id(form), B, Hq, H, acc, device)
     kept = FORM_ARGS.get(key)
     if kept is not None and kept[0] is form:
@@ -961,6 +962,8 @@ def form_args(form, B: int, Hq: int, H: int, acc, device) -> tuple:
     # doubles as the placeholder of absent pointers (never read: the flags say so)
     w = aligned(w.detach().to(device=device, dtype=acc).contiguous())
     args = (w, *_form_args(form, B, H, D, acc, w), *_head_maps(form, Hq, H, D, acc, w))
+    if not keep:
+        return args
     if len(FORM_ARGS) >= MAX_FORMS:
         FORM_ARGS.clear()
     FORM_ARGS[key] = (form, args)
