@@ -769,6 +769,7 @@ def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, num_spli
         return Plan(
             **p, splits=splits, bwd={}, stats={}, aux_shapes=aux, part_shapes=parts,
             aux=Scratch(c.acc, *aux, *parts), parts=Scratch(c.acc, *parts) if parts else None,
+            outs=Scratch(c.acc, *aux),
             kv=kv, kv_ints=(Tk, H, splits, per if Tk else 0, *k.stride(), *v.stride(),
                             *c.w.stride(), *pad),
             q=q_, q_ints=(Tq, H, *q.stride(), *c.w.stride(), *out),
@@ -831,7 +832,8 @@ def rf_parallel_fwd(
 
     Returns:
         ``out [B, H, Tq, E]`` in the input dtype; with ``return_aux`` also
-        ``(S [B*H, M, E], z [B*H, M], m_K [B*H, M], m_q [B*H, Tq], den [B*H, Tq])``; with
+        ``(S [B*H, M, E], z [B*H, M], m_K [B*H, M], m_q [B*H, Tq], den [B*H, Tq])`` (contiguous
+        views of one allocation); with
         ``backward_plan`` then the backward's plan.
 
     Everything but the call's tensors (checks, setup, splits, launches) comes from the plan of
@@ -839,7 +841,7 @@ def rf_parallel_fwd(
     """
     p = shape_plan(_FWD_PLANS, _plan, q, k, v, form, scale, key_padding_mask, precision,
                    gpu_tiles, num_splits, None)  # fmt: skip
-    B, H, Tq, M, E, acc, dev = p.B, p.H, p.Tq, p.M, p.E, p.acc, q.device
+    B, H, Tq, E, acc, dev = p.B, p.H, p.Tq, p.E, p.acc, q.device
     # a form made for this call (its statistics formed here) is converted, not kept
     fargs = form_args(form, B, H, H, acc, dev, keep=stats is None)
     w, *ptrs, qmap, kmap = fargs
@@ -850,12 +852,8 @@ def rf_parallel_fwd(
     # the statistics' buffers), as device addresses once both launches replay
     addresses = kp.kv.direct is not None and p.q.direct is not None
     if return_aux or combine is not None or B * H == 0:
-        BH = B * H
-        s, z = torch.empty(BH, M, E, device=dev, dtype=acc), torch.empty(BH, M, device=dev,
-                                                                         dtype=acc)  # fmt: skip
-        mk, mq = torch.empty(BH, M, device=dev, dtype=acc), torch.empty(BH, Tq, device=dev,
-                                                                        dtype=acc)  # fmt: skip
-        den = torch.empty(BH, Tq, device=dev, dtype=acc)
+        # views of one allocation, each its own 16-byte aligned range (kept while any is)
+        s, z, mk, mq, den = p.outs(dev, False)[1]
         if B * H == 0:
             return _returned(out, (s, z, mk, mq, den), return_aux, backward_plan, p, fargs)
         ws, bufs = kp.parts(dev, addresses) if kp.parts is not None else (None, ())

@@ -27,6 +27,7 @@ from .common import (
     NEG,
     Launch,
     Plan,
+    Scratch,
     feature_tile,
     form_args,
     gerf_coeffs,
@@ -169,7 +170,8 @@ def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, has_init
                     **c.launch_options(num_warps=4), **c.meta)  # fmt: skip
     out = (H * G * T * E, T * E, E, 1)  # contiguous, made by the launcher
     return Plan(B=B, H=H, G=G, T=T, M=c.M, E=E, acc=c.acc, plain=c.plain, root=c.form_ptrs[0],
-                has_pad=c.has_pad, launch=launch, ints=(
+                has_pad=c.has_pad, launch=launch,
+                state=Scratch(c.acc, (B, H, c.M, E), (B, H, c.M), (B, H)), ints=(
                     T, H, G, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), *c.pad[1:],
                     *out))  # fmt: skip
 
@@ -199,7 +201,8 @@ def rf_recurrent_fwd(
             generation loop) instead of new ones. Either way no copy of the state is made.
 
     Returns:
-        ``(out [B, H * G, T, E], (S, z, offset))``, the state per key/value head.
+        ``(out [B, H * G, T, E], (S, z, offset))``, the state per key/value head (a new one:
+        contiguous views of one allocation).
     """
     if q.shape[2] != k.shape[2] or q.shape[2] > MAX_TOKENS:
         raise ValueError(f"the decode step takes Tq == Tk <= {MAX_TOKENS} tokens, got "
@@ -212,22 +215,20 @@ def rf_recurrent_fwd(
     else:
         if inplace and not all(x.dtype == acc and x.is_contiguous() for x in initial_state):
             raise ValueError("inplace=True needs a contiguous state in the accumulation dtype")
-        s0, z0, r0 = initial_state
-        s0, z0, r0 = s0.to(acc).contiguous(), z0.to(acc).contiguous(), r0.to(acc).contiguous()
+        s0, z0, r0 = (x if x.dtype == acc and x.is_contiguous() else x.to(acc).contiguous()
+                      for x in initial_state)  # fmt: skip
         # the state's alignment is the plan's (Triton specialises on it; in place, no copy)
         state = (s0.data_ptr() % 16, z0.data_ptr() % 16, r0.data_ptr() % 16)
     p = shape_plan(_PLANS, _plan, q, k, v, form, scale, key_padding_mask, precision, gpu_tiles,
                    state is not None, *(state or ()))  # fmt: skip
-    B, H, G, T, M, E, dev = p.B, p.H, p.G, p.T, p.M, p.E, q.device
+    B, H, G, T, E, dev = p.B, p.H, p.G, p.T, p.E, q.device
     w, *ptrs = form_args(form, B, H * G, H, acc, dev)
     if state is None:
         s0 = z0 = r0 = w  # never read
     if inplace:
         s, z, r = s0, z0, r0
-    else:
-        s, z, r = (torch.empty(B, H, M, E, device=dev, dtype=acc),
-                   torch.empty(B, H, M, device=dev, dtype=acc),
-                   torch.empty(B, H, device=dev, dtype=acc))  # fmt: skip
+    else:  # views of one allocation, each its own 16-byte aligned range (kept while any is)
+        s, z, r = p.state(dev, False)[1]
     out = torch.empty(B, H * G, T, E, device=dev, dtype=q.dtype)
     if T == 0:  # no token: the state passes through (the kernel would write nothing)
         if state is None:
