@@ -104,6 +104,19 @@ json.dump(out, sys.stdout)
 '''
 
 
+def _run(tmp_path, script: str):
+    """What ``script`` (beside :data:`KERNELS`) prints as JSON, run in a fresh process with the
+    interpreter off."""
+    (tmp_path / "plan_kernels.py").write_text(textwrap.dedent(KERNELS))
+    (tmp_path / "check.py").write_text(textwrap.dedent(script))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT)])
+    proc = subprocess.run([sys.executable, str(tmp_path / "check.py")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
 @pytest.mark.skipif(fake_gpu_problem() is not None, reason=str(fake_gpu_problem()))
 def test_launch_plans_replay_what_triton_launches(tmp_path):
     """The first launch of a specialisation goes through Triton's autotuner and JIT; later ones
@@ -113,14 +126,7 @@ def test_launch_plans_replay_what_triton_launches(tmp_path):
     specialises on it). What reaches Triton's launcher is exactly what Triton's own path sends
     for the same launch: grid (the autotuned config's, from a callable grid), stream, function,
     metadata, hooks, arguments, constexprs."""
-    (tmp_path / "plan_kernels.py").write_text(textwrap.dedent(KERNELS))
-    (tmp_path / "plan_check.py").write_text(textwrap.dedent(SCRIPT))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT)])
-    proc = subprocess.run([sys.executable, str(tmp_path / "plan_check.py")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    r = json.loads(proc.stdout)
+    r = _run(tmp_path, SCRIPT)
     planned = {"autotuner": 0, "jit": 0}
     for name in ("tuned first", "tuned other D"):  # a tuning: the autotuner launches configs
         assert r[name]["entered"]["autotuner"] == 1 and r[name]["entered"]["jit"] >= 1, name
@@ -227,14 +233,7 @@ def test_replayed_launches_call_the_c_launcher_as_triton_does(tmp_path):
     (grid, stream, function, cooperative grid and PDL flags, metadata, hooks (none: Triton's
     empty hook chains), scratch, argument annotations, signature, arguments), for a kernel with
     and without autotuning."""
-    (tmp_path / "plan_kernels.py").write_text(textwrap.dedent(KERNELS))
-    (tmp_path / "c_check.py").write_text(textwrap.dedent(C_SCRIPT))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT)])
-    proc = subprocess.run([sys.executable, str(tmp_path / "c_check.py")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    r = json.loads(proc.stdout)
+    r = _run(tmp_path, C_SCRIPT)
     assert r["direct"] == [True, True, True]
     for name in ("plain", "tuned"):
         triton_way, replayed = r[name]
