@@ -832,8 +832,8 @@ def rf_parallel_fwd(
 
     Returns:
         ``out [B, H, Tq, E]`` in the input dtype; with ``return_aux`` also
-        ``(S [B*H, M, E], z [B*H, M], m_K [B*H, M], m_q [B*H, Tq], den [B*H, Tq])`` (contiguous
-        views of one allocation); with
+        ``(S [B*H, M, E], z [B*H, M], m_K [B*H, M], m_q [B*H, Tq], den [B*H, Tq])`` (with
+        ``backward_plan``, contiguous views of one allocation); with
         ``backward_plan`` then the backward's plan.
 
     Everything but the call's tensors (checks, setup, splits, launches) comes from the plan of
@@ -852,8 +852,10 @@ def rf_parallel_fwd(
     # the statistics' buffers), as device addresses once both launches replay
     addresses = kp.kv.direct is not None and p.q.direct is not None
     if return_aux or combine is not None or B * H == 0:
-        # views of one allocation, each its own 16-byte aligned range (kept while any is)
-        s, z, mk, mq, den = p.outs(dev, False)[1]
+        if backward_plan:  # kept for the caller's backward only: views of one allocation
+            s, z, mk, mq, den = p.outs(dev, False)[1]
+        else:  # returned (an operator's outputs alias nothing, each other included)
+            s, z, mk, mq, den = (torch.empty(x, device=dev, dtype=acc) for x in p.aux_shapes)
         if B * H == 0:
             return _returned(out, (s, z, mk, mq, den), return_aux, backward_plan, p, fargs)
         ws, bufs = kp.parts(dev, addresses) if kp.parts is not None else (None, ())

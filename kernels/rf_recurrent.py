@@ -27,7 +27,6 @@ from .common import (
     NEG,
     Launch,
     Plan,
-    Scratch,
     feature_tile,
     form_args,
     gerf_coeffs,
@@ -170,8 +169,7 @@ def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, has_init
                     **c.launch_options(num_warps=4), **c.meta)  # fmt: skip
     out = (H * G * T * E, T * E, E, 1)  # contiguous, made by the launcher
     return Plan(B=B, H=H, G=G, T=T, M=c.M, E=E, acc=c.acc, plain=c.plain, root=c.form_ptrs[0],
-                has_pad=c.has_pad, launch=launch,
-                state=Scratch(c.acc, (B, H, c.M, E), (B, H, c.M), (B, H)), ints=(
+                has_pad=c.has_pad, launch=launch, ints=(
                     T, H, G, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), *c.pad[1:],
                     *out))  # fmt: skip
 
@@ -201,8 +199,7 @@ def rf_recurrent_fwd(
             generation loop) instead of new ones. Either way no copy of the state is made.
 
     Returns:
-        ``(out [B, H * G, T, E], (S, z, offset))``, the state per key/value head (a new one:
-        contiguous views of one allocation).
+        ``(out [B, H * G, T, E], (S, z, offset))``, the state per key/value head.
     """
     if q.shape[2] != k.shape[2] or q.shape[2] > MAX_TOKENS:
         raise ValueError(f"the decode step takes Tq == Tk <= {MAX_TOKENS} tokens, got "
@@ -221,14 +218,16 @@ def rf_recurrent_fwd(
         state = (s0.data_ptr() % 16, z0.data_ptr() % 16, r0.data_ptr() % 16)
     p = shape_plan(_PLANS, _plan, q, k, v, form, scale, key_padding_mask, precision, gpu_tiles,
                    state is not None, *(state or ()))  # fmt: skip
-    B, H, G, T, E, dev = p.B, p.H, p.G, p.T, p.E, q.device
+    B, H, G, T, M, E, dev = p.B, p.H, p.G, p.T, p.M, p.E, q.device
     w, *ptrs = form_args(form, B, H * G, H, acc, dev)
     if state is None:
         s0 = z0 = r0 = w  # never read
     if inplace:
         s, z, r = s0, z0, r0
-    else:  # views of one allocation, each its own 16-byte aligned range (kept while any is)
-        s, z, r = p.state(dev, False)[1]
+    else:
+        s, z, r = (torch.empty(B, H, M, E, device=dev, dtype=acc),
+                   torch.empty(B, H, M, device=dev, dtype=acc),
+                   torch.empty(B, H, device=dev, dtype=acc))  # fmt: skip
     out = torch.empty(B, H * G, T, E, device=dev, dtype=q.dtype)
     if T == 0:  # no token: the state passes through (the kernel would write nothing)
         if state is None:
