@@ -75,11 +75,16 @@ SHAPES = {
 }
 #: --quick: a smoke run (tests/test_bench.py): one case, three kernels to compile
 QUICK = dict(features=("posrf",), shapes=("small",), cases=("noncausal fwd",), reps=20, warmup=2)
-#: glibc settings of the measuring process (bench.allocator's "glibc-tuned"): freed memory stays
-#: in the heap and is handed out again, as torch's CUDA caching allocator hands out its blocks;
-#: with glibc's defaults every large buffer of a call is mapped afresh and faulted in page by
-#: page (posrf non-causal forward+backward at the large shape: 4.2 ms p50 against 2.7 ms)
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "4294967296"}
+#: glibc settings of the measuring process (bench.allocator's "glibc-tuned", and no mmap at all):
+#: freed memory stays in the heap and is handed out again, as torch's CUDA caching allocator
+#: hands out its blocks; with glibc's defaults every large buffer of a call is mapped afresh and
+#: faulted in page by page (posrf non-causal forward+backward at the large shape: 4.2 ms p50
+#: against 2.7 ms). The mmap threshold stops at 32 MiB, so buffers above it (hrf's S and its
+#: partials at the large shape, F = 18 M: 75 and 151 MB) were still mapped and unmapped at every
+#: call, ~20 µs each that a caching allocator does not spend: MALLOC_MMAP_MAX_=0 serves them from
+#: the heap too (1.3 µs for an empty 226 MB buffer, 21 µs mapped)
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "4294967296",
+              "MALLOC_MMAP_MAX_": "0"}  # fmt: skip
 #: issue 35's ceilings: GPU operations (launches + GPU-side torch ops) per call, every feature
 GPU_OPS_CEILING = {"noncausal fwd": 2, "noncausal fwd+bwd": 4, "causal fwd": 2,
                    "causal fwd+bwd": 5}  # fmt: skip

@@ -21,7 +21,7 @@ Forward, two launches (phi never touches HBM):
    saves the row max m_i and den_i for the backward.
 
 oprf and saderf whose per-(b, h) parameters come from the call's statistics (a form left to the
-key pass: ``stats.defer``) take no launch of their own for them: the key pass
+key pass: ``rf_parallel_fwd``'s ``stats``) take no launch of their own for them: the key pass
 ``_fwd_kv_stats_kernel`` forms them first, in its launch (below).
 
 Merging inside the key pass, not in a launch of its own nor in the query pass: each split
@@ -126,7 +126,6 @@ from .common import (
     gerf_coeffs,
     input_scale,
     last_to_arrive,
-    launch,
     launch_setup,
     load_mapped,
     load_rows,
@@ -140,9 +139,10 @@ from .common import (
     valid_keys,
 )
 from .stats import (
-    claim,
     key_pass_arguments,
     key_pass_counters,
+    key_pass_key,
+    key_pass_plan,
     ready_params,
     running_params,
     running_update,
@@ -765,10 +765,11 @@ def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, num_spli
         BH, M, E, n = B * H, c.M, c.E, B * H * splits
         # the splits' partials of S, z, m_K, merged by the last split of each tile
         parts = ((n, M, E), (n, M), (n, M)) if splits > 1 else ()
+        aux = ((BH, M, E), (BH, M), (BH, M), (BH, Tq), (BH, Tq))
         return Plan(
-            **p, splits=splits, aux=Scratch(c.acc, (BH, M, E), (BH, M), (BH, M), (BH, Tq),
-                                            (BH, Tq), *parts),
-            parts=Scratch(c.acc, *parts),
+            **p, splits=splits, bwd={}, stats={}, aux_shapes=aux, part_shapes=parts,
+            aux=Scratch(c.acc, *aux, *parts), parts=Scratch(c.acc, *parts) if parts else None,
+            outs=Scratch(c.acc, *aux),
             kv=kv, kv_ints=(Tk, H, splits, per if Tk else 0, *k.stride(), *v.stride(),
                             *c.w.stride(), *pad),
             q=q_, q_ints=(Tq, H, *q.stride(), *c.w.stride(), *out),
@@ -803,6 +804,8 @@ def rf_parallel_fwd(
     return_aux: bool = False,
     gpu_tiles: bool | None = None,
     combine=None,
+    backward_plan: bool = False,
+    stats=None,
 ):
     """Non-causal fused random-feature attention forward.
 
@@ -810,8 +813,6 @@ def rf_parallel_fwd(
         q: ``[B, H, Tq, D]``; k: ``[B, H, Tk, D]``; v: ``[B, H, Tk, E]`` (any strides, one dtype).
         form: the feature's :class:`rfattn.features.form.KernelForm` (``FeatureMap.kernel_form``):
             kind, projection rows ``w`` ``[F, D]`` and the kind's parameters (no gradient here).
-            Coefficients left to this forward (``kernels.stats.defer``: oprf/saderf) are formed
-            by its key pass, in its launch, before the query pass reads them.
         scale: softmax temperature; inputs are multiplied by ``sqrt(scale)`` before projection.
         key_padding_mask: optional ``[B, Tk]`` bool, True = padding.
         precision: ``tl.dot`` input precision for fp32 products ("ieee", "tf32", "tf32x3");
@@ -823,36 +824,46 @@ def rf_parallel_fwd(
             (S, z, m_K)`` of every shard together (``[B*H, M, E]``, ``[B*H, M]``, ``[B*H, M]``;
             m_K is -1e30 where a shard has no valid key), called between the key and query
             passes.
+        stats: the :class:`stats.KeyPassStats` of a form whose coefficients (and psi) are
+            left to this forward (oprf/saderf, ``rfattn.fused.kernel_form(..., defer=True)``):
+            its key pass forms them first, in its launch, before the query pass reads them.
+        backward_plan: with ``return_aux``, also return what :func:`rf_parallel_bwd` takes as
+            ``plan`` for this call (its plans and the form's arguments, found once here).
 
     Returns:
         ``out [B, H, Tq, E]`` in the input dtype; with ``return_aux`` also
-        ``(S [B*H, M, E], z [B*H, M], m_K [B*H, M], m_q [B*H, Tq], den [B*H, Tq])``.
+        ``(S [B*H, M, E], z [B*H, M], m_K [B*H, M], m_q [B*H, Tq], den [B*H, Tq])`` (with
+        ``backward_plan``, contiguous views of one allocation); with
+        ``backward_plan`` then the backward's plan.
 
     Everything but the call's tensors (checks, setup, splits, launches) comes from the plan of
     the call's shape (:func:`common.shape_plan`), made at its first call.
     """
     p = shape_plan(_FWD_PLANS, _plan, q, k, v, form, scale, key_padding_mask, precision,
                    gpu_tiles, num_splits, None)  # fmt: skip
-    B, H, Tq, M, E, acc, dev = p.B, p.H, p.Tq, p.M, p.E, p.acc, q.device
-    w, *ptrs, qmap, kmap = form_args(form, B, H, H, acc, dev)
+    B, H, Tq, E, acc, dev = p.B, p.H, p.Tq, p.E, p.acc, q.device
+    # a form made for this call (its statistics formed here) is converted, not kept
+    fargs = form_args(form, B, H, H, acc, dev, keep=stats is None)
+    w, *ptrs, qmap, kmap = fargs
     out = torch.empty(B, H, Tq, E, device=dev, dtype=q.dtype)
-    # oprf/saderf's statistics, left to this forward's key pass
-    stats = None if form.coeffs is None else claim(form.coeffs)
-    # S, z, m_K, m_q, den: outputs where asked for, else scratch with the splits' partials
-    # (as device addresses once both launches replay: not for the statistics' launch)
-    addresses = p.kv.direct is not None and p.q.direct is not None and stats is None
+    # the key pass's launch: the forward's own, or the one that forms the statistics first
+    kp = p if stats is None else _stats_plan(p, stats, q, k)
+    # S, z, m_K, m_q, den: outputs where asked for, else scratch with the splits' partials (and
+    # the statistics' buffers), as device addresses once both launches replay
+    addresses = kp.kv.direct is not None and p.q.direct is not None
     if return_aux or combine is not None or B * H == 0:
-        BH = B * H
-        s, z = torch.empty(BH, M, E, device=dev, dtype=acc), torch.empty(BH, M, device=dev,
-                                                                         dtype=acc)  # fmt: skip
-        mk, mq = torch.empty(BH, M, device=dev, dtype=acc), torch.empty(BH, Tq, device=dev,
-                                                                        dtype=acc)  # fmt: skip
-        den = torch.empty(BH, Tq, device=dev, dtype=acc)
+        if backward_plan:  # kept for the caller's backward only: views of one allocation
+            s, z, mk, mq, den = p.outs(dev, False)[1]
+        else:  # returned (an operator's outputs alias nothing, each other included)
+            s, z, mk, mq, den = (torch.empty(x, device=dev, dtype=acc) for x in p.aux_shapes)
         if B * H == 0:
-            return (out, (s, z, mk, mq, den)) if return_aux else out
-        ws, parts = p.parts(dev, addresses) if p.splits > 1 else (None, ())
+            return _returned(out, (s, z, mk, mq, den), return_aux, backward_plan, p, fargs)
+        ws, bufs = kp.parts(dev, addresses) if kp.parts is not None else (None, ())
+        bufs = [*bufs]
     else:
-        ws, (s, z, mk, mq, den, *parts) = p.aux(dev, addresses)
+        ws, bufs = kp.aux(dev, addresses)
+        s, z, mk, mq, den, *bufs = bufs
+    parts, bufs = bufs[: len(p.part_shapes)], bufs[len(p.part_shapes) :]
     if p.splits == 1:
         parts = s, z, mk  # unused: the one split writes S, z, m_K itself
     # (ws: the scratch's allocation, held until the launches are issued)
@@ -860,17 +871,41 @@ def rf_parallel_fwd(
     kv_args = (k, v, w, pad, p.root, *ptrs, kmap, *parts, s, z, mk)
     if stats is None:
         p.kv(*kv_args, arrival_counters(dev, B * H * p.NMT), *p.kv_ints)
-    else:  # the stats roles first, then the key-pass roles (Triton's launch path: tensors)
-        roles, args, meta = key_pass_arguments(stats, q, k, B, H, p.D, acc)
+    else:  # the stats roles first, then the key-pass roles
         counters = arrival_counters(dev, B * H * p.NMT + key_pass_counters(B * H))
-        launch(_fwd_kv_running_kernel if stats.running is not None else _fwd_kv_stats_kernel,
-               (roles + p.NMT * p.splits * B * H,), *kv_args, counters, *p.kv_ints, *args,
-               **p.kv.kwargs, **meta)  # fmt: skip
+        kp.kv(*kv_args, counters, *p.kv_ints, *key_pass_arguments(stats, kp.extra, q, *bufs))
     if combine is not None:
         s, z, mk = (aligned(x.contiguous()) for x in combine(s, z, mk))
     if Tq:
         p.q(q, w, p.root, *ptrs, qmap, s, z, mk, out, mq, den, *p.q_ints)
-    return (out, (s, z, mk, mq, den)) if return_aux else out
+    return _returned(out, (s, z, mk, mq, den), return_aux, backward_plan, p, fargs)
+
+
+def _stats_plan(p, stats, q, k) -> Plan:
+    """The key pass of the forward plan ``p`` that forms ``stats`` first (kept in ``p.stats`` by
+    :func:`stats.key_pass_key`): its bound launch, what :func:`stats.key_pass_arguments` takes,
+    and the forward's scratch with the statistics' buffers after it."""
+    key = key_pass_key(stats)
+    sp = p.stats.get(key)
+    if sp is None:
+        extra = key_pass_plan(stats, q, k, p.B, p.H, p.D, p.acc)
+        kernel = _fwd_kv_running_kernel if stats.running is not None else _fwd_kv_stats_kernel
+        n = extra["roles"] + p.NMT * p.splits * p.B * p.H
+        sp = p.stats[key] = Plan(
+            kv=Launch(kernel, (n,), **p.kv.kwargs, **extra["meta"]), extra=extra,
+            aux=Scratch(p.acc, *p.aux_shapes, *p.part_shapes, *extra["buffers"]),
+            parts=Scratch(p.acc, *p.part_shapes, *extra["buffers"]),
+        )  # fmt: skip
+    return sp
+
+
+def _returned(out, aux, return_aux: bool, backward_plan: bool, p, fargs):
+    """What :func:`rf_parallel_fwd` returns (``backward_plan``: the forward's plan, whose
+    :attr:`bwd` holds the backward's plans by the cotangent's layout, and the form's
+    arguments)."""
+    if not return_aux:
+        return out
+    return (out, aux, (p, fargs)) if backward_plan else (out, aux)
 
 
 def rf_parallel_bwd(
@@ -888,6 +923,7 @@ def rf_parallel_bwd(
     num_splits: int | None = None,
     gpu_tiles: bool | None = None,
     reduce_ds=None,
+    plan=None,
 ):
     """Backward of :func:`rf_parallel_fwd`: features recomputed, offsets from the forward.
 
@@ -899,22 +935,33 @@ def rf_parallel_bwd(
         reduce_ds: keys sharded over processes (the forward's ``combine``): ``(dS, dz) ->
             (dS, dz)`` summed over every shard's queries, before the key pass. ``dw`` is then
             this process's share.
+        plan: what the forward of these inputs returned with ``backward_plan`` (the out it
+            made, num_splits as given to it): the plan is then found from there.
 
     Returns:
         ``(dq, dk, dv, dw)``; ``dw`` is None unless ``need_dw`` (then ``[F, D]`` in w's dtype).
     """
     if need_dw and form.plain:
         raise NotImplementedError("kind 'rmf': no gradient for its projection rows")
-    # the strides and alignment of out and do are the plan's too (Triton specialises on them)
-    p = shape_plan(_BWD_PLANS, _plan, q, k, v, form, scale, key_padding_mask, precision,
-                   gpu_tiles, num_splits, bool(need_dw), out.stride(), do.stride(),
-                   out.data_ptr() % 16, do.data_ptr() % 16)  # fmt: skip
+    need_dw = bool(need_dw)
+    if plan is not None:  # the forward's plan holds the backward's, by the cotangent's layout
+        fwd, fargs = plan
+        layout = (need_dw, do.stride(), do.data_ptr() % 16)
+        p = fwd.bwd.get(layout)
+        if p is None:
+            p = fwd.bwd[layout] = _plan(q, k, v, form, scale, key_padding_mask, precision,
+                                        gpu_tiles, num_splits, need_dw)  # fmt: skip
+    else:  # the strides and alignment of out and do are the plan's too (Triton specialises)
+        p = shape_plan(_BWD_PLANS, _plan, q, k, v, form, scale, key_padding_mask, precision,
+                       gpu_tiles, num_splits, need_dw, out.stride(), do.stride(),
+                       out.data_ptr() % 16, do.data_ptr() % 16)  # fmt: skip
+        fargs = None
     B, H, Tq, Tk, M, D, acc, dev = p.B, p.H, p.Tq, p.Tk, p.M, p.D, p.acc, q.device
     s, z, mk, mq, den = aux
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if B * H == 0:
         return dq, dk, dv, (torch.zeros(M, D, device=dev, dtype=form.w.dtype) if need_dw else None)
-    w, *ptrs, _, _ = form_args(form, B, H, H, acc, dev)
+    w, *ptrs, _, _ = fargs or form_args(form, B, H, H, acc, dev)
     splits, ksplits = p.splits, p.ksplits
     # dS, dz and the splits' partials of them (summed by the last split of each tile): scratch,
     # or tensors for reduce_ds (ws: the scratch's allocation, held until the launches are issued)

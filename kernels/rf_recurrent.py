@@ -212,8 +212,8 @@ def rf_recurrent_fwd(
     else:
         if inplace and not all(x.dtype == acc and x.is_contiguous() for x in initial_state):
             raise ValueError("inplace=True needs a contiguous state in the accumulation dtype")
-        s0, z0, r0 = initial_state
-        s0, z0, r0 = s0.to(acc).contiguous(), z0.to(acc).contiguous(), r0.to(acc).contiguous()
+        s0, z0, r0 = (x if x.dtype == acc and x.is_contiguous() else x.to(acc).contiguous()
+                      for x in initial_state)  # fmt: skip
         # the state's alignment is the plan's (Triton specialises on it; in place, no copy)
         state = (s0.data_ptr() % 16, z0.data_ptr() % 16, r0.data_ptr() % 16)
     p = shape_plan(_PLANS, _plan, q, k, v, form, scale, key_padding_mask, precision, gpu_tiles,

@@ -52,7 +52,6 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .common import (
     DTYPES,
@@ -64,7 +63,7 @@ from .common import (
     split_counts,
 )
 
-__all__ = ["StatsPass", "stats_pass", "KeyPassStats", "defer", "claim", "ChunkStats"]
+__all__ = ["StatsPass", "stats_pass", "KeyPassStats", "ChunkStats"]
 
 #: the closed forms the kernel can form (``FORM``)
 FORMS = {None: 0, "oprf": 1, "saderf": 2}
@@ -455,34 +454,43 @@ def _mask_arg(mask, placeholder) -> tuple:
 
 def _reduction(q, Tk: int, B: int, H: int, G: int, D: int, acc, query_padding_mask, running,
                num_splits) -> _Reduction:  # fmt: skip
-    """The splits, buffers and arguments of the moments' reduction of a call (``G * Tq``
-    query rows and ``Tk`` keys per (b, h)), shared by :func:`stats_pass` and the key pass that
-    forms its statistics (:func:`key_pass_arguments`)."""
+    """The splits, buffers and arguments of :func:`stats_pass`'s moments' reduction of a call
+    (``G * Tq`` query rows and ``Tk`` keys per (b, h))."""
     dev = q.device
     sq_, q_per = split_counts(G * q.shape[2], B * H, dev, num_splits)
     sk_, k_per = split_counts(Tk, B * H, dev, num_splits)
     mom = torch.empty(4, B, H, 2, D, device=dev, dtype=acc)
-    if running is not None:
-        *bufs, nbt, momentum = running
-        racc = tl.float64 if bufs[0].dtype == torch.float64 else tl.float32
-    else:
-        bufs, nbt, momentum, racc = (mom,) * 4, mom, 0.0, tl.float32  # never read
-    lo, hi = PSI_RATIO_RANGE
-    qpad = _mask_arg(query_padding_mask, mom)
+    bufs, scalars = _running_args(running, mom, acc)
     return _Reduction(
         sq_, sk_, q_per, k_per,
         torch.empty(B * H, sq_ + sk_, 4, D, device=dev, dtype=acc),
         torch.empty(B * H, sq_ + sk_, device=dev, dtype=acc),
-        mom, (*bufs, nbt), (1.0 - momentum, momentum, torch.finfo(acc).tiny, lo, hi), qpad,
-        dict(BB=2 if INTERPRET else max(1, 2048 // next_pow2(D)),  # 2: loops in the interpreter
-             HAS_QPAD=query_padding_mask is not None, RUNNING=running is not None, RACC=racc),
+        mom, bufs, scalars, _mask_arg(query_padding_mask, mom),
+        _reduction_meta(D, query_padding_mask, running),
     )  # fmt: skip
+
+
+def _running_args(running, placeholder, acc) -> tuple:
+    """``((mean, sq, abs, min, num_batches_tracked), (1 - momentum, momentum, tiny, the psi
+    ratio's range))`` of a reduction: the running buffers, or placeholders never read."""
+    if running is not None:
+        *bufs, nbt, momentum = running
+    else:
+        bufs, nbt, momentum = (placeholder,) * 4, placeholder, 0.0
+    return (*bufs, nbt), (1.0 - momentum, momentum, torch.finfo(acc).tiny, *PSI_RATIO_RANGE)
+
+
+def _reduction_meta(D: int, query_padding_mask, running) -> dict:
+    """The constexprs of a moments' reduction."""
+    racc = tl.float64 if running is not None and running[0].dtype == torch.float64 else tl.float32
+    return dict(BB=2 if INTERPRET else max(1, 2048 // next_pow2(D)),  # 2: loops in the interpreter
+                HAS_QPAD=query_padding_mask is not None, RUNNING=running is not None, RACC=racc)
 
 
 class KeyPassStats(NamedTuple):
     """The statistics of a non-causal call that its forward's key pass forms in its own launch
-    (``rfattn.kernels.rf_parallel``): a form's parameters, left unwritten until then
-    (:func:`defer`).
+    (``rfattn.kernels.rf_parallel``): the form's parameters, left unwritten by the form and
+    handed with it to that forward (``rf_parallel_fwd``'s ``stats``), which forms them.
 
     Attributes:
         form: "oprf" or "saderf".
@@ -500,49 +508,56 @@ class KeyPassStats(NamedTuple):
     num_splits: int | None = None
 
 
-#: kernel forms' coefficients ``[B, H, 3]`` whose values the next key pass that takes them forms
-#: (:func:`defer`, :func:`claim`)
-DEFERRED = WeakIdKeyDictionary()
-
-
-def defer(coeffs: torch.Tensor, stats: KeyPassStats) -> torch.Tensor:
-    """Leave ``coeffs`` (and the form's psi beside it) to be formed by the key pass of the
-    forward that takes them (:func:`claim`), in its launch: the form is then meant for that one
-    forward (``rfattn.fused.attend``'s non-causal calls). Returns ``coeffs``."""
-    if stats.form not in ("oprf", "saderf"):
-        raise ValueError(f"the key pass forms oprf's or saderf's parameters, not {stats.form!r}")
-    DEFERRED[coeffs] = stats
-    return coeffs
-
-
-def claim(coeffs: torch.Tensor | None) -> KeyPassStats | None:
-    """The statistics left to this key pass with ``coeffs`` (:func:`defer`), once, or None."""
-    return None if coeffs is None or not DEFERRED else DEFERRED.pop(coeffs, None)
-
-
 def key_pass_counters(BH: int) -> int:
     """The arrival counters a key pass with statistics takes after its own: per (b, h) the
     stats items' arrivals and a ready flag, then the ticket and the launch's arrivals."""
     return 2 * BH + 2
 
 
-def key_pass_arguments(stats: KeyPassStats, q, k, B: int, H: int, D: int,
-                       acc) -> tuple[int, tuple, dict]:  # fmt: skip
-    """``(stats roles, the arguments after the key pass's own, constexprs)`` of a key pass that
-    forms ``stats`` (``rf_parallel._fwd_kv_stats_kernel``) for q ``[B, H, Tq, D]`` (query rows
-    of one group: G = 1) and k ``[B, H, Tk, D]``."""
+def key_pass_key(stats: KeyPassStats) -> tuple:
+    """What a key pass's plan for ``stats`` (:func:`key_pass_plan`) derives from beside the
+    forward's own plan: the form, the running buffers' dtype and 16-byte alignment, the query
+    mask's size, strides and alignment, the roles and splits asked for (read without touching
+    the data)."""
+    m, run = stats.query_padding_mask, stats.running
+    return (stats.form, stats.programs, stats.num_splits,
+            None if m is None else (m.shape, m.stride(), m.dtype, m.data_ptr() % 16),
+            None if run is None else (run[0].dtype, *(b.data_ptr() % 16 for b in run[:5])))
+
+
+def key_pass_plan(stats: KeyPassStats, q, k, B: int, H: int, D: int, acc) -> dict:
+    """What a key pass that forms ``stats`` (``rf_parallel._fwd_kv_stats_kernel``) for q
+    ``[B, H, Tq, D]`` (query rows of one group: G = 1) and k ``[B, H, Tk, D]`` takes beside the
+    key pass's own arguments, fixed per shape and :func:`key_pass_key`: ``roles`` (stats
+    roles), ``buffers`` (the shapes of the moments' scratch: partial sums, counts, moments, in
+    the accumulation dtype), ``ints`` (the integer arguments after the scalars) and ``meta``
+    (constexprs). :func:`key_pass_arguments` adds a call's tensors."""
     m = stats.query_padding_mask
     Tq, Tk = q.shape[2], k.shape[2]
     if m is not None and (m.dtype != torch.bool or tuple(m.shape) != (B, Tq)):
         raise ValueError(f"query_padding_mask must be bool [B, Tq] = {(B, Tq)}")
-    r = _reduction(q, Tk, B, H, 1, D, acc, m, stats.running, stats.num_splits)
-    roles = B * H * (r.sq + r.sk) if stats.programs is None else stats.programs
+    dev, BH = q.device, B * H
+    sq, q_per = split_counts(Tq, BH, dev, stats.num_splits)
+    sk, k_per = split_counts(Tk, BH, dev, stats.num_splits)
+    roles = BH * (sq + sk) if stats.programs is None else stats.programs
     if roles < 1:
         raise ValueError(f"a key pass with statistics needs stats roles, got {roles}")
-    args = (q, r.qpad[0], r.part, r.cnt, r.mom, *r.running, *r.scalars,
-            B * H, Tq, max(Tq, 1), max(Tk, 1), roles, r.sq, r.sk, r.q_per, r.k_per, *q.stride(),
-            *r.qpad[1:])  # fmt: skip
-    return roles, args, dict(FORM=FORMS[stats.form], **r.meta)
+    qpad = (0, 0) if m is None else m.view(torch.uint8).stride()
+    return dict(
+        roles=roles, buffers=((BH, sq + sk, 4, D), (BH, sq + sk), (4, B, H, 2, D)), acc=acc,
+        ints=(BH, Tq, max(Tq, 1), max(Tk, 1), roles, sq, sk, q_per, k_per, *q.stride(), *qpad),
+        meta=dict(FORM=FORMS[stats.form], **_reduction_meta(D, m, stats.running)),
+    )  # fmt: skip
+
+
+def key_pass_arguments(stats: KeyPassStats, plan: dict, q, part, cnt, mom) -> tuple:
+    """The arguments after the key pass's own of a key pass that forms ``stats`` with its
+    :func:`key_pass_plan`, the moments' scratch ``part``, ``cnt``, ``mom`` (tensors, or
+    device addresses for a replayed launch)."""
+    m = stats.query_padding_mask
+    bufs, scalars = _running_args(stats.running, mom, plan["acc"])
+    return (q, mom if m is None else m.view(torch.uint8), part, cnt, mom, *bufs, *scalars,
+            *plan["ints"])  # fmt: skip
 
 
 class ChunkStats(NamedTuple):
@@ -589,3 +604,4 @@ def chunk_stats_arguments(stats: ChunkStats | None, q, k, B: int, H: int, G: int
             *q.stride(), *r.qpad[1:])  # fmt: skip
     meta = {n: r.meta[n] for n in ("HAS_QPAD", "BB", "RACC")}
     return roles, args, dict(STATS=True, FORM=FORMS[stats.form], **meta)
+

@@ -40,7 +40,7 @@ def attend(call: Call, gpu_tiles=None):
     kept = kept_form(rf, q.device, q.dtype, causal)
     if kept is not None and kept.plain_call and call.maps is None and \
             not (causal and kept.w.requires_grad):  # fmt: skip
-        form, st = kept.form, call.initial_state
+        form, st, stats = kept.form, call.initial_state, None
         grad = torch.is_grad_enabled() and (
             q.requires_grad or call.k.requires_grad or call.v.requires_grad or
             kept.w.requires_grad or st is not None and (st[0].requires_grad or
@@ -66,12 +66,13 @@ def attend(call: Call, gpu_tiles=None):
         # the forward's first launch forms the statistics: the key pass (non-causal), the walk
         # over the key chunks (causal, not the decode step)
         chunked = causal and (grad or call.q.shape[2] > ops.DECODE_TOKENS)
+        defer = not causal or chunked
         form = kernel_form(rf, call.q, call.k, call.key_padding_mask, call.scale, causal,
-                           call.query_padding_mask, maps=call.maps,
-                           defer=not causal or chunked)  # fmt: skip
+                           call.query_padding_mask, maps=call.maps, defer=defer)  # fmt: skip
+        form, stats = form if defer else (form, None)
     q, k, v, mask, scale = call.q, call.k, call.v, call.key_padding_mask, call.scale
     if not causal:
-        return ops.rf_parallel(q, k, v, form, scale, mask, gpu_tiles=gpu_tiles)
+        return ops.rf_parallel(q, k, v, form, scale, mask, gpu_tiles=gpu_tiles, stats=stats)
     # decoding (few tokens, no gradient): one launch, O(M (D + E)) per token
     run = ops.rf_decode if not grad and q.shape[2] <= ops.DECODE_TOKENS else ops.rf_chunk
     out, s, z, off = run(q, k, v, form, scale, mask, call.initial_state, gpu_tiles=gpu_tiles)
@@ -98,35 +99,39 @@ def kernel_form(rf, q, k, key_padding_mask, scale: float, causal: bool,
       k and forms the parameters, and in training moves the running buffers; in torch where the
       operators run their torch kernels, or from ``moments`` when the caller has them (a sharded
       call's, over every shard). Held constant (``stats_grad=False``).
-    * ``defer`` (a call whose forward takes the form next, once: :func:`attend`; no head maps,
-      not traced; non-causal: q as rows of its key/value head): no launch here; the form's
-      parameters are left to the forward's first launch, which forms them in its own: a
-      non-causal key pass (``rfattn.kernels.stats.defer``), a causal chunked forward's walk
-      over the key chunks (the form's ``stats``, ``rfattn.kernels.stats.ChunkStats``).
+    * ``defer`` (a call whose forward takes the form next, once: :func:`attend`): returns
+      ``(form, stats)``. Where the form's parameters can be left to that forward's first launch
+      (no head maps, not traced; non-causal: q as rows of its key/value head), no launch here:
+      the form's coefficients are left unwritten for that launch to form. Non-causal, ``stats``
+      (``rfattn.kernels.stats.KeyPassStats``) is what the key pass takes to form them
+      (``rf_parallel_fwd``'s ``stats``); causal, the form carries them to the chunked forward's
+      walk over the key chunks (its ``stats``, ``rfattn.kernels.stats.ChunkStats``) and
+      ``stats`` is None, as it is wherever nothing is left.
     """
     from rfattn import ops
 
     fm = rf.feature_map
     needs = getattr(fm, "uses_batch_moments", None) and fm.uses_batch_moments(causal)
+    stats = None
     if moments is None and needs:
         if maps is not None:  # the moments are the only reader of the mapped q, k
             q, k = mapped(q, maps[0]), mapped(k, maps[1], key_padding_mask)
         form = None
         if not ops.on_torch(q):
-            defer = defer and maps is None and (causal or q.shape[1] == k.shape[1]) and \
+            later = defer and maps is None and (causal or q.shape[1] == k.shape[1]) and \
                 not torch.compiler.is_compiling()  # fmt: skip
-            form = _stats_pass_form(rf, q, k, key_padding_mask, query_padding_mask, scale, causal,
-                                    defer)  # fmt: skip
+            form, stats = _stats_pass_form(rf, q, k, key_padding_mask, query_padding_mask, scale,
+                                           causal, later)  # fmt: skip
         if form is None:
             form = _moments_form(rf, q, k, key_padding_mask, query_padding_mask, scale, causal)
     elif moments is not None:
         form = _params_form(rf, q, key_padding_mask, causal, query_padding_mask, moments)
     else:
         form = constant_form(rf, q.device, compute_dtype(q.dtype), causal, q.dtype)
-    if maps is None:
-        return form
-    qmap, kmap = (None if m is None else m.detach() for m in maps)
-    return dataclasses.replace(form, qmap=qmap, kmap=kmap)
+    if maps is not None:
+        qmap, kmap = (None if m is None else m.detach() for m in maps)
+        form = dataclasses.replace(form, qmap=qmap, kmap=kmap)
+    return (form, stats) if defer else form
 
 
 def _params_form(rf, q, key_padding_mask, causal, query_padding_mask=None, moments=None,
@@ -158,19 +163,20 @@ def _moments_form(rf, q, k, key_padding_mask, query_padding_mask, scale, causal)
 
 
 def _stats_pass_form(rf, q, k, key_padding_mask, query_padding_mask, scale, causal, defer):
-    """The form of oprf/saderf with the parameters formed by the stats pass in its one launch
-    (in training with running statistics, from the buffers, which it then moves), or with
-    ``defer`` left to the key pass of the forward that takes the form; None where the pass
-    cannot form them (another feature; buffers not on q's device as the pass writes them)."""
+    """``(form, stats)``: the form of oprf/saderf with the parameters formed by the stats pass
+    in its one launch (in training with running statistics, from the buffers, which it then
+    moves; stats None), or with ``defer`` left to the key pass of the forward that takes the
+    form and ``stats``; ``(None, None)`` where the pass cannot form them (another feature;
+    buffers not on q's device as the pass writes them)."""
     fm = rf.feature_map
     if fm.kernel_stats is None or q.shape[0] * k.shape[1] == 0:
-        return None
+        return None, None
     running = None
     if fm.mode(causal) == "running":  # a training call: uses_batch_moments
         bufs = (*running_moments(fm), fm.num_batches_tracked)
         if not all(b.device == q.device and b.is_contiguous() for b in bufs) or \
                 len({b.dtype for b in bufs[:-1]}) != 1:  # fmt: skip
-            return None
+            return None, None
         running = (*bufs, fm.momentum)
     from rfattn.kernels import stats
 
@@ -186,11 +192,11 @@ def _stats_pass_form(rf, q, k, key_padding_mask, query_padding_mask, scale, caus
     params = {"component_weight": rf.component_weight} if rf.weights in WEIGHTED_WEIGHTS else None
     form = coefficient_form(rf.weight.to(q.device), coeffs, psi, params, fm.name)
     if defer and causal:  # handed over in the form, to the forward's first launch
-        return dataclasses.replace(form, stats=stats.ChunkStats(fm.kernel_stats, running,
-                                                                query_padding_mask))  # fmt: skip
+        chunk = stats.ChunkStats(fm.kernel_stats, running, query_padding_mask)
+        return dataclasses.replace(form, stats=chunk), None
     if defer:
-        stats.defer(form.coeffs, stats.KeyPassStats(fm.kernel_stats, query_padding_mask, running))
-    return form
+        return form, stats.KeyPassStats(fm.kernel_stats, query_padding_mask, running)
+    return form, None
 
 
 class Kept(NamedTuple):

@@ -26,8 +26,11 @@ operator the kernels run exactly as in eager mode.
 Eager calls (not under ``torch.compile`` / ``torch.export``: ``torch.compiler.is_compiling()``
 false) skip the operators' dispatch, which costs more host time than the launches it wraps
 (``python -m bench.host``: 21 µs per call, 93 µs when inputs require grad, against 11 / 14 µs
-for a plain ``torch.autograd.Function``): the same bodies run through :class:`_Parallel` /
+for a plain ``torch.autograd.Function``): the same launchers run through :class:`_Parallel` /
 :class:`_Chunk` when a gradient may follow, and directly otherwise (the decode step always).
+:class:`_Parallel` takes only what a gradient may reach as its inputs and returns only the
+output (its backward's auxiliaries saved as intermediates), so autograd handles 4 inputs and 1
+output instead of the schema's 16 and 6.
 
 On CPU tensors without the Triton interpreter, each operator runs its torch kernel instead: the
 kernel form evaluated in torch (:meth:`KernelForm.evaluate`) through the torch path's attention
@@ -245,7 +248,7 @@ def _torch_grads(fn, inputs, need, cotangents):
 
 
 def _parallel_body(q, k, v, *args):
-    """``rfattn::parallel``'s body (the operator's and the eager :class:`_Parallel`'s)."""
+    """``rfattn::parallel``'s body."""
     form, (scale, mask, precision, gpu_tiles) = _form(args)
     if on_torch(q):
         return _torch_parallel(q, k, v, form, scale, mask)
@@ -322,28 +325,77 @@ def _parallel_backward(ctx, d_out, *_aux):
     return dq, dk, dv, None, (dw if need_dw else None), *([None] * (_NFORM + 2))
 
 
-_parallel, _Parallel = _differentiable(
+_parallel, _ = _differentiable(
     "parallel", f"{_QKV}, {_FORM}, {_CALL}, {_OPTS}",
     "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", _parallel_body, _parallel_fake,
     _parallel_setup, _parallel_backward, _parallel_bwd, _parallel_bwd_body,
 )
 
 
+class _Parallel(torch.autograd.Function):
+    """``rfattn::parallel`` for eager calls: the same launchers without the operator's dispatch,
+    and with less for autograd to do at each call than the operator's schema asks for. Its
+    inputs are q, k, v and W (the tensors a gradient may reach; the form, the mask and the
+    options ride along as plain arguments), its one output is ``out``: the auxiliaries the
+    backward reads (S, z, the offsets, den) are saved as intermediates rather than returned,
+    so none is marked non-differentiable and no cotangent is checked for them. The backward's
+    launch plan comes with the forward's (:func:`rf_parallel_kernels.rf_parallel_fwd`'s
+    ``return_aux``), so it looks nothing up by shape."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, w, form, scale, mask, precision, gpu_tiles, stats):
+        if on_torch(q):
+            out, *aux = _torch_parallel(q, k, v, form, scale, mask)
+            bwd = None
+        else:
+            out, aux, bwd = rf_parallel_kernels.rf_parallel_fwd(
+                q, k, v, form, scale, mask, precision, return_aux=True, gpu_tiles=gpu_tiles,
+                backward_plan=True, stats=stats,
+            )  # fmt: skip
+        ctx.save_for_backward(q, k, v, w, mask, out, *aux)
+        ctx.form, ctx.scale, ctx.opts, ctx.plan = form, scale, (precision, gpu_tiles), bwd
+        return out
+
+    @staticmethod
+    @no_autocast
+    def backward(ctx, d_out):
+        q, k, v, w, mask, out, *aux = ctx.saved_tensors
+        need_dw = ctx.needs_input_grad[3]
+        form = ctx.form
+        if ctx.plan is None:  # autograd over the torch kernel (the forward recorded no graph)
+            scale = ctx.scale
+
+            def fwd(q, k, v, w):
+                return _torch_parallel(q, k, v, dataclasses.replace(form, w=w), scale, mask)[:1]
+
+            dq, dk, dv, dw = _torch_grads(fwd, (q, k, v, w), (True, True, True, need_dw),
+                                          (d_out,))  # fmt: skip
+        else:
+            dq, dk, dv, dw = rf_parallel_kernels.rf_parallel_bwd(
+                d_out, q, k, v, form, ctx.scale, out, aux, mask, *ctx.opts[:1], need_dw=need_dw,
+                gpu_tiles=ctx.opts[1], plan=ctx.plan,
+            )  # fmt: skip
+        return dq, dk, dv, dw, None, None, None, None, None, None
+
+
 def rf_parallel(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, precision=None,
-                gpu_tiles=None) -> torch.Tensor:  # fmt: skip
+                gpu_tiles=None, stats=None) -> torch.Tensor:  # fmt: skip
     """Fused non-causal attention of the kernel form ``form`` (``rfattn::parallel``); see
-    ``rfattn.kernels.rf_parallel.rf_parallel_fwd`` for the arguments. Gradients reach q, k, v
-    and ``form.w``."""
-    traced = torch.compiler.is_compiling()
-    grad = q.requires_grad or k.requires_grad or v.requires_grad or form.w.requires_grad
-    if traced or grad and torch.is_grad_enabled():
-        args = (q, k, v, *flat_form(form, not traced), scale, key_padding_mask, precision,
-                gpu_tiles)  # fmt: skip
-        return (_parallel if traced else _Parallel.apply)(*args)[0]
+    ``rfattn.kernels.rf_parallel.rf_parallel_fwd`` for the arguments (``stats``: the statistics
+    a form from ``rfattn.fused.kernel_form(..., defer=True)`` leaves to the key pass; eager
+    calls only). Gradients reach q, k, v and ``form.w``."""
+    if torch.compiler.is_compiling():
+        return _parallel(q, k, v, *flat_form(form), scale, key_padding_mask, precision,
+                         gpu_tiles)[0]  # fmt: skip
+    w = form.w
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or
+                                    w.requires_grad):  # fmt: skip
+        return _Parallel.apply(q, k, v, w, form, scale, key_padding_mask, precision, gpu_tiles,
+                               stats)  # fmt: skip
     if on_torch(q):  # no gradient follows: the operator's body, on the form itself
         return _torch_parallel(q, k, v, form, scale, key_padding_mask)[0]
     return rf_parallel_kernels.rf_parallel_fwd(q, k, v, form, scale, key_padding_mask, precision,
-                                               gpu_tiles=gpu_tiles)  # fmt: skip
+                                               gpu_tiles=gpu_tiles, stats=stats)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------

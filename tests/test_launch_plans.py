@@ -104,6 +104,19 @@ json.dump(out, sys.stdout)
 '''
 
 
+def _run(tmp_path, script: str):
+    """What ``script`` (beside :data:`KERNELS`) prints as JSON, run in a fresh process with the
+    interpreter off."""
+    (tmp_path / "plan_kernels.py").write_text(textwrap.dedent(KERNELS))
+    (tmp_path / "check.py").write_text(textwrap.dedent(script))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT)])
+    proc = subprocess.run([sys.executable, str(tmp_path / "check.py")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
 @pytest.mark.skipif(fake_gpu_problem() is not None, reason=str(fake_gpu_problem()))
 def test_launch_plans_replay_what_triton_launches(tmp_path):
     """The first launch of a specialisation goes through Triton's autotuner and JIT; later ones
@@ -113,14 +126,7 @@ def test_launch_plans_replay_what_triton_launches(tmp_path):
     specialises on it). What reaches Triton's launcher is exactly what Triton's own path sends
     for the same launch: grid (the autotuned config's, from a callable grid), stream, function,
     metadata, hooks, arguments, constexprs."""
-    (tmp_path / "plan_kernels.py").write_text(textwrap.dedent(KERNELS))
-    (tmp_path / "plan_check.py").write_text(textwrap.dedent(SCRIPT))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT)])
-    proc = subprocess.run([sys.executable, str(tmp_path / "plan_check.py")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    r = json.loads(proc.stdout)
+    r = _run(tmp_path, SCRIPT)
     planned = {"autotuner": 0, "jit": 0}
     for name in ("tuned first", "tuned other D"):  # a tuning: the autotuner launches configs
         assert r[name]["entered"]["autotuner"] == 1 and r[name]["entered"]["jit"] >= 1, name
@@ -172,3 +178,63 @@ def test_integer_helpers_match_triton():
             assert cdiv(n, b) == triton.cdiv(n, b)
         assert next_pow2(n, 1) == triton.next_power_of_2(max(n, 1))
         assert next_pow2(n) == max(16, triton.next_power_of_2(max(n, 1)))
+
+
+C_SCRIPT = '''
+import json, sys
+import torch
+from bench import fake_gpu
+
+fake_gpu.activate()
+import triton
+from triton import knobs
+from triton.runtime import driver
+
+from rfattn.kernels import common
+from plan_kernels import plain_kernel, tuned_kernel
+
+sent = []  # what reached Triton's C launch function (every launcher is built with it)
+real = driver.active.utils.launch
+def recorded(*a):
+    sent.append(a)
+    return real(*a)
+driver.active.utils.launch = recorded
+
+def shown(a):
+    if isinstance(a, tuple):
+        return [shown(x) for x in a]
+    if isinstance(a, torch.Tensor):
+        return ["tensor", a.data_ptr()]
+    if hasattr(a, "calls") and not a.calls:  # an empty hook chain: no hook
+        return None
+    return a if isinstance(a, (int, float, str, bool, type(None))) else repr(a)
+
+out = {"direct": [common.c_launcher(None)[0] is None]}
+x, y = torch.zeros(4096), torch.zeros(4096)
+for name, kernel, grid, kw in (
+        ("plain", plain_kernel, (8,), dict(BT=128)),
+        ("tuned", tuned_kernel, lambda meta: (triton.cdiv(1000, meta["BT"]),), dict(D=3))):
+    launch = common.Launch(kernel, grid, **kw)
+    launch(x, y, 1000, 1)  # Triton's way: its launcher's __call__, then the C function
+    first = sent[-1]
+    launch(x, y, 1000, 1)  # replayed: the C function itself
+    out["direct"].append(launch.direct[-3] is not None)
+    # without the launch metadata (Triton's way makes one; nothing reads it without a hook)
+    out[name] = [shown(a[:8] + a[9:]) for a in (first, sent[-1])]
+    out[name + " launches"] = len(sent)
+json.dump(out, sys.stdout)
+'''
+
+
+@pytest.mark.skipif(fake_gpu_problem() is not None, reason=str(fake_gpu_problem()))
+def test_replayed_launches_call_the_c_launcher_as_triton_does(tmp_path):
+    """A replayed launch without a hook calls Triton's C launch function itself
+    (``common.c_launcher``), with exactly what Triton's launcher passes it for the same launch
+    (grid, stream, function, cooperative grid and PDL flags, metadata, hooks (none: Triton's
+    empty hook chains), scratch, argument annotations, signature, arguments), for a kernel with
+    and without autotuning."""
+    r = _run(tmp_path, C_SCRIPT)
+    assert r["direct"] == [True, True, True]
+    for name in ("plain", "tuned"):
+        triton_way, replayed = r[name]
+        assert replayed == triton_way, name

@@ -202,3 +202,72 @@ def test_a_warm_fused_call_enters_few_functions(tmp_path):
     assert len(path["functions"]) <= 20, shown
     assert len(path["files"]) <= 6, shown
     assert "kernels/common.py:launch_setup" not in path["functions"], shown
+
+
+def test_the_backward_takes_its_plan_from_the_forward(monkeypatch, kernel_device):
+    """An eager forward+backward looks its shape up once: the backward's plan comes with the
+    forward's (kept there by the cotangent's layout), not from a second lookup by shape (before:
+    one ``shape_plan`` per launcher call); a cotangent of another layout gets a plan of its own,
+    and both gradients are the torch path's."""
+    looked_up = [0]
+    real = rf_parallel.shape_plan
+
+    def counted(*args, **kwargs):
+        looked_up[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rf_parallel, "shape_plan", counted)
+    rf = rfattn.RandomFeatures(16, 32, "posrf", seed=0).to(kernel_device)
+    q, k, v = _inputs(kernel_device, B=1, T=18)
+    do = torch.randn(1, 2, 18, 16, dtype=q.dtype, generator=torch.Generator().manual_seed(1))
+    do = do.to(kernel_device)
+
+    def grads(backend, cotangent):
+        xs = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = rfattn.rf_attention(*xs, rf, backend=backend)
+        return torch.autograd.grad(out, xs, cotangent)
+
+    for name, cotangent in (("contiguous", do), ("strided", do.transpose(-1, -2).contiguous()
+                                                  .transpose(-1, -2))):  # fmt: skip
+        looked_up[0] = 0
+        got, want = grads("triton", cotangent), grads("torch", cotangent)
+        assert looked_up[0] == 1, name  # the forward's
+        for a, b in zip(got, want, strict=True):
+            _same(a, b, name)
+
+
+def test_live_results_never_share_memory(kernel_device):
+    """Two calls' outputs and gradients, held at once, are each their own memory (nothing a plan
+    keeps is handed out twice), and each is the torch path's for its own inputs."""
+    rf = rfattn.RandomFeatures(16, 32, "posrf", seed=0).to(kernel_device)
+    results = []
+    for seed in (0, 1):
+        q, k, v = _inputs(kernel_device, B=1, T=16, seed=seed)
+        xs = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = rfattn.rf_attention(*xs, rf, backend="triton")
+        out.sum().backward()
+        with torch.no_grad():
+            plain = rfattn.rf_attention(q, k, v, rf, backend="triton")
+        want = rfattn.rf_attention(q, k, v, rf, backend="torch")
+        _same(out.detach(), want, f"seed {seed}")
+        _same(plain, want, f"seed {seed} without grad")
+        results += [out, plain, *(x.grad for x in xs)]
+    ptrs = [x.data_ptr() for x in results]
+    assert len(set(ptrs)) == len(ptrs)
+
+
+def test_a_form_made_for_one_call_is_not_kept(kernel_device):
+    """oprf's non-causal forms, made for each call (its statistics formed by the key pass), are
+    converted for the launch and not kept among the forms' kernel arguments (before: one more
+    entry per call until the table started over, each holding its form's tensors and pushing out
+    the kept forms' arguments)."""
+    from rfattn.kernels import common
+
+    rf = rfattn.RandomFeatures(16, 32, "oprf", seed=0).to(kernel_device)
+    q, k, v = _inputs(kernel_device, B=1, T=16)
+    with torch.no_grad():
+        rfattn.rf_attention(q, k, v, rf, backend="triton")
+        kept = len(common.FORM_ARGS)
+        for _ in range(2):
+            _same(*_both(q, k, v, rf), "oprf")
+    assert len(common.FORM_ARGS) == kept

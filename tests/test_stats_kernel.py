@@ -184,17 +184,17 @@ def test_running_statistics_in_the_stats_pass_float64(feature, kernel_device):
 
 @pytest.fixture
 def kv_launches(monkeypatch):
-    """The kernels the non-causal forward launches through ``launch`` (its key pass with
-    statistics; the planned launches replay without it), in order."""
-    from rfattn.kernels import rf_parallel
+    """The kernels the fused call launches through its plans' bound launches
+    (``common.Launch``), in order."""
+    from rfattn.kernels.common import Launch
 
-    seen, real = [], rf_parallel.launch
+    seen, real = [], Launch.__call__
 
-    def spy(kernel, grid, *args, **kwargs):
-        seen.append(kernel)
-        return real(kernel, grid, *args, **kwargs)
+    def spy(self, *args):
+        seen.append(self.kernel)
+        return real(self, *args)
 
-    monkeypatch.setattr(rf_parallel, "launch", spy)
+    monkeypatch.setattr(Launch, "__call__", spy)
     return seen
 
 
@@ -253,17 +253,14 @@ def test_key_pass_statistics_float64_masks_grouped_heads(feature, stats, kernel_
 def _deferred_forward(rf, q, k, v, kmask, qmask, programs, num_splits=None):
     """(out, coeffs, psi) of rf_parallel_fwd on a form whose parameters its key pass forms with
     ``programs`` stats roles."""
-    from rfattn.kernels import stats
     from rfattn.kernels.rf_parallel import rf_parallel_fwd
 
     from rfattn.fused import kernel_form
 
-    form = kernel_form(rf, q, k, kmask, 0.3, False, qmask, defer=True)
-    st = stats.claim(form.coeffs)
-    assert st is not None and stats.claim(form.coeffs) is None  # left once
-    stats.defer(form.coeffs, st._replace(programs=programs, num_splits=num_splits))
-    out = rf_parallel_fwd(q, k, v, form, 0.3, kmask, num_splits=num_splits)
-    assert stats.claim(form.coeffs) is None  # taken by the launch
+    form, st = kernel_form(rf, q, k, kmask, 0.3, False, qmask, defer=True)
+    assert st is not None  # left to the key pass
+    st = st._replace(programs=programs, num_splits=num_splits)
+    out = rf_parallel_fwd(q, k, v, form, 0.3, kmask, num_splits=num_splits, stats=st)
     return out, form
 
 
