@@ -326,10 +326,16 @@ def autotune_configs(bts=(32, 64, 128), warps=(4, 8)):
 
 def _prune_configs(configs, nargs, **kwargs):
     """``early_config_prune``: float64 (a checking dtype, twice the bytes per tile) tries only
-    the unpipelined fallbacks; the other dtypes every config with BT >= 32. (The autotuner
-    calls it only when it has several configs, i.e. not under the interpreter.)"""
+    the unpipelined fallbacks; the half policy (fp16/bf16 inputs of the non-causal kernels)
+    only BT 64 at 8 warps, pipelined: at D = 64 every other config spills on sm_90 (255
+    registers at 4 warps, 8-2120 stack bytes per thread; ``python -m bench.compile
+    --save-results``); the other dtypes every config with BT >= 32. (The autotuner calls it
+    only when it has several configs, i.e. not under the interpreter.)"""
     if kwargs.get("ACC") == tl.float64:
         return [c for c in configs if c.num_stages == 1]
+    if kwargs.get("PRECISION") in HALF_PRECISIONS.values():
+        return [c for c in configs if c.kwargs["BT"] == 64 and c.num_warps == 8
+                and c.num_stages != 1]  # fmt: skip
     return [c for c in configs if c.kwargs["BT"] >= 32]
 
 
@@ -862,11 +868,15 @@ def split_counts(T: int, programs_per_split: int, device: torch.device, num_spli
     return cdiv(T, per), per
 
 
-def _feature_rows(big: int, itemsize: int) -> int:
+def _feature_rows(big: int, itemsize: int, half: bool = False) -> int:
     """Feature tile BM (rows of W per step) of the non-causal kernels for padded head sizes up to
-    ``big`` and inputs of ``itemsize`` bytes, before capping at M."""
+    ``big`` and inputs of ``itemsize`` bytes, before capping at M. ``half``: the half policy on
+    a GPU, whose fp32 epilogue tiles beside the split logits spill at BM 64 (sm_90, D = 64,
+    bf16: 72-920 stack bytes per thread in ``_bwd_dqkv_kernel``, 0 at BM 32, 8 warps)."""
     if itemsize == 8:
         return 32 if big <= 64 else 16
+    if half:
+        return 32
     return 64 if big <= 128 else 32
 
 
@@ -1167,10 +1177,12 @@ def launch_setup(q, k, v, form, scale, key_padding_mask, precision=None, causal=
     G = Hq // H if H else 1
     BD, BE, itemsize = next_pow2(D), next_pow2(E), q.element_size()
     big = max(BD, BE)
+    precision = _precision(q.dtype, precision, causal)
     if causal:
         bt, rows = _chunk_tiles(big, itemsize, gpu)
     else:  # the interpreter keeps the big 16-bit tiles whatever the dtype: faster tests
-        bt, rows = None, _feature_rows(big, itemsize if gpu else 2)
+        half = gpu and precision in HALF_PRECISIONS.values()
+        bt, rows = None, _feature_rows(big, itemsize if gpu else 2, half)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     w, *ptrs, qmap, kmap = form_args(form, B, Hq, H, acc, q.device)
     flags = form_flags(form)
@@ -1181,7 +1193,7 @@ def launch_setup(q, k, v, form, scale, key_padding_mask, precision=None, causal=
         pad = (mask, mask.stride(0), mask.stride(1))
     else:
         pad = (w, 0, 0)
-    BM, precision = min(rows, next_pow2(M)), _precision(q.dtype, precision, causal)
+    BM = min(rows, next_pow2(M))
     ACC = tl.float64 if acc == torch.float64 else tl.float32
     meta = dict(D=D, M=M, E=E, BD=BD, BM=BM, BE=BE, PRECISION=precision, ACC=ACC,
                 TINY=torch.finfo(acc).tiny, **flags)  # fmt: skip

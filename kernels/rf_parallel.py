@@ -93,9 +93,12 @@ Reference: ``rfattn.reference.linear_attention`` on ``RandomFeatures.features`` 
 
 Layout: q, k ``[B, H, T, D]``, v ``[B, H, T, E]`` with arbitrary strides; w ``[F, D]``.
 Limits: inputs fp32/fp16/bf16/fp64, one dtype; w and the extra rows stay in the accumulation
-dtype (fp16/bf16 products run on fp32 operands, see ``common._precision``). Accumulation is fp32
-(fp64 for fp64 inputs). Any D, E, F (tiles padded to powers of two >= 16; register pressure grows
-with D and E, meant for <= 256), any T >= 0, Tq != Tk.
+dtype. fp16/bf16 inputs run the half policy (``common._precision``, docs/numerics.md): the
+logits as two (signed tables: three) half products of the exact rows against W split in the
+kernel, every other product one half product (the query pass's signed features two), operands
+rounded to the input dtype just before it. Accumulation is fp32 (fp64 for fp64 inputs).
+Any D, E, F (tiles padded to powers of two >= 16; register pressure grows with D and E, meant
+for <= 256), any T >= 0, Tq != Tk.
 The coefficient table, tau and the per-(b, h) parameters are held constant: no gradient.
 """
 
@@ -819,8 +822,9 @@ def rf_parallel_fwd(
             by its key pass, in its launch, before the query pass reads them.
         scale: softmax temperature; inputs are multiplied by ``sqrt(scale)`` before projection.
         key_padding_mask: optional ``[B, Tk]`` bool, True = padding.
-        precision: ``tl.dot`` input precision for fp32 products ("ieee", "tf32", "tf32x3");
-            default "ieee" for fp32/fp64 inputs, :data:`common.LOW_PRECISION` for fp16/bf16.
+        precision: ``tl.dot`` input precision for fp32 products ("ieee", "tf32", "tf32x3"), or
+            "half" (fp16/bf16 inputs: the half policy, their default); default "ieee" for
+            fp32/fp64 inputs.
         num_splits: programs sharing one (b, h)'s keys (default: fill the device).
         return_aux: also return what the backward needs.
         gpu_tiles: pick a GPU's tiles (default: on a GPU; ``bench.compile`` sets it on CPU).
