@@ -328,8 +328,9 @@ def _prune_configs(configs, nargs, **kwargs):
     """``early_config_prune``: float64 (a checking dtype, twice the bytes per tile) tries only
     the unpipelined fallbacks; the half policy (fp16/bf16 inputs of the non-causal kernels)
     only BT 64 at 8 warps, pipelined: at D = 64 every other config spills on sm_90 (255
-    registers at 4 warps, 8-2120 stack bytes per thread; ``python -m bench.compile
-    --save-results``); the other dtypes every config with BT >= 32. (The autotuner calls it
+    registers at 4 warps, 8-2120 stack bytes per thread), this one not for the GERF family
+    (the signed tables and rmf still do: ``python -m bench.compile --save-results``); the
+    other dtypes every config with BT >= 32. (The autotuner calls it
     only when it has several configs, i.e. not under the interpreter.)"""
     if kwargs.get("ACC") == tl.float64:
         return [c for c in configs if c.num_stages == 1]

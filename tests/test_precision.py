@@ -202,8 +202,9 @@ def test_policy_per_dtype_and_path(dtype):
 
 
 def test_half_policy_configs_do_not_spill():
-    """The autotuner offers the half policy only the config that compiles without spilling on
-    sm_90 (BT 64, 8 warps: ``tests/test_compile.py`` compiles it); fp32 keeps every BT >= 32."""
+    """The autotuner offers the half policy only BT 64 at 8 warps, the one config without spills
+    on sm_90 for the GERF family (``tests/test_compile.py`` compiles it for every form); fp32
+    keeps every BT >= 32."""
     import triton
     import triton.language as tl
     from rfattn.kernels.common import PRUNE
