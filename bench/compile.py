@@ -539,6 +539,22 @@ def failures(rows: list[dict]) -> list[str]:
     return bad
 
 
+#: the non-causal kernels (and the decode step) under the half policy: no config of theirs may
+#: spill for fp16/bf16 inputs (:func:`spills`; the causal kernels are reported, not held to it)
+NO_SPILL = ("_fwd_kv_kernel", "_fwd_kv_stats_kernel", "_fwd_q_kernel", "_bwd_ds_kernel",
+            "_bwd_dqkv_kernel", "_bwd_dwk_kernel", "_recurrent_kernel")  # fmt: skip
+
+
+def spills(rows: list[dict], kernels=NO_SPILL) -> list[str]:
+    """One line per compiled config of ``kernels`` that spills (stack bytes per thread > 0)."""
+    return [
+        f"{r['kernel']} [{r['tag']}] {r['config']}: {r['stack_bytes']} stack bytes, "
+        f"{r['registers']} registers"
+        for r in rows
+        if r["kernel"] in kernels and r.get("stack_bytes")
+    ]
+
+
 def _print_table(rows: list[dict]) -> None:
     """Worst case per kernel: most shared memory, most registers, any spill, failures, and the
     launches that fitted only with fewer pipeline stages than asked."""
@@ -704,7 +720,9 @@ def main(argv=None) -> int:
         path.write_text(json.dumps(report(rows, a.arch), indent=1) + "\n")
         print(markdown(json.loads(path.read_text())))
         print(f"# wrote {path}")
-        return 1 if failures(rows) else 0
+        for line in spills(rows):
+            print("SPILLS", line)
+        return 1 if failures(rows) or spills(rows) else 0
     rows = check(a.quick, a.arch, a.jobs, a.configs)
     _print_table(rows)
     if a.json:

@@ -322,8 +322,11 @@ NP = tl.constexpr(9)
 #: running-max sentinel: finite so that exp(sentinel - sentinel) = 1, not NaN
 NEG = tl.constexpr(-1.0e30)
 _PRECISIONS = ("ieee", "tf32", "tf32x3")
-#: ``tl.dot`` input precision of the fp32 products for fp16/bf16 inputs (see Setup)
+#: ``tl.dot`` input precision of the causal kernels' fp32 products for fp16/bf16 inputs
+#: (:func:`_precision`)
 LOW_PRECISION = "tf32x3"
+#: the half policy's ``PRECISION`` per input dtype (:func:`_precision`, :func:`product`)
+HALF_PRECISIONS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 #: tokens handled by one split program: a multiple of every BT in the configs
 _SPLIT_QUANTUM = 128
@@ -348,10 +351,17 @@ def autotune_configs(bts=(32, 64, 128), warps=(4, 8)):
 
 def _prune_configs(configs, nargs, **kwargs):
     """``early_config_prune``: float64 (a checking dtype, twice the bytes per tile) tries only
-    the unpipelined fallbacks; the other dtypes every config with BT >= 32. (The autotuner
-    calls it only when it has several configs, i.e. not under the interpreter.)"""
+    the unpipelined fallbacks; the half policy (fp16/bf16 inputs of the non-causal kernels)
+    only BT 64 at 8 warps, pipelined: at D = 64 every other config spills on sm_90 (255
+    registers at 4 warps, 8-2120 stack bytes per thread), this one not for the GERF family
+    (the signed tables and rmf still do: ``python -m bench.compile --save-results``); the
+    other dtypes every config with BT >= 32. (The autotuner calls it
+    only when it has several configs, i.e. not under the interpreter.)"""
     if kwargs.get("ACC") == tl.float64:
         return [c for c in configs if c.num_stages == 1]
+    if kwargs.get("PRECISION") in HALF_PRECISIONS.values():
+        return [c for c in configs if c.kwargs["BT"] == 64 and c.num_warps == 8
+                and c.num_stages != 1]  # fmt: skip
     return [c for c in configs if c.kwargs["BT"] >= 32]
 
 
@@ -417,6 +427,65 @@ def half_dot(a, b, HALF: tl.constexpr):
 
 
 @triton.jit
+def split_dot(a, b, HALF: tl.constexpr, SPLIT_A: tl.constexpr, THREE: tl.constexpr = False):
+    """``a @ b`` in half products, ``b = b_hi + b_lo`` each part rounded to ``HALF`` (``b - b_hi``
+    is exact in fp32): ``a b_hi + a b_lo``, fp32 accumulation, b to ~16 bits (bf16). ``a`` is
+    exact in ``HALF`` (an input's rows); with SPLIT_A it is not, and ``a_lo b_hi`` is added (the
+    ``a_lo b_lo`` term dropped). THREE: ``b = b_hi + b_mid + b_lo``, b to fp32's 24 bits."""
+    b_hi = round_half(b, HALF).to(tl.float32)
+    if THREE:
+        b_mid = round_half(b - b_hi, HALF).to(tl.float32)
+        c = half_dot(a, b_hi, HALF) + half_dot(a, b_mid, HALF) + half_dot(a, b - b_hi - b_mid,
+                                                                         HALF)  # fmt: skip
+    else:
+        c = half_dot(a, b_hi, HALF) + half_dot(a, b - b_hi, HALF)
+    if SPLIT_A:
+        a_hi = round_half(a, HALF).to(tl.float32)
+        c += half_dot(a - a_hi, b_hi, HALF)
+    return c
+
+
+@triton.jit
+def product(a, b, PRECISION: tl.constexpr, ACC: tl.constexpr, SPLIT_A: tl.constexpr = False):
+    """``a @ b`` of a kernel's product under the precision policy (:func:`_precision`): for
+    PRECISION "bf16" / "fp16" one half product (:func:`half_dot`: the operands rounded to that
+    format just before it, as flash-attention rounds P; fp32 accumulation), or with SPLIT_A
+    two, ``a = a_hi + a_lo`` (signed query features: their sum cancels, see the query pass);
+    else ``tl.dot`` of ACC operands at that input precision."""
+    if PRECISION == "bf16" or PRECISION == "fp16":
+        HALF: tl.constexpr = tl.bfloat16 if PRECISION == "bf16" else tl.float16
+        if SPLIT_A:
+            a_hi = round_half(a, HALF).to(tl.float32)
+            c = half_dot(a_hi, b, HALF) + half_dot(a - a_hi, b, HALF)
+        else:
+            c = half_dot(a, b, HALF)
+    else:
+        c = tl.dot(a.to(ACC), b.to(ACC), input_precision=PRECISION, out_dtype=ACC)
+    return c
+
+
+@triton.jit
+def projection(b_x, b_rows, b_sc, PRECISION: tl.constexpr, ACC: tl.constexpr,
+               SPLIT_X: tl.constexpr, THREE: tl.constexpr = False):  # fmt: skip
+    """``x~ rows^T`` [BT, BR] for inputs ``x~ = b_x * b_sc`` (rows b_x [BT, BD], column scales
+    b_sc [BD]) against rows [BR, BD]: the logits' product. Under the half policy the rows hold
+    the column scales relative to their largest ``c`` (all 1 without psi: the rows as they
+    are) and are split in two half products (:func:`split_dot`; THREE: three), ``b_x`` stays
+    exact (SPLIT_X: it is not, a head map's output), and ``c`` multiplies the fp32
+    accumulator; else one ``tl.dot`` at PRECISION of ``x~`` as the other products get it."""
+    if PRECISION == "bf16" or PRECISION == "fp16":
+        HALF: tl.constexpr = tl.bfloat16 if PRECISION == "bf16" else tl.float16
+        c = tl.max(b_sc, axis=0)
+        b_r = b_rows.to(tl.float32) * (b_sc / c)[None, :]
+        b_p = c * split_dot(b_x.to(tl.float32), tl.trans(b_r), HALF, SPLIT_X, THREE)
+    else:
+        b_xs = b_x.to(ACC) * b_sc[None, :]
+        b_p = tl.dot(b_xs.to(b_rows.dtype), tl.trans(b_rows), input_precision=PRECISION,
+                     out_dtype=ACC)  # fmt: skip
+    return b_p
+
+
+@triton.jit
 def gerf_coeffs(ab_ptr, i_bh, HAS_AB: tl.constexpr, ACC: tl.constexpr):
     """(A, B, log D) of the (b, h) in ``u = A |w|^2 + B w . x~ - |x~|^2 / 2 + log D`` (posrf:
     0, 1, 0)."""
@@ -474,7 +543,12 @@ def load_mapped(
             b_xk = load_rows(base, o_t, k0 + o_k, stride_t, stride_d, m_t, m_k, ACC)
             p_a = map_ptr + i_hm * D * D + o_d[:, None] * D + (k0 + o_k)[None, :]
             b_ak = tl.load(p_a, mask=m_d[:, None] & m_k[None, :], other=0.0).to(ACC)  # [BD, K]
-            b_x += tl.dot(b_xk, tl.trans(b_ak), input_precision=PRECISION, out_dtype=ACC)
+            if PRECISION == "bf16":  # the half policy: the rows are exact, the map is split
+                b_x += split_dot(b_xk, tl.trans(b_ak), tl.bfloat16, False)
+            elif PRECISION == "fp16":
+                b_x += split_dot(b_xk, tl.trans(b_ak), tl.float16, False)
+            else:
+                b_x += tl.dot(b_xk, tl.trans(b_ak), input_precision=PRECISION, out_dtype=ACC)
     else:
         b_x = load_rows(base, o_t, o_d, stride_t, stride_d, m_t, m_d, ACC)
     return b_x
@@ -540,8 +614,12 @@ def store_offset(ptr, b_r):
 
 @triton.jit
 def store_tile(ptr, i_b, i_h, o_r, o_c, stride_b, stride_h, stride_r, stride_c, b_x, m_r, m_c):
-    """Store the tile ``b_x`` [rows, cols] at ``ptr[i_b, i_h, o_r, o_c]`` in ``ptr``'s dtype."""
+    """Store the tile ``b_x`` [rows, cols] at ``ptr[i_b, i_h, o_r, o_c]`` in ``ptr``'s dtype,
+    rounded to nearest (under the interpreter, whose bf16 cast truncates, by :func:`round_half`
+    first: the GPU's rounding, not twice its error)."""
     p = ptr + i_b * stride_b + i_h * stride_h + o_r[:, None] * stride_r + o_c[None, :] * stride_c
+    if EMULATE_HALF and ptr.dtype.element_ty == tl.bfloat16:
+        b_x = round_bf16(b_x.to(tl.float32))
     tl.store(p, b_x.to(ptr.dtype.element_ty), mask=m_r[:, None] & m_c[None, :])
 
 
@@ -570,14 +648,31 @@ def _log_abs(b_z, TINY: tl.constexpr):
 
 
 @triton.jit
+def _project(b_xs, b_rows, b_x, b_sc, PRECISION: tl.constexpr, ACC: tl.constexpr,
+             SPLIT_X: tl.constexpr, THREE: tl.constexpr = False):  # fmt: skip
+    """x~ rows^T [BT, BR]: :func:`projection` of the rows b_x with scales b_sc where given, else
+    ``tl.dot`` of x~ = b_xs at PRECISION (the causal kernels)."""
+    if b_x is None:
+        b_p = tl.dot(b_xs.to(b_rows.dtype), tl.trans(b_rows), input_precision=PRECISION,
+                     out_dtype=ACC)  # fmt: skip
+    else:
+        b_p = projection(b_x, b_rows, b_sc, PRECISION, ACC, SPLIT_X, THREE)
+    return b_p
+
+
+@triton.jit
 def feature_tile(
     b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
     M: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, FEATURE: tl.constexpr,
     IS_KEY: tl.constexpr, HAS_LAM: tl.constexpr, PRECISION: tl.constexpr, TINY: tl.constexpr,
+    b_x=None, b_sc=None, SPLIT_X: tl.constexpr = False,
 ):  # fmt: skip
     """(u, g, g1, g2) of one feature tile: phi = g exp(u - offset) [BT, BM] for inputs x~
     b_xs [BT, BD] (acc dtype) against rows b_w [BM, BD]. g1, g2 feed the backward: table form
-    g1 = dg/dth; rmf g1 = c (-1)^parity, g2 = log|prod|. Scalars where a term is absent."""
+    g1 = dg/dth; rmf g1 = c (-1)^parity, g2 = log|prod|. Scalars where a term is absent.
+    With the rows b_x [BT, BD] and column scales b_sc [BD] of ``x~ = b_x * b_sc`` the
+    projections are :func:`projection`'s (the half policy's split logits; SPLIT_X: b_x is not
+    exact in the half format), else ``tl.dot`` of b_xs at PRECISION."""
     ACC = b_xs.dtype
     one = tl.full([], 1.0, dtype=ACC)
     # one return statement: compiled Triton checks every return's type, constexpr-dead or not
@@ -591,8 +686,7 @@ def feature_tile(
         for r in range(r0, r1, BR):
             b_own, b_rho = _rmf_rows(xr_ptr, xi_ptr, r + tl.arange(0, BR), r1, o_d, m_d, M, D)
             # [BT, BD] @ [BD, BR] -> [BT, BR]
-            b_z = tl.dot(b_xs.to(b_rho.dtype), tl.trans(b_rho), input_precision=PRECISION,
-                         out_dtype=ACC)  # fmt: skip
+            b_z = _project(b_xs, b_rho, b_x, b_sc, PRECISION, ACC, SPLIT_X)
             b_seg = (b_own[:, None] == o_f[None, :]).to(ACC)  # [BR, BM]
             # [BT, BR] @ [BR, BM] -> [BT, BM], exact: one nonzero per (row, feature)
             b_l += tl.dot(_log_abs(b_z, TINY), b_seg, input_precision="ieee", out_dtype=ACC)
@@ -602,8 +696,9 @@ def feature_tile(
         b_g1 = b_c[None, :] * (1.0 - 2.0 * (b_n - 2.0 * tl.floor(0.5 * b_n)))
         b_u, b_g, b_g2 = tl.zeros([BT, BM], dtype=ACC), b_g1 * tl.exp(b_l), b_l
     else:
-        # [BT, BD] @ [BD, BM] -> [BT, BM]
-        b_z = tl.dot(b_xs.to(b_w.dtype), tl.trans(b_w), input_precision=PRECISION, out_dtype=ACC)
+        # [BT, BM]; signed (table) features to fp32's accuracy: their sums cancel, and W to 16
+        # bits left trigrf's output at 2.5x the torch path's error in bf16 (T = 100, M = 128)
+        b_z = _project(b_xs, b_w, b_x, b_sc, PRECISION, ACC, SPLIT_X, FEATURE == 1)
         b_wf = b_w.to(ACC)
         b_nw = tl.sum(b_wf * b_wf, axis=1)  # [BM]
         b_nx = tl.sum(b_xs * b_xs, axis=1)  # [BT]
@@ -627,8 +722,7 @@ def feature_tile(
                 p_tau = xr_ptr + b_lam[:, None] * D + o_d[None, :]
                 b_tau = tl.load(p_tau, mask=(b_lam[:, None] >= 0) & m_d[None, :],
                                 other=0.0)  # [BM, BD]  # fmt: skip
-                b_pt = tl.dot(b_xs.to(b_tau.dtype), tl.trans(b_tau), input_precision=PRECISION,
-                              out_dtype=ACC)  # [BT, BM]  # fmt: skip
+                b_pt = _project(b_xs, b_tau, b_x, b_sc, PRECISION, ACC, SPLIT_X)  # [BT, BM]
                 b_s = tl.where((b_lam[None, :] < 0) | (b_pt >= 0), 1.0, -1.0)
                 b_g = b_g * b_s
                 b_g1 = b_g1 * b_s
@@ -640,8 +734,10 @@ def feature_dx(
     b_du, b_dg, b_g1, b_g2, b_xs, b_w, o_f, m_f, o_d, m_d, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m,
     M: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, FEATURE: tl.constexpr,
     IS_KEY: tl.constexpr, PRECISION: tl.constexpr, TINY: tl.constexpr,
+    b_x=None, b_sc=None,
 ):  # fmt: skip
-    """d(sum du u + dg g)/dx~ [BT, BD] of one feature tile (du, dg [BT, BM]; see feature_tile)."""
+    """d(sum du u + dg g)/dx~ [BT, BD] of one feature tile (du, dg [BT, BM]; see feature_tile,
+    whose b_x, b_sc these are too)."""
     ACC = b_du.dtype
     if FEATURE == 2:  # rmf: dphi_f/dZ_r = c (-1)^parity sgn(Z_r) exp(log|prod| - log|Z_r|)
         BT: tl.constexpr = b_du.shape[0]
@@ -653,16 +749,14 @@ def feature_dx(
         b_dx = tl.zeros([BT, BD], dtype=ACC)
         for r in range(r0, r1, BR):
             b_own, b_rho = _rmf_rows(xr_ptr, xi_ptr, r + tl.arange(0, BR), r1, o_d, m_d, M, D)
-            b_z = tl.dot(b_xs.to(b_rho.dtype), tl.trans(b_rho), input_precision=PRECISION,
-                         out_dtype=ACC)  # [BT, BR]  # fmt: skip
+            b_z = _project(b_xs, b_rho, b_x, b_sc, PRECISION, ACC, False)  # [BT, BR]
             b_seg = (o_f[:, None] == b_own[None, :]).to(ACC)  # [BM, BR]
             # owner's values on its rows: [BT, BM] @ [BM, BR] -> [BT, BR] (exact)
             b_ar = tl.dot(b_a, b_seg, input_precision="ieee", out_dtype=ACC)
             b_lr = tl.dot(b_g2, b_seg, input_precision="ieee", out_dtype=ACC)
             b_gz = tl.where(b_z < 0, -b_ar, b_ar) * tl.exp(b_lr - _log_abs(b_z, TINY))
             # [BT, BR] @ [BR, BD] -> [BT, BD]
-            b_dx += tl.dot(b_gz.to(b_rho.dtype), b_rho, input_precision=PRECISION,
-                           out_dtype=ACC)  # fmt: skip
+            b_dx += product(b_gz, b_rho, PRECISION, ACC)
         return b_dx
     if FEATURE == 0:  # du/dx~ = B w - x~
         b_dzc = b_cb * b_du
@@ -672,7 +766,7 @@ def feature_dx(
                  + b_dg * b_g1 * _tab(tab_ptr, 4, o_f, m_f, M, IS_KEY)[None, :])  # fmt: skip
         b_dh = 2.0 * tl.sum(b_du * _tab(tab_ptr, 1, o_f, m_f, M, IS_KEY)[None, :], axis=1)
     # [BT, BM] @ [BM, BD] -> [BT, BD]
-    b_dx = tl.dot(b_dzc.to(b_w.dtype), b_w, input_precision=PRECISION, out_dtype=ACC)
+    b_dx = product(b_dzc, b_w, PRECISION, ACC)
     return b_dx + b_dh[:, None] * b_xs
 
 
@@ -693,7 +787,7 @@ def feature_dw(
         b_dnw = (tl.sum(b_du, axis=0) * _tab(tab_ptr, 2, o_f, m_f, M, IS_KEY)
                  + tl.sum(b_dgt, axis=0) * _tab(tab_ptr, 5, o_f, m_f, M, IS_KEY))  # fmt: skip
     # [BM, BT] @ [BT, BD] -> [BM, BD]
-    b_dw = tl.dot(tl.trans(b_dzc), b_xs, input_precision=PRECISION, out_dtype=ACC)
+    b_dw = product(tl.trans(b_dzc), b_xs, PRECISION, ACC)
     return b_dw + 2.0 * b_dnw[:, None] * b_w.to(ACC)
 
 
@@ -800,11 +894,15 @@ def split_counts(T: int, programs_per_split: int, device: torch.device, num_spli
     return cdiv(T, per), per
 
 
-def _feature_rows(big: int, itemsize: int) -> int:
+def _feature_rows(big: int, itemsize: int, half: bool = False) -> int:
     """Feature tile BM (rows of W per step) of the non-causal kernels for padded head sizes up to
-    ``big`` and inputs of ``itemsize`` bytes, before capping at M."""
+    ``big`` and inputs of ``itemsize`` bytes, before capping at M. ``half``: the half policy on
+    a GPU, whose fp32 epilogue tiles beside the split logits spill at BM 64 (sm_90, D = 64,
+    bf16: 72-920 stack bytes per thread in ``_bwd_dqkv_kernel``, 0 at BM 32, 8 warps)."""
     if itemsize == 8:
         return 32 if big <= 64 else 16
+    if half:
+        return 32
     return 64 if big <= 128 else 32
 
 
@@ -827,21 +925,33 @@ def _chunk_tiles(big: int, itemsize: int, gpu_tiles: bool) -> tuple[int, int]:
     return (32 if big <= 64 else 16), (32 if big <= 64 else 16)
 
 
-def _precision(dtype: torch.dtype, precision: str | None) -> str:
-    """The ``tl.dot`` input precision of the fp32 products.
+def _precision(dtype: torch.dtype, precision: str | None, causal: bool = False) -> str:
+    """The kernels' ``PRECISION``: a ``tl.dot`` input precision of fp32 products, or the half
+    policy ("bf16" / "fp16", :func:`product`).
 
-    Default: fp32/fp64 inputs exact ("ieee"). fp16/bf16 inputs: the products run on fp32 operands
-    (W, features, states) as three tf32 products (:data:`LOW_PRECISION`), about fp32's accuracy.
-    Measured on an H100 (bench/results/nvidia-h100-80gb-hbm3): W and the features rounded to the
-    input dtype gave 3-4x the torch path's error in that dtype, fp32 operands with one tf32
-    product still 1.1-2.2x too much under bf16 (the exponent amplifies the projection's
-    rounding); three tf32 products pass the flash-attention rule, at ~2.7x the time of the first
-    at T = 8192.
+    Default: fp32/fp64 inputs exact ("ieee"; "tf32" or "tf32x3" only when asked). fp16/bf16
+    inputs, non-causal kernels and the decode step: the half policy ("half" asks for it by
+    name), docs/numerics.md. The logits ``x~ W^T`` as two half products (W split into
+    ``W_hi + W_lo`` in the input dtype, x exact, sqrt(scale) on the fp32 accumulator:
+    :func:`projection`), every other product one half product of operands rounded to the input
+    dtype, fp32 accumulation. Emulated in float64 (T = 1024, M = 256; ``tests/test_precision``
+    holds it against a torch emulation and the fused output against the torch path): 1.2-1.6x
+    the torch path's error in bf16, where one half product for the logits too gave 1.6-4x (the
+    exponential amplifies the logits' rounding).
+    fp16/bf16 inputs of the causal kernels: their fp32 products as three tf32 products
+    (:data:`LOW_PRECISION`, about fp32's accuracy; measured on an H100, 2.7x the time of one
+    product in the non-causal kernel at T = 8192).
     """
+    half = HALF_PRECISIONS.get(dtype)
     if precision is None:
-        return "ieee" if dtype in (torch.float32, torch.float64) else LOW_PRECISION
+        return "ieee" if half is None else (LOW_PRECISION if causal else half)
+    if precision == "half":
+        if half is None or causal:
+            raise ValueError(f"precision 'half' takes fp16/bf16 inputs of the non-causal or decode "
+                             f"kernels, got {dtype}{' (causal)' if causal else ''}")  # fmt: skip
+        return half
     if precision not in _PRECISIONS:
-        raise ValueError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
+        raise ValueError(f"precision must be one of {_PRECISIONS + ('half',)}, got {precision!r}")
     return precision
 
 
@@ -1098,10 +1208,12 @@ def launch_setup(q, k, v, form, scale, key_padding_mask, precision=None, causal=
     G = Hq // H if H else 1
     BD, BE, itemsize = next_pow2(D), next_pow2(E), q.element_size()
     big = max(BD, BE)
+    precision = _precision(q.dtype, precision, causal)
     if causal:
         bt, rows = _chunk_tiles(big, itemsize, gpu)
     else:  # the interpreter keeps the big 16-bit tiles whatever the dtype: faster tests
-        bt, rows = None, _feature_rows(big, itemsize if gpu else 2)
+        half = gpu and precision in HALF_PRECISIONS.values()
+        bt, rows = None, _feature_rows(big, itemsize if gpu else 2, half)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     w, *ptrs, qmap, kmap = form_args(form, B, Hq, H, acc, q.device)
     flags = form_flags(form)
@@ -1112,7 +1224,7 @@ def launch_setup(q, k, v, form, scale, key_padding_mask, precision=None, causal=
         pad = (mask, mask.stride(0), mask.stride(1))
     else:
         pad = (w, 0, 0)
-    BM, precision = min(rows, next_pow2(M)), _precision(q.dtype, precision)
+    BM = min(rows, next_pow2(M))
     ACC = tl.float64 if acc == torch.float64 else tl.float32
     meta = dict(D=D, M=M, E=E, BD=BD, BM=BM, BE=BE, PRECISION=precision, ACC=ACC,
                 TINY=torch.finfo(acc).tiny, **flags)  # fmt: skip

@@ -93,9 +93,12 @@ Reference: ``rfattn.reference.linear_attention`` on ``RandomFeatures.features`` 
 
 Layout: q, k ``[B, H, T, D]``, v ``[B, H, T, E]`` with arbitrary strides; w ``[F, D]``.
 Limits: inputs fp32/fp16/bf16/fp64, one dtype; w and the extra rows stay in the accumulation
-dtype (fp16/bf16 products run on fp32 operands, see ``common._precision``). Accumulation is fp32
-(fp64 for fp64 inputs). Any D, E, F (tiles padded to powers of two >= 16; register pressure grows
-with D and E, meant for <= 256), any T >= 0, Tq != Tk.
+dtype. fp16/bf16 inputs run the half policy (``common._precision``, docs/numerics.md): the
+logits as two (signed tables: three) half products of the exact rows against W split in the
+kernel, every other product one half product (the query pass's signed features two), operands
+rounded to the input dtype just before it. Accumulation is fp32 (fp64 for fp64 inputs).
+Any D, E, F (tiles padded to powers of two >= 16; register pressure grows with D and E, meant
+for <= 256), any T >= 0, Tq != Tk.
 The coefficient table, tau and the per-(b, h) parameters are held constant: no gradient.
 """
 
@@ -131,6 +134,7 @@ from .common import (
     load_rows,
     load_w,
     mask_rows,
+    product,
     query_cotangents,
     ratio,
     shape_plan,
@@ -223,11 +227,12 @@ def key_tile(
     for t in range(0, t_per_split, BT):
         o_t = t0 + t + tl.arange(0, BT)
         m_t = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
-        b_xs = load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, kmap_ptr, i_h, D, BT,
-                            BD, HAS_MAP, PRECISION, ACC) * b_sc[None, :]  # fmt: skip
+        b_x = load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, kmap_ptr, i_h, D, BT,
+                           BD, HAS_MAP, PRECISION, ACC)  # fmt: skip
         b_u, b_g, b_g1, b_g2 = feature_tile(
-            b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
-            M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
+            b_x * b_sc[None, :], b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr,
+            xi_ptr, i_m, M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY, b_x, b_sc,
+            HAS_MAP)  # [BT, BM]  # fmt: skip
         b_u = tl.where(m_t[:, None] & m_f[None, :], b_u, float("-inf"))
         b_mx_new = tl.maximum(b_mx, tl.max(b_u, axis=0))  # [BM]
         b_alpha = tl.exp(b_mx - b_mx_new)
@@ -235,7 +240,7 @@ def key_tile(
         p_v = v_base + o_t[:, None] * stride_vt + o_e[None, :] * stride_ve
         b_v = tl.load(p_v, mask=m_t[:, None] & m_e[None, :], other=0.0)  # padded values unread
         # [BM, BT] @ [BT, BE] -> [BM, BE]
-        b_pv = tl.dot(tl.trans(b_p), b_v.to(ACC), input_precision=PRECISION, out_dtype=ACC)
+        b_pv = product(tl.trans(b_p), b_v, PRECISION, ACC)
         b_s = b_s * b_alpha[:, None] + b_pv
         b_z = b_z * b_alpha + tl.sum(b_p, axis=0)
         b_mx = b_mx_new
@@ -399,8 +404,9 @@ def _fwd_q_kernel(
     b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
     b_sc = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)  # [BD]
     q_base = q_ptr + i_b * stride_qb + i_h * stride_qh
-    b_xs = load_mapped(q_base, o_t, o_d, stride_qt, stride_qd, m_t, m_d, qmap_ptr, i_h, D, BT, BD,
-                        HAS_MAP, PRECISION, ACC) * b_sc[None, :]  # fmt: skip
+    b_x = load_mapped(q_base, o_t, o_d, stride_qt, stride_qd, m_t, m_d, qmap_ptr, i_h, D, BT, BD,
+                       HAS_MAP, PRECISION, ACC)  # fmt: skip
+    b_xs = b_x * b_sc[None, :]
     b_mx = tl.full([BT], NEG, dtype=ACC)
     b_num = tl.zeros([BT, BE], dtype=ACC)
     b_den = tl.zeros([BT], dtype=ACC)
@@ -410,7 +416,8 @@ def _fwd_q_kernel(
         b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
         b_u, b_g, b_g1, b_g2 = feature_tile(
             b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
-            M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
+            M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY, b_x, b_sc,
+            HAS_MAP)  # [BT, BM]  # fmt: skip
         b_mk = tl.load(mk_ptr + i_bh * M + o_f, mask=m_f, other=0.0)  # key offsets
         b_u = tl.where(m_f[None, :], b_u + b_mk[None, :], float("-inf"))
         b_mx_new = tl.maximum(b_mx, tl.max(b_u, axis=1))  # [BT]
@@ -419,10 +426,9 @@ def _fwd_q_kernel(
         p_s = s_ptr + i_bh * M * E + o_f[:, None] * E + o_e[None, :]
         b_s = tl.load(p_s, mask=m_f[:, None] & m_e[None, :], other=0.0)  # [BM, BE]
         b_z = tl.load(z_ptr + i_bh * M + o_f, mask=m_f, other=0.0)  # [BM]
-        # [BT, BM] @ [BM, BE] -> [BT, BE]
-        b_num = b_num * b_alpha[:, None] + tl.dot(
-            b_p, b_s, input_precision=PRECISION, out_dtype=ACC
-        )
+        # [BT, BM] @ [BM, BE] -> [BT, BE]; signed features' a split in two (the half policy):
+        # rounded once, rmf's output erred 2.2x the torch path's in bf16 (T = 100, M = 128)
+        b_num = b_num * b_alpha[:, None] + product(b_p, b_s, PRECISION, ACC, FEATURE != 0)
         b_den = b_den * b_alpha + tl.sum(b_p * b_z[None, :], axis=1)
         b_mx = b_mx_new
     b_o, b_den = ratio(b_num, b_den, TINY)
@@ -473,11 +479,12 @@ def _bwd_ds_kernel(
     for t in range(0, t_per_split, BT):
         o_t = t0 + t + tl.arange(0, BT)
         m_t = o_t < T
-        b_xs = load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_t, m_d, ACC) * b_sc[None, :]
+        b_x = load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_t, m_d, ACC)
+        b_xs = b_x * b_sc[None, :]
         b_mq = tl.load(mq_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
         b_u, b_g, b_g1, b_g2 = feature_tile(
             b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
-            M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
+            M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY, b_x, b_sc)  # [BT, BM]  # fmt: skip
         b_e = tl.where(m_t[:, None] & m_f[None, :],
                        tl.exp(b_u + b_mk[None, :] - b_mq[:, None]), 0.0)  # fmt: skip
         b_a = b_g * b_e
@@ -485,13 +492,12 @@ def _bwd_ds_kernel(
                                       stride_dot, stride_doe, stride_ot, stride_oe,
                                       ACC)  # fmt: skip
         # [BM, BT] @ [BT, BE] -> [BM, BE]
-        b_ds += tl.dot(tl.trans(b_a), b_gq, input_precision=PRECISION, out_dtype=ACC)
+        b_ds += product(tl.trans(b_a), b_gq, PRECISION, ACC)
         b_dz += tl.sum(b_a * b_c[:, None], axis=0)
         if W_GRAD:
             # da = g S^T + c z: [BT, BE] @ [BE, BM] -> [BT, BM]
             b_da = (
-                tl.dot(b_gq, tl.trans(b_s), input_precision=PRECISION, out_dtype=ACC)
-                + b_c[:, None] * b_z[None, :]
+                product(b_gq, tl.trans(b_s), PRECISION, ACC) + b_c[:, None] * b_z[None, :]
             )
             # [BM, BT] @ [BT, BD] -> [BM, BD]
             b_dw += feature_dw(b_a * b_da, b_e * b_da, b_g1, b_xs, b_w, o_f, m_f, b_ca, b_cb,
@@ -543,7 +549,8 @@ def _dq_tile(
     b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
     b_sc = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)  # [BD]
     q_base = q_ptr + i_b * stride_qb + i_h * stride_qh
-    b_xs = load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_t, m_d, ACC) * b_sc[None, :]
+    b_x = load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_t, m_d, ACC)
+    b_xs = b_x * b_sc[None, :]
     b_mq = tl.load(mq_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
     b_gq, b_c = query_cotangents(do_ptr + i_b * stride_dob + i_h * stride_doh,
                                   o_ptr + i_b * stride_ob + i_h * stride_oh, den_ptr, i_bh, o_t,
@@ -560,17 +567,16 @@ def _dq_tile(
         b_mk = tl.load(mk_ptr + i_bh * M + o_f, mask=m_f, other=0.0)  # [BM] key offsets
         b_u, b_g, b_g1, b_g2 = feature_tile(
             b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
-            M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
+            M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY, b_x, b_sc)  # [BT, BM]  # fmt: skip
         b_e = tl.where(m_t[:, None] & m_f[None, :],
                        tl.exp(b_u + b_mk[None, :] - b_mq[:, None]), 0.0)  # fmt: skip
         # da = g S^T + c z: [BT, BE] @ [BE, BM] -> [BT, BM]
         b_da = (
-            tl.dot(b_gq, tl.trans(b_s), input_precision=PRECISION, out_dtype=ACC)
-            + b_c[:, None] * b_z[None, :]
+            product(b_gq, tl.trans(b_s), PRECISION, ACC) + b_c[:, None] * b_z[None, :]
         )
         b_dx += feature_dx(b_g * b_e * b_da, b_e * b_da, b_g1, b_g2, b_xs, b_w, o_f, m_f, o_d,
                             m_d, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM, FEATURE, False,
-                            PRECISION, TINY)  # fmt: skip
+                            PRECISION, TINY, b_x, b_sc)  # fmt: skip
     store_tile(dq_ptr, i_b, i_h, o_t, o_d, stride_dqb, stride_dqh, stride_dqt, stride_dqd,
                 b_dx * b_sc[None, :], m_t, m_d)  # fmt: skip
 
@@ -600,7 +606,8 @@ def _dkv_tile(
     b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
     b_sc = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
-    b_xs = load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, ACC) * b_sc[None, :]
+    b_x = load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, ACC)
+    b_xs = b_x * b_sc[None, :]
     b_v = load_rows(v_ptr + i_b * stride_vb + i_h * stride_vh, o_t, o_e, stride_vt, stride_ve,
                      m_t, m_e, ACC)  # [BT, BE]  # fmt: skip
     b_dx = tl.zeros([BT, BD], dtype=ACC)
@@ -615,16 +622,16 @@ def _dkv_tile(
         b_mk = tl.load(mk_ptr + i_bh * M + o_f, mask=m_f, other=0.0)  # [BM]
         b_u, b_g, b_g1, b_g2 = feature_tile(
             b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
-            M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
+            M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY, b_x, b_sc)  # [BT, BM]  # fmt: skip
         b_e = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_u - b_mk[None, :]), 0.0)
         b_b = b_g * b_e
         # db = v dS^T + dz: [BT, BE] @ [BE, BM] -> [BT, BM]
-        b_db = tl.dot(b_v, tl.trans(b_ds), input_precision=PRECISION, out_dtype=ACC) + b_dz[None, :]
+        b_db = product(b_v, tl.trans(b_ds), PRECISION, ACC) + b_dz[None, :]
         b_dx += feature_dx(b_b * b_db, b_e * b_db, b_g1, b_g2, b_xs, b_w, o_f, m_f, o_d, m_d,
                             b_cb, tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM, FEATURE, True,
-                            PRECISION, TINY)  # fmt: skip
+                            PRECISION, TINY, b_x, b_sc)  # fmt: skip
         # [BT, BM] @ [BM, BE] -> [BT, BE]
-        b_dv += tl.dot(b_b, b_ds, input_precision=PRECISION, out_dtype=ACC)
+        b_dv += product(b_b, b_ds, PRECISION, ACC)
     store_tile(dk_ptr, i_b, i_h, o_t, o_d, stride_dkb, stride_dkh, stride_dkt, stride_dkd,
                 b_dx * b_sc[None, :], m_in, m_d)  # fmt: skip
     store_tile(dv_ptr, i_b, i_h, o_t, o_e, stride_dvb, stride_dvh, stride_dvt, stride_dve,
@@ -710,13 +717,14 @@ def _bwd_dwk_kernel(
     for t in range(0, t_per_split, BT):
         o_t = t0 + t + tl.arange(0, BT)
         m_t = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
-        b_xs = load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, ACC) * b_sc[None, :]
+        b_x = load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, ACC)
+        b_xs = b_x * b_sc[None, :]
         b_v = load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_t, m_e, ACC)
         b_u, b_g, b_g1, b_g2 = feature_tile(
             b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
-            M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
+            M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY, b_x, b_sc)  # [BT, BM]  # fmt: skip
         b_e = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_u - b_mk[None, :]), 0.0)
-        b_db = tl.dot(b_v, tl.trans(b_ds), input_precision=PRECISION, out_dtype=ACC) + b_dz[None, :]
+        b_db = product(b_v, tl.trans(b_ds), PRECISION, ACC) + b_dz[None, :]
         # [BM, BT] @ [BT, BD] -> [BM, BD]
         b_dw += feature_dw(b_g * b_e * b_db, b_e * b_db, b_g1, b_xs, b_w, o_f, m_f, b_ca, b_cb,
                             tab_ptr, M, FEATURE, True, PRECISION)  # fmt: skip
@@ -815,8 +823,9 @@ def rf_parallel_fwd(
             kind, projection rows ``w`` ``[F, D]`` and the kind's parameters (no gradient here).
         scale: softmax temperature; inputs are multiplied by ``sqrt(scale)`` before projection.
         key_padding_mask: optional ``[B, Tk]`` bool, True = padding.
-        precision: ``tl.dot`` input precision for fp32 products ("ieee", "tf32", "tf32x3");
-            default "ieee" for fp32/fp64 inputs, :data:`common.LOW_PRECISION` for fp16/bf16.
+        precision: ``tl.dot`` input precision for fp32 products ("ieee", "tf32", "tf32x3"), or
+            "half" (fp16/bf16 inputs: the half policy, their default); default "ieee" for
+            fp32/fp64 inputs.
         num_splits: programs sharing one (b, h)'s keys (default: fill the device).
         return_aux: also return what the backward needs.
         gpu_tiles: pick a GPU's tiles (default: on a GPU; ``bench.compile`` sets it on CPU).

@@ -13,6 +13,10 @@ generation path. One program per (b, h) walks the tokens and the M tiles of its 
 the initial state and writes the new one, into new tensors or (``inplace=True``) over the
 initial state's own, never copying it first.
 
+fp16/bf16 inputs run the non-causal kernels' half policy (``common._precision``: split logits,
+one half product for ``b v`` and ``a S``), where ``rf_chunk`` runs its products as tf32x3: a
+state from either still continues in the other, up to that rounding.
+
 Forward only (generation runs without gradients); ``rfattn.rf_attention`` uses it for causal
 calls of at most :data:`MAX_TOKENS` tokens that need no gradient.
 """
@@ -39,6 +43,7 @@ from .common import (
     load_w,
     mask_rows,
     next_pow2,
+    product,
     ratio,
     shape_plan,
     store_offset,
@@ -91,11 +96,12 @@ def _recurrent_kernel(
         m_row = o_r == 0
         m_k = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD) & m_row
         # query row g: head h * G + g at token t
-        b_xq = load_mapped_heads(q_base + t * stride_qt, o_r, o_d, stride_qh, stride_qd, m_qr,
-                                  m_d, qmap_ptr, i_h * G, G, D, GP, BD, HAS_MAP, PRECISION,
-                                  ACC) * b_scq[None, :]  # fmt: skip
-        b_xk = load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, kmap_ptr, i_h, D, GP,
-                            BD, HAS_MAP, PRECISION, ACC) * b_sck[None, :]  # fmt: skip
+        b_q = load_mapped_heads(q_base + t * stride_qt, o_r, o_d, stride_qh, stride_qd, m_qr,
+                                 m_d, qmap_ptr, i_h * G, G, D, GP, BD, HAS_MAP, PRECISION,
+                                 ACC)  # fmt: skip
+        b_k = load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, kmap_ptr, i_h, D, GP,
+                           BD, HAS_MAP, PRECISION, ACC)  # fmt: skip
+        b_xq, b_xk = b_q * b_scq[None, :], b_k * b_sck[None, :]
         b_v = load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_k, m_e, ACC)  # [GP, BE]
         # pass 1: the key's max logit over all features -> the new running offset
         b_rn = b_r
@@ -105,7 +111,8 @@ def _recurrent_kernel(
             b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)
             b_uk, b_gk, b_g1, b_g2 = feature_tile(
                 b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
-                M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # fmt: skip
+                M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY, b_k, b_sck,
+                HAS_MAP)  # fmt: skip
             b_uk = tl.where(m_k[:, None] & m_f[None, :], b_uk, float("-inf"))
             b_rn = tl.maximum(b_rn, tl.max(tl.max(b_uk, axis=1), axis=0))
         b_alpha = tl.exp(b_r - b_rn)
@@ -127,24 +134,24 @@ def _recurrent_kernel(
             b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)
             b_uk, b_gk, b_g1, b_g2 = feature_tile(
                 b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
-                M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # fmt: skip
+                M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY, b_k, b_sck,
+                HAS_MAP)  # fmt: skip
             b_b = b_gk * tl.where(m_k[:, None] & m_f[None, :], tl.exp(b_uk - b_rn), 0.0)
             # [BM, GP] @ [GP, BE] -> [BM, BE]
-            b_s = b_s * b_alpha + tl.dot(tl.trans(b_b), b_v, input_precision=PRECISION,
-                                         out_dtype=ACC)  # fmt: skip
+            b_s = b_s * b_alpha + product(tl.trans(b_b), b_v, PRECISION, ACC)
             b_z = b_z * b_alpha + tl.sum(b_b, axis=0)
             tl.store(s_ptr + o_fe, b_s, mask=m_fe)
             tl.store(z_ptr + i_bh * M + o_f, b_z, mask=m_f)
             b_uq, b_gq, b_g1, b_g2 = feature_tile(
                 b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
-                M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # fmt: skip
+                M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY, b_q, b_scq,
+                HAS_MAP)  # fmt: skip
             b_uq = tl.where(m_f[None, :], b_uq, float("-inf"))
             b_mx_new = tl.maximum(b_mx, tl.max(b_uq, axis=1))
             b_beta = tl.exp(b_mx - b_mx_new)
             b_a = b_gq * tl.exp(b_uq - b_mx_new[:, None])  # [GP, BM]
             # [GP, BM] @ [BM, BE] -> [GP, BE]
-            b_num = b_num * b_beta[:, None] + tl.dot(b_a, b_s, input_precision=PRECISION,
-                                                     out_dtype=ACC)  # fmt: skip
+            b_num = b_num * b_beta[:, None] + product(b_a, b_s, PRECISION, ACC)
             b_den = b_den * b_beta + tl.sum(b_a * b_z[None, :], axis=1)
             b_mx = b_mx_new
         b_o, b_den = ratio(b_num, b_den, TINY)
