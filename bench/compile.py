@@ -545,6 +545,30 @@ NO_SPILL = ("_fwd_kv_kernel", "_fwd_kv_stats_kernel", "_fwd_q_kernel", "_bwd_ds_
             "_bwd_dqkv_kernel", "_bwd_dwk_kernel", "_recurrent_kernel")  # fmt: skip
 
 
+#: ``(kernel, scenario tag)`` of the held kernels' configs that still spill on sm_90 with bf16
+#: inputs at D = E = 64, M = 256: the signed-table forms (trigrf, hrf, sgq's signed rows) and rmf
+#: in the non-causal kernels, and the decode step of hrf, rmf and grouped-query heads (16-336
+#: stack bytes at 255 registers). :func:`unexpected_spills` holds every other config to 0 and
+#: names one of these that no longer spills, so the list only shrinks.
+KNOWN_SPILLS = frozenset(
+    [(k, f"{form}-bfloat16-D64-noncausal")
+     for k in ("_fwd_kv_kernel", "_fwd_q_kernel", "_bwd_ds_kernel", "_bwd_dqkv_kernel")
+     for form in ("hrf/orf", "trigrf/orf", "posrf/sgq", "rmf/rademacher")]
+    + [("_recurrent_kernel", f"{t}-bfloat16-D64-decode{x}")
+       for t, x in (("hrf", ""), ("rmf", ""), ("posrf", "-gqa"))]
+)  # fmt: skip
+
+
+def unexpected_spills(rows: list[dict], known=KNOWN_SPILLS) -> list[str]:
+    """:func:`spills` of configs outside ``known``, and one line per ``known`` row compiled here
+    whose every config now fits without spilling (drop it from ``known``)."""
+    found = [r for r in rows if (r["kernel"], r["tag"]) not in known]
+    fixed = {(r["kernel"], r["tag"]) for r in rows} & known
+    fixed -= {(r["kernel"], r["tag"]) for r in rows if r.get("stack_bytes")}
+    return spills(found) + [f"{k} [{t}]: no longer spills (drop it from KNOWN_SPILLS)"
+                            for k, t in sorted(fixed)]  # fmt: skip
+
+
 def spills(rows: list[dict], kernels=NO_SPILL) -> list[str]:
     """One line per compiled config of ``kernels`` that spills (stack bytes per thread > 0)."""
     return [
@@ -720,9 +744,9 @@ def main(argv=None) -> int:
         path.write_text(json.dumps(report(rows, a.arch), indent=1) + "\n")
         print(markdown(json.loads(path.read_text())))
         print(f"# wrote {path}")
-        for line in spills(rows):
+        for line in unexpected_spills(rows):
             print("SPILLS", line)
-        return 1 if failures(rows) or spills(rows) else 0
+        return 1 if failures(rows) or unexpected_spills(rows) else 0
     rows = check(a.quick, a.arch, a.jobs, a.configs)
     _print_table(rows)
     if a.json:
