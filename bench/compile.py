@@ -253,6 +253,9 @@ def scenarios(quick: bool = False) -> list[tuple[str, object]]:
             # running statistics moved by the key pass (a training call)
             (f"oprf-{dt}-D{D}-running", _call("oprf", "orf", dtype, D, D, M, False,
                                                stats="running")),  # fmt: skip
+            # the stats pass's own launch: head maps (the moments read the mapped q and k)
+            (f"oprf-{dt}-D{D}-maps", _call("oprf", "orf", dtype, D, D, M, False, grad=False,
+                                            maps=True)),  # fmt: skip
             (f"hrf-{dt}-D{D}-decode", _call("hrf", "orf", dtype, D, D, M, True, grad=False, T=4)),
             (
                 f"rmf-{dt}-D{D}-decode",
