@@ -431,30 +431,40 @@ def split_dot(a, b, HALF: tl.constexpr, SPLIT_A: tl.constexpr, THREE: tl.constex
     """``a @ b`` in half products, ``b = b_hi + b_lo`` each part rounded to ``HALF`` (``b - b_hi``
     is exact in fp32): ``a b_hi + a b_lo``, fp32 accumulation, b to ~16 bits (bf16). ``a`` is
     exact in ``HALF`` (an input's rows); with SPLIT_A it is not, and ``a_lo b_hi`` is added (the
-    ``a_lo b_lo`` term dropped). THREE: ``b = b_hi + b_mid + b_lo``, b to fp32's 24 bits."""
+    ``a_lo b_lo`` term dropped). THREE: ``b = b_hi + b_mid + b_lo``, b to fp32's 24 bits.
+    The low parts are scaled by a power of two (:data:`LO_SHIFT`) before their rounding and the
+    products scaled back in fp32, exactly: fp16's narrow exponent range would otherwise make
+    them subnormal (a weight's third part, ~2^-22 of it, is below fp16's smallest normal)."""
+    SH: tl.constexpr = 2048.0 if HALF == tl.float16 else 256.0  # 2^(bits of HALF's mantissa)
     b_hi = round_half(b, HALF).to(tl.float32)
+    b_lo = (b - b_hi) * SH
     if THREE:
-        b_mid = round_half(b - b_hi, HALF).to(tl.float32)
-        c = half_dot(a, b_hi, HALF) + half_dot(a, b_mid, HALF) + half_dot(a, b - b_hi - b_mid,
-                                                                         HALF)  # fmt: skip
+        b_mid = round_half(b_lo, HALF).to(tl.float32)
+        c = half_dot(a, b_hi, HALF) + (half_dot(a, b_mid, HALF)
+                                       + half_dot(a, (b_lo - b_mid) * SH, HALF) / SH) / SH
     else:
-        c = half_dot(a, b_hi, HALF) + half_dot(a, b - b_hi, HALF)
+        c = half_dot(a, b_hi, HALF) + half_dot(a, b_lo, HALF) / SH
     if SPLIT_A:
         a_hi = round_half(a, HALF).to(tl.float32)
-        c += half_dot(a - a_hi, b_hi, HALF)
+        c += half_dot((a - a_hi) * SH, b_hi, HALF) / SH
     return c
 
 
 @triton.jit
-def product(a, b, PRECISION: tl.constexpr, ACC: tl.constexpr, SPLIT_A: tl.constexpr = False):
+def product(a, b, PRECISION: tl.constexpr, ACC: tl.constexpr, SPLIT_A: tl.constexpr = False,
+            SPLIT_B: tl.constexpr = False):
     """``a @ b`` of a kernel's product under the precision policy (:func:`_precision`): for
     PRECISION "bf16" / "fp16" one half product (:func:`half_dot`: the operands rounded to that
-    format just before it, as flash-attention rounds P; fp32 accumulation), or with SPLIT_A
-    two, ``a = a_hi + a_lo`` (signed query features: their sum cancels, see the query pass);
-    else ``tl.dot`` of ACC operands at that input precision."""
+    format just before it, as flash-attention rounds P; fp32 accumulation); with SPLIT_A two,
+    ``a = a_hi + a_lo`` (signed features: their sums cancel); with SPLIT_B ``b = b_hi + b_lo``
+    too (:func:`split_dot`: two products, three with SPLIT_A), for an fp32 state or weight
+    whose rounding the result would not survive (docs/numerics.md); else ``tl.dot`` of ACC
+    operands at that input precision."""
     if PRECISION == "bf16" or PRECISION == "fp16":
         HALF: tl.constexpr = tl.bfloat16 if PRECISION == "bf16" else tl.float16
-        if SPLIT_A:
+        if SPLIT_B:
+            c = split_dot(a.to(tl.float32), b.to(tl.float32), HALF, SPLIT_A)
+        elif SPLIT_A:
             a_hi = round_half(a, HALF).to(tl.float32)
             c = half_dot(a_hi, b, HALF) + half_dot(a - a_hi, b, HALF)
         else:
@@ -766,7 +776,7 @@ def feature_dx(
                  + b_dg * b_g1 * _tab(tab_ptr, 4, o_f, m_f, M, IS_KEY)[None, :])  # fmt: skip
         b_dh = 2.0 * tl.sum(b_du * _tab(tab_ptr, 1, o_f, m_f, M, IS_KEY)[None, :], axis=1)
     # [BT, BM] @ [BM, BD] -> [BT, BD]
-    b_dx = product(b_dzc, b_w, PRECISION, ACC)
+    b_dx = product(b_dzc, b_w, PRECISION, ACC, True, True)
     return b_dx + b_dh[:, None] * b_xs
 
 
@@ -827,10 +837,23 @@ def query_cotangents(
     stride_dot, stride_doe, stride_ot, stride_oe, ACC: tl.constexpr,
 ):  # fmt: skip
     """g = do / den [BT, BE] and c = -(do . out) / den [BT] of one query tile."""
+    b_do, b_den, b_c = query_rows(do_base, o_base, den_ptr, i_bh, o_t, o_e, T, m_t, m_e,
+                                  stride_dot, stride_doe, stride_ot, stride_oe, ACC)  # fmt: skip
+    return b_do / b_den[:, None], b_c
+
+
+@triton.jit
+def query_rows(
+    do_base, o_base, den_ptr, i_bh, o_t, o_e, T, m_t, m_e,
+    stride_dot, stride_doe, stride_ot, stride_oe, ACC: tl.constexpr,
+):  # fmt: skip
+    """do [BT, BE] as given (exact in a half format: the half policy's products take it, not
+    g = do / den, whose rounding would add to the gradients' error), den [BT] and
+    c = -(do . out) / den [BT] of one query tile."""
     b_do = load_rows(do_base, o_t, o_e, stride_dot, stride_doe, m_t, m_e, ACC)
     b_o = load_rows(o_base, o_t, o_e, stride_ot, stride_oe, m_t, m_e, ACC)
     b_den = tl.load(den_ptr + i_bh * T + o_t, mask=m_t, other=1.0)
-    return b_do / b_den[:, None], -tl.sum(b_do * b_o, axis=1) / b_den
+    return b_do, b_den, -tl.sum(b_do * b_o, axis=1) / b_den
 
 
 # ------------------------------------------------------------------------------------------------
@@ -925,7 +948,8 @@ def _chunk_tiles(big: int, itemsize: int, gpu_tiles: bool) -> tuple[int, int]:
     return (32 if big <= 64 else 16), (32 if big <= 64 else 16)
 
 
-def _precision(dtype: torch.dtype, precision: str | None, causal: bool = False) -> str:
+def _precision(dtype: torch.dtype, precision: str | None, causal: bool = False,
+               kind: str = "gerf") -> str:
     """The kernels' ``PRECISION``: a ``tl.dot`` input precision of fp32 products, or the half
     policy ("bf16" / "fp16", :func:`product`).
 
@@ -933,22 +957,28 @@ def _precision(dtype: torch.dtype, precision: str | None, causal: bool = False) 
     inputs, non-causal kernels and the decode step: the half policy ("half" asks for it by
     name), docs/numerics.md. The logits ``x~ W^T`` as two half products (W split into
     ``W_hi + W_lo`` in the input dtype, x exact, sqrt(scale) on the fp32 accumulator:
-    :func:`projection`), every other product one half product of operands rounded to the input
-    dtype, fp32 accumulation. Emulated in float64 (T = 1024, M = 256; ``tests/test_precision``
-    holds it against a torch emulation and the fused output against the torch path): 1.2-1.6x
-    the torch path's error in bf16, where one half product for the logits too gave 1.6-4x (the
-    exponential amplifies the logits' rounding).
+    :func:`projection`); the products whose result cancels with an fp32 state or W as an
+    operand (``a S``, ``do S^T``, ``v dS^T``, ``du W``) with that operand split too
+    (:func:`product`'s SPLIT_B), signed features split (SPLIT_A); every other product one
+    half product of operands rounded to the input dtype, fp32 accumulation. Under the
+    interpreter (T = 100, M = 64; ``tests/test_precision``): outputs at most 1.5x the torch
+    path's error in the same dtype, gradients 2.3x (the stored output's rounding in the
+    backward). rmf in fp16: its unbounded states overflow fp16, so :data:`LOW_PRECISION`.
     fp16/bf16 inputs of the causal kernels: their fp32 products as three tf32 products
     (:data:`LOW_PRECISION`, about fp32's accuracy; measured on an H100, 2.7x the time of one
     product in the non-causal kernel at T = 8192).
     """
     half = HALF_PRECISIONS.get(dtype)
+    # rmf's features are unbounded products (no offsets): its states overflow fp16's range
+    overflows = kind == "rmf" and dtype == torch.float16
     if precision is None:
-        return "ieee" if half is None else (LOW_PRECISION if causal else half)
+        return "ieee" if half is None else (LOW_PRECISION if causal or overflows else half)
     if precision == "half":
-        if half is None or causal:
+        if half is None or causal or overflows:
+            why = "kind 'rmf' in fp16 (its states overflow)" if overflows else str(dtype) + (
+                " (causal)" if causal else "")  # fmt: skip
             raise ValueError(f"precision 'half' takes fp16/bf16 inputs of the non-causal or decode "
-                             f"kernels, got {dtype}{' (causal)' if causal else ''}")  # fmt: skip
+                             f"kernels, got {why}")  # fmt: skip
         return half
     if precision not in _PRECISIONS:
         raise ValueError(f"precision must be one of {_PRECISIONS + ('half',)}, got {precision!r}")
@@ -1208,7 +1238,7 @@ def launch_setup(q, k, v, form, scale, key_padding_mask, precision=None, causal=
     G = Hq // H if H else 1
     BD, BE, itemsize = next_pow2(D), next_pow2(E), q.element_size()
     big = max(BD, BE)
-    precision = _precision(q.dtype, precision, causal)
+    precision = _precision(q.dtype, precision, causal, form.kind)
     if causal:
         bt, rows = _chunk_tiles(big, itemsize, gpu)
     else:  # the interpreter keeps the big 16-bit tiles whatever the dtype: faster tests

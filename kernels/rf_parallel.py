@@ -135,7 +135,7 @@ from .common import (
     load_w,
     mask_rows,
     product,
-    query_cotangents,
+    query_rows,
     ratio,
     shape_plan,
     split_counts,
@@ -240,7 +240,7 @@ def key_tile(
         p_v = v_base + o_t[:, None] * stride_vt + o_e[None, :] * stride_ve
         b_v = tl.load(p_v, mask=m_t[:, None] & m_e[None, :], other=0.0)  # padded values unread
         # [BM, BT] @ [BT, BE] -> [BM, BE]
-        b_pv = product(tl.trans(b_p), b_v, PRECISION, ACC)
+        b_pv = product(tl.trans(b_p), b_v, PRECISION, ACC, FEATURE != 0)
         b_s = b_s * b_alpha[:, None] + b_pv
         b_z = b_z * b_alpha + tl.sum(b_p, axis=0)
         b_mx = b_mx_new
@@ -428,7 +428,7 @@ def _fwd_q_kernel(
         b_z = tl.load(z_ptr + i_bh * M + o_f, mask=m_f, other=0.0)  # [BM]
         # [BT, BM] @ [BM, BE] -> [BT, BE]; signed features' a split in two (the half policy):
         # rounded once, rmf's output erred 2.2x the torch path's in bf16 (T = 100, M = 128)
-        b_num = b_num * b_alpha[:, None] + product(b_p, b_s, PRECISION, ACC, FEATURE != 0)
+        b_num = b_num * b_alpha[:, None] + product(b_p, b_s, PRECISION, ACC, FEATURE != 0, True)
         b_den = b_den * b_alpha + tl.sum(b_p * b_z[None, :], axis=1)
         b_mx = b_mx_new
     b_o, b_den = ratio(b_num, b_den, TINY)
@@ -488,16 +488,17 @@ def _bwd_ds_kernel(
         b_e = tl.where(m_t[:, None] & m_f[None, :],
                        tl.exp(b_u + b_mk[None, :] - b_mq[:, None]), 0.0)  # fmt: skip
         b_a = b_g * b_e
-        b_gq, b_c = query_cotangents(do_base, o_base, den_ptr, i_bh, o_t, o_e, T, m_t, m_e,
+        b_do, b_den, b_c = query_rows(do_base, o_base, den_ptr, i_bh, o_t, o_e, T, m_t, m_e,
                                       stride_dot, stride_doe, stride_ot, stride_oe,
                                       ACC)  # fmt: skip
-        # [BM, BT] @ [BT, BE] -> [BM, BE]
-        b_ds += product(tl.trans(b_a), b_gq, PRECISION, ACC)
+        # dS = a^T g = (a / den)^T do: [BM, BT] @ [BT, BE] -> [BM, BE]
+        b_ds += product(tl.trans(b_a / b_den[:, None]), b_do, PRECISION, ACC, FEATURE != 0)
         b_dz += tl.sum(b_a * b_c[:, None], axis=0)
         if W_GRAD:
             # da = g S^T + c z: [BT, BE] @ [BE, BM] -> [BT, BM]
             b_da = (
-                product(b_gq, tl.trans(b_s), PRECISION, ACC) + b_c[:, None] * b_z[None, :]
+                product(b_do, tl.trans(b_s), PRECISION, ACC, False, True) / b_den[:, None]
+                + b_c[:, None] * b_z[None, :]
             )
             # [BM, BT] @ [BT, BD] -> [BM, BD]
             b_dw += feature_dw(b_a * b_da, b_e * b_da, b_g1, b_xs, b_w, o_f, m_f, b_ca, b_cb,
@@ -552,7 +553,7 @@ def _dq_tile(
     b_x = load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_t, m_d, ACC)
     b_xs = b_x * b_sc[None, :]
     b_mq = tl.load(mq_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
-    b_gq, b_c = query_cotangents(do_ptr + i_b * stride_dob + i_h * stride_doh,
+    b_do, b_den, b_c = query_rows(do_ptr + i_b * stride_dob + i_h * stride_doh,
                                   o_ptr + i_b * stride_ob + i_h * stride_oh, den_ptr, i_bh, o_t,
                                   o_e, T, m_t, m_e, stride_dot, stride_doe, stride_ot, stride_oe,
                                   ACC)  # fmt: skip
@@ -572,7 +573,8 @@ def _dq_tile(
                        tl.exp(b_u + b_mk[None, :] - b_mq[:, None]), 0.0)  # fmt: skip
         # da = g S^T + c z: [BT, BE] @ [BE, BM] -> [BT, BM]
         b_da = (
-            product(b_gq, tl.trans(b_s), PRECISION, ACC) + b_c[:, None] * b_z[None, :]
+            product(b_do, tl.trans(b_s), PRECISION, ACC, False, True) / b_den[:, None]
+            + b_c[:, None] * b_z[None, :]
         )
         b_dx += feature_dx(b_g * b_e * b_da, b_e * b_da, b_g1, b_g2, b_xs, b_w, o_f, m_f, o_d,
                             m_d, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM, FEATURE, False,
@@ -626,12 +628,12 @@ def _dkv_tile(
         b_e = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_u - b_mk[None, :]), 0.0)
         b_b = b_g * b_e
         # db = v dS^T + dz: [BT, BE] @ [BE, BM] -> [BT, BM]
-        b_db = product(b_v, tl.trans(b_ds), PRECISION, ACC) + b_dz[None, :]
+        b_db = product(b_v, tl.trans(b_ds), PRECISION, ACC, False, True) + b_dz[None, :]
         b_dx += feature_dx(b_b * b_db, b_e * b_db, b_g1, b_g2, b_xs, b_w, o_f, m_f, o_d, m_d,
                             b_cb, tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM, FEATURE, True,
                             PRECISION, TINY, b_x, b_sc)  # fmt: skip
         # [BT, BM] @ [BM, BE] -> [BT, BE]
-        b_dv += product(b_b, b_ds, PRECISION, ACC)
+        b_dv += product(b_b, b_ds, PRECISION, ACC, FEATURE != 0, FEATURE != 0)
     store_tile(dk_ptr, i_b, i_h, o_t, o_d, stride_dkb, stride_dkh, stride_dkt, stride_dkd,
                 b_dx * b_sc[None, :], m_in, m_d)  # fmt: skip
     store_tile(dv_ptr, i_b, i_h, o_t, o_e, stride_dvb, stride_dvh, stride_dvt, stride_dve,
@@ -724,7 +726,7 @@ def _bwd_dwk_kernel(
             b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
             M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY, b_x, b_sc)  # [BT, BM]  # fmt: skip
         b_e = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_u - b_mk[None, :]), 0.0)
-        b_db = product(b_v, tl.trans(b_ds), PRECISION, ACC) + b_dz[None, :]
+        b_db = product(b_v, tl.trans(b_ds), PRECISION, ACC, False, True) + b_dz[None, :]
         # [BM, BT] @ [BT, BD] -> [BM, BD]
         b_dw += feature_dw(b_g * b_e * b_db, b_e * b_db, b_g1, b_xs, b_w, o_f, m_f, b_ca, b_cb,
                             tab_ptr, M, FEATURE, True, PRECISION)  # fmt: skip

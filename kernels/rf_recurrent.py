@@ -137,8 +137,8 @@ def _recurrent_kernel(
                 M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY, b_k, b_sck,
                 HAS_MAP)  # fmt: skip
             b_b = b_gk * tl.where(m_k[:, None] & m_f[None, :], tl.exp(b_uk - b_rn), 0.0)
-            # [BM, GP] @ [GP, BE] -> [BM, BE]
-            b_s = b_s * b_alpha + product(tl.trans(b_b), b_v, PRECISION, ACC)
+            # [BM, GP] @ [GP, BE] -> [BM, BE] (signed features split, as the key pass's)
+            b_s = b_s * b_alpha + product(tl.trans(b_b), b_v, PRECISION, ACC, FEATURE != 0)
             b_z = b_z * b_alpha + tl.sum(b_b, axis=0)
             tl.store(s_ptr + o_fe, b_s, mask=m_fe)
             tl.store(z_ptr + i_bh * M + o_f, b_z, mask=m_f)
@@ -150,8 +150,9 @@ def _recurrent_kernel(
             b_mx_new = tl.maximum(b_mx, tl.max(b_uq, axis=1))
             b_beta = tl.exp(b_mx - b_mx_new)
             b_a = b_gq * tl.exp(b_uq - b_mx_new[:, None])  # [GP, BM]
-            # [GP, BM] @ [BM, BE] -> [GP, BE]
-            b_num = b_num * b_beta[:, None] + product(b_a, b_s, PRECISION, ACC)
+            # [GP, BM] @ [BM, BE] -> [GP, BE]: the state split, as the query pass's
+            b_num = b_num * b_beta[:, None] + product(b_a, b_s, PRECISION, ACC, FEATURE != 0,
+                                                      True)  # fmt: skip
             b_den = b_den * b_beta + tl.sum(b_a * b_z[None, :], axis=1)
             b_mx = b_mx_new
         b_o, b_den = ratio(b_num, b_den, TINY)
