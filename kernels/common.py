@@ -776,7 +776,7 @@ def feature_dx(
                  + b_dg * b_g1 * _tab(tab_ptr, 4, o_f, m_f, M, IS_KEY)[None, :])  # fmt: skip
         b_dh = 2.0 * tl.sum(b_du * _tab(tab_ptr, 1, o_f, m_f, M, IS_KEY)[None, :], axis=1)
     # [BT, BM] @ [BM, BD] -> [BT, BD]
-    b_dx = product(b_dzc, b_w, PRECISION, ACC, True, True)
+    b_dx = product(b_dzc, b_w, PRECISION, ACC)
     return b_dx + b_dh[:, None] * b_xs
 
 
@@ -957,12 +957,12 @@ def _precision(dtype: torch.dtype, precision: str | None, causal: bool = False,
     inputs, non-causal kernels and the decode step: the half policy ("half" asks for it by
     name), docs/numerics.md. The logits ``x~ W^T`` as two half products (W split into
     ``W_hi + W_lo`` in the input dtype, x exact, sqrt(scale) on the fp32 accumulator:
-    :func:`projection`); the products whose result cancels with an fp32 state or W as an
-    operand (``a S``, ``do S^T``, ``v dS^T``, ``du W``) with that operand split too
+    :func:`projection`); the products whose result cancels with an fp32 state as an operand
+    (``a S``, ``do S^T`` for dq, ``v dS^T`` for dk) with the state split too
     (:func:`product`'s SPLIT_B), signed features split (SPLIT_A); every other product one
     half product of operands rounded to the input dtype, fp32 accumulation. Under the
     interpreter (T = 100, M = 64; ``tests/test_precision``): outputs at most 1.5x the torch
-    path's error in the same dtype, gradients 2.3x (the stored output's rounding in the
+    path's error in the same dtype, gradients 2.5x (the stored output's rounding in the
     backward). rmf in fp16: its unbounded states overflow fp16, so :data:`LOW_PRECISION`.
     fp16/bf16 inputs of the causal kernels: their fp32 products as three tf32 products
     (:data:`LOW_PRECISION`, about fp32's accuracy; measured on an H100, 2.7x the time of one

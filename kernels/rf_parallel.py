@@ -497,7 +497,7 @@ def _bwd_ds_kernel(
         if W_GRAD:
             # da = g S^T + c z: [BT, BE] @ [BE, BM] -> [BT, BM]
             b_da = (
-                product(b_do, tl.trans(b_s), PRECISION, ACC, False, True) / b_den[:, None]
+                product(b_do, tl.trans(b_s), PRECISION, ACC) / b_den[:, None]
                 + b_c[:, None] * b_z[None, :]
             )
             # [BM, BT] @ [BT, BD] -> [BM, BD]
@@ -726,7 +726,7 @@ def _bwd_dwk_kernel(
             b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
             M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY, b_x, b_sc)  # [BT, BM]  # fmt: skip
         b_e = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_u - b_mk[None, :]), 0.0)
-        b_db = product(b_v, tl.trans(b_ds), PRECISION, ACC, False, True) + b_dz[None, :]
+        b_db = product(b_v, tl.trans(b_ds), PRECISION, ACC) + b_dz[None, :]
         # [BM, BT] @ [BT, BD] -> [BM, BD]
         b_dw += feature_dw(b_g * b_e * b_db, b_e * b_db, b_g1, b_xs, b_w, o_f, m_f, b_ca, b_cb,
                             tab_ptr, M, FEATURE, True, PRECISION)  # fmt: skip
