@@ -256,3 +256,50 @@ def test_assisted_decoding_rolls_the_states_back(draft_impl):
     assert torch.equal(got.sequences, want)
     assert all(isinstance(layer, rfhf.RFCacheLayer) for layer in getattr(got, CACHE).layers)
 
+
+def test_rfattns_own_calls_raise_no_deprecation_warning():
+    """Attaching features, generate (the cache transformers makes, an RFCache given under
+    CACHE_KWARG, beam search, assisted decoding with its crops) and the generation benchmark's
+    decoding loop: no deprecation while a frame of rfattn or bench is on the stack, whether
+    transformers warns (a FutureWarning, every time here) or logs it (once per process: re-armed
+    here)."""
+    import logging
+    import pathlib
+    import sys
+    import traceback
+    import warnings
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # bench/ at the root
+    import bench.generate
+    import rfattn
+
+    ours = tuple(str(pathlib.Path(m.__file__).parent) for m in (rfattn, bench))
+    seen = []
+
+    def note(message):
+        if "deprecat" in str(message).lower() and \
+                any(f.filename.startswith(ours) for f in traceback.extract_stack()):  # fmt: skip
+            seen.append(str(message))
+
+    class _Logged(logging.Handler):
+        def emit(self, record):
+            note(record.getMessage())
+
+    logging.Logger.warning_once.cache_clear()  # transformers' once-per-process memory
+    handler, logger = _Logged(), logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = lambda message, *args, **kwargs: note(message)
+            model = _llama(2, num_features=16)
+            draft = _llama(2, seed=1, num_features=16)
+            ids = _ids(1, 6, seed=9)
+            _gen(model, ids, max_new_tokens=3)
+            _gen(model, ids, max_new_tokens=3, **{CACHE: rfhf.RFCache()})
+            _gen(model, ids, max_new_tokens=3, num_beams=2)
+            _gen(model, ids, max_new_tokens=3, assistant_model=draft)
+            bench.generate.decode_times(model, "rfattn", positions=9, prompt=6)
+    finally:
+        logger.removeHandler(handler)
+    assert seen == []
