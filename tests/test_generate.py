@@ -173,6 +173,33 @@ def test_a_hand_written_loop_keeps_states_not_keys():
     torch.testing.assert_close(logits, full, rtol=1e-10, atol=1e-12)
 
 
+
+def test_which_models_and_caches_get_states():
+    """The hook that gives caches states is on a model built with attn_implementation="rfattn"
+    (no attach_random_features: features drawn in the first forward) from its first forward,
+    and reaches a DynamicCache built without a config (its layers added as they come); a model
+    switched to rfattn without attach_random_features gets it in its first forward, whose own
+    cache keeps keys; a model in training mode keeps transformers' cache."""
+    cfg = copy.deepcopy(_llama(2).config)
+    del cfg.rfattn
+    ids = _ids(1, 5)
+
+    def layers(model, **kw):
+        with torch.no_grad():
+            cache = getattr(model(ids, use_cache=True, **kw), CACHE)
+        return {type(layer).__name__ for layer in cache.layers}
+
+    cfg._attn_implementation = "rfattn"
+    built = transformers.LlamaForCausalLM(cfg).double().eval()
+    assert layers(built) == {"RFCacheLayer"}
+    assert layers(built, **{CACHE: transformers.DynamicCache()}) == {"RFCacheLayer"}
+    cfg._attn_implementation = "sdpa"
+    switched = transformers.LlamaForCausalLM(copy.deepcopy(cfg)).double().eval()
+    switched.set_attn_implementation("rfattn")
+    assert [layers(switched), layers(switched)] == [{"DynamicLayer"}, {"RFCacheLayer"}]
+    assert layers(switched.train()) == {"DynamicLayer"}
+
+
 @pytest.mark.parametrize("how", ["beam", "left-padded"])
 def test_generate_turns_a_given_dynamic_cache_into_states(how):
     """An empty DynamicCache(config=...) handed to generate keeps states too (before: the keys
