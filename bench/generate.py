@@ -57,16 +57,6 @@ def _cache(impl: str, config):
     return rfattn.hf.RFCache() if impl == "rfattn" else transformers.DynamicCache(config=config)
 
 
-def cache_bytes(cache) -> int:
-    """Bytes of the tensors a cache holds (states or keys and values)."""
-    import rfattn.hf
-
-    if isinstance(cache, rfattn.hf.RFCache):
-        return cache.nbytes()
-    return sum(t.numel() * t.element_size() for layer in cache.layers
-               for t in (layer.keys, layer.values) if t is not None)  # fmt: skip
-
-
 @torch.no_grad()
 def decode_times(model, impl: str, positions: int, prompt: int = 16):
     """Seconds per generated token for positions ``prompt + 1 .. positions`` and the cache bytes
@@ -88,7 +78,7 @@ def decode_times(model, impl: str, positions: int, prompt: int = 16):
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         if pos & (pos - 1) == 0:
-            sizes[pos] = cache_bytes(cache)
+            sizes[pos] = rfattn.hf.cache_nbytes(cache)
     return times, sizes
 
 

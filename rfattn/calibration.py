@@ -305,17 +305,26 @@ def _forward(model, batch) -> None:
 
 
 def _capture(model, batches: list, layers: dict) -> dict[str, list[list[_Call]]]:
-    """One softmax forward per batch, without autograd, recording every layer's calls: name ->
-    one list of :class:`_Call` per batch."""
+    """One softmax forward per batch, without autograd and without a generation cache (a
+    decoder's ``config.use_cache`` off meanwhile: whole sequences, no state), recording every
+    layer's calls: name -> one list of :class:`_Call` per batch."""
     names = {id(m): n for n, m in layers.items()}
     captured: dict[str, list[list[_Call]]] = {n: [] for n in layers}
-    with torch.no_grad():
-        for batch in batches:
-            rec = _Recorder(names)
-            with intercept_calls(rec):
-                _forward(model, batch)
-            for n in layers:
-                captured[n].append(rec.calls.get(n, []))
+    config = getattr(model, "config", None)
+    use_cache = getattr(config, "use_cache", None)
+    if use_cache is not None:
+        config.use_cache = False
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                rec = _Recorder(names)
+                with intercept_calls(rec):
+                    _forward(model, batch)
+                for n in layers:
+                    captured[n].append(rec.calls.get(n, []))
+    finally:
+        if use_cache is not None:
+            config.use_cache = use_cache
     captured = {n: per for n, per in captured.items() if any(per)}
     if not captured:
         raise RuntimeError(
@@ -531,10 +540,6 @@ def calibrate(
     t0 = time.perf_counter()
     grads = {p: p.requires_grad for p in model.parameters()}
     training = model.training
-    config = getattr(model, "config", None)
-    use_cache = getattr(config, "use_cache", None)
-    if use_cache is not None:
-        config.use_cache = False
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -573,6 +578,4 @@ def calibrate(
         for p, g in grads.items():
             p.requires_grad_(g)
         model.train(training)
-        if use_cache is not None:
-            config.use_cache = use_cache
     return CalibrationReport(before, after, params, len(losses), time.perf_counter() - t0, losses)

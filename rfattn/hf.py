@@ -31,9 +31,21 @@ values beside the random-feature state, still of constant size. A model's own sl
 (Mistral's ``sliding_window``, Qwen2's ``use_sliding_window``, the ``"sliding_attention"`` layers
 of ``layer_types``) is the exact part of such a hybrid on its layers (the mask builder hands on
 key padding, the attention function reads the layer's ``sliding_window``), on every path
-(context-parallel shards included) but a cache that dropped the older keys (DynamicCache,
-refused as soon as it has). Chunked attention
+(context-parallel shards included) but a cache that dropped the older keys (a DynamicCache
+filled under another attention, refused as soon as it has). Chunked attention
 (``attention_chunk_size``) is refused as soon as a query would see a key outside its chunk.
+
+Caches: every attention layer with features gets a forward pre-hook (public ``torch.nn``
+hooks; registered by :func:`attach_random_features`, by ``post_init`` for a model built with
+``attn_implementation="rfattn"``, and by a layer's first forward where it draws its features
+lazily) that gives the empty ``DynamicCache`` it is handed (the one transformers makes for
+``model(ids, use_cache=True)`` or ``generate()``, or the caller's) :class:`RFCacheLayer`
+layers, one fixed-size state each, before the layer would write keys there
+(:func:`use_state_layers`); in eval mode on one process (training and context-parallel forwards
+run on the whole sequence and keep transformers' cache). ``crop`` rolls the states back after
+``activate_past_recording`` (assisted decoding). The one private transformers function this
+module replaces is ``GenerationMixin._prepare_cache_for_generation``, so that the cache of
+``generate()`` has its states, and records, before its first forward.
 
 Save/load: a model saved after :func:`attach_random_features` carries ``config.rfattn``; importing
 this module hooks ``PreTrainedModel.post_init`` so that such a model builds its layers' features
@@ -47,6 +59,7 @@ from __future__ import annotations
 import copy
 import re
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -60,7 +73,13 @@ from rfattn.modules import RandomFeatures, layer_seed
 try:
     import transformers
     from transformers import AttentionInterface
-    from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
+    from transformers.cache_utils import (
+        Cache,
+        CacheLayerMixin,
+        DynamicCache,
+        DynamicLayer,
+        DynamicSlidingWindowLayer,
+    )
     from transformers.masking_utils import (
         AttentionMaskInterface,
         bidirectional_mask_function,
@@ -84,6 +103,8 @@ __all__ = [
     "random_features_from_config",
     "RFCache",
     "RFCacheLayer",
+    "use_state_layers",
+    "cache_nbytes",
 ]
 
 #: the ``attn_implementation`` name
@@ -264,6 +285,7 @@ def _attach(model: torch.nn.Module, device) -> int:
         count += 1
     for mod, rf in built:
         mod.rfattn_features = rf
+        _hook_cache(mod)
     return count
 
 
@@ -284,6 +306,7 @@ def _layer_features(module: torch.nn.Module, head_dim: int, device) -> RandomFea
         idx = getattr(module, "layer_idx", None) or 0
         rf = _new_features(module, module.config, idx, head_dim, device)
         module.rfattn_features = rf
+        _hook_cache(module)  # the caches of later forwards (this one's is made already)
     return rf
 
 
@@ -340,7 +363,7 @@ def rfattn_mask(
         # a sliding window is the hybrid's exact part (the attention function reads the
         # layer's sliding_window); chunked attention has no form, judged on a sharded
         # sequence's whole span (every rank alike). Keys a sliding-window cache dropped
-        # (DynamicCache) are gone for the features too
+        # (a DynamicCache filled under another attention) are gone for the features too
         chunked = _window_name(local_size, config) != "sliding_window"
         window = None if chunked else local_size
         if dropped or (span >= local_size and chunked):
@@ -442,8 +465,9 @@ def _window_error(local_size: int, span: int, config) -> NotImplementedError:
         return NotImplementedError(
             f"rfattn: sliding_window={local_size} is the exact part of rfattn's hybrid, whose "
             f"random features read every older key, and a query would see a key {span} "
-            f"positions before it that this cache dropped (DynamicCache); use "
-            f"rfattn.hf.RFCache (the default cache under attn_implementation='rfattn')"
+            f"positions before it that this cache dropped (a DynamicCache filled under another "
+            f"attention); use rfattn.hf.RFCache or an empty cache (transformers' own becomes "
+            f"one under attn_implementation='rfattn')"
         )
     return NotImplementedError(
         f"rfattn: {name}={local_size} matters here: a query would see a key {span} "
@@ -620,6 +644,21 @@ def _hybrid(rf, query, key, value, pad, causal, group, window, sinks, scaling):
 _PENDING = WeakIdKeyDictionary()
 
 
+class _Recorded(NamedTuple):
+    """One forward of a recording :class:`RFCacheLayer`: the state before it (None: no token
+    yet) at ``seen`` tokens, and what advances that state over a prefix of its tokens."""
+
+    seen: int
+    state: RFState | HybridState | None
+    key: torch.Tensor  # [B, Hkv, T, D]
+    value: torch.Tensor  # [B, Hkv, T, E]
+    pad: torch.Tensor | None  # [B, T] True = padding
+    rf: RandomFeatures
+    scale: float | None
+    local: tuple[int, int]  # (window, sinks)
+    heads: int  # query heads (calibrated head maps are sized by them)
+
+
 class RFCacheLayer(CacheLayerMixin):
     """One decoder layer's generation state: the causal :class:`rfattn.RFState` of every token
     so far (``S [B, Hkv, F, E]``, ``z``, ``offset``; one per key/value head) and their count,
@@ -629,16 +668,33 @@ class RFCacheLayer(CacheLayerMixin):
 
     :meth:`update` keeps nothing: it hands the new keys and values to the attention function,
     which runs them on the state and stores the new one (:func:`rfattn_attention_forward`).
+
+    Rollback (assisted decoding, transformers' ``crop``): after :meth:`activate_past_recording`
+    the layer also keeps, for every forward until the next :meth:`crop`, the state before it and
+    its keys and values; ``crop(-n)`` then puts back the state of ``n`` tokens earlier, the kept
+    one where that is the start of a forward, else that state advanced over the forward's first
+    tokens (the same sums in another order: equal to rounding). Without recording, ``crop(-n)``
+    raises: a sum cannot forget its last terms.
     """
 
     is_compileable = False
-    is_croppable = False
 
     def __init__(self, **kwargs):
         super().__init__()
         self.state: RFState | HybridState | None = None
         self.seen = 0
         self.config = None  # the model's, set by the attention function
+        self.record_past = False
+        self.past: list[_Recorded] = []  # the forwards since recording began or the last crop
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether :meth:`crop` can undo the forwards since the last one (it records them)."""
+        return self.record_past
+
+    def activate_past_recording(self) -> None:
+        """Keep what :meth:`crop` needs to undo the forwards from now on (until the next crop)."""
+        self.record_past = True
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -659,12 +715,23 @@ class RFCacheLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    def nbytes(self) -> int:
+        """Bytes held by the state (recorded forwards apart)."""
+        state = () if self.state is None else self.state
+        return sum(x.numel() * x.element_size() for x in state)
+
     def _map(self, fn) -> None:
-        if self.state is not None:
-            self.state = type(self.state)(*(fn(x) for x in self.state))
+        def each(x):  # a tensor, a state or None
+            if x is None or isinstance(x, torch.Tensor):
+                return x if x is None else fn(x)
+            return type(x)(*(fn(t) for t in x))
+
+        self.state = each(self.state)
+        self.past = [step._replace(state=each(step.state), key=fn(step.key), value=fn(step.value),
+                                   pad=each(step.pad)) for step in self.past]  # fmt: skip
 
     def reset(self) -> None:
-        self.state, self.seen = None, 0
+        self.state, self.seen, self.past = None, 0, []
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map(lambda x: x.index_select(0, beam_idx.to(x.device)))
@@ -676,11 +743,41 @@ class RFCacheLayer(CacheLayerMixin):
         self._map(lambda x: x[indices])
 
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove != 0:
-            raise NotImplementedError(
+        """Forget the last ``-tokens_to_remove`` tokens (transformers' convention: a negative
+        count; 0 keeps every token), and what was recorded to undo them.
+
+        Raises:
+            ValueError: a positive count, or more tokens than were recorded.
+            RuntimeError: tokens to remove without :meth:`activate_past_recording` before them.
+        """
+        if tokens_to_remove > 0:
+            raise ValueError(f"RFCache.crop takes minus the number of tokens to remove, got "
+                             f"{tokens_to_remove}")  # fmt: skip
+        n, past = -tokens_to_remove, self.past
+        if n == 0:
+            self.past = []
+            return
+        if not self.record_past:
+            raise RuntimeError(
                 "RFCache cannot crop: its state is a sum over every token seen, and a sum cannot "
-                "forget its last terms (assisted decoding and other crop users need a KV cache)"
+                "forget its last terms unless it kept them; call cache.activate_past_recording() "
+                "before the forwards to undo (generate does for assisted decoding)"
             )
+        target = self.seen - n
+        step = next((s for s in reversed(past) if s.seen <= target), None)
+        if step is None:
+            raise ValueError(f"RFCache cannot crop {n} tokens: it recorded the last "
+                             f"{self.seen - past[0].seen if past else 0}")  # fmt: skip
+        if target > step.seen:
+            count = target - step.seen
+            q = step.key.new_zeros(step.key.shape[0], step.heads, count, step.key.shape[-1])
+            pad = None if step.pad is None else step.pad[:, :count]
+            _, self.state = _run_on_state(step.rf, q, step.key[:, :, :count],
+                                          step.value[:, :, :count], pad, step.state, step.scale,
+                                          *step.local)  # fmt: skip
+        else:
+            self.state = step.state
+        self.seen, self.past = target, []
 
     def offload(self) -> None:
         self._map(lambda x: x.to("cpu", non_blocking=True))
@@ -695,26 +792,41 @@ class RFCache(Cache):
     per layer (:class:`RFCacheLayer`), so each generated token costs the same whatever the context
     and memory does not grow (``O(H F E)`` numbers per layer, not ``O(T H D)``).
 
-    ``generate()`` on a model with ``attn_implementation="rfattn"`` makes one when it is given no
-    cache (greedy, sampling, beam search: states are reordered with the beams); pass one
-    explicitly to reuse or inspect it, as ``cache=`` (transformers >= 5.24) or
-    ``past_key_values=`` (before; deprecated from 5.24)::
+    A model with ``attn_implementation="rfattn"`` keeps such states without being given one:
+    the ``DynamicCache`` transformers makes for a forward with ``use_cache=True``, for
+    ``generate()`` or a hand-written decoding loop gets :class:`RFCacheLayer` layers in place of
+    its empty key/value layers (see :func:`use_state_layers`). Pass one explicitly to reuse or
+    inspect it, as ``cache=`` (transformers >= 5.24) or ``past_key_values=`` (before; deprecated
+    from 5.24)::
 
         cache = rfattn.hf.RFCache()
         out = model.generate(ids, cache=cache, max_new_tokens=64)
         cache.nbytes()                     # constant in the context length
 
     The prompt runs the chunked causal path with ``return_state=True``; each new token one
-    decode step on the state. ``crop`` (assisted decoding) has no meaning for a sum and raises.
-    Grouped-query models keep one state per key/value head, ``[B, Hkv, F, E]``: the group factor
-    less than repeating the heads would.
+    decode step on the state. ``crop`` (assisted decoding) works after
+    :meth:`activate_past_recording` (see :class:`RFCacheLayer`). Grouped-query models keep one
+    state per key/value head, ``[B, Hkv, F, E]``: the group factor less than repeating the heads
+    would.
     """
 
     def __init__(self, num_layers: int | None = None, **kwargs):
+        self._record_past = False  # for the layers added later
         if num_layers is None:
-            super().__init__(layer_class_to_replicate=RFCacheLayer)
+            super().__init__(layer_class_to_replicate=self._new_layer)
         else:
             super().__init__(layers=[RFCacheLayer() for _ in range(num_layers)])
+
+    def _new_layer(self) -> RFCacheLayer:
+        layer = RFCacheLayer()
+        layer.record_past = self._record_past
+        return layer
+
+    def activate_past_recording(self) -> None:
+        """Let :meth:`crop` undo the forwards from now on, in this cache's layers and those it
+        adds later."""
+        self._record_past = True
+        super().activate_past_recording()
 
     def to(self, *args, **kwargs) -> RFCache:
         """Move (or cast) every state like ``Tensor.to``; returns self."""
@@ -726,8 +838,7 @@ class RFCache(Cache):
 
     def nbytes(self) -> int:
         """Bytes held by the states of every layer."""
-        return sum(x.numel() * x.element_size() for layer in self.layers
-                   if layer.state is not None for x in layer.state)  # fmt: skip
+        return cache_nbytes(self)
 
     def state_dict(self) -> dict:
         """The states and token counts as a dict of tensors (``torch.save`` it)."""
@@ -754,17 +865,89 @@ class RFCache(Cache):
         return cache
 
 
+def cache_nbytes(cache: Cache) -> int:
+    """Bytes of the tensors a transformers cache holds: the states of its :class:`RFCacheLayer`
+    layers, the keys and values of the others."""
+    total = 0
+    for layer in cache.layers:
+        if isinstance(layer, RFCacheLayer):
+            total += layer.nbytes()
+        else:
+            tensors = (getattr(layer, "keys", None), getattr(layer, "values", None))
+            total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    return total
+
+
+#: the key/value layers of transformers' DynamicCache that :func:`use_state_layers` replaces
+_KV_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
+
+
+def use_state_layers(cache, record_past: bool = False) -> bool:
+    """Give a transformers ``DynamicCache`` :class:`RFCacheLayer` layers in place of its empty
+    key/value layers (and for the layers it adds later), in place: the object a caller holds
+    (the cache of ``out = model(ids, use_cache=True)``, of ``generate()``, one of its own) then
+    keeps fixed-size states. Layers that hold keys already (filled under another attention)
+    stay as they are, and so does any other kind of cache (``RFCache``, ``StaticCache``,
+    quantized, encoder-decoder).
+
+    Args:
+        cache: any object; only a ``DynamicCache`` (exactly that class) changes.
+        record_past: have the new layers record for :meth:`RFCacheLayer.crop`; they do anyway
+            where a layer they replace recorded (a sliding-window one can).
+
+    Returns:
+        Whether a layer was replaced or will be added as a state.
+    """
+    if type(cache) is not DynamicCache:
+        return False
+    record_past = record_past or any(getattr(x, "record_past", False) for x in cache.layers)
+    changed = cache.layer_class_to_replicate is DynamicLayer
+    if changed:
+        cache.layer_class_to_replicate = RFCacheLayer
+    for i, layer in enumerate(cache.layers):
+        if type(layer) in _KV_LAYERS and not layer.is_initialized:
+            cache.layers[i] = RFCacheLayer()
+            cache.layers[i].record_past = record_past
+            changed = True
+    return changed
+
+
+def _cache_pre_hook(module, args, kwargs):
+    """Forward pre-hook of an attention layer (:func:`_hook_cache`): the cache it is handed,
+    before the layer writes its keys there, keeps states (:func:`use_state_layers`) while the
+    model runs ``"rfattn"`` in eval mode on one process (training and context-parallel forwards
+    keep transformers' cache: their attention runs on the whole sequence)."""
+    if (getattr(module.config, "_attn_implementation", None) == NAME and not module.training
+            and getattr(module, "rfattn_group", None) is None):  # fmt: skip
+        use_state_layers(kwargs.get("cache", kwargs.get("past_key_values")))
+
+
+def _hook_cache(module: torch.nn.Module) -> None:
+    """Register :func:`_cache_pre_hook` on attention layer ``module`` (once)."""
+    if getattr(module, "_rfattn_cache_hook", None) is None:
+        module._rfattn_cache_hook = module.register_forward_pre_hook(_cache_pre_hook,
+                                                                     with_kwargs=True)
+
+
+def _run_on_state(rf, query, key, value, pad, state, scale, window, sinks):
+    """``(out, state)``: causal :func:`rf_attention` of new tokens continuing from ``state``."""
+    return rf_attention(query, key, value, rf, causal=True, key_padding_mask=pad, scale=scale,
+                        initial_state=state, return_state=True, window=window,
+                        sinks=sinks)  # fmt: skip
+
+
 def _cached_attention(layer, rf, query, key, value, attention_mask, scaling, sliding=None):
     """The attention ``[B, H, Tq, E]`` of the new tokens (``Hkv`` key/value heads) on an
-    :class:`RFCacheLayer`'s state, which it advances."""
+    :class:`RFCacheLayer`'s state, which it advances (recording the forward where asked)."""
     tq = query.shape[2]
     pad = None
     if attention_mask is not None:  # [B, 1, Tq, seen + Tq]: the new tokens' columns
         pad, _ = _split_mask(attention_mask[..., -tq:], True, tq, tq)
-    window, sinks = local_attention_of(layer.config, sliding, True)
-    out, layer.state = rf_attention(query, key, value, rf, causal=True, key_padding_mask=pad,
-                                    scale=scaling, initial_state=layer.state, return_state=True,
-                                    window=window, sinks=sinks)  # fmt: skip
+    local = local_attention_of(layer.config, sliding, True)
+    if layer.record_past:
+        layer.past.append(_Recorded(layer.seen, layer.state, key, value, pad, rf, scaling, local,
+                                    query.shape[1]))  # fmt: skip
+    out, layer.state = _run_on_state(rf, query, key, value, pad, layer.state, scaling, *local)
     layer.seen += tq
     return out
 
@@ -781,21 +964,24 @@ def _version(v: str) -> tuple[int, int]:
 CACHE_KWARG = "cache" if _version(transformers.__version__) >= (5, 24) else "past_key_values"
 
 
-def _prepare_cache_with_rfcache(original):
-    """``GenerationMixin._prepare_cache_for_generation`` giving an ``"rfattn"`` decoder an
-    :class:`RFCache` where transformers would make its default ``DynamicCache`` (under
-    :data:`CACHE_KWARG`)."""
+def _prepare_cache_with_states(original):
+    """``GenerationMixin._prepare_cache_for_generation`` (the only private transformers function
+    this module replaces; checked against transformers 5.24) that gives the cache ``generate()``
+    makes or is given :class:`RFCacheLayer` layers (:func:`use_state_layers`) as soon as it
+    exists. The attention layers' forward pre-hook would at the prompt's forward, but after
+    ``generate`` asked the cache's layers to record for rollback (assisted decoding; a draft
+    model's cache as soon as it is made), which key/value layers without a sliding window
+    ignore."""
 
     def prepare(self, generation_config, model_kwargs, *args, **kwargs):
         result = original(self, generation_config, model_kwargs, *args, **kwargs)
-        cache = model_kwargs.get(CACHE_KWARG)
         if (
-            type(cache) is DynamicCache
-            and not getattr(cache, "_is_user_defined", False)
-            and getattr(self.config, "_attn_implementation", None) == NAME
+            getattr(self.config, "_attn_implementation", None) == NAME
+            and not self.training
             and not self.config.is_encoder_decoder
         ):
-            model_kwargs[CACHE_KWARG] = RFCache()
+            use_state_layers(model_kwargs.get(CACHE_KWARG),
+                             bool(getattr(generation_config, "is_assistant", False)))  # fmt: skip
         return result
 
     prepare._rfattn_original = original
@@ -809,8 +995,13 @@ def _attach_on_init(model) -> None:
     (trained fastfoodl parameters, running statistics, redrawn W) load into them instead of being
     dropped as unexpected keys. They are drawn on the CPU even inside transformers' meta-device
     construction: a checkpoint without them keeps these draws (transformers' own initialisation
-    does not know them)."""
+    does not know them). Its attention layers get the cache hook (:func:`_hook_cache`), as do
+    those of a model built with ``attn_implementation="rfattn"`` and no options (features drawn
+    lazily)."""
     if not isinstance(getattr(model.config, "rfattn", None), dict):
+        if getattr(model.config, "_attn_implementation", None) == NAME:  # features drawn lazily
+            for mod, _ in _attention_layers(model):
+                _hook_cache(mod)
         return
     if any(hasattr(mod, "rfattn_features") for mod, _ in _attention_layers(model)):
         return
@@ -857,7 +1048,7 @@ def register() -> None:
     from transformers.generation.utils import GenerationMixin
 
     if not hasattr(GenerationMixin._prepare_cache_for_generation, "_rfattn_original"):
-        GenerationMixin._prepare_cache_for_generation = _prepare_cache_with_rfcache(
+        GenerationMixin._prepare_cache_for_generation = _prepare_cache_with_states(
             GenerationMixin._prepare_cache_for_generation
         )
 

@@ -1,5 +1,7 @@
 """Issue 16: generation on a fixed-size state (rfattn.hf.RFCache); tiny random Llamas."""
 
+import copy
+
 import pytest
 import torch
 
@@ -51,9 +53,11 @@ def test_greedy_generation_on_the_state_equals_full_recompute(kv_heads):
     # the group factor less than repeating the heads), fp64
     assert size == 2 * kv_heads * (64 * 8 + 64 + 1) * 8
     assert cache.layers[0].state.s.shape == (1, kv_heads, 64, 8)
-    # the automatic cache is an RFCache too, and the same tokens come out
+    # the automatic cache (transformers' DynamicCache) holds the same states, and the same
+    # tokens come out
     auto = _gen(model, ids, return_dict_in_generate=True)
-    assert isinstance(getattr(auto, CACHE), rfhf.RFCache)
+    assert all(isinstance(layer, rfhf.RFCacheLayer) for layer in getattr(auto, CACHE).layers)
+    assert rfhf.cache_nbytes(getattr(auto, CACHE)) == size
     assert torch.equal(auto.sequences, ref)
 
 
@@ -113,7 +117,7 @@ def test_cache_to_state_dict_reset_and_crop(tmp_path):
         a = model(nxt, **{CACHE: cache}).logits
         b = model(nxt, **{CACHE: restored}).logits
     assert torch.equal(a, b)
-    with pytest.raises(NotImplementedError, match="cannot crop"):
+    with pytest.raises(RuntimeError, match="cannot crop.*activate_past_recording"):
         cache.crop(-1)
     cache.reset()
     assert cache.get_seq_length() == 0 and cache.nbytes() == 0
@@ -127,3 +131,202 @@ def test_a_preallocated_cache_is_refused():
     with pytest.raises(NotImplementedError, match="static"):
         model.generate(_ids(1, 6), max_new_tokens=3, do_sample=False,
                        cache_implementation="static")  # fmt: skip
+
+
+def _loop(model, ids, steps, cache=None, tokens=None):
+    """The hand-written decoding loop: ``ids`` in one forward (transformers makes the cache
+    unless one is given), then ``steps`` forwards of one token each (greedy, or ``tokens``);
+    returns the tokens, each forward's last logits and the cache."""
+    kw = {} if cache is None else {CACHE: cache}
+    with torch.no_grad():
+        out = model(ids, use_cache=True, **kw)
+        logits, toks = [out.logits[:, -1]], []
+        for i in range(steps):
+            tok = logits[-1].argmax(-1, keepdim=True) if tokens is None else tokens[:, i : i + 1]
+            toks.append(tok)
+            out = model(tok, use_cache=True, **{CACHE: getattr(out, CACHE)})
+            logits.append(out.logits[:, -1])
+    return torch.cat([ids[:, :0], *toks], 1), torch.stack(logits, 1), getattr(out, CACHE)
+
+
+def test_a_hand_written_loop_keeps_states_not_keys():
+    """model(ids, use_cache=True), then one token per forward on out.cache: the cache
+    transformers makes keeps the fixed-size states (its bytes the same at 16 and 64 tokens of
+    context and after decoding; before: every key and value) and the greedy tokens and logits
+    are those of recomputing the whole sequence at every step."""
+    model = _llama(2, num_features=16)
+    sizes = []
+    for t in (16, 64):
+        with torch.no_grad():
+            cache = getattr(model(_ids(1, t, seed=t), use_cache=True), CACHE)
+        assert type(cache) is transformers.DynamicCache
+        assert all(isinstance(layer, rfhf.RFCacheLayer) for layer in cache.layers)
+        sizes.append(rfhf.cache_nbytes(cache))
+    ids = _ids(1, 16, seed=16)
+    toks, logits, cache = _loop(model, ids, 8)
+    sizes.append(rfhf.cache_nbytes(cache))
+    assert sizes[0] == sizes[1] == sizes[2] == 2 * 2 * (16 * 8 + 16 + 1) * 8
+    assert cache.get_seq_length() == 16 + 8
+    assert torch.equal(toks, _gen(model, ids, use_cache=False, max_new_tokens=8)[:, 16:])
+    with torch.no_grad():
+        full = model(torch.cat([ids, toks], 1), use_cache=False).logits[:, 15:]
+    torch.testing.assert_close(logits, full, rtol=1e-10, atol=1e-12)
+
+
+
+def test_which_models_and_caches_get_states():
+    """The hook that gives caches states is on a model built with attn_implementation="rfattn"
+    (no attach_random_features: features drawn in the first forward) from its first forward,
+    and reaches a DynamicCache built without a config (its layers added as they come); a model
+    switched to rfattn without attach_random_features gets it in its first forward, whose own
+    cache keeps keys; a model in training mode keeps transformers' cache."""
+    cfg = copy.deepcopy(_llama(2).config)
+    del cfg.rfattn
+    ids = _ids(1, 5)
+
+    def layers(model, **kw):
+        with torch.no_grad():
+            cache = getattr(model(ids, use_cache=True, **kw), CACHE)
+        return {type(layer).__name__ for layer in cache.layers}
+
+    cfg._attn_implementation = "rfattn"
+    built = transformers.LlamaForCausalLM(cfg).double().eval()
+    assert layers(built) == {"RFCacheLayer"}
+    assert layers(built, **{CACHE: transformers.DynamicCache()}) == {"RFCacheLayer"}
+    cfg._attn_implementation = "sdpa"
+    switched = transformers.LlamaForCausalLM(copy.deepcopy(cfg)).double().eval()
+    switched.set_attn_implementation("rfattn")
+    assert [layers(switched), layers(switched)] == [{"DynamicLayer"}, {"RFCacheLayer"}]
+    assert layers(switched.train()) == {"DynamicLayer"}
+
+
+@pytest.mark.parametrize("how", ["beam", "left-padded"])
+def test_generate_turns_a_given_dynamic_cache_into_states(how):
+    """An empty DynamicCache(config=...) handed to generate keeps states too (before: the keys
+    and values of every token), for beam search (states reordered) and a left-padded batch;
+    the tokens are those of full recomputes."""
+    model = _llama(2, num_features=16)
+    if how == "beam":
+        ids, kw = _ids(1, 10, seed=3), dict(num_beams=3, length_penalty=0.0)
+    else:
+        ids, mask = _ids(2, 10, seed=4), torch.ones(2, 10, dtype=torch.long)
+        ids[1, :4], mask[1, :4] = 0, 0
+        kw = dict(attention_mask=mask)
+    cache = transformers.DynamicCache(config=model.config)
+    got = _gen(model, ids, max_new_tokens=8, **{CACHE: cache}, **kw)
+    assert all(isinstance(layer, rfhf.RFCacheLayer) for layer in cache.layers)
+    rows = 3 if how == "beam" else 2  # beams or sequences; per row 2 layers of S, z, offset
+    assert rfhf.cache_nbytes(cache) == rows * 2 * 2 * (16 * 8 + 16 + 1) * 8
+    assert torch.equal(got, _gen(model, ids, max_new_tokens=8, use_cache=False, **kw))
+
+
+def _states(cache):
+    return [layer.state for layer in cache.layers]
+
+
+@pytest.mark.parametrize("local", [{}, dict(window=4, sinks=2)], ids=["plain", "hybrid"])
+def test_crop_puts_the_states_back(local):
+    """decode 10 tokens, crop 4, decode again: the states and logits of a run that never went
+    past (fp64), exactly where the crop lands at the start of a forward, to rounding where it
+    lands inside one; plain random features and the hybrid (window keys and sinks in the
+    state); without recording, crop says what to do."""
+    model = _llama(2, num_features=16)
+    rfhf.attach_random_features(model, **local)
+    ids, more = _ids(1, 12, seed=6), _ids(1, 13, seed=7)
+    # the run that never went past: 6 tokens, then 3
+    _, want, ref = _loop(model, ids, 9, tokens=more[:, :9])
+    # the cache transformers makes, recording from the second forward on
+    with torch.no_grad():
+        cache = getattr(model(ids, use_cache=True), CACHE)
+    cache.activate_past_recording()
+    assert cache.is_croppable
+    _, _, cache = _loop(model, more[:, :1], 9, cache=cache, tokens=more[:, 1:10])
+    cache.crop(-4)
+    assert cache.get_seq_length() == 12 + 6
+    _, got, cache = _loop(model, more[:, 6:7], 2, cache=cache, tokens=more[:, 7:9])
+    assert torch.equal(got, want[:, 7:])
+    for a, b in zip(_states(cache), _states(ref), strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    # an RFCache recording before its layers exist; ten tokens in one forward, crop inside it
+    cache = rfhf.RFCache()
+    cache.activate_past_recording()
+    _, _, cache = _loop(model, torch.cat([ids, more[:, :10]], 1), 0, cache=cache)
+    cache.crop(-4)
+    with pytest.raises(ValueError, match="cannot crop 1 tokens"):  # what was undone stays so
+        cache.crop(-1)
+    _, got, cache = _loop(model, more[:, 6:7], 2, cache=cache, tokens=more[:, 7:9])
+    torch.testing.assert_close(got, want[:, 7:], rtol=1e-10, atol=1e-12)
+    for a, b in zip(_states(cache), _states(ref), strict=True):
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
+    # nothing unrecorded
+    _, _, plain = _loop(model, ids, 1)
+    with pytest.raises(RuntimeError, match="activate_past_recording"):
+        plain.crop(-1)
+
+
+@pytest.mark.parametrize("draft_impl", ["sdpa", "rfattn"])
+def test_assisted_decoding_rolls_the_states_back(draft_impl):
+    """generate(assistant_model=draft): the target checks the draft's tokens in one forward on
+    its states and crops what it rejects (the draft's own cache too when it runs rfattn): the
+    tokens of greedy full recomputes (before: refused, the cache could not crop)."""
+    model = _llama(2, num_features=16)
+    torch.manual_seed(1)
+    draft = transformers.LlamaForCausalLM(copy.deepcopy(model.config)).double().eval()
+    if draft_impl == "rfattn":
+        rfhf.attach_random_features(draft, num_features=16, seed=1)
+    draft.set_attn_implementation(draft_impl)
+    ids = _ids(1, 10, seed=8)
+    want = _gen(model, ids, max_new_tokens=16, use_cache=False)
+    assert not torch.equal(_gen(draft, ids, max_new_tokens=16), want)  # some tokens rejected
+    got = _gen(model, ids, max_new_tokens=16, assistant_model=draft, return_dict_in_generate=True)
+    assert torch.equal(got.sequences, want)
+    assert all(isinstance(layer, rfhf.RFCacheLayer) for layer in getattr(got, CACHE).layers)
+
+
+def test_rfattns_own_calls_raise_no_deprecation_warning():
+    """Attaching features, generate (the cache transformers makes, an RFCache given under
+    CACHE_KWARG, beam search, assisted decoding with its crops) and the generation benchmark's
+    decoding loop: no deprecation while a frame of rfattn or bench is on the stack, whether
+    transformers warns (a FutureWarning, every time here) or logs it (once per process: re-armed
+    here)."""
+    import logging
+    import pathlib
+    import sys
+    import traceback
+    import warnings
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # bench/ at the root
+    import bench.generate
+    import rfattn
+
+    ours = tuple(str(pathlib.Path(m.__file__).parent) for m in (rfattn, bench))
+    seen = []
+
+    def note(message):
+        if "deprecat" in str(message).lower() and \
+                any(f.filename.startswith(ours) for f in traceback.extract_stack()):  # fmt: skip
+            seen.append(str(message))
+
+    class _Logged(logging.Handler):
+        def emit(self, record):
+            note(record.getMessage())
+
+    logging.Logger.warning_once.cache_clear()  # transformers' once-per-process memory
+    handler, logger = _Logged(), logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = lambda message, *args, **kwargs: note(message)
+            model = _llama(2, num_features=16)
+            draft = _llama(2, seed=1, num_features=16)
+            ids = _ids(1, 6, seed=9)
+            _gen(model, ids, max_new_tokens=3)
+            _gen(model, ids, max_new_tokens=3, **{CACHE: rfhf.RFCache()})
+            _gen(model, ids, max_new_tokens=3, num_beams=2)
+            _gen(model, ids, max_new_tokens=3, assistant_model=draft)
+            bench.generate.decode_times(model, "rfattn", positions=9, prompt=6)
+    finally:
+        logger.removeHandler(handler)
+    assert seen == []

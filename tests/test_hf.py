@@ -408,18 +408,25 @@ def test_the_hybrids_exact_pairs_are_the_models_window():
 
 def test_a_sliding_window_behind_padding_or_on_other_layers():
     """Qwen2's layer_types put the window on some layers only: those run the hybrid (their
-    generation state a HybridState of the window), the others plain random features; a cache
-    that dropped keys outside the window (DynamicCache) is refused, naming RFCache."""
+    generation state a HybridState of the window), the others plain random features, in an
+    RFCache as in the cache transformers makes (its sliding-window layer becomes a state too;
+    before: refused); a cache that dropped keys outside the window (a DynamicCache filled under
+    another attention) is refused, naming RFCache."""
     ids = _ids()[:, :6]
     mixed = _windowed("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1)
     assert mixed.config.layer_types == ["full_attention", "sliding_attention"]
     with torch.no_grad():
         cache = rfhf.RFCache()
-        _decode(mixed, ids, 3, cache)
+        got = _decode(mixed, ids, 3, cache)
         assert [type(layer.state).__name__ for layer in cache.layers] == ["RFState", "HybridState"]
         assert cache.layers[1].state.keys.shape[2] == 4
+        assert torch.equal(_decode(mixed, ids, 3, None), got)
+        model = _windowed(sliding_window=4)
+        model.set_attn_implementation("sdpa")
+        cache = getattr(model(ids[:, :5], use_cache=True), rfhf.CACHE_KWARG)
+        model.set_attn_implementation("rfattn")
         with pytest.raises(NotImplementedError, match="sliding_window=4.*RFCache"):
-            _decode(_windowed(sliding_window=4), ids, 2, None)
+            model(ids[:, 5:], use_cache=True, **{rfhf.CACHE_KWARG: cache})
 
 
 def _window_shard(rank, length, group=None):
