@@ -432,9 +432,10 @@ def split_dot(a, b, HALF: tl.constexpr, SPLIT_A: tl.constexpr, THREE: tl.constex
     is exact in fp32): ``a b_hi + a b_lo``, fp32 accumulation, b to ~16 bits (bf16). ``a`` is
     exact in ``HALF`` (an input's rows); with SPLIT_A it is not, and ``a_lo b_hi`` is added (the
     ``a_lo b_lo`` term dropped). THREE: ``b = b_hi + b_mid + b_lo``, b to fp32's 24 bits.
-    The low parts are scaled by a power of two (:data:`LO_SHIFT`) before their rounding and the
-    products scaled back in fp32, exactly: fp16's narrow exponent range would otherwise make
-    them subnormal (a weight's third part, ~2^-22 of it, is below fp16's smallest normal)."""
+    The low parts are scaled by a power of two (``SH``, 2^(mantissa bits of HALF)) before their
+    rounding and the products scaled back in fp32, exactly: fp16's narrow exponent range
+    would otherwise make them subnormal (a weight's third part, ~2^-22 of it, is below fp16's
+    smallest normal)."""
     SH: tl.constexpr = 2048.0 if HALF == tl.float16 else 256.0  # 2^(bits of HALF's mantissa)
     b_hi = round_half(b, HALF).to(tl.float32)
     b_lo = (b - b_hi) * SH
