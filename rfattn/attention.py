@@ -155,8 +155,9 @@ def rf_attention(
         from rfattn import distributed
 
         distributed.check_group(group)
-        distributed.check_calls_agree(group, lambda: validate(*checked), q, k, v, rf, causal,
-                                      backend, initial_state, window, sinks)  # fmt: skip
+        distributed.check_calls_agree(group, lambda: validate(*checked, packed=packed), q, k, v,
+                                      rf, causal, backend, initial_state, window,
+                                      sinks)  # fmt: skip
     if query_padding_mask is None and causal:
         query_padding_mask = key_padding_mask
     if learned is not None:  # scale (q kᵀ) = (√scale q)(√scale k)ᵀ, on every path

@@ -591,7 +591,8 @@ def _keeps_sequences_apart(mask: torch.Tensor, cu_q, cu_k, causal: bool) -> bool
     """Whether the 4-D mask transformers built is exactly that of the packed sequences: each
     query attends to the keys of its own sequence (causally where ``causal``)."""
     tq, tk = mask.shape[-2:]
-    if mask.dim() != 4 or mask.shape[0] != 1 or cu_q[-1] != tq or cu_k[-1] != tk:
+    if mask.dim() != 4 or mask.shape[0] != 1 or mask.stride(-2) == 0 or cu_q[-1] != tq or \
+            cu_k[-1] != tk:  # (a stride-0 view: rfattn_mask's key padding, rows alike)
         return False
     keep = _keep(mask)[0]  # [heads or 1, Tq, Tk]
     seq_q = torch.bucketize(torch.arange(tq, device=mask.device), cu_q.to(mask.device)[1:],

@@ -290,3 +290,19 @@ def test_offsets_need_batch_one_and_equal_lengths():
     q, k = rand(1, HQ, 7, D), rand(1, HQ, 5, D)
     with pytest.raises(ValueError, match="cu_seqlens packs q and k alike and needs Tq == Tk"):
         rfattn.rf_attention(q, k, k, rf, cu_seqlens=torch.tensor([0, 3, 7]))
+
+
+def test_packed_over_a_process_group_is_refused(tmp_path):
+    """A sharded call (``group=``) does not take packing yet: every rank's check raises."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0,
+                            world_size=1)  # fmt: skip
+    try:
+        rf = rfattn.RandomFeatures(D, M, "posrf", seed=0).double()
+        q, k, v = (x.detach() for x in leaves((3, 4)))
+        with pytest.raises(NotImplementedError, match="packed sequences"):
+            rfattn.rf_attention(q, k, v, rf, causal=True, cu_seqlens=offsets((3, 4)),
+                                group=dist.group.WORLD)  # fmt: skip
+    finally:
+        dist.destroy_process_group()
