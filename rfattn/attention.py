@@ -233,17 +233,19 @@ def _packed(call: Call):
     the row, so features stay blocked per sequence on the torch path and the fused kernels run
     per sequence), outputs joined along T and states along the batch; a sequence without
     queries or keys runs nothing (:func:`rfattn.torch_path.empty_result`: outputs 0, the state
-    passed on). Running statistics then move once, from the whole row
-    (:func:`rfattn.torch_path.move_statistics`)."""
+    passed on; no heads: nothing at all). Running statistics then move once, from the whole
+    row (:func:`rfattn.torch_path.move_statistics`)."""
+    heads = call.q.shape[1] > 0 and call.k.shape[1] > 0
     outs, states = [], []
     for i in range(len(call.packed[0]) - 1):
         seq = call.sequence(i)
-        empty = seq.q.shape[2] == 0 or seq.k.shape[2] == 0
+        empty = not heads or seq.q.shape[2] == 0 or seq.k.shape[2] == 0
         res = torch_path.empty_result(seq) if empty else run(seq)
         outs.append(res[0] if call.return_state else res)
         if call.return_state:
             states.append(res[1])
-    torch_path.move_statistics(call)
+    if heads:
+        torch_path.move_statistics(call)
     out = torch.cat(outs, dim=2)
     if not call.return_state:
         return out

@@ -292,6 +292,19 @@ def test_offsets_need_batch_one_and_equal_lengths():
         rfattn.rf_attention(q, k, k, rf, cu_seqlens=torch.tensor([0, 3, 7]))
 
 
+def test_packed_without_heads_runs_nothing():
+    """No heads: outputs ``[1, 0, total, E]`` and states ``[N, 0, ...]``, running statistics
+    left where they are (as for an unpacked call without heads)."""
+    rf = rfattn.RandomFeatures(D, M, "oprf", seed=0, stats="running").double()
+    before = [b.clone() for b in rf.feature_map.buffers()]
+    q, k, v = (x.detach() for x in leaves(LENGTHS, heads=0, kv_heads=0))
+    out, st = rfattn.rf_attention(q, k, v, rf, causal=True, return_state=True,
+                                  cu_seqlens=offsets(LENGTHS), backend="torch")  # fmt: skip
+    assert out.shape == (1, 0, sum(LENGTHS), E) and st.s.shape == (len(LENGTHS), 0, M, E)
+    for a, b in zip(rf.feature_map.buffers(), before, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_packed_over_a_process_group_is_refused(tmp_path):
     """A sharded call (``group=``) does not take packing yet: every rank's check raises."""
     import torch.distributed as dist
