@@ -169,8 +169,8 @@ def packed_offsets(q, k, causal: bool, cu_seqlens=None, cu_seqlens_q=None,
                    cu_seqlens_k=None) -> tuple | None:  # fmt: skip
     """``(query offsets, key offsets)``, each N + 1 ints read on the host, of a packed call, or
     None for an unpacked one; raise naming the argument where the packing is not valid (q, k
-    checked first). ``cu_seqlens`` gives both sides (self-attention, causal or
-    not); ``cu_seqlens_q`` and ``cu_seqlens_k`` differ (non-causal cross-attention)."""
+    checked first). ``cu_seqlens`` gives both sides (self-attention, causal or not);
+    ``cu_seqlens_q`` and ``cu_seqlens_k`` differ (non-causal cross-attention)."""
     if cu_seqlens is None and cu_seqlens_q is None and cu_seqlens_k is None:
         return None
     _check_tensor("q", q, 4, "B, H, Tq, D")

@@ -108,9 +108,10 @@ def move_statistics(call: Call) -> None:
 
 
 def empty_result(call: Call):
-    """What a call with no batch rows or no heads returns: the empty output (its gradients, all
-    empty, reach every input) and, causal with ``return_state``, the state given (or the empty
-    one before any key). Nothing is computed: no statistic moves."""
+    """What a call with no batch rows or no heads returns, and a packed call's sequence without
+    queries or keys: the output, empty or (queries without keys) 0, its gradients reaching
+    every input, and, causal with ``return_state``, the state given (or the empty one before
+    any key). Nothing is computed: no statistic moves."""
     q, k, v, state = call.q, call.k, call.v, call.initial_state
     tie = sum(x.sum() for x in (q, k, v, *(state or ())) if x.is_floating_point())
     out = q.new_zeros(*q.shape[:3], v.shape[-1]) + (tie * 0).to(q.dtype)
