@@ -44,7 +44,7 @@ def states(n, rf, kv_heads=HK, seed=5):
 def grads(y, xs, seed=9):
     """Gradients of a fixed random projection of ``y`` (a tensor or (out, state)) w.r.t. xs."""
     ys = [y] if torch.is_tensor(y) else [y[0], y[1].s, y[1].z]
-    loss = sum((t * rand(*t.shape, seed=seed + i)).sum() for i, t in enumerate(ys))
+    loss = sum((t * rand(*t.shape, seed=seed + i).to(t.device)).sum() for i, t in enumerate(ys))
     return torch.autograd.grad(loss, xs, allow_unused=True)
 
 
@@ -172,24 +172,30 @@ def test_running_statistics_move_once_from_the_row(causal):
     assert int(rf.feature_map.num_batches_tracked) == 2
 
 
-@pytest.mark.parametrize("causal", CAUSAL)
-def test_junk_in_one_sequence_reaches_no_other(causal):
+# the fused case: three runs forward and backward under the interpreter, in `make test-slow`
+JUNK = [("torch", False), ("torch", True), pytest.param("triton", True, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("backend,causal", JUNK, ids=["torch-noncausal", "torch-causal",
+                                                      "triton-causal"])  # fmt: skip
+def test_junk_in_one_sequence_reaches_no_other(backend, causal, kernel_device):
     """NaN and 1e30 in one sequence's q, k and v: the other sequences' outputs, states and
-    gradients are those of the clean row, bit for bit."""
-    rf = rfattn.RandomFeatures(D, M, "posrf", seed=0).double().eval()
+    gradients are those of the clean row, bit for bit (the fused backend: its causal kernels)."""
+    device = kernel_device if backend == "triton" else torch.device("cpu")
+    rf = rfattn.RandomFeatures(D, M, "posrf", seed=0).double().to(device).eval()
     lengths = (6, 9, 5)
-    cu = offsets(lengths)
+    cu = offsets(lengths).to(device)
     res = []
     for junk in (None, float("nan"), 1e30):
-        q, k, v = leaves(lengths)
+        q, k, v = (x.detach().to(device).requires_grad_() for x in leaves(lengths))
         if junk is not None:
             with torch.no_grad():
                 for x in (q, k, v):
                     x[:, :, 6:15:2] = junk
         out = rfattn.rf_attention(q, k, v, rf, causal=causal, return_state=causal,
-                                  cu_seqlens=cu, backend="torch")  # fmt: skip
+                                  cu_seqlens=cu, backend=backend)  # fmt: skip
         res.append((out, grads(out, (q, k, v))))
-    keep = torch.tensor([True] * 6 + [False] * 9 + [True] * 5)
+    keep = torch.tensor([True] * 6 + [False] * 9 + [True] * 5, device=device)
     for out, gs in res[1:]:
         o, o0 = (out, res[0][0]) if not causal else (out[0], res[0][0][0])
         assert torch.equal(o[:, :, keep], o0[:, :, keep])
