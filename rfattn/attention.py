@@ -21,6 +21,7 @@ from rfattn.call import (
     fused_kernel_available,
     interception,
     learned_scale,
+    packed_offsets,
     padded_rows,
     returned_state,
     runs_fused,
@@ -47,6 +48,9 @@ def rf_attention(
     *,
     window: int = 0,
     sinks: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
 ):
     """Random-feature linear attention, a drop-in for softmax attention in SDPA's layout.
 
@@ -102,6 +106,22 @@ def rf_attention(
             through the features to every other key, in one normaliser; ``initial_state`` /
             the returned state are then a :class:`rfattn.hybrid.HybridState` (constant size).
             The torch path runs them.
+        cu_seqlens: packed sequences (flash-attention's convention): q, k and v hold N
+            sequences concatenated along T with batch size 1 (``[1, H, total, D]``), and
+            ``cu_seqlens`` (int32 or int64, ``[N + 1]``, on q's device or the CPU) their offsets
+            ``0 = c_0 <= c_1 <= ... <= c_N = total``; sequence i is tokens ``c_i:c_(i+1)``,
+            attended on its own (causal or not; empty sequences allowed), as N separate calls
+            would: its own statistics (``stats="global"``: per sequence and head), its own
+            ``initial_state`` and returned state (``[N, Hkv, ...]``, row i sequence i). A
+            training call with running statistics reads them as they stand for every sequence
+            and moves them once, from the valid tokens of the whole row (as an unpacked call on
+            the row would). The masks, if given, are ``[1, total]``. The offsets are read on the
+            host once per call (one device-to-host copy when they lie on the GPU): each
+            sequence runs as a call of its own on views of the row, on the backend chosen as
+            for any call (the fused kernels: one call per sequence). No window, sinks or group.
+        cu_seqlens_q, cu_seqlens_k: non-causal cross-attention of packed sequences: the
+            offsets of the queries and of the keys/values, ``[N + 1]`` each, in place of
+            ``cu_seqlens``.
 
     Returns:
         ``out`` ``[B, H, Tq, E]`` in the input dtype, or ``(out, state)`` with ``return_state``.
@@ -113,7 +133,8 @@ def rf_attention(
             q, k, v = autocast_inputs(q, k, v, torch.get_autocast_dtype(q.device.type))
             return rf_attention(q, k, v, rf, causal, key_padding_mask, scale, backend,
                                 initial_state, return_state, query_padding_mask, group,
-                                window=window, sinks=sinks)  # fmt: skip
+                                window=window, sinks=sinks, cu_seqlens=cu_seqlens,
+                                cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)  # fmt: skip
     learned = learned_scale(scale) if torch.is_tensor(scale) else None
     if learned is not None:  # applied to q and k (below); checked without a host sync
         torch._assert_async((learned.detach() > 0) & learned.detach().isfinite(),
@@ -123,16 +144,20 @@ def rf_attention(
         causal = python_scalar(causal)
     if scale is not None and type(scale) is not float:
         scale = python_scalar(scale)
+    packed = None
+    if cu_seqlens is not None or cu_seqlens_q is not None or cu_seqlens_k is not None:
+        packed = packed_offsets(q, k, causal, cu_seqlens, cu_seqlens_q, cu_seqlens_k)
     checked = (q, k, v, rf, causal, key_padding_mask, scale, backend, initial_state,
                return_state, query_padding_mask, window, sinks, group)  # fmt: skip
     if group is None:
-        validate(*checked)
+        validate(*checked, packed=packed)
     else:  # every rank's call checked against the others' before any other collective
         from rfattn import distributed
 
         distributed.check_group(group)
-        distributed.check_calls_agree(group, lambda: validate(*checked), q, k, v, rf, causal,
-                                      backend, initial_state, window, sinks)  # fmt: skip
+        distributed.check_calls_agree(group, lambda: validate(*checked, packed=packed), q, k, v,
+                                      rf, causal, backend, initial_state, window,
+                                      sinks)  # fmt: skip
     if query_padding_mask is None and causal:
         query_padding_mask = key_padding_mask
     if learned is not None:  # scale (q kᵀ) = (√scale q)(√scale k)ᵀ, on every path
@@ -142,16 +167,18 @@ def rf_attention(
     call = Call(q, k, v, rf, causal=causal, key_padding_mask=key_padding_mask,
                 scale=q.shape[-1] ** -0.5 if scale is None else float(scale), backend=backend,
                 query_padding_mask=query_padding_mask, initial_state=initial_state,
-                return_state=return_state, group=group, window=window, sinks=sinks)  # fmt: skip
-    if 0 in (q.shape[0], q.shape[1], k.shape[1]):  # no batch rows or no heads: nothing to run
+                return_state=return_state, group=group, window=window, sinks=sinks,
+                packed=packed)  # fmt: skip
+    if packed is None and 0 in (q.shape[0], q.shape[1], k.shape[1]):  # nothing to run
         res = torch_path.empty_result(call)
     elif interception() is not None:  # rfattn.calibrate records calls
         res = interception()(call, run)
-    elif group is None and query_padding_mask is None and (causal or q.shape[1] == k.shape[1]) \
-            and rf.query_map is None and rf.gerf_A is None and window == sinks == 0 and \
+    elif group is None and packed is None and query_padding_mask is None and \
+            (causal or q.shape[1] == k.shape[1]) and rf.query_map is None and \
+            rf.gerf_A is None and window == sinks == 0 and \
             runs_fused(q, rf, causal, backend):  # fmt: skip
         # the common case straight to the fused kernels: what run and _attend would do with no
-        # padded queries, no head maps, no grouped rows and no process group
+        # padded queries, no head maps, no grouped rows, no process group and no packing
         res = fused.attend(call)
     else:
         res = run(call)
@@ -163,7 +190,10 @@ def rf_attention(
 def run(call: Call):
     """``out`` (or ``(out, state)`` with ``return_state``) of a validated call: padded queries
     read as 0 and given output 0 (their cotangents dropped), the head maps of ``call.rf``
-    (:meth:`RandomFeatures.map_tensors`) applied where q and k are read, then the backend."""
+    (:meth:`RandomFeatures.map_tensors`) applied where q and k are read, then the backend; a
+    packed call one sequence at a time (:func:`_packed`)."""
+    if call.packed is not None:
+        return _packed(call)
     qpm = call.query_padding_mask
     q = call.q if qpm is None else padded_rows(call.q, qpm)
     if call.window or call.sinks:  # exact sinks and window inside the features (torch path)
@@ -196,3 +226,27 @@ def _attend(call: Call):
     else:
         res = torch_path.attend(rows)
     return res if rows is call else call.ungroup(res)
+
+
+def _packed(call: Call):
+    """A packed call's result: each sequence a call of its own (:meth:`Call.sequence`: views of
+    the row, so features stay blocked per sequence on the torch path and the fused kernels run
+    per sequence), outputs joined along T and states along the batch; a sequence without
+    queries or keys runs nothing (:func:`rfattn.torch_path.empty_result`: outputs 0, the state
+    passed on; no heads: nothing at all). Running statistics then move once, from the whole
+    row (:func:`rfattn.torch_path.move_statistics`)."""
+    heads = call.q.shape[1] > 0 and call.k.shape[1] > 0
+    outs, states = [], []
+    for i in range(len(call.packed[0]) - 1):
+        seq = call.sequence(i)
+        empty = not heads or seq.q.shape[2] == 0 or seq.k.shape[2] == 0
+        res = torch_path.empty_result(seq) if empty else run(seq)
+        outs.append(res[0] if call.return_state else res)
+        if call.return_state:
+            states.append(res[1])
+    if heads:
+        torch_path.move_statistics(call)
+    out = torch.cat(outs, dim=2)
+    if not call.return_state:
+        return out
+    return out, RFState(*(torch.cat(parts, dim=0) for parts in zip(*states, strict=True)))

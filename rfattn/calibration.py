@@ -106,7 +106,8 @@ class _Recorder:
     """What a forward of the model does in its layers: every ``rf_attention`` call on a layer's
     features (``names``: id of its RandomFeatures -> layer name) is recorded as a :class:`_Call`
     (inputs detached, with the exact softmax output) and returns that softmax output, so each
-    layer sees the inputs the softmax model gives it; calls on other features run as usual."""
+    layer sees the inputs the softmax model gives it; a packed call (``cu_seqlens``) as one call
+    per sequence; calls on other features run as usual."""
 
     def __init__(self, names: dict):
         self.names = names
@@ -118,6 +119,11 @@ class _Recorder:
         name = self.names.get(id(call.rf))
         if name is None:  # not a layer of the model being calibrated
             return run(call)
+        if call.packed is not None:  # packed sequences: each recorded as the call it runs as
+            outs = []
+            for i in range(len(call.packed[0]) - 1):
+                outs.append(self(call.sequence(i), run))
+            return torch.cat(outs, dim=2)
         if call.initial_state is not None or call.return_state or call.group is not None:
             raise RuntimeError(
                 "rfattn.calibrate runs whole sequences on one process: a calibration forward "

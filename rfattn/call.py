@@ -27,6 +27,7 @@ __all__ = [
     "RFState",
     "fused_kernel_available",
     "intercept_calls",
+    "packed_offsets",
     "validate",
 ]
 
@@ -60,9 +61,11 @@ def _check_tensor(name: str, x, rank: int, dims: str) -> None:
 
 
 def validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_state, return_state,
-             query_padding_mask=None, window=0, sinks=0, group=None) -> None:  # fmt: skip
+             query_padding_mask=None, window=0, sinks=0, group=None,
+             packed=None) -> None:  # fmt: skip
     """Raise naming the argument unless ``rf_attention``'s arguments are valid (``causal`` and
-    ``scale`` already plain Python values)."""
+    ``scale`` already plain Python values; ``packed``: the offsets :func:`packed_offsets` read,
+    or None)."""
     for name, x in (("window", window), ("sinks", sinks)):
         if type(x) is not int or x < 0:
             raise ValueError(f"{name} must be an int >= 0, got {x!r}")
@@ -115,6 +118,9 @@ def validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_stat
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if (initial_state is not None or return_state) and not causal:
         raise ValueError("initial_state and return_state need causal=True")
+    if packed is not None and (window or sinks or group is not None):
+        raise NotImplementedError("packed sequences (cu_seqlens) have no window, sinks or "
+                                  "process group yet: one call per sequence")  # fmt: skip
     if window or sinks:  # the hybrid (rfattn.hybrid): its own state, checked there
         if not causal and qs[2] != ks[2]:
             raise ValueError(f"window and sinks need Tq == Tk, got Tq={qs[2]}, Tk={ks[2]}")
@@ -129,10 +135,71 @@ def validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_stat
                 fm.uses_batch_moments(True):  # fmt: skip
             raise NotImplementedError("window and sinks over a process group: no statistics "
                                       "moved in training (eval mode or fixed ones)")  # fmt: skip
-    elif initial_state is not None:
-        _check_state(initial_state, q, v, rf)
+    elif initial_state is not None:  # packed: one state per sequence
+        _check_state(initial_state, q, v, rf, qs[0] if packed is None else len(packed[0]) - 1)
     if query_padding_mask is not None:
         check_mask("query_padding_mask", query_padding_mask, (qs[0], qs[2]), q.device)
+
+
+def _offsets(name: str, cu, total: int, device) -> tuple[int, ...]:
+    """The N + 1 offsets of ``cu`` read on the host (one device-to-host copy where ``cu`` lies
+    on a GPU, none on the CPU), or raise naming ``name``."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of N + 1 offsets, got {type(cu).__name__}")
+    if cu.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must have dtype int32 or int64, got {cu.dtype}")
+    if cu.dim() != 1 or cu.shape[0] < 2:
+        raise ValueError(f"{name} must have shape [N + 1] with N >= 1 sequences, got "
+                         f"{tuple(cu.shape)}")  # fmt: skip
+    if cu.device != device and cu.device.type != "cpu":
+        raise ValueError(f"{name} is on device {cu.device}, expected {device} or the CPU")
+    offsets = tuple(cu.tolist())
+    if offsets[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {offsets[0]}")
+    for i in range(1, len(offsets)):
+        if offsets[i] < offsets[i - 1]:
+            raise ValueError(f"{name} must not decrease, got {offsets[i - 1]} then {offsets[i]} "
+                             f"at index {i}")  # fmt: skip
+    if offsets[-1] != total:
+        raise ValueError(f"{name} must end at the packed length {total}, got {offsets[-1]}")
+    return offsets
+
+
+def packed_offsets(q, k, causal: bool, cu_seqlens=None, cu_seqlens_q=None,
+                   cu_seqlens_k=None) -> tuple | None:  # fmt: skip
+    """``(query offsets, key offsets)``, each N + 1 ints read on the host, of a packed call, or
+    None for an unpacked one; raise naming the argument where the packing is not valid (q, k
+    checked first). ``cu_seqlens`` gives both sides (self-attention, causal or not);
+    ``cu_seqlens_q`` and ``cu_seqlens_k`` differ (non-causal cross-attention)."""
+    if cu_seqlens is None and cu_seqlens_q is None and cu_seqlens_k is None:
+        return None
+    _check_tensor("q", q, 4, "B, H, Tq, D")
+    _check_tensor("k", k, 4, "B, H, Tk, D")
+    if cu_seqlens is not None and (cu_seqlens_q is not None or cu_seqlens_k is not None):
+        raise ValueError("cu_seqlens gives the offsets of both q and k: pass it alone, or "
+                         "cu_seqlens_q and cu_seqlens_k")  # fmt: skip
+    if cu_seqlens is None and (cu_seqlens_q is None or cu_seqlens_k is None):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k go together (or cu_seqlens alone)")
+    if causal and cu_seqlens is None:
+        raise ValueError("causal=True packs q and k alike: pass cu_seqlens, not cu_seqlens_q "
+                         "and cu_seqlens_k")  # fmt: skip
+    if q.shape[0] != 1:
+        raise ValueError("packed sequences (cu_seqlens) need q, k and v of batch size 1, the "
+                         f"sequences concatenated along T, got batch size "
+                         f"{q.shape[0]}")  # fmt: skip
+    if cu_seqlens is not None:
+        if q.shape[2] != k.shape[2]:
+            raise ValueError(f"cu_seqlens packs q and k alike and needs Tq == Tk, got Tq="
+                             f"{q.shape[2]}, Tk={k.shape[2]} (cross-attention: cu_seqlens_q "
+                             "and cu_seqlens_k)")  # fmt: skip
+        offsets = _offsets("cu_seqlens", cu_seqlens, q.shape[2], q.device)
+        return offsets, offsets
+    oq = _offsets("cu_seqlens_q", cu_seqlens_q, q.shape[2], q.device)
+    ok = _offsets("cu_seqlens_k", cu_seqlens_k, k.shape[2], q.device)
+    if len(oq) != len(ok):
+        raise ValueError(f"cu_seqlens_q has {len(oq) - 1} sequences, cu_seqlens_k "
+                         f"{len(ok) - 1}")  # fmt: skip
+    return oq, ok
 
 
 def check_mask(name: str, mask, shape: tuple, device) -> None:
@@ -160,10 +227,10 @@ def returned_state(out: torch.Tensor, state: RFState, rf, return_state: bool):
     return out, state
 
 
-def _check_state(state, q, v, rf) -> None:
+def _check_state(state, q, v, rf, B: int) -> None:
     if not (isinstance(state, tuple) and len(state) == 3):
         raise TypeError("initial_state must be an RFState (s, z, offset)")
-    B, H, E = q.shape[0], v.shape[1], v.shape[3]  # key/value heads (grouped-query attention)
+    H, E = v.shape[1], v.shape[3]  # key/value heads (grouped-query attention)
     F = rf.feature_map.width(rf.num_features)
     expected = {"s": (B, H, F, E), "z": (B, H, F), "offset": (B, H)}
     for name, x in zip(("s", "z", "offset"), state, strict=True):
@@ -314,6 +381,10 @@ class Call:
             (either may be None), or None for none.
         window, sinks: exact local attention inside the random features (:mod:`rfattn.hybrid`;
             0 and 0: none).
+        packed: packed sequences (``cu_seqlens``): ``(query offsets, key offsets)``, each the
+            N + 1 ints of :func:`packed_offsets` (B is 1), or None for an unpacked call.
+        update_stats: the call may move running statistics (in training); False for the
+            sequences of a packed call, whose statistics move once, from the whole row.
     """
 
     q: torch.Tensor
@@ -331,6 +402,8 @@ class Call:
     maps: tuple | None = None
     window: int = 0
     sinks: int = 0
+    packed: tuple | None = None
+    update_stats: bool = True
 
     @property
     def groups(self) -> int:
@@ -346,6 +419,22 @@ class Call:
     def replace(self, **changes) -> Call:
         """This call with some fields changed."""
         return dataclasses.replace(self, **changes)
+
+    def sequence(self, i: int) -> Call:
+        """Sequence ``i`` of a packed call as a call of its own: views of its tokens in q, k
+        and v, its slices of the masks, its ``[1, Hkv, ...]`` of the initial states, running
+        statistics left where they are (the packed call moves them once)."""
+        oq, ok = self.packed
+        qs, ks = slice(oq[i], oq[i + 1]), slice(ok[i], ok[i + 1])
+        kpm, qpm, st = self.key_padding_mask, self.query_padding_mask, self.initial_state
+        return self.replace(
+            q=self.q[:, :, qs], k=self.k[:, :, ks], v=self.v[:, :, ks],
+            key_padding_mask=None if kpm is None else kpm[:, ks],
+            query_padding_mask=None if qpm is None else qpm[:, qs],
+            initial_state=None if st is None else RFState(st[0][i : i + 1], st[1][i : i + 1],
+                                                          st[2][i : i + 1]),
+            packed=None, update_stats=False,
+        )  # fmt: skip
 
     def with_maps_applied(self) -> Call:
         """This call with its head maps applied to q and k here (padded keys zeroed first), for

@@ -68,7 +68,8 @@ def attend(call: Call, gpu_tiles=None):
         chunked = causal and (grad or call.q.shape[2] > ops.DECODE_TOKENS)
         defer = not causal or chunked
         form = kernel_form(rf, call.q, call.k, call.key_padding_mask, call.scale, causal,
-                           call.query_padding_mask, maps=call.maps, defer=defer)  # fmt: skip
+                           call.query_padding_mask, maps=call.maps, defer=defer,
+                           update=call.update_stats)  # fmt: skip
         form, stats = form if defer else (form, None)
     q, k, v, mask, scale = call.q, call.k, call.v, call.key_padding_mask, call.scale
     if not causal:
@@ -80,7 +81,8 @@ def attend(call: Call, gpu_tiles=None):
 
 
 def kernel_form(rf, q, k, key_padding_mask, scale: float, causal: bool,
-                 query_padding_mask=None, moments=None, maps=None, defer=False):  # fmt: skip
+                 query_padding_mask=None, moments=None, maps=None, defer=False,
+                 update=True):  # fmt: skip
     """The feature's kernel form for this call. ``maps``: head maps ``(query_map, key_map)``
     (either may be None) the kernels apply (the form's ``qmap``, ``kmap``); statistics are then
     those of the mapped q and k. A call's own statistics are ``[B, H, ...]`` (B of q, H of k's
@@ -107,11 +109,13 @@ def kernel_form(rf, q, k, key_padding_mask, scale: float, causal: bool,
       (``rf_parallel_fwd``'s ``stats``); causal, the form carries them to the chunked forward's
       walk over the key chunks (its ``stats``, ``rfattn.kernels.stats.ChunkStats``) and
       ``stats`` is None, as it is wherever nothing is left.
+    * ``update`` False (a sequence of a packed call): running statistics are read as they stand
+      and not moved, as outside training.
     """
     from rfattn import ops
 
     fm = rf.feature_map
-    needs = getattr(fm, "uses_batch_moments", None) and fm.uses_batch_moments(causal)
+    needs = getattr(fm, "uses_batch_moments", None) and fm.uses_batch_moments(causal, update)
     stats = None
     if moments is None and needs:
         if maps is not None:  # the moments are the only reader of the mapped q, k
@@ -135,14 +139,15 @@ def kernel_form(rf, q, k, key_padding_mask, scale: float, causal: bool,
 
 
 def _params_form(rf, q, key_padding_mask, causal, query_padding_mask=None, moments=None,
-                 xq=None, xk=None):  # fmt: skip
+                 xq=None, xk=None, update=True):  # fmt: skip
     """The form from ``rf.feature_params`` (the torch closed forms) on ``moments`` or on the
-    pre-scaled ``xq``, ``xk``."""
+    pre-scaled ``xq``, ``xk`` (``update``: running statistics may move)."""
     if xq is None:  # empty stand-ins give the parameters dtype, device and D, never a copy
         xq = xk = q.new_empty((1, 1, 0, q.shape[-1]), dtype=compute_dtype(q.dtype))
     with torch.no_grad():
         params = rf.feature_params(xq, xk, key_padding_mask, causal=causal, moments=moments,
-                                   query_padding_mask=query_padding_mask)  # fmt: skip
+                                   query_padding_mask=query_padding_mask,
+                                   update=update)  # fmt: skip
     return rf.feature_map.kernel_form(rf.weight.to(q.device), params)
 
 
@@ -267,7 +272,7 @@ def constant_form(rf, device: torch.device, dtype: torch.dtype, causal: bool,
     sources = _sources(rf)
     with torch.inference_mode(False):  # a kept form is used outside inference mode too
         q = torch.empty(0, device=device, dtype=dtype).view(1, 1, 0, rf.head_dim)
-        form = _params_form(rf, q, None, causal)
+        form = _params_form(rf, q, None, causal, update=False)
         if sources is not None and not ops.on_torch(q):  # kept as the kernels read it
             form = _kernel_layout(form, dtype)
     if sources is not None:

@@ -19,9 +19,12 @@ and records the options in ``config.rfattn``; a layer reached without one builds
 
 Masks: the causal structure comes from the layer's ``is_causal`` and padding from the 2-D
 attention mask; the mask builder hands the attention function the key-padding mask as a
-stride-0 ``[B, 1, Tq, Tk]`` view (no quadratic tensor). Other patterns (packed sequences, custom
-4-D masks) are checked against "causal/bidirectional + key padding" and raise
-NotImplementedError when they differ. Attention dropout acts on the attention output (no weight
+stride-0 ``[B, 1, Tq, Tk]`` view (no quadratic tensor). Padding-free batches (one row of packed
+sequences, ``DataCollatorWithFlattening``) run each sequence on its own (:func:`rf_attention`'s
+``cu_seqlens``), from flash-attention's ``cu_seq_lens_q/k`` or, without them, from the
+``position_ids`` where transformers' mask keeps the sequences apart. Other patterns (custom 4-D
+masks) are checked against "causal/bidirectional + key padding" and raise NotImplementedError
+when they differ. Attention dropout acts on the attention output (no weight
 matrix exists) and ``output_attentions`` returns None weights, with a warning (once), as sdpa.
 
 Hybrid layers: ``attach_random_features(model, window=64, sinks=4, ...)`` makes each layer
@@ -559,7 +562,13 @@ def rfattn_attention_forward(
     layer = _PENDING.pop(key, None)  # an RFCacheLayer's new keys, or None
     rf = _layer_features(module, query.shape[-1], query.device)
     sliding = kwargs.get("sliding_window")  # the layer's own window: the hybrid's exact part
-    if layer is not None:
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    packed = None if layer is not None else _packing(query, key, attention_mask, bool(causal),
+                                                     kwargs)  # fmt: skip
+    if packed is not None:
+        out = _packed_attention(module, rf, query, key, value, bool(causal), scaling, sliding,
+                                *packed)  # fmt: skip
+    elif layer is not None:
         layer.config = module.config
         out = _cached_attention(layer, rf, query, key, value, attention_mask, scaling, sliding)
     else:
@@ -568,6 +577,73 @@ def rfattn_attention_forward(
     if dropout > 0 and module.training:
         out = torch.nn.functional.dropout(out, dropout, training=True)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _packing(query, key, attention_mask, causal: bool, kwargs: dict):
+    """``(cu_q, cu_k)``, the offsets of a padding-free batch (one row of concatenated
+    sequences), or None for any other batch.
+
+    From flash-attention's keyword arguments ``cu_seq_lens_q`` / ``cu_seq_lens_k``
+    (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``); else from ``position_ids``
+    of one row where they restart (the collator's default output), but only where transformers
+    took them as packed too: its mask then keeps each sequence apart (without the mask, with a
+    cache, transformers attends over the whole row, and so does this). A mask given beside the
+    offsets must be theirs, else NotImplementedError. Reads the offsets on the host."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None and cu_k is None:
+        pos = kwargs.get("position_ids")
+        if attention_mask is None or pos is None or query.shape[0] != 1 or \
+                pos.shape[-1] != query.shape[2] or query.shape[2] != key.shape[2]:  # fmt: skip
+            return None
+        pos = pos.reshape(-1)
+        starts = torch.nonzero(pos[1:] != pos[:-1] + 1).reshape(-1) + 1
+        if starts.numel() == 0:  # one sequence: a mask of its own (padding) applies
+            return None
+        cu_q = cu_k = torch.cat((starts.new_zeros(1), starts, starts.new_full((1,), pos.numel())))
+        if not _keeps_sequences_apart(attention_mask, cu_q, cu_k, causal):
+            return None
+    elif cu_q is None or cu_k is None:
+        raise ValueError("rfattn: cu_seq_lens_q and cu_seq_lens_k go together")
+    elif attention_mask is not None and not _keeps_sequences_apart(attention_mask, cu_q, cu_k,
+                                                                   causal):  # fmt: skip
+        raise NotImplementedError("rfattn: cu_seq_lens_q/k with an attention mask that is not "
+                                  "their sequences'")  # fmt: skip
+    return cu_q, cu_k
+
+
+def _keeps_sequences_apart(mask: torch.Tensor, cu_q, cu_k, causal: bool) -> bool:
+    """Whether the 4-D mask transformers built is exactly that of the packed sequences: each
+    query attends to the keys of its own sequence (causally where ``causal``)."""
+    tq, tk = mask.shape[-2:]
+    if mask.dim() != 4 or mask.shape[0] != 1 or mask.stride(-2) == 0 or cu_q[-1] != tq or \
+            cu_k[-1] != tk:  # (a stride-0 view: rfattn_mask's key padding, rows alike)
+        return False
+    keep = _keep(mask)[0]  # [heads or 1, Tq, Tk]
+    seq_q = torch.bucketize(torch.arange(tq, device=mask.device), cu_q.to(mask.device)[1:],
+                            right=True)  # fmt: skip
+    seq_k = torch.bucketize(torch.arange(tk, device=mask.device), cu_k.to(mask.device)[1:],
+                            right=True)  # fmt: skip
+    expected = seq_q[:, None] == seq_k[None, :]
+    if causal:
+        expected &= torch.ones(tq, tk, dtype=torch.bool, device=mask.device).tril(tk - tq)
+    return bool((keep == expected).all())
+
+
+def _packed_attention(module, rf, query, key, value, causal: bool, scaling, sliding, cu_q,
+                      cu_k):  # fmt: skip
+    """The attention ``[1, H, T, E]`` of a padding-free batch: each packed sequence on its own
+    (:func:`rf_attention`'s ``cu_seqlens``), causal with one set of offsets for q and k."""
+    group = getattr(module, "rfattn_group", None)
+    window, sinks = local_attention_of(module.config, sliding, causal)
+    if window or sinks or group is not None:
+        raise NotImplementedError("rfattn: packed sequences (cu_seq_lens, position_ids) have "
+                                  "no window, sinks or process group yet")  # fmt: skip
+    if not causal:
+        return rf_attention(query, key, value, rf, scale=scaling, cu_seqlens_q=cu_q,
+                            cu_seqlens_k=cu_k)  # fmt: skip
+    if cu_q is not cu_k and not torch.equal(cu_q, cu_k.to(cu_q.device)):
+        raise ValueError("rfattn: causal packed sequences need cu_seq_lens_q == cu_seq_lens_k")
+    return rf_attention(query, key, value, rf, causal=True, scale=scaling, cu_seqlens=cu_q)
 
 
 def local_attention_of(config, sliding_window: int | None, causal: bool) -> tuple[int, int]:

@@ -8,10 +8,11 @@ from __future__ import annotations
 import torch
 
 from rfattn import blocked
-from rfattn.call import Call, RFState, query_rows
+from rfattn.call import Call, RFState, padded_rows, query_rows
 from rfattn.features import compute_dtype, prescale
 
-__all__ = ["attend", "causal_keys", "causal_scan", "empty_result", "torch_inputs"]
+__all__ = ["attend", "causal_keys", "causal_scan", "empty_result", "move_statistics",
+           "torch_inputs"]
 
 
 def attend(call: Call):
@@ -27,14 +28,16 @@ def attend(call: Call):
     the moments of data-dependent statistics)."""
     q, k, v, rf, mask = call.q, call.k, call.v, call.rf, call.key_padding_mask
     fm = rf.feature_map
-    needs = getattr(fm, "uses_batch_moments", None) and fm.uses_batch_moments(call.causal)
+    update = call.update_stats
+    needs = getattr(fm, "uses_batch_moments", None) and fm.uses_batch_moments(call.causal, update)
     if needs or getattr(fm, "stats_grad", False):
         w, _, _, params = torch_inputs(q, k, rf, mask, call.scale, call.causal,
-                                        call.query_padding_mask, maps=call.maps)  # fmt: skip
+                                        call.query_padding_mask, update, call.maps)  # fmt: skip
     else:
         w = rf.weight.to(device=q.device, dtype=compute_dtype(q.dtype))
         x = q.new_empty((1, 1, 0, q.shape[-1]), dtype=w.dtype)
-        params = rf.feature_params(x, x, None, causal=call.causal, query_padding_mask=None)
+        params = rf.feature_params(x, x, None, causal=call.causal, update=update,
+                                   query_padding_mask=None)  # fmt: skip
     if call.maps is not None:
         params = {**params, "query_map": call.maps[0], "key_map": call.maps[1]}
     if not call.causal:
@@ -88,10 +91,27 @@ def torch_inputs(q, k, rf, key_padding_mask, scale: float, causal: bool, query_p
     return w, xq, xk, params
 
 
+def move_statistics(call: Call) -> None:
+    """Move the running statistics a training call moves (oprf/saderf/poisrf/geomrf with
+    ``stats="running"``), from the moments of its valid tokens, as :func:`attend` would: for a
+    packed call, whose sequences read the statistics as they stand and leave them
+    (``update_stats=False``), the moments of the whole row, so they move once per call, not per
+    sequence. Nothing for any other call."""
+    fm = call.rf.feature_map
+    if not (call.update_stats and getattr(fm, "uses_batch_moments", None) and
+            fm.uses_batch_moments(call.causal) and fm.mode(call.causal) == "running"):  # fmt: skip
+        return
+    q = padded_rows(call.q, call.query_padding_mask)
+    with torch.no_grad():
+        torch_inputs(q, call.k, call.rf, call.key_padding_mask, call.scale, call.causal,
+                     call.query_padding_mask, maps=call.rf.map_tensors(q, call.k))  # fmt: skip
+
+
 def empty_result(call: Call):
-    """What a call with no batch rows or no heads returns: the empty output (its gradients, all
-    empty, reach every input) and, causal with ``return_state``, the state given (or the empty
-    one before any key). Nothing is computed: no statistic moves."""
+    """What a call with no batch rows or no heads returns, and a packed call's sequence without
+    queries or keys: the output, empty or (queries without keys) 0, its gradients reaching
+    every input, and, causal with ``return_state``, the state given (or the empty one before
+    any key). Nothing is computed: no statistic moves."""
     q, k, v, state = call.q, call.k, call.v, call.initial_state
     tie = sum(x.sum() for x in (q, k, v, *(state or ())) if x.is_floating_point())
     out = q.new_zeros(*q.shape[:3], v.shape[-1]) + (tie * 0).to(q.dtype)

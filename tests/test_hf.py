@@ -525,3 +525,67 @@ def test_bad_window_options_are_refused():
     with pytest.raises(ValueError, match="window must be an int >= 0"):
         rfhf.attach_random_features(model, window=-1)
     assert getattr(model.config, "rfattn", None) is None
+
+
+@pytest.mark.parametrize("how,use_cache", [("flash_kwargs", None), ("flash_kwargs", False),
+                                           ("position_ids", False)])  # fmt: skip
+def test_packed_batches_equal_the_documents_one_by_one(how, use_cache):
+    """Padding-free training (``DataCollatorWithFlattening``): over three SGD steps, a packed
+    batch's loss and every parameter's gradient equal (float64) those of the documents run one
+    by one on a copy of the model, with flash-attention's ``cu_seq_lens_q/k`` (mask or not, as
+    the cache makes transformers build it) and with ``position_ids`` alone (its mask keeps the
+    documents apart)."""
+    packed_model = _llama().double().train()
+    rfhf.attach_random_features(packed_model, num_features=16, seed=0)
+    packed_model.set_attn_implementation("rfattn")
+    alone_model = copy.deepcopy(packed_model)
+    g = torch.Generator().manual_seed(3)
+    docs = [torch.randint(0, V, (n,), generator=g) for n in (5, 1, 9, 4)]
+    collator = transformers.DataCollatorWithFlattening(
+        return_flash_attn_kwargs=how == "flash_kwargs")
+    batch = collator([{"input_ids": d.tolist()} for d in docs])
+    assert ("cu_seq_lens_q" in batch) == (how == "flash_kwargs")
+    labels = batch.pop("labels")  # -100 at each document's first token
+    kw = {} if use_cache is None else dict(use_cache=use_cache)
+    n = sum(len(d) - 1 for d in docs)
+
+    def summed_loss(logits, labels):  # in float64 (transformers' own loss casts to float32)
+        return torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], reduction="sum")
+
+    names = [name for name, p in packed_model.named_parameters() if p.requires_grad]
+    for _ in range(3):
+        packed = [p for p in packed_model.parameters() if p.requires_grad]
+        alone = [p for p in alone_model.parameters() if p.requires_grad]
+        loss = summed_loss(packed_model(**batch, **kw).logits, labels) / n
+        grads = torch.autograd.grad(loss, packed, allow_unused=True)
+        ref = sum(summed_loss(alone_model(d[None], **kw).logits, d[None]) for d in docs) / n
+        ref_grads = torch.autograd.grad(ref, alone, allow_unused=True)
+        torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-12)
+        for name, a, b in zip(names, grads, ref_grads, strict=True):
+            if a is None or b is None:
+                assert a is None and b is None, name
+                continue
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12,
+                                       msg=lambda m, name=name: f"{name}: {m}")  # fmt: skip
+        with torch.no_grad():  # the same SGD step, each model from its own gradients
+            for params, gs in ((packed, grads), (alone, ref_grads)):
+                for p, d in zip(params, gs, strict=True):
+                    if d is not None:
+                        p.sub_(0.5 * d)
+
+
+def test_packed_offsets_that_disagree_with_the_mask_raise():
+    """cu_seq_lens that are not the sequences of the mask transformers built from the
+    position_ids raise rather than attend to either; one side alone raises."""
+    model = _llama().double().eval()
+    rfhf.attach_random_features(model, num_features=16, seed=0)
+    model.set_attn_implementation("rfattn")
+    docs = [list(range(5)), list(range(7))]
+    batch = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
+        [{"input_ids": d} for d in docs])
+    batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.tensor([0, 6, 12], dtype=torch.int32)
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="cu_seq_lens_q/k"):
+        model(**batch, use_cache=False)
+    del batch["cu_seq_lens_k"]
+    with torch.no_grad(), pytest.raises(ValueError, match="cu_seq_lens_q and cu_seq_lens_k"):
+        model(**batch)

@@ -76,6 +76,7 @@ RUN = {
         "out = rfattn.rf_attention(q, k, v, rf)",
         "mha = rfattn.RFMultiheadAttention(",
         "rpe = rfattn.FourierRPE(8, 32",
+        "out = rfattn.rf_attention(q, k, v, rf, causal=True, cu_seqlens=cu)",
     ),
     "docs/transformers.md": ("model = transformers.LlamaForCausalLM(config)",),
     "docs/calibration.md": ("report = rfattn.calibrate(model, batches",),
@@ -118,6 +119,20 @@ def test_use_it():
     torch.testing.assert_close(resumed, out, rtol=1e-4, atol=1e-5)
     assert isinstance(ns["state"], rfattn.RFState)
     assert ns["est"].shape == ns["exact"].shape == (*q.shape[:2], 256, 256)
+
+
+def test_packed_sequences():
+    ns = _run("docs/usage.md", "out = rfattn.rf_attention(q, k, v, rf, causal=True, cu_seqlens=cu)")
+    q, k, v, rf, out, state = (ns[n] for n in ("q", "k", "v", "rf", "out", "state"))
+    assert state.s.shape == (3, 8, 256, 64)
+    # "each document on its own": the second document equals a call of its own
+    alone, last = rfattn.rf_attention(q[:, :, 50:850], k[:, :, 50:850], v[:, :, 50:850], rf,
+                                      causal=True, return_state=True)  # fmt: skip
+    torch.testing.assert_close(out[:, :, 50:850], alone, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(state.s[1:2], last.s, rtol=1e-5, atol=1e-6)
+    # cross-attention: query block 1 (queries 10:20) reads document 1's keys alone
+    one = rfattn.rf_attention(q[:, :, 10:20], k[:, :, 50:850], v[:, :, 50:850], rf)
+    torch.testing.assert_close(ns["out_x"][:, :, 10:20], one, rtol=1e-5, atol=1e-6)
 
 
 def test_multihead_attention():

@@ -1,0 +1,358 @@
+"""Packed variable-length sequences (``cu_seqlens``): one row of N concatenated sequences equals N
+separate calls in float64 (outputs, gradients, states), on the torch path and the fused backend
+(the Triton kernels under the interpreter on CPU); junk in one sequence reaches no other; each
+bad offset tensor raises naming it."""
+
+import copy
+
+import pytest
+import torch
+
+import rfattn
+
+f64 = torch.float64
+HQ, HK, D, E, M = 4, 2, 4, 3, 8
+LENGTHS = (0, 1, 5, 17, 33)  # an empty sequence, one token, and a few awkward lengths
+CAUSAL = [pytest.param(c, id="causal" if c else "noncausal") for c in (False, True)]
+
+
+def rand(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=f64)
+
+
+def offsets(lengths, dtype=torch.int32):
+    return torch.tensor([0, *lengths], dtype=dtype).cumsum(0).to(dtype)
+
+
+def leaves(lengths, heads=HQ, kv_heads=HK, seed=0, kv_lengths=None):
+    """q ``[1, heads, total, D]``, k, v ``[1, kv_heads, total_k, .]`` requiring grad."""
+    T, Tk = sum(lengths), sum(lengths if kv_lengths is None else kv_lengths)
+    q = rand(1, heads, T, D, seed=seed + 1).requires_grad_()
+    k = rand(1, kv_heads, Tk, D, seed=seed + 2).requires_grad_()
+    v = rand(1, kv_heads, Tk, E, seed=seed + 3).requires_grad_()
+    return q, k, v
+
+
+def states(n, rf, kv_heads=HK, seed=5):
+    """N initial states ``[N, kv_heads, ...]`` requiring grad (offsets finite)."""
+    F = rf.feature_map.width(M)
+    s = rand(n, kv_heads, F, E, seed=seed).requires_grad_()
+    z = rand(n, kv_heads, F, seed=seed + 1).abs().requires_grad_()
+    return rfattn.RFState(s, z, rand(n, kv_heads, seed=seed + 2))
+
+
+def grads(y, xs, seed=9):
+    """Gradients of a fixed random projection of ``y`` (a tensor or (out, state)) w.r.t. xs."""
+    ys = [y] if torch.is_tensor(y) else [y[0], y[1].s, y[1].z]
+    loss = sum((t * rand(*t.shape, seed=seed + i).to(t.device)).sum() for i, t in enumerate(ys))
+    return torch.autograd.grad(loss, xs, allow_unused=True)
+
+
+def separate(q, k, v, rf, oq, ok, causal, state=None, **kw):
+    """The existing path, one call per sequence: outputs joined along T, states along B."""
+    outs, finals = [], []
+    for i in range(len(oq) - 1):
+        qs, ks = slice(oq[i], oq[i + 1]), slice(ok[i], ok[i + 1])
+        st = None if state is None else rfattn.RFState(*(x[i : i + 1] for x in state))
+        r = rfattn.rf_attention(q[:, :, qs], k[:, :, ks], v[:, :, ks], rf, causal=causal,
+                                initial_state=st, return_state=causal, **kw)  # fmt: skip
+        outs.append(r[0] if causal else r)
+        if causal:
+            finals.append(r[1])
+    out = torch.cat(outs, dim=2)
+    if not causal:
+        return out
+    return out, rfattn.RFState(*(torch.cat(x, dim=0) for x in zip(*finals, strict=True)))
+
+
+def assert_same(packed, sep, xs, name=""):
+    """Outputs, states and the gradients of ``xs`` equal (float64, to rounding)."""
+    tol = 1e-12
+    pout, sout = (packed, sep) if torch.is_tensor(packed) else (packed[0], sep[0])
+    assert pout.shape == sout.shape
+    torch.testing.assert_close(pout, sout, rtol=tol, atol=tol, msg=f"{name} output")
+    if not torch.is_tensor(packed):
+        for field, a, b in zip(("s", "z", "offset"), packed[1], sep[1], strict=True):
+            assert a.shape == b.shape, field
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=f"{name} state.{field}")
+    for i, (a, b) in enumerate(zip(grads(packed, xs), grads(sep, xs), strict=True)):
+        if a is None or b is None:
+            assert a is None and b is None
+            continue
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=f"{name} grad {i}")
+
+
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("kv_heads", [HQ, HK], ids=["mha", "gqa"])
+@pytest.mark.parametrize("feature", ["posrf", "trigrf", "oprf"])
+def test_packed_equals_separate_calls_torch(feature, kv_heads, causal):
+    """Torch path: outputs, gradients (q, k, v) and returned states equal N separate calls, with
+    MHA and grouped heads; oprf non-causal takes global statistics per sequence and head (the
+    default), causal its running ones (eval mode)."""
+    rf = rfattn.RandomFeatures(D, M, feature, seed=0).double().eval()
+    q, k, v = leaves(LENGTHS, kv_heads=kv_heads)
+    cu = offsets(LENGTHS)
+    kw = dict(backend="torch")
+    packed = rfattn.rf_attention(q, k, v, rf, causal=causal, return_state=causal,
+                                 cu_seqlens=cu, **kw)  # fmt: skip
+    sep = separate(q, k, v, rf, cu.tolist(), cu.tolist(), causal, **kw)
+    assert_same(packed, sep, (q, k, v), feature)
+
+
+@pytest.mark.parametrize("kv_heads", [HQ, HK], ids=["mha", "gqa"])
+def test_packed_initial_states_torch(kv_heads):
+    """Causal, torch path: one initial state per sequence (``[N, Hkv, F, E]``): the outputs,
+    returned states and gradients (q, k, v and the given states) equal separate calls; an empty
+    sequence returns its state unchanged."""
+    rf = rfattn.RandomFeatures(D, M, "posrf", seed=0).double().eval()
+    q, k, v = leaves(LENGTHS, kv_heads=kv_heads)
+    cu = offsets(LENGTHS, torch.int64)
+    st = states(len(LENGTHS), rf, kv_heads)
+    packed = rfattn.rf_attention(q, k, v, rf, causal=True, initial_state=st, return_state=True,
+                                 cu_seqlens=cu, backend="torch")  # fmt: skip
+    sep = separate(q, k, v, rf, cu.tolist(), cu.tolist(), True, st, backend="torch")
+    assert_same(packed, sep, (q, k, v, st.s, st.z))
+    assert torch.equal(packed[1].s[0], st.s[0]) and torch.equal(packed[1].offset[0], st.offset[0])
+
+
+def test_packed_head_maps_and_masks_torch():
+    """Head maps (their gradients too) and ``[1, total]`` masks sliced per sequence, non-causal
+    cross-attention with ``cu_seqlens_q`` / ``cu_seqlens_k`` (a sequence with queries and no keys
+    gets output 0, one with keys and no queries nothing), equal to separate calls."""
+    rf = rfattn.RandomFeatures(D, M, "posrf", seed=0, head_maps=(HQ, HK)).double()
+    with torch.no_grad():
+        rf.query_map.add_(0.1 * rand(*rf.query_map.shape, seed=11))
+    lq, lk = (3, 0, 4, 9), (5, 2, 0, 7)
+    q, k, v = leaves(lq, kv_lengths=lk)
+    cq, ck = offsets(lq), offsets(lk)
+    kpm = torch.zeros(1, sum(lk), dtype=torch.bool)
+    kpm[0, [1, 12]] = True
+    qpm = torch.zeros(1, sum(lq), dtype=torch.bool)
+    qpm[0, 8] = True
+    outs = []
+    for packed in (True, False):
+        kw = dict(cu_seqlens_q=cq, cu_seqlens_k=ck) if packed else {}
+        if packed:
+            out = rfattn.rf_attention(q, k, v, rf, key_padding_mask=kpm, query_padding_mask=qpm,
+                                      backend="torch", **kw)  # fmt: skip
+        else:
+            parts = []
+            for i in range(len(lq)):
+                a, b, c, d = cq[i], cq[i + 1], ck[i], ck[i + 1]
+                parts.append(rfattn.rf_attention(q[:, :, a:b], k[:, :, c:d], v[:, :, c:d], rf,
+                                                 key_padding_mask=kpm[:, c:d],
+                                                 query_padding_mask=qpm[:, a:b],
+                                                 backend="torch"))  # fmt: skip
+            out = torch.cat(parts, dim=2)
+        outs.append(out)
+    assert torch.equal(outs[0][:, :, 3:7], torch.zeros_like(outs[0][:, :, 3:7]))  # no keys
+    assert_same(outs[0], outs[1], (q, k, v, rf.query_map, rf.key_map))
+
+
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_running_statistics_move_once_from_the_row(causal):
+    """oprf with running statistics in training: every sequence reads them as they stand (the
+    outputs of separate calls in eval mode with the same buffers), and the call moves them once,
+    as an unpacked call on the whole row does (not once per sequence)."""
+    rf = rfattn.RandomFeatures(D, M, "oprf", seed=0, stats="running").double()
+    warm = leaves((40,), seed=20)
+    rfattn.rf_attention(*warm, rf, causal=causal, backend="torch")  # buffers not at zero
+    row, ev = copy.deepcopy(rf), copy.deepcopy(rf).eval()
+    q, k, v = leaves(LENGTHS)
+    cu = offsets(LENGTHS)
+    packed = rfattn.rf_attention(q, k, v, rf, causal=causal, cu_seqlens=cu, backend="torch")
+    sep = separate(q, k, v, ev, cu.tolist(), cu.tolist(), causal, backend="torch")
+    sep = sep[0] if causal else sep
+    assert_same(packed, sep, (q, k, v))
+    with torch.no_grad():
+        rfattn.rf_attention(q, k, v, row, causal=causal, backend="torch")  # the row unpacked
+    for (name, a), (_, b) in zip(rf.feature_map.named_buffers(), row.feature_map.named_buffers(),
+                                 strict=True):  # fmt: skip
+        assert torch.equal(a, b), name
+    assert int(rf.feature_map.num_batches_tracked) == 2
+
+
+# the fused case: three runs forward and backward under the interpreter, in `make test-slow`
+JUNK = [("torch", False), ("torch", True), pytest.param("triton", True, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("backend,causal", JUNK, ids=["torch-noncausal", "torch-causal",
+                                                      "triton-causal"])  # fmt: skip
+def test_junk_in_one_sequence_reaches_no_other(backend, causal, kernel_device):
+    """NaN and 1e30 in one sequence's q, k and v: the other sequences' outputs, states and
+    gradients are those of the clean row, bit for bit (the fused backend: its causal kernels)."""
+    device = kernel_device if backend == "triton" else torch.device("cpu")
+    rf = rfattn.RandomFeatures(D, M, "posrf", seed=0).double().to(device).eval()
+    lengths = (6, 9, 5)
+    cu = offsets(lengths).to(device)
+    res = []
+    for junk in (None, float("nan"), 1e30):
+        q, k, v = (x.detach().to(device).requires_grad_() for x in leaves(lengths))
+        if junk is not None:
+            with torch.no_grad():
+                for x in (q, k, v):
+                    x[:, :, 6:15:2] = junk
+        out = rfattn.rf_attention(q, k, v, rf, causal=causal, return_state=causal,
+                                  cu_seqlens=cu, backend=backend)  # fmt: skip
+        res.append((out, grads(out, (q, k, v))))
+    keep = torch.tensor([True] * 6 + [False] * 9 + [True] * 5, device=device)
+    for out, gs in res[1:]:
+        o, o0 = (out, res[0][0]) if not causal else (out[0], res[0][0][0])
+        assert torch.equal(o[:, :, keep], o0[:, :, keep])
+        for g, g0 in zip(gs, res[0][1], strict=True):
+            assert torch.equal(g[:, :, keep], g0[:, :, keep])
+        if causal:
+            for a, b in zip(out[1], res[0][0][1], strict=True):
+                assert torch.equal(a[[0, 2]], b[[0, 2]])
+
+
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_packed_equals_separate_calls_fused(causal, kernel_device):
+    """The fused backend (one fused call per sequence): outputs, gradients and states equal
+    separate fused calls, grouped heads, with initial states when causal (tiny shapes: the
+    interpreter)."""
+    rf = rfattn.RandomFeatures(D, M, "posrf", seed=0).double().to(kernel_device).eval()
+    lengths = (0, 1, 5, 17)
+    q, k, v = (x.detach().to(kernel_device).requires_grad_() for x in leaves(lengths))
+    cu = offsets(lengths).to(kernel_device)
+    st = None
+    if causal:
+        st = rfattn.RFState(*(x.detach().to(kernel_device).requires_grad_()
+                              for x in states(len(lengths), rf)))  # fmt: skip
+    kw = dict(backend="triton")
+    packed = rfattn.rf_attention(q, k, v, rf, causal=causal, initial_state=st,
+                                 return_state=causal, cu_seqlens=cu, **kw)  # fmt: skip
+    sep = separate(q, k, v, rf, cu.tolist(), cu.tolist(), causal, st, **kw)
+    assert_same(packed, sep, (q, k, v) + ((st.s, st.z) if causal else ()))
+
+
+def test_fused_running_statistics_move_once(kernel_device):
+    """Fused backend, oprf causal in training: the sequences leave the running statistics to the
+    call, which moves them as the torch path's unpacked call on the row does; an unpacked fused
+    call after it still moves them."""
+    rf = rfattn.RandomFeatures(D, M, "oprf", seed=0, stats="running").double().to(kernel_device)
+    ref = copy.deepcopy(rf)
+    lengths = (0, 3, 6)
+    q, k, v = (x.detach().to(kernel_device) for x in leaves(lengths))
+    cu = offsets(lengths).to(kernel_device)
+    with torch.no_grad():
+        rfattn.rf_attention(q, k, v, rf, causal=True, cu_seqlens=cu, backend="triton")
+        rfattn.rf_attention(q, k, v, ref, causal=True, backend="torch")
+        for name, a in ref.feature_map.named_buffers():
+            torch.testing.assert_close(dict(rf.feature_map.named_buffers())[name], a, msg=name)
+        rfattn.rf_attention(q, k, v, rf, causal=True, backend="triton")
+        rfattn.rf_attention(q, k, v, ref, causal=True, backend="torch")
+    for name, a in ref.feature_map.named_buffers():
+        torch.testing.assert_close(dict(rf.feature_map.named_buffers())[name], a, msg=name)
+
+
+BAD = [
+    ("not-a-tensor", dict(cu_seqlens=[0, 3, 7]), TypeError, "cu_seqlens must be a torch.Tensor"),
+    ("float", dict(cu_seqlens=torch.tensor([0.0, 3.0, 7.0])), TypeError,
+     "cu_seqlens must have dtype int32 or int64"),
+    ("2d", dict(cu_seqlens=torch.tensor([[0, 3, 7]])), ValueError, r"cu_seqlens must have shape"),
+    ("one-offset", dict(cu_seqlens=torch.tensor([0])), ValueError, r"cu_seqlens must have shape"),
+    ("first-not-0", dict(cu_seqlens=torch.tensor([1, 3, 7])), ValueError,
+     "cu_seqlens must start at 0"),
+    ("decreasing", dict(cu_seqlens=torch.tensor([0, 5, 3, 7])), ValueError,
+     "cu_seqlens must not decrease"),
+    ("last-not-total", dict(cu_seqlens=torch.tensor([0, 3, 6])), ValueError,
+     "cu_seqlens must end at the packed length 7"),
+    ("with-q-offsets", dict(cu_seqlens=torch.tensor([0, 7]), cu_seqlens_q=torch.tensor([0, 7])),
+     ValueError, "cu_seqlens gives the offsets of both"),
+    ("q-without-k", dict(cu_seqlens_q=torch.tensor([0, 7])), ValueError,
+     "cu_seqlens_q and cu_seqlens_k go together"),
+    ("causal-q-k", dict(cu_seqlens_q=torch.tensor([0, 7]), cu_seqlens_k=torch.tensor([0, 7]),
+                        causal=True), ValueError, "causal=True packs q and k alike"),
+    ("k-last", dict(cu_seqlens_q=torch.tensor([0, 7]), cu_seqlens_k=torch.tensor([0, 6])),
+     ValueError, "cu_seqlens_k must end at the packed length 7"),
+    ("counts", dict(cu_seqlens_q=torch.tensor([0, 7]), cu_seqlens_k=torch.tensor([0, 2, 7])),
+     ValueError, "cu_seqlens_q has 1 sequences, cu_seqlens_k 2"),
+    ("mask-batch", dict(cu_seqlens=torch.tensor([0, 3, 7]),
+                        key_padding_mask=torch.zeros(2, 7, dtype=torch.bool)),
+     ValueError, r"key_padding_mask must have shape \[B, T\] = \(1, 7\)"),
+    ("state-batch", dict(cu_seqlens=torch.tensor([0, 3, 7]), causal=True, initial_state="one"),
+     ValueError, r"initial_state.s must have shape \(2, 2, 8, 3\)"),
+    ("window", dict(cu_seqlens=torch.tensor([0, 3, 7]), window=2), NotImplementedError,
+     "packed sequences"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case,kw,error,match", BAD, ids=[b[0] for b in BAD])
+def test_bad_offsets_raise_naming_them(case, kw, error, match):
+    rf = rfattn.RandomFeatures(D, M, "posrf", seed=0).double()
+    q, k, v = (x.detach() for x in leaves((7,)))
+    if kw.get("initial_state") == "one":  # a state of one sequence for two
+        kw["initial_state"] = states(1, rf)
+    with pytest.raises(error, match=match):
+        rfattn.rf_attention(q, k, v, rf, backend="torch", **kw)
+
+
+def test_offsets_need_batch_one_and_equal_lengths():
+    rf = rfattn.RandomFeatures(D, M, "posrf", seed=0).double()
+    q = rand(2, HQ, 7, D)
+    with pytest.raises(ValueError, match="cu_seqlens.*batch size 1.*got batch size 2"):
+        rfattn.rf_attention(q, q, q, rf, cu_seqlens=torch.tensor([0, 3, 7]))
+    q, k = rand(1, HQ, 7, D), rand(1, HQ, 5, D)
+    with pytest.raises(ValueError, match="cu_seqlens packs q and k alike and needs Tq == Tk"):
+        rfattn.rf_attention(q, k, k, rf, cu_seqlens=torch.tensor([0, 3, 7]))
+
+
+def test_packed_without_heads_runs_nothing():
+    """No heads: outputs ``[1, 0, total, E]`` and states ``[N, 0, ...]``, running statistics
+    left where they are (as for an unpacked call without heads)."""
+    rf = rfattn.RandomFeatures(D, M, "oprf", seed=0, stats="running").double()
+    before = [b.clone() for b in rf.feature_map.buffers()]
+    q, k, v = (x.detach() for x in leaves(LENGTHS, heads=0, kv_heads=0))
+    out, st = rfattn.rf_attention(q, k, v, rf, causal=True, return_state=True,
+                                  cu_seqlens=offsets(LENGTHS), backend="torch")  # fmt: skip
+    assert out.shape == (1, 0, sum(LENGTHS), E) and st.s.shape == (len(LENGTHS), 0, M, E)
+    for a, b in zip(rf.feature_map.buffers(), before, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_packed_over_a_process_group_is_refused(tmp_path):
+    """A sharded call (``group=``) does not take packing yet: every rank's check raises."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0,
+                            world_size=1)  # fmt: skip
+    try:
+        rf = rfattn.RandomFeatures(D, M, "posrf", seed=0).double()
+        q, k, v = (x.detach() for x in leaves((3, 4)))
+        with pytest.raises(NotImplementedError, match="packed sequences"):
+            rfattn.rf_attention(q, k, v, rf, causal=True, cu_seqlens=offsets((3, 4)),
+                                group=dist.group.WORLD)  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+class _Documents(torch.nn.Module):
+    """Causal self-attention of x ``[1, H, total, D]`` (q = k = v = x) on its own features:
+    packed with ``cu_seqlens``, or one document at a time."""
+
+    def __init__(self, lengths, packed: bool):
+        super().__init__()
+        self.rf = rfattn.RandomFeatures(D, M, "posrf", seed=0).double()
+        self.lengths, self.packed = lengths, packed
+
+    def forward(self, x):
+        cu = offsets(self.lengths)
+        if self.packed:
+            return rfattn.rf_attention(x, x, x, self.rf, causal=True, cu_seqlens=cu)
+        outs = []
+        for i in range(len(self.lengths)):
+            doc = x[:, :, cu[i] : cu[i + 1]]
+            outs.append(rfattn.rf_attention(doc, doc, doc, self.rf, causal=True))
+        return torch.cat(outs, dim=2)
+
+
+def test_calibration_records_each_packed_sequence():
+    """rfattn.calibrate on a packed call records each sequence with its own softmax target:
+    the same errors as the documents called one by one (before: one target over the row,
+    across the documents)."""
+    x = rand(1, 2, sum(LENGTHS), D, seed=4)
+    reports = [rfattn.calibrate(_Documents(LENGTHS, packed), [x], steps=0, progress=False)
+               for packed in (True, False)]  # fmt: skip
+    assert reports[0].before == pytest.approx(reports[1].before, rel=1e-12)
+    assert reports[0].after == pytest.approx(reports[1].after, rel=1e-12)
