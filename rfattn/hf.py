@@ -563,9 +563,10 @@ def rfattn_attention_forward(
     rf = _layer_features(module, query.shape[-1], query.device)
     sliding = kwargs.get("sliding_window")  # the layer's own window: the hybrid's exact part
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    packed = None if layer is not None else _packing(query, key, attention_mask, bool(causal),
-                                                     kwargs)  # fmt: skip
+    packed = _packing(query, key, attention_mask, bool(causal), kwargs)
     if packed is not None:
+        if layer is not None:  # an eval forward's cache: its states could not be per sequence
+            layer.refuse_further_tokens()
         out = _packed_attention(module, rf, query, key, value, bool(causal), scaling, sliding,
                                 *packed)  # fmt: skip
     elif layer is not None:
@@ -761,6 +762,7 @@ class RFCacheLayer(CacheLayerMixin):
         self.seen = 0
         self.config = None  # the model's, set by the attention function
         self.record_past = False
+        self.packed = False  # handed a packed batch: no state (refuse_further_tokens)
         self.past: list[_Recorded] = []  # the forwards since recording began or the last crop
 
     @property
@@ -776,7 +778,20 @@ class RFCacheLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
+    def refuse_further_tokens(self) -> None:
+        """Mark a fresh layer handed a padding-free (packed) batch: the forward attends each
+        sequence on its own and keeps no state, so any later :meth:`update` raises (its states
+        would be one per row, not per sequence). A layer that holds tokens raises now."""
+        if self.seen or self.state is not None:
+            raise ValueError("rfattn: a padding-free (packed) batch cannot continue a cache; "
+                             "pass use_cache=False or a fresh cache")  # fmt: skip
+        self.packed = True
+
     def update(self, key_states, value_states, *args, **kwargs):
+        if self.packed:
+            raise ValueError("rfattn: this cache was handed a padding-free (packed) batch and "
+                             "keeps no state for it; decode with a fresh cache, or pass "
+                             "use_cache=False to the packed forward")  # fmt: skip
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         _PENDING[key_states] = self

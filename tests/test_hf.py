@@ -574,6 +574,27 @@ def test_packed_batches_equal_the_documents_one_by_one(how, use_cache):
                         p.sub_(0.5 * d)
 
 
+def test_a_packed_eval_forward_with_its_cache_attends_each_document_alone():
+    """In eval, ``model(**packed_batch)`` with flash-attention's offsets makes a cache
+    (transformers' default use_cache): the logits still treat each document on its own (equal
+    to use_cache=False), and the cache then refuses to continue (its states could not be per
+    document) instead of mixing them. (``position_ids`` alone with a cache: transformers itself
+    attends over the whole row, and so does rfattn.)"""
+    model = _llama().double().eval()
+    rfhf.attach_random_features(model, num_features=16, seed=0)
+    model.set_attn_implementation("rfattn")
+    docs = [list(range(3, 8)), list(range(1, 8))]
+    batch = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
+        [{"input_ids": d} for d in docs])
+    batch.pop("labels")
+    with torch.no_grad():
+        out = model(**batch)
+        alone = torch.cat([model(torch.tensor([d]), use_cache=False).logits for d in docs], 1)
+    torch.testing.assert_close(out.logits, alone, rtol=1e-12, atol=1e-12)
+    with torch.no_grad(), pytest.raises(ValueError, match="packed"):
+        model(torch.tensor([[4]]), past_key_values=out.past_key_values)
+
+
 def test_packed_offsets_that_disagree_with_the_mask_raise():
     """cu_seq_lens that are not the sequences of the mask transformers built from the
     position_ids raise rather than attend to either; one side alone raises."""
@@ -588,4 +609,4 @@ def test_packed_offsets_that_disagree_with_the_mask_raise():
         model(**batch, use_cache=False)
     del batch["cu_seq_lens_k"]
     with torch.no_grad(), pytest.raises(ValueError, match="cu_seq_lens_q and cu_seq_lens_k"):
-        model(**batch)
+        model(**batch, use_cache=False)
