@@ -13,12 +13,27 @@ are read at powers of two.
 Reports, per provider, the median ms per token by position bucket, the last/first bucket ratio
 (flat = 1), the cache bytes by position, and the first bucket from which rfattn stays faster than
 sdpa. Writes ``generate.json`` and ``generate.png`` under ``--out``.
+
+``--loop`` measures the hand-written loop instead (no ``generate()``, no cache made by the
+caller)::
+
+    out = model(ids, use_cache=True)           # transformers makes the cache
+    for _ in range(n):
+        out = model(tok, cache=out.cache, use_cache=True)   # past_key_values= before 5.24
+
+after a context of ``--contexts`` tokens each (default 128 and 2048): per provider and context,
+the median ms per decoded token and the cache bytes after the context and after decoding, and
+the per-token ratio of the longest context to the shortest (flat = 1). Writes
+``generate_loop.json``.
+
+    python -m bench.generate --loop                  # about 1 minute on the CPU
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -26,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["build", "decode_times", "main"]
+__all__ = ["build", "decode_times", "loop_times", "main"]
 
 PROVIDERS = ("rfattn", "sdpa")
 
@@ -82,6 +97,61 @@ def decode_times(model, impl: str, positions: int, prompt: int = 16):
     return times, sizes
 
 
+@torch.no_grad()
+def loop_times(model, context: int, steps: int, seed: int = 0):
+    """``(seconds per token, bytes after the context, bytes after decoding)`` of the hand-written
+    loop: ``model(ids, use_cache=True)`` on ``context`` tokens, then ``steps`` greedy tokens, each
+    one forward on the cache the previous forward returned (the caller never builds one)."""
+    import rfattn.hf
+
+    device = next(model.parameters()).device
+    ids = torch.randint(0, model.config.vocab_size, (1, context),
+                        generator=torch.Generator().manual_seed(seed)).to(device)  # fmt: skip
+    out = model(ids, use_cache=True)
+    cache = getattr(out, rfattn.hf.CACHE_KWARG)
+    before = rfattn.hf.cache_nbytes(cache)
+    tok = out.logits[:, -1:].argmax(-1)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = model(tok, **{rfattn.hf.CACHE_KWARG: cache}, use_cache=True)
+        tok = out.logits[:, -1:].argmax(-1)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        cache = getattr(out, rfattn.hf.CACHE_KWARG)
+    return times, before, rfattn.hf.cache_nbytes(cache)
+
+
+def _loop_main(args, device, doc: dict, out: Path) -> int:
+    doc["title"] = doc["title"].replace("greedy generation", "hand-written decoding loop")
+    doc.update(contexts=args.contexts, steps=args.steps, loadavg_before=os.getloadavg())
+    for impl in PROVIDERS:
+        positions = max(args.contexts) + args.steps
+        model = build(impl, args.kv_heads, device, args.num_features, positions)
+        loop_times(model, min(args.contexts), 4)  # warm-up
+        rows = {}
+        for context in args.contexts:
+            times, before, after = loop_times(model, context, args.steps)
+            rows[str(context)] = dict(ms_median=statistics.median(times) * 1e3,
+                                      ms_p10=sorted(times)[len(times) // 10] * 1e3,
+                                      cache_bytes_after_context=before,
+                                      cache_bytes_after_decoding=after)  # fmt: skip
+        lo, hi = rows[str(min(args.contexts))], rows[str(max(args.contexts))]
+        ratio = hi["ms_median"] / lo["ms_median"]
+        doc["results"][impl] = dict(contexts=rows, ratio_longest_shortest=ratio)
+        print(f"# {impl}: context -> ms per token (median, p10), cache bytes after the context / "
+              f"after {args.steps} tokens; longest/shortest {ratio:.2f}")
+        for context, r in rows.items():
+            print(f"  {context:>6} {r['ms_median']:8.3f} {r['ms_p10']:8.3f}"
+                  f"  {r['cache_bytes_after_context']:>10} {r['cache_bytes_after_decoding']:>10}")
+    doc["loadavg_after"] = os.getloadavg()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "generate_loop.json").write_text(json.dumps(doc, indent=1))
+    print(f"# wrote {out / 'generate_loop.json'}")
+    return 0
+
+
 def _buckets(times: list[float], first: int, n: int) -> list[dict]:
     size = max(1, len(times) // n)
     rows = []
@@ -125,6 +195,11 @@ def main(argv=None) -> int:
     p.add_argument("--num-features", type=int, default=256)
     p.add_argument("--kv-heads", type=int, default=4, help="4 = MHA, 2 or 1 = grouped")
     p.add_argument("--out", default="plots/out")
+    p.add_argument("--loop", action="store_true",
+                   help="time the hand-written loop (model(ids, use_cache=True), then out.cache)")
+    p.add_argument("--contexts", type=int, nargs="+", default=[128, 2048],
+                   help="--loop: context lengths before decoding")
+    p.add_argument("--steps", type=int, default=64, help="--loop: tokens decoded per context")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     prompt = 16
@@ -134,6 +209,8 @@ def main(argv=None) -> int:
         device=str(device), machine=platform.machine(), threads=torch.get_num_threads(),
         torch=torch.__version__, kv_heads=args.kv_heads, results={},
     )  # fmt: skip
+    if args.loop:
+        return _loop_main(args, device, doc, Path(args.out))
     for impl in PROVIDERS:
         model = build(impl, args.kv_heads, device, args.num_features, args.positions)
         times, sizes = decode_times(model, impl, args.positions, prompt)

@@ -331,3 +331,22 @@ def test_host_quick_run(tmp_path):
     assert row["gpu_ops"] == sum(row["gpu_ops_by_name"].values())
     assert row["host_copies"] == {} and row["syncs"] == {}
     assert any(t["what"].endswith("host copies + syncs") and t["met"] for t in doc["targets"])
+
+
+def test_generate_loop_keeps_rfattn_cache_bytes_flat(tmp_path):
+    """bench.generate --loop at a tiny size: the JSON has both providers at both contexts, and
+    rfattn's cache bytes are the same after either context and after decoding while sdpa's grow
+    (what the committed result reports, measured rather than assumed)."""
+    from bench import generate
+
+    assert generate.main(["--loop", "--device", "cpu", "--contexts", "8", "24", "--steps", "2",
+                          "--num-features", "16", "--out", str(tmp_path)]) == 0  # fmt: skip
+    doc = json.loads((tmp_path / "generate_loop.json").read_text())
+    rf, sd = doc["results"]["rfattn"]["contexts"], doc["results"]["sdpa"]["contexts"]
+    assert set(rf) == set(sd) == {"8", "24"}
+    sizes = {r[k] for r in rf.values() for k in ("cache_bytes_after_context",
+                                                   "cache_bytes_after_decoding")}  # fmt: skip
+    assert len(sizes) == 1 and sizes.pop() > 0
+    assert sd["8"]["cache_bytes_after_context"] < sd["24"]["cache_bytes_after_context"] < \
+        sd["24"]["cache_bytes_after_decoding"]  # fmt: skip
+    assert all(r["ms_median"] > 0 for r in (*rf.values(), *sd.values()))
