@@ -59,6 +59,13 @@ _NINF = float("-inf")
 _LOWER: dict = {}
 
 
+def chunk_of(tokens: int) -> int:
+    """Tokens per chunk of a block of ``tokens``: :data:`CHUNK`, or the block itself where it is
+    shorter (a decode step's few tokens, a short tail: no padding to a whole chunk; the same
+    sums, in chunks of another size, which changes rounding only)."""
+    return tokens if 0 < tokens < CHUNK else CHUNK
+
+
 def block_tokens(rows: int, width: int) -> int:
     """Tokens per block for ``rows`` query rows (B * H) of ``width`` features: a multiple of
     :data:`CHUNK`, at least one chunk."""
@@ -127,8 +134,9 @@ def _block_features(spec: _Spec, q, k, v, w, params: dict, mask, cut: bool = Fal
     column ``[B, Hk, n, C, V]``, padded with the tokens that fill the last chunk (their keys
     masked; head maps from ``params``, applied block by block, never to the whole sequence)."""
     B, Hk, T, G = q.shape[0], k.shape[1], k.shape[2], spec.groups
-    n = -(-T // CHUNK)
-    pad = n * CHUNK - T
+    C = chunk_of(T)
+    n = -(-T // C)
+    pad = n * C - T
     xq = prescale(q, spec.scale, None, params.get("query_map"))
     xk = prescale(k, spec.scale, mask, params.get("key_map"))
     vh = _key_values(v, mask, value_width(v.shape[-1]), w.dtype, pad)
@@ -136,10 +144,10 @@ def _block_features(spec: _Spec, q, k, v, w, params: dict, mask, cut: bool = Fal
         xq, xk = nnf.pad(xq, (0, 0, 0, pad)), nnf.pad(xk, (0, 0, 0, pad))
         base = torch.zeros(B, T, dtype=torch.bool, device=q.device) if mask is None else mask
         mask = torch.cat((base, base.new_ones(B, pad)), dim=1)
-    xq = xq.unflatten(1, (Hk, G)).unflatten(3, (n, CHUNK)).transpose(2, 3).flatten(2, 4)
+    xq = xq.unflatten(1, (Hk, G)).unflatten(3, (n, C)).transpose(2, 3).flatten(2, 4)
     qs = _Side(spec.fm, xq, w, params, "query", cut=cut)
     ks = _Side(spec.fm, xk, w, params, "key", mask, cut=cut)
-    return qs, ks, vh.unflatten(2, (n, CHUNK))
+    return qs, ks, vh.unflatten(2, (n, C))
 
 
 def _keys(u, g, mask, exponential: bool, inplace: bool = False, offsets=None, out=None):
@@ -483,7 +491,7 @@ def scan_forward(spec, inputs: tuple, block: int, out, den, s, off, keep: bool, 
     (copies of the initial ones when no block ran: outputs never alias inputs) and, with
     ``keep``, what the backward starts each block from: the states and offsets before it and
     its decayed intra-chunk products (``A``)."""
-    G, T, E, C = out.shape[2], out.shape[3], out.shape[4], CHUNK
+    G, T, E = out.shape[2], out.shape[3], out.shape[4]
     if h1 is not None:
         out, den, s, off = out[:, h0:h1], den[:, h0:h1], s[:, h0:h1], off[:, h0:h1]
         q, k, v, w, params = inputs
@@ -512,6 +520,7 @@ def scan_forward(spec, inputs: tuple, block: int, out, den, s, off, keep: bool, 
                 # the block's [num, den]: the prefix states read at each row's factor, plus the
                 # intra-chunk products
                 a = blk.a[:, :, :, None, :, None]
+                C = blk.vh.shape[3]
                 nh = (blk.pq @ blk.prefix.transpose(-1, -2)).unflatten(3, (G, C)).mul_(a)
                 nh = nh.flatten(3, 4)
                 nh.flatten(0, -3).baddbmm_(blk.A.flatten(0, -3), blk.vh.flatten(0, -3))
@@ -684,15 +693,16 @@ class _CausalAttention(torch.autograd.Function):
 def _given_block(pq, pk, m, v, mask, t0: int, t1: int, s, off, scores=None) -> Block:
     """The :class:`Block` of tokens ``t0:t1`` from given features (:class:`_CausalScan`;
     ``scores``: :class:`Block`'s)."""
-    G, n = pq.shape[2], -(-(t1 - t0) // CHUNK)
-    pad = n * CHUNK - (t1 - t0)
+    C = chunk_of(t1 - t0)
+    G, n = pq.shape[2], -(-(t1 - t0) // C)
+    pad = n * C - (t1 - t0)
     mb = None if mask is None else mask[:, t0:t1]
     vh = _key_values(v[:, :, t0:t1], mb, s.shape[-2], s.dtype, pad)
     pq, pk, mk = pq[:, :, :, t0:t1], pk[:, :, t0:t1], nnf.pad(m[:, :, t0:t1], (0, pad), value=_NINF)
     if pad:  # the tokens that fill the last chunk: zero features, empty keys
         pq, pk = nnf.pad(pq, (0, 0, 0, pad)), nnf.pad(pk, (0, 0, 0, pad))
-    rows = pq.unflatten(3, (n, CHUNK)).transpose(2, 3).flatten(2, 4)
-    return Block(rows, pk, mk, vh.unflatten(2, (n, CHUNK)), s, off, G, v.shape[-1], scores)
+    rows = pq.unflatten(3, (n, C)).transpose(2, 3).flatten(2, 4)
+    return Block(rows, pk, mk, vh.unflatten(2, (n, C)), s, off, G, v.shape[-1], scores)
 
 
 class _CausalScan(torch.autograd.Function):
@@ -731,8 +741,8 @@ class _CausalScan(torch.autograd.Function):
             t0, t1 = i * block, min(T, (i + 1) * block)
             blk = _given_block(pq, pk, m, v, mask, t0, t1, starts[i], offs[i], scores[i])
             dq_rows, dk_b, dvh, dstate = blk.backward(out, dout, den, t0, t1, dstate)
-            n = blk.vh.shape[2]  # (G may be 0: no -1 in the shape)
-            dq_b = dq_rows.unflatten(2, (n, G, CHUNK)).transpose(2, 3).flatten(3, 4)
+            n, C = blk.vh.shape[2:4]  # (G may be 0: no -1 in the shape)
+            dq_b = dq_rows.unflatten(2, (n, G, C)).transpose(2, 3).flatten(3, 4)
             dpq[:, :, :, t0:t1] = dq_b[:, :, :, : t1 - t0]
             dpk[:, :, t0:t1] = dk_b[:, :, : t1 - t0]
             dvb = dvh.flatten(2, 3)[:, :, : t1 - t0, :E]  # non-finite values: 0 (selected away)
