@@ -559,7 +559,9 @@ def rfattn_attention_forward(
             "output_attentions=True returns None weights; use attn_implementation='eager' to "
             "inspect softmax weights"
         )
-    layer = _PENDING.pop(key, None)  # an RFCacheLayer's new keys, or None
+    layer = kwargs.pop(_LAYER_KWARG, None)  # the RFCacheLayer these keys went to, or None
+    if layer is None and len(_PENDING):
+        layer = _PENDING.pop(key, None)
     rf = _layer_features(module, query.shape[-1], query.device)
     sliding = kwargs.get("sliding_window")  # the layer's own window: the hybrid's exact part
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -717,7 +719,13 @@ def _hybrid(rf, query, key, value, pad, causal, group, window, sinks, scaling):
 # generation on a fixed-size state
 
 
-#: keys returned by RFCacheLayer.update -> the layer, read (and dropped) by the attention function
+#: the keyword argument by which RFCacheLayer.update hands itself to the attention function: it
+#: writes it into the attention layer's own keyword arguments, which transformers (5.24 on) gives
+#: ``update`` as ``kwargs=`` and then passes on to the attention function (a dict local to one
+#: attention forward: traceable, nothing left behind)
+_LAYER_KWARG = "rfattn_cache_layer"
+#: where an attention layer gives ``update`` no such dict (older transformers): keys returned by
+#: RFCacheLayer.update -> the layer, read (and dropped) by the attention function
 _PENDING = WeakIdKeyDictionary()
 
 
@@ -794,7 +802,11 @@ class RFCacheLayer(CacheLayerMixin):
                              "use_cache=False to the packed forward")  # fmt: skip
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        _PENDING[key_states] = self
+        shared = kwargs.get("kwargs")
+        if isinstance(shared, dict):
+            shared[_LAYER_KWARG] = self
+        else:
+            _PENDING[key_states] = self
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

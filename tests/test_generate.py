@@ -330,3 +330,33 @@ def test_rfattns_own_calls_raise_no_deprecation_warning():
     finally:
         logger.removeHandler(handler)
     assert seen == []
+
+
+def test_a_decode_step_compiles_whole_once_for_every_later_position():
+    """torch.compile(fullgraph=True) of one cached forward (the hand-written loop's step): no
+    graph break (the cache layer reaches the attention function through the attention layer's
+    own keyword arguments, not a module-level dict), at most two compilations over 24
+    positions (the first position's, then one with the position dynamic), and logits equal to
+    the eager steps' (float64)."""
+    from torch._dynamo.testing import CompileCounter
+
+    model = _llama(2, num_features=16)
+    ids = _ids(1, 8, seed=5)
+    counter = CompileCounter()
+
+    def step(tok, cache):
+        return model(tok, use_cache=True, **{CACHE: cache}).logits
+
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    logits = []
+    for run in (step, compiled):
+        with torch.no_grad():
+            out = model(ids, use_cache=True)
+            cache, tok, steps = getattr(out, CACHE), out.logits[:, -1:].argmax(-1), []
+            for _ in range(24):
+                steps.append(run(tok, cache))
+                tok = steps[-1][:, -1:].argmax(-1)
+        assert all(isinstance(layer, rfhf.RFCacheLayer) for layer in cache.layers)
+        logits.append(torch.cat(steps, 1))
+    assert 1 <= counter.frame_count <= 2
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-12, atol=1e-12)
