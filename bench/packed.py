@@ -5,13 +5,15 @@ The same documents two ways, timed side by side in one run:
 * ``packed``: one row ``q, k, v: [1, H, total, D]`` with ``cu_seqlens`` (offsets);
 * ``padded``: ``[N, H, max_len, D]``, right-padded, with ``key_padding_mask`` (True = padding).
 
-Three seeded length mixes: ``longtail`` (lognormal lengths, median ``--median``, clipped to
+Four seeded length mixes: ``longtail`` (lognormal lengths, median ``--median``, clipped to
 ``[1, --max-len]``, drawn until the total reaches ``--total``; the last one cut to fit),
-``onelong`` (one ``--max-len`` document and seven of ``--short``: the issue's example) and
+``onelong`` (one ``--max-len`` document and seven of ``--short``: the issue's example),
 ``uniform`` (``--uniform-n`` documents within 10 % of ``--total / --uniform-n``: padding wastes
-little, the case packing should not win). Each mix runs causal and non-causal, forward and
-forward+backward (``torch.autograd.grad`` of the outputs weighted on the valid positions), posrf
-features, fp32, the default backend (the torch path on the CPU, the fused kernels on CUDA).
+little) and ``manyshort`` (the same with ``--many-n`` documents: little padding, and many
+sequences, which the packed path runs one call each). Each mix runs causal and non-causal,
+forward and forward+backward (``torch.autograd.grad`` of the outputs weighted on the valid
+positions), posrf features, fp32, the default backend (the torch path on the CPU, the fused
+kernels on CUDA).
 
 Before anything is timed, each mix and causality checks that packed and padded agree on the
 valid positions, outputs and the gradients of q, k and v (relative RMS within the fp32
@@ -22,7 +24,7 @@ case is timed in rounds of one packed and one padded call, the order alternating
 hits both. Reported: the median and 10 % quantile of each way's times and the median
 (20 / 80 % quantiles) of the per-round ratio padded / packed (> 1: packing pays).
 
-    python -m bench.packed                          # 16384 tokens, CPU, about 4 minutes
+    python -m bench.packed                          # 16384 tokens, CPU, 4 to 10 minutes
     python -m bench.packed --total 4096 --max-len 2048 --heads 2 --out plots/out
     python -m bench.packed --device cuda            # the fused kernels on a GPU
 """
@@ -30,33 +32,34 @@ hits both. Reported: the median and 10 % quantile of each way's times and the me
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
 import time
-from pathlib import Path
 
 import torch
 
 __all__ = ["mixes", "Case", "main"]
 
-MIXES = ("longtail", "onelong", "uniform")
+MIXES = ("longtail", "onelong", "uniform", "manyshort")
 MODES = ("fwd", "fwd+bwd")
 
 
 def mixes(total: int, max_len: int, median: float, sigma: float, short: int, uniform_n: int,
-          seed: int = 0) -> dict[str, list[int]]:  # fmt: skip
+          many_n: int, seed: int = 0) -> dict[str, list[int]]:  # fmt: skip
     """Each mix's document lengths (seeded)."""
     g = torch.Generator().manual_seed(seed)
     tail: list[int] = []
     while sum(tail) < total:
         x = math.exp(math.log(median) + sigma * float(torch.randn((), generator=g)))
         tail.append(min(max(1, round(x)), max_len, total - sum(tail)))
-    mean = total / uniform_n
-    uniform = [max(1, round(mean * (0.9 + 0.2 * float(torch.rand((), generator=g)))))
-               for _ in range(uniform_n)]  # fmt: skip
-    return dict(longtail=tail, onelong=[max_len] + [short] * 7, uniform=uniform)
+
+    def near_uniform(n: int) -> list[int]:
+        return [max(1, round(total / n * (0.9 + 0.2 * float(torch.rand((), generator=g)))))
+                for _ in range(n)]  # fmt: skip
+
+    return dict(longtail=tail, onelong=[max_len] + [short] * 7, uniform=near_uniform(uniform_n),
+                manyshort=near_uniform(many_n))  # fmt: skip
 
 
 class Case:
@@ -159,6 +162,7 @@ def main(argv=None) -> int:
     p.add_argument("--sigma", type=float, default=1.2, help="longtail's lognormal sigma")
     p.add_argument("--short", type=int, default=500, help="onelong's seven short documents")
     p.add_argument("--uniform-n", type=int, default=8, help="uniform's document count")
+    p.add_argument("--many-n", type=int, default=256, help="manyshort's document count")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--dim", type=int, default=64, help="D = E")
     p.add_argument("--num-features", type=int, default=256)
@@ -170,12 +174,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import rfattn
-    from bench.env import environment
+    from bench.env import environment, write_json
 
     device = torch.device(args.device)
     rf = rfattn.RandomFeatures(args.dim, args.num_features, "posrf", seed=args.seed).to(device)
     lengths = mixes(args.total, args.max_len, args.median, args.sigma, args.short,
-                    args.uniform_n, args.seed)  # fmt: skip
+                    args.uniform_n, args.many_n, args.seed)  # fmt: skip
     doc = dict(
         title=(f"packed (cu_seqlens) vs padded (key_padding_mask) rf_attention, H={args.heads}, "
                f"D=E={args.dim}, M={args.num_features} posrf, fp32, {device}"),
@@ -214,10 +218,7 @@ def main(argv=None) -> int:
     doc["checked_equal"] = True  # every case.check above passed
     doc["loadavg_after"] = os.getloadavg()  # a shared host: other work inflates every time
     doc["seconds"] = round(time.time() - started, 1)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "packed.json").write_text(json.dumps(doc, indent=1))
-    print(f"# wrote {out / 'packed.json'}")
+    write_json(doc, "packed", args.out)
     return 0
 
 
