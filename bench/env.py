@@ -66,6 +66,15 @@ def _git(*args: str) -> str | None:
         return None
 
 
+def write_json(doc: dict, name: str, out) -> Path:
+    """Write ``doc`` as ``<out>/<name>.json`` (``out`` made if missing); returns the path."""
+    path = Path(out) / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1))
+    print(f"# wrote {path}")
+    return path
+
+
 def write_results(doc: dict, name: str, out, save_results: bool, plot) -> Path:
     """Write ``doc`` as ``<name>.json`` and ``plot(doc, path)`` as ``<name>.png`` under ``out``,
     or under ``bench/results/<device>/`` with ``save_results``; returns the folder."""

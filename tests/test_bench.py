@@ -350,3 +350,63 @@ def test_generate_loop_keeps_rfattn_cache_bytes_flat(tmp_path):
     assert sd["8"]["cache_bytes_after_context"] < sd["24"]["cache_bytes_after_context"] < \
         sd["24"]["cache_bytes_after_decoding"]  # fmt: skip
     assert all(r["ms_median"] > 0 for r in (*rf.values(), *sd.values()))
+
+
+PACKED_ARGS = ["--device", "cpu", "--total", "24", "--max-len", "12", "--median", "4",
+               "--short", "3", "--uniform-n", "3", "--many-n", "6", "--heads", "1", "--dim", "4",
+               "--num-features", "4", "--rounds", "2", "--budget-s", "0"]  # fmt: skip
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: tiny calls on a busy 2-core host otherwise wait on each other."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_packed_cli(tmp_path, one_thread):
+    """python -m bench.packed on tiny sizes: the JSON has every mix's facts and, per mix,
+    causality and mode, the two ways' times, the padded / packed ratio and the relative RMS
+    errors of the check (packed and padded equal on the valid positions) run before timing."""
+    from bench.packed import main as packed_main
+
+    assert packed_main([*PACKED_ARGS, "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "packed.json").read_text())
+    assert doc["checked_equal"] is True
+    assert {"device", "machine", "threads", "torch", "env", "config", "method"} <= set(doc)
+    assert len(doc["loadavg_before"]) == len(doc["loadavg_after"]) == 3
+    assert set(doc["mixes"]) == {"longtail", "onelong", "uniform", "manyshort"}
+    tail, uniform = doc["mixes"]["longtail"], doc["mixes"]["uniform"]
+    assert tail["total"] == sum(tail["lengths"]) == 24 and tail["max_len"] <= 12
+    assert uniform["N"] == 3 and 0 <= uniform["padding_fraction"] < tail["padding_fraction"]
+    assert doc["mixes"]["onelong"]["lengths"] == [12] + [3] * 7
+    assert doc["mixes"]["manyshort"]["N"] == 6
+    assert {(r["mix"], r["causal"], r["mode"]) for r in doc["results"]} == {
+        (m, c, mode) for m in doc["mixes"] for c in (False, True)
+        for mode in ("fwd", "fwd+bwd")
+    }  # fmt: skip
+    for r in doc["results"]:
+        assert set(r["check_rel_rms"]) == {"out", "dq", "dk", "dv"}
+        assert all(0 <= e <= 1e-5 for e in r["check_rel_rms"].values())
+        assert r["rounds"] == 2 and r["ratio_p20"] <= r["ratio_p50"] <= r["ratio_p80"]
+        for way in ("packed", "padded"):
+            assert 0 < r[f"{way}_ms_p10"] <= r[f"{way}_ms_p50"]
+
+
+def test_packed_check_catches_a_wrong_padded_batch(one_thread):
+    """The check before timing fails when the padded batch does not hold the packed data."""
+    import torch
+
+    import rfattn
+    from bench.packed import Case
+
+    rf = rfattn.RandomFeatures(4, 4, "posrf", seed=0)
+    case = Case([5, 2, 7], 1, 4, rf, torch.device("cpu"))
+    case.check(causal=True)
+    case.padded[2][1, :, 0] += 1.0  # v of the second document's first token
+    with pytest.raises(AssertionError, match="padded"):
+        case.check(causal=True)
