@@ -29,7 +29,7 @@ endif
 HAS_CUDA = $(shell $(PY) -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null)
 INTERPRET = $(if $(filter 1,$(HAS_CUDA)),,TRITON_INTERPRET=1)
 
-.PHONY: test test-slow check-compile check-install demo bench-results bench-suite install lint clean
+.PHONY: test test-slow check-compile check-install check-transformers-oldest demo bench-results bench-suite install lint clean
 
 install: $(STAMP)
 
@@ -70,7 +70,7 @@ $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test,bench,plots,hf]"
+	$(PY) -m pip install -q -e ".[test,bench,plots,hf]" $(PINS)
 	touch $(STAMP)
 
 RUFF_INSTALL = $(PY) -m pip install -q ruff
@@ -93,6 +93,13 @@ test-slow: $(STAMP)
 # without a GPU (bench/compile.py; ~30 minutes on 2 cores, so not part of `make test`; CI runs it).
 check-compile: $(STAMP)
 	$(INTERPRET) $(PY) -m pytest -m compile tests/test_compile.py $(PYTEST_ARGS)
+
+# The Hugging Face suites against the oldest transformers setup.cfg declares, in a venv of their
+# own (.venv-oldest; PINS pins it after the extras): CI runs it.
+OLDEST_TRANSFORMERS = $(shell sed -n 's/^ *transformers>=\([0-9.]*\)$$/\1/p' setup.cfg | head -n 1)
+check-transformers-oldest:
+	$(MAKE) test VENV=.venv-oldest PINS="transformers==$(OLDEST_TRANSFORMERS).*" TORCH='$(TORCH)' \
+		PYTEST_ARGS="$(PYTEST_ARGS) tests/test_hf.py tests/test_generate.py"
 
 # A fresh venv in a temporary folder with only `pip install .` (no extras, not editable) imports
 # rfattn and builds all nine weight matrices (issue 14; .ci/fresh_install.sh). Needs no .venv;
@@ -122,4 +129,4 @@ lint: $(STAMP)
 	$(PY) -m ruff check rfattn kernels tests bench plots
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache plots/out
+	rm -rf $(VENV) .venv-oldest build *.egg-info .pytest_cache plots/out
