@@ -635,6 +635,24 @@ def store_tile(ptr, i_b, i_h, o_r, o_c, stride_b, stride_h, stride_r, stride_c, 
 
 
 @triton.jit
+def store_out(ptr, lo_ptr, i_b, i_h, o_r, o_c, stride_b, stride_h, stride_r, stride_c, b_x, m_r,
+              m_c, OUT_LO: tl.constexpr):  # fmt: skip
+    """:func:`store_tile` of an fp32 output tile ``b_x`` in ``ptr``'s dtype; with OUT_LO (a half
+    dtype) also its rounding residual ``b_x - out`` at ``lo_ptr`` (same strides and dtype),
+    scaled by 2^(mantissa bits of the dtype) as :func:`split_dot` scales its low parts (in fp16
+    it would otherwise be subnormal); 0 where out overflowed. out + residual holds b_x to ~16
+    bits (bf16), ~22 (fp16) for the backward's ``c = -(do . out) / den`` (:func:`query_rows`)."""
+    store_tile(ptr, i_b, i_h, o_r, o_c, stride_b, stride_h, stride_r, stride_c, b_x, m_r, m_c)
+    if OUT_LO:
+        HALF: tl.constexpr = ptr.dtype.element_ty
+        SH: tl.constexpr = 2048.0 if HALF == tl.float16 else 256.0  # as split_dot's
+        b_hi = round_half(b_x, HALF).to(tl.float32)
+        b_lo = tl.where(tl.abs(b_hi) < float("inf"), (b_x - b_hi) * SH, 0.0)  # exact in fp32
+        store_tile(lo_ptr, i_b, i_h, o_r, o_c, stride_b, stride_h, stride_r, stride_c, b_lo, m_r,
+                   m_c)  # fmt: skip
+
+
+@triton.jit
 def _tab(tab_ptr, row: tl.constexpr, o_f, m_f, M: tl.constexpr, IS_KEY: tl.constexpr):
     """[BM] coefficients ``row`` of the table form on one side (see NP)."""
     side: tl.constexpr = 1 if IS_KEY else 0
@@ -838,21 +856,28 @@ def query_cotangents(
     stride_dot, stride_doe, stride_ot, stride_oe, ACC: tl.constexpr,
 ):  # fmt: skip
     """g = do / den [BT, BE] and c = -(do . out) / den [BT] of one query tile."""
-    b_do, b_den, b_c = query_rows(do_base, o_base, den_ptr, i_bh, o_t, o_e, T, m_t, m_e,
-                                  stride_dot, stride_doe, stride_ot, stride_oe, ACC)  # fmt: skip
+    b_do, b_den, b_c = query_rows(do_base, o_base, o_base, den_ptr, i_bh, o_t, o_e, T, m_t, m_e,
+                                  stride_dot, stride_doe, stride_ot, stride_oe, ACC,
+                                  False)  # fmt: skip
     return b_do / b_den[:, None], b_c
 
 
 @triton.jit
 def query_rows(
-    do_base, o_base, den_ptr, i_bh, o_t, o_e, T, m_t, m_e,
-    stride_dot, stride_doe, stride_ot, stride_oe, ACC: tl.constexpr,
+    do_base, o_base, olo_base, den_ptr, i_bh, o_t, o_e, T, m_t, m_e,
+    stride_dot, stride_doe, stride_ot, stride_oe, ACC: tl.constexpr, OUT_LO: tl.constexpr,
 ):  # fmt: skip
     """do [BT, BE] as given (exact in a half format: the half policy's products take it, not
     g = do / den, whose rounding would add to the gradients' error), den [BT] and
-    c = -(do . out) / den [BT] of one query tile."""
+    c = -(do . out) / den [BT] of one query tile; with OUT_LO, out is the stored half output
+    plus its rounding residual at ``olo_base`` (:func:`store_out`), in fp32: the rounded output
+    alone made c the largest error of the half policy's gradients (dq 2.2-2.4x the torch
+    path's at large norms, docs/numerics.md)."""
     b_do = load_rows(do_base, o_t, o_e, stride_dot, stride_doe, m_t, m_e, ACC)
     b_o = load_rows(o_base, o_t, o_e, stride_ot, stride_oe, m_t, m_e, ACC)
+    if OUT_LO:
+        SH: tl.constexpr = 2048.0 if olo_base.dtype.element_ty == tl.float16 else 256.0
+        b_o += load_rows(olo_base, o_t, o_e, stride_ot, stride_oe, m_t, m_e, ACC) / SH
     b_den = tl.load(den_ptr + i_bh * T + o_t, mask=m_t, other=1.0)
     return b_do, b_den, -tl.sum(b_do * b_o, axis=1) / b_den
 

@@ -18,7 +18,9 @@ Forward, two launches (phi never touches HBM):
 2. query pass ``_fwd_q_kernel``, grid (Tq tiles, B*H): features (logits plus ``m_K``) per F
    tile with an online per-row max, ``out = num / den`` with the denominator policy of
    ``rfattn.reference.safe_denominator`` (``|den| < tiny`` -> ``sign(den) tiny``, sign of 0 +);
-   saves the row max m_i and den_i for the backward.
+   saves the row max m_i and den_i for the backward (with ``OUT_LO``, fp16/bf16 outputs where a
+   gradient follows, also the output's rounding residual, ``common.store_out``: the backward's
+   ``c_i`` reads the output to ~16 bits, not as rounded to the input dtype).
 
 oprf and saderf whose per-(b, h) parameters come from the call's statistics (a form left to the
 key pass: ``rf_parallel_fwd``'s ``stats``) take no launch of their own for them: the key pass
@@ -110,6 +112,7 @@ import triton.language as tl
 
 from .common import (
     FEATURE_IDS,
+    HALF_PRECISIONS,
     INTERPRET,
     KEY,
     NEG,
@@ -139,6 +142,7 @@ from .common import (
     ratio,
     shape_plan,
     split_counts,
+    store_out,
     store_tile,
     valid_keys,
 )
@@ -383,7 +387,7 @@ _fwd_kv_running_kernel = triton.autotune(
 @triton.jit
 def _fwd_q_kernel(
     q_ptr, w_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr, qmap_ptr,
-    s_ptr, z_ptr, mk_ptr, o_ptr, mq_ptr, den_ptr,
+    s_ptr, z_ptr, mk_ptr, o_ptr, olo_ptr, mq_ptr, den_ptr,
     T, H,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_wm, stride_wd,
@@ -392,9 +396,10 @@ def _fwd_q_kernel(
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
     FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
-    HAS_MAP: tl.constexpr,
+    HAS_MAP: tl.constexpr, OUT_LO: tl.constexpr,
 ):  # fmt: skip
-    """out [BT, E] of one query tile of one (b, h): online per-row max over feature tiles."""
+    """out [BT, E] of one query tile of one (b, h): online per-row max over feature tiles (with
+    OUT_LO, a half output's rounding residual at ``olo_ptr`` too, for the backward)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     NMT: tl.constexpr = (M + BM - 1) // BM
@@ -432,8 +437,8 @@ def _fwd_q_kernel(
         b_den = b_den * b_alpha + tl.sum(b_p * b_z[None, :], axis=1)
         b_mx = b_mx_new
     b_o, b_den = ratio(b_num, b_den, TINY)
-    store_tile(o_ptr, i_b, i_h, o_t, o_e, stride_ob, stride_oh, stride_ot, stride_oe,
-                b_o, m_t, m_e)  # fmt: skip
+    store_out(o_ptr, olo_ptr, i_b, i_h, o_t, o_e, stride_ob, stride_oh, stride_ot, stride_oe,
+              b_o, m_t, m_e, OUT_LO)  # fmt: skip
     tl.store(mq_ptr + i_bh * T + o_t, b_mx, mask=m_t)
     tl.store(den_ptr + i_bh * T + o_t, b_den, mask=m_t)
 
@@ -442,8 +447,8 @@ def _fwd_q_kernel(
 @triton.jit
 def _bwd_ds_kernel(
     q_ptr, w_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
-    s_ptr, z_ptr, mk_ptr, o_ptr, do_ptr, mq_ptr, den_ptr, dsp_ptr, dzp_ptr, dwp_ptr, ds_ptr,
-    dz_ptr, cnt_ptr,
+    s_ptr, z_ptr, mk_ptr, o_ptr, olo_ptr, do_ptr, mq_ptr, den_ptr, dsp_ptr, dzp_ptr, dwp_ptr,
+    ds_ptr, dz_ptr, cnt_ptr,
     T, H, NUM_SPLITS, t_per_split,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_wm, stride_wd,
@@ -453,7 +458,7 @@ def _bwd_ds_kernel(
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
     FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
-    W_GRAD: tl.constexpr,
+    W_GRAD: tl.constexpr, OUT_LO: tl.constexpr,
 ):  # fmt: skip
     """dS [BM, E], dz [BM] over one Tq split (the last split to finish sums the tile's
     partials), and the partial dW from queries [BM, D]."""
@@ -470,6 +475,7 @@ def _bwd_ds_kernel(
     b_mk = tl.load(mk_ptr + i_bh * M + o_f, mask=m_f, other=0.0)  # [BM] key offsets
     q_base = q_ptr + i_b * stride_qb + i_h * stride_qh
     o_base = o_ptr + i_b * stride_ob + i_h * stride_oh
+    olo_base = olo_ptr + i_b * stride_ob + i_h * stride_oh
     do_base = do_ptr + i_b * stride_dob + i_h * stride_doh
 
     b_ds = tl.zeros([BM, BE], dtype=ACC)
@@ -488,9 +494,9 @@ def _bwd_ds_kernel(
         b_e = tl.where(m_t[:, None] & m_f[None, :],
                        tl.exp(b_u + b_mk[None, :] - b_mq[:, None]), 0.0)  # fmt: skip
         b_a = b_g * b_e
-        b_do, b_den, b_c = query_rows(do_base, o_base, den_ptr, i_bh, o_t, o_e, T, m_t, m_e,
-                                      stride_dot, stride_doe, stride_ot, stride_oe,
-                                      ACC)  # fmt: skip
+        b_do, b_den, b_c = query_rows(do_base, o_base, olo_base, den_ptr, i_bh, o_t, o_e, T, m_t,
+                                      m_e, stride_dot, stride_doe, stride_ot, stride_oe, ACC,
+                                      OUT_LO)  # fmt: skip
         # dS = a^T g = (a / den)^T do: [BM, BT] @ [BT, BE] -> [BM, BE]
         b_ds += product(tl.trans(b_a / b_den[:, None]), b_do, PRECISION, ACC, FEATURE != 0)
         b_dz += tl.sum(b_a * b_c[:, None], axis=0)
@@ -529,7 +535,7 @@ def _bwd_ds_kernel(
 @triton.jit
 def _dq_tile(
     i_t, i_bh, q_ptr, w_ptr, scale, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
-    s_ptr, z_ptr, mk_ptr, o_ptr, do_ptr, mq_ptr, den_ptr, dq_ptr,
+    s_ptr, z_ptr, mk_ptr, o_ptr, olo_ptr, do_ptr, mq_ptr, den_ptr, dq_ptr,
     T, H,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_wm, stride_wd,
@@ -540,6 +546,7 @@ def _dq_tile(
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
     FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
+    OUT_LO: tl.constexpr,
 ):  # fmt: skip
     """dq [BT, D] of query tile i_t: da = g S^T + c z, dq = sqrt(scale) psi dx~."""
     i_b, i_h = i_bh // H, i_bh % H
@@ -554,9 +561,10 @@ def _dq_tile(
     b_xs = b_x * b_sc[None, :]
     b_mq = tl.load(mq_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
     b_do, b_den, b_c = query_rows(do_ptr + i_b * stride_dob + i_h * stride_doh,
-                                  o_ptr + i_b * stride_ob + i_h * stride_oh, den_ptr, i_bh, o_t,
+                                  o_ptr + i_b * stride_ob + i_h * stride_oh,
+                                  olo_ptr + i_b * stride_ob + i_h * stride_oh, den_ptr, i_bh, o_t,
                                   o_e, T, m_t, m_e, stride_dot, stride_doe, stride_ot, stride_oe,
-                                  ACC)  # fmt: skip
+                                  ACC, OUT_LO)  # fmt: skip
     b_dx = tl.zeros([BT, BD], dtype=ACC)
     for i_m in range(0, NMT):
         o_f = i_m * BM + tl.arange(0, BM)
@@ -644,7 +652,7 @@ def _dkv_tile(
 @triton.jit
 def _bwd_dqkv_kernel(
     q_ptr, k_ptr, v_ptr, w_ptr, pad_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr,
-    xi_ptr, s_ptr, z_ptr, mk_ptr, o_ptr, do_ptr, mq_ptr, den_ptr, ds_ptr, dz_ptr,
+    xi_ptr, s_ptr, z_ptr, mk_ptr, o_ptr, olo_ptr, do_ptr, mq_ptr, den_ptr, ds_ptr, dz_ptr,
     dq_ptr, dk_ptr, dv_ptr,
     Tq, Tk, H,
     stride_qb, stride_qh, stride_qt, stride_qd,
@@ -660,6 +668,7 @@ def _bwd_dqkv_kernel(
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
     HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
+    OUT_LO: tl.constexpr,
 ):  # fmt: skip
     """dq of query tile i_t for the first cdiv(Tq, BT) programs of axis 0, dk and dv of key tile
     i_t - cdiv(Tq, BT) for the rest: one launch for both."""
@@ -667,13 +676,13 @@ def _bwd_dqkv_kernel(
     NQT = tl.cdiv(Tq, BT)
     if i_t < NQT:
         _dq_tile(i_t, i_bh, q_ptr, w_ptr, scale, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
-                 s_ptr, z_ptr, mk_ptr, o_ptr, do_ptr, mq_ptr, den_ptr, dq_ptr, Tq, H,
+                 s_ptr, z_ptr, mk_ptr, o_ptr, olo_ptr, do_ptr, mq_ptr, den_ptr, dq_ptr, Tq, H,
                  stride_qb, stride_qh, stride_qt, stride_qd, stride_wm, stride_wd,
                  stride_ob, stride_oh, stride_ot, stride_oe,
                  stride_dob, stride_doh, stride_dot, stride_doe,
                  stride_dqb, stride_dqh, stride_dqt, stride_dqd,
                  D, M, E, BD, BM, BE, BT, FEATURE, PRECISION, ACC, HAS_AB, HAS_PSI, HAS_LAM,
-                 TINY)  # fmt: skip
+                 TINY, OUT_LO)  # fmt: skip
     else:
         _dkv_tile(i_t - NQT, i_bh, k_ptr, v_ptr, w_ptr, pad_ptr, scale, ab_ptr, psi_ptr, tab_ptr,
                   xr_ptr, xi_ptr, ds_ptr, dz_ptr, mk_ptr, dk_ptr, dv_ptr, Tk, H,
@@ -762,15 +771,17 @@ def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, num_spli
     c = launch_setup(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles=gpu_tiles)
     _one_group(c)
     B, H, Tq, Tk, NMT, dev = c.B, c.H, c.Tq, c.Tk, c.NMT, q.device
+    # a half output's rounding residual, kept for the backward (``common.store_out``)
+    lo = q.dtype in HALF_PRECISIONS
     p = dict(B=B, H=H, Tq=Tq, Tk=Tk, M=c.M, D=c.D, E=c.E, NMT=NMT, acc=c.acc, root=c.form_ptrs[0],
-             has_pad=c.has_pad)  # fmt: skip
+             has_pad=c.has_pad, lo=lo)  # fmt: skip
     pad = c.pad[1:]  # the int32 mask's strides (contiguous), or placeholders
     if need_dw is None:  # the forward: a key pass split over Tk, a query pass
         splits, per = split_counts(Tk, max(B * H * NMT, 1), dev, num_splits)
         kv = Launch(_fwd_kv_kernel, (NMT, splits, B * H), HAS_PAD=c.has_pad, HAS_MAP=c.has_map,
                     **c.meta)  # fmt: skip
-        q_ = Launch(_fwd_q_kernel, lambda meta: (cdiv(Tq, meta["BT"]), B * H), HAS_MAP=c.has_map,
-                    **c.meta)  # fmt: skip
+        q_, q_lo = (Launch(_fwd_q_kernel, lambda meta: (cdiv(Tq, meta["BT"]), B * H),
+                           HAS_MAP=c.has_map, OUT_LO=x, **c.meta) for x in (False, lo))  # fmt: skip
         out = (H * Tq * c.E, Tq * c.E, c.E, 1)  # contiguous, made by the launcher
         BH, M, E, n = B * H, c.M, c.E, B * H * splits
         # the splits' partials of S, z, m_K, merged by the last split of each tile
@@ -782,7 +793,7 @@ def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, num_spli
             outs=Scratch(c.acc, *aux),
             kv=kv, kv_ints=(Tk, H, splits, per if Tk else 0, *k.stride(), *v.stride(),
                             *c.w.stride(), *pad),
-            q=q_, q_ints=(Tq, H, *q.stride(), *c.w.stride(), *out),
+            q=q_, q_lo=q_lo, q_ints=(Tq, H, *q.stride(), *c.w.stride(), *out),
         )  # fmt: skip
     check_forward_only(c)
     programs = max(B * H * NMT, 1)  # (no (b, h): the launcher returns before any launch)
@@ -792,10 +803,14 @@ def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, num_spli
     parts = ((n, M, E), (n, M)) if splits > 1 else ()
     return Plan(
         **p, splits=splits, ksplits=ksplits, scratch=Scratch(c.acc, (BH, M, E), (BH, M), *parts),
-        ds=Launch(_bwd_ds_kernel, (NMT, splits, B * H), W_GRAD=need_dw, **c.meta),
+        # (with dW: c from the rounded output, as before out_lo: the residual's tile spilled
+        # the W_GRAD variant on sm_90, 254 registers -> 255 and 16 stack bytes)
+        ds=Launch(_bwd_ds_kernel, (NMT, splits, B * H), W_GRAD=need_dw,
+                  OUT_LO=lo and not need_dw, **c.meta),
         ds_ints=(Tq, H, splits, per if Tq else 0, *q.stride(), *c.w.stride()),
         dqkv=Launch(_bwd_dqkv_kernel, lambda meta: (cdiv(Tq, meta["BT"]) + cdiv(Tk, meta["BT"]),
-                                                    B * H), HAS_PAD=c.has_pad, **c.meta),
+                                                    B * H), HAS_PAD=c.has_pad, OUT_LO=lo,
+                    **c.meta),
         dqkv_ints=(Tq, Tk, H, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), *pad),
         dwk=Launch(_bwd_dwk_kernel, (NMT, ksplits, B * H), HAS_PAD=c.has_pad, **c.meta),
         dwk_ints=(Tk, H, ksplits, kper, *k.stride(), *v.stride(), *c.w.stride(), *pad),
@@ -843,8 +858,10 @@ def rf_parallel_fwd(
 
     Returns:
         ``out [B, H, Tq, E]`` in the input dtype; with ``return_aux`` also
-        ``(S [B*H, M, E], z [B*H, M], m_K [B*H, M], m_q [B*H, Tq], den [B*H, Tq])`` (with
-        ``backward_plan``, contiguous views of one allocation); with
+        ``(S [B*H, M, E], z [B*H, M], m_K [B*H, M], m_q [B*H, Tq], den [B*H, Tq], out_lo)``
+        (with ``backward_plan``, the first five contiguous views of one allocation; ``out_lo``:
+        for fp16/bf16 inputs the output's rounding residual, ``[B, H, Tq, E]`` in the input
+        dtype scaled as ``common.store_out`` stores it, else an empty tensor); with
         ``backward_plan`` then the backward's plan.
 
     Everything but the call's tensors (checks, setup, splits, launches) comes from the plan of
@@ -857,18 +874,25 @@ def rf_parallel_fwd(
     fargs = form_args(form, B, H, H, acc, dev, keep=stats is None)
     w, *ptrs, qmap, kmap = fargs
     out = torch.empty(B, H, Tq, E, device=dev, dtype=q.dtype)
+    # for the backward only: a half output's rounding residual (``common.store_out``; empty for
+    # fp32 / fp64), written by the query pass that OUT_LO compiles it into
+    if return_aux:
+        olo = torch.empty_like(out) if p.lo else out.new_empty(0)
+        qpass, lo_ptr = p.q_lo, (olo if p.lo else out)
+    else:
+        olo, qpass, lo_ptr = None, p.q, out
     # the key pass's launch: the forward's own, or the one that forms the statistics first
     kp = p if stats is None else _stats_plan(p, stats, q, k)
     # S, z, m_K, m_q, den: outputs where asked for, else scratch with the splits' partials (and
     # the statistics' buffers), as device addresses once both launches replay
-    addresses = kp.kv.direct is not None and p.q.direct is not None
+    addresses = kp.kv.direct is not None and qpass.direct is not None
     if return_aux or combine is not None or B * H == 0:
         if backward_plan:  # kept for the caller's backward only: views of one allocation
             s, z, mk, mq, den = p.outs(dev, False)[1]
         else:  # returned (an operator's outputs alias nothing, each other included)
             s, z, mk, mq, den = (torch.empty(x, device=dev, dtype=acc) for x in p.aux_shapes)
         if B * H == 0:
-            return _returned(out, (s, z, mk, mq, den), return_aux, backward_plan, p, fargs)
+            return _returned(out, (s, z, mk, mq, den, olo), return_aux, backward_plan, p, fargs)
         ws, bufs = kp.parts(dev, addresses) if kp.parts is not None else (None, ())
         bufs = [*bufs]
     else:
@@ -888,8 +912,8 @@ def rf_parallel_fwd(
     if combine is not None:
         s, z, mk = (aligned(x.contiguous()) for x in combine(s, z, mk))
     if Tq:
-        p.q(q, w, p.root, *ptrs, qmap, s, z, mk, out, mq, den, *p.q_ints)
-    return _returned(out, (s, z, mk, mq, den), return_aux, backward_plan, p, fargs)
+        qpass(q, w, p.root, *ptrs, qmap, s, z, mk, out, lo_ptr, mq, den, *p.q_ints)
+    return _returned(out, (s, z, mk, mq, den, olo), return_aux, backward_plan, p, fargs)
 
 
 def _stats_plan(p, stats, q, k) -> Plan:
@@ -968,7 +992,11 @@ def rf_parallel_bwd(
                        out.data_ptr() % 16, do.data_ptr() % 16)  # fmt: skip
         fargs = None
     B, H, Tq, Tk, M, D, acc, dev = p.B, p.H, p.Tq, p.Tk, p.M, p.D, p.acc, q.device
-    s, z, mk, mq, den = aux
+    s, z, mk, mq, den, olo = aux
+    if p.lo:  # read with out's strides
+        assert olo.shape == out.shape and olo.stride() == out.stride(), "out_lo is not out's"
+    else:
+        olo = out  # a placeholder: not read
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if B * H == 0:
         return dq, dk, dv, (torch.zeros(M, D, device=dev, dtype=form.w.dtype) if need_dw else None)
@@ -983,13 +1011,13 @@ def rf_parallel_bwd(
     # dW's partials: the query side's [B*H*splits], then the key side's [B*H*ksplits]
     dw_part = torch.empty(B * H * (splits + ksplits), M, D, device=dev, dtype=acc) \
         if need_dw else ds  # fmt: skip
-    p.ds(q, w, p.root, *ptrs, s, z, mk, out, do, mq, den, ds_part, dz_part, dw_part, ds, dz,
+    p.ds(q, w, p.root, *ptrs, s, z, mk, out, olo, do, mq, den, ds_part, dz_part, dw_part, ds, dz,
          arrival_counters(dev, B * H * p.NMT), *p.ds_ints, *out.stride(), *do.stride())  # fmt: skip
     if reduce_ds is not None:
         ds, dz = (aligned(x.contiguous()) for x in reduce_ds(ds, dz))
     pad = mask_rows(key_padding_mask) if p.has_pad else w
     if Tq or Tk:
-        p.dqkv(q, k, v, w, pad, p.root, *ptrs, s, z, mk, out, do, mq, den, ds, dz, dq, dk, dv,
+        p.dqkv(q, k, v, w, pad, p.root, *ptrs, s, z, mk, out, olo, do, mq, den, ds, dz, dq, dk, dv,
                *p.dqkv_ints, *out.stride(), *do.stride(), *dq.stride(), *dk.stride(),
                *dv.stride())  # fmt: skip
     if not need_dw:

@@ -4,9 +4,10 @@ One operator per algorithmic form, each taking a feature's kernel form
 (:class:`rfattn.features.form.KernelForm`, flattened into the schema by :func:`flat_form`):
 
 * ``rfattn::parallel`` / ``rfattn::parallel_bwd``: non-causal (``rfattn.kernels.rf_parallel``);
-  forward saves q, k, v, the output, S, z and the stabiliser offsets (``O(B H (F E + T))``, no
-  feature maps); backward recomputes the features and returns dq, dk, dv and dW when the form's
-  rows require grad.
+  forward saves q, k, v, the output (fp16/bf16: with its rounding residual, the backward's
+  ``c = -(do . out) / den`` from the fp32 output), S, z and the stabiliser offsets
+  (``O(B H (F E + T))``, no feature maps); backward recomputes the features and returns dq,
+  dk, dv and dW when the form's rows require grad.
 * ``rfattn::chunk`` / ``rfattn::chunk_bwd``: causal, chunkwise (``rfattn.kernels.rf_chunk``),
   with an optional initial state; gradients reach q, k, v and the initial S0, z0 from cotangents
   of the output and of the final S, z taken with the offsets held fixed (the gradients of the
@@ -30,7 +31,7 @@ for a plain ``torch.autograd.Function``): the same launchers run through :class:
 :class:`_Chunk` when a gradient may follow, and directly otherwise (the decode step always).
 :class:`_Parallel` takes only what a gradient may reach as its inputs and returns only the
 output (its backward's auxiliaries saved as intermediates), so autograd handles 4 inputs and 1
-output instead of the schema's 16 and 6.
+output instead of the schema's 16 and 7.
 
 On CPU tensors without the Triton interpreter, each operator runs its torch kernel instead: the
 kernel form evaluated in torch (:meth:`KernelForm.evaluate`) through the torch path's attention
@@ -178,8 +179,9 @@ def _torch_features(q, k, form, scale):
 
 
 def _torch_parallel(q, k, v, form, scale, mask):
-    """``(out, S, z, m_K, m_q, den)`` of the non-causal form in torch, in the kernels' layout
-    (``m_K`` the per-feature key offsets ``[B*H, F]``; m_q, the per-row query offsets, as 0:
+    """``(out, S, z, m_K, m_q, den, out_lo)`` of the non-causal form in torch, in the kernels'
+    layout (``m_K`` the per-feature key offsets ``[B*H, F]``; m_q, the per-row query offsets,
+    as 0 and the half output's rounding residual ``out_lo`` as zeros (empty for fp32 / fp64):
     only the Triton backward reads them)."""
     from rfattn.reference import attention_ratio
 
@@ -197,9 +199,17 @@ def _torch_parallel(q, k, v, form, scale, mask):
     S, z = phi_k.transpose(-1, -2) @ vc, phi_k.sum(-2)
     den = (phi_q @ z[..., None]).squeeze(-1)
     out = attention_ratio(phi_q @ S, den)
+    out = out.to(q.dtype)
+    lo = torch.zeros_like(out) if _has_lo(q) else out.new_empty(0)
     aux = (S.flatten(0, 1), z.flatten(0, 1), m_k.flatten(0, 1), phi_q.new_zeros(B * H, Tq),
-           den.flatten(0, 1))  # fmt: skip
-    return (out.to(q.dtype), *aux)
+           den.flatten(0, 1), lo)  # fmt: skip
+    return (out, *aux)
+
+
+def _has_lo(q) -> bool:
+    """Whether the non-causal forward of ``q`` keeps its output's rounding residual for the
+    backward (``rf_parallel_fwd``'s ``out_lo``: fp16/bf16 inputs)."""
+    return q.dtype in kernel_common.HALF_PRECISIONS
 
 
 def _torch_chunk(q, k, v, form, scale, mask, state):
@@ -261,11 +271,13 @@ def _parallel_body(q, k, v, *args):
 def _parallel_fake(q, k, v, *args):
     BH, Tq, F, acc = q.shape[0] * q.shape[1], q.shape[2], args[1].shape[0], compute_dtype(q.dtype)
     aux = [(BH, F, v.shape[3]), (BH, F), (BH, F), (BH, Tq), (BH, Tq)]
-    return (q.new_empty(*q.shape[:3], v.shape[3]), *(q.new_empty(s, dtype=acc) for s in aux))
+    out = q.new_empty(*q.shape[:3], v.shape[3])
+    return (out, *(q.new_empty(s, dtype=acc) for s in aux),
+            torch.empty_like(out) if _has_lo(q) else q.new_empty(0))  # fmt: skip
 
 
 _PARALLEL_BWD = f"Tensor do, {_QKV}, {_FORM}, {_CALL}, Tensor out, Tensor s, Tensor z, " \
-    f"Tensor mk, Tensor mq, Tensor den, {_OPTS}, bool need_dw"  # fmt: skip
+    f"Tensor mk, Tensor mq, Tensor den, Tensor out_lo, {_OPTS}, bool need_dw"  # fmt: skip
 
 
 def _parallel_bwd_body(do, q, k, v, *args):
@@ -305,7 +317,7 @@ def _parallel_setup(ctx, inputs, output, bwd):
 
 @no_autocast
 def _parallel_backward(ctx, d_out, *_aux):
-    q, k, v, *form, mask, out, s, z, mk, mq, den = ctx.saved_tensors
+    q, k, v, *form, mask, out, s, z, mk, mq, den, out_lo = ctx.saved_tensors
     need_dw = ctx.needs_input_grad[4]
     d_out = torch.zeros_like(out) if d_out is None else d_out
     if on_torch(q):  # autograd over the torch kernel (an operator's body records no graph)
@@ -319,15 +331,15 @@ def _parallel_backward(ctx, d_out, *_aux):
         )
         return dq, dk, dv, None, dw, *([None] * (_NFORM + 2))
     dq, dk, dv, dw = ctx.bwd(
-        d_out, q, k, v, ctx.kind, *form, ctx.scale, mask, out, s, z, mk, mq, den, *ctx.opts,
-        need_dw,
+        d_out, q, k, v, ctx.kind, *form, ctx.scale, mask, out, s, z, mk, mq, den, out_lo,
+        *ctx.opts, need_dw,
     )  # fmt: skip
     return dq, dk, dv, None, (dw if need_dw else None), *([None] * (_NFORM + 2))
 
 
 _parallel, _ = _differentiable(
     "parallel", f"{_QKV}, {_FORM}, {_CALL}, {_OPTS}",
-    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", _parallel_body, _parallel_fake,
+    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", _parallel_body, _parallel_fake,
     _parallel_setup, _parallel_backward, _parallel_bwd, _parallel_bwd_body,
 )
 
