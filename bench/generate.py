@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from bench.env import environment
+
 __all__ = ["build", "decode_times", "loop_times", "main"]
 
 PROVIDERS = ("rfattn", "sdpa")
@@ -207,7 +209,7 @@ def main(argv=None) -> int:
         title=(f"greedy generation, Llama-style random weights (hidden 256, 4 heads x 64, "
                f"{args.kv_heads} kv heads, 2 layers), M={args.num_features}, fp32, {device}"),
         device=str(device), machine=platform.machine(), threads=torch.get_num_threads(),
-        torch=torch.__version__, kv_heads=args.kv_heads, results={},
+        torch=torch.__version__, kv_heads=args.kv_heads, env=environment(device), results={},
     )  # fmt: skip
     if args.loop:
         return _loop_main(args, device, doc, Path(args.out))
