@@ -32,7 +32,6 @@ the per-token ratio of the longest context to the shortest (flat = 1). Writes
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -41,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from bench.env import environment
+from bench.env import environment, write_json
 
 __all__ = ["build", "decode_times", "loop_times", "main"]
 
@@ -88,15 +87,23 @@ def decode_times(model, impl: str, positions: int, prompt: int = 16):
     tok = logits[:, -1:].argmax(-1)
     times, sizes = [], {}
     for pos in range(prompt + 1, positions + 1):
-        t0 = time.perf_counter()
-        logits = model(tok, **{rfattn.hf.CACHE_KWARG: cache}, use_cache=True).logits
-        tok = logits[:, -1:].argmax(-1)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+        _, tok, seconds = _timed_step(model, tok, cache, device)
+        times.append(seconds)
         if pos & (pos - 1) == 0:
             sizes[pos] = rfattn.hf.cache_nbytes(cache)
     return times, sizes
+
+
+def _timed_step(model, tok, cache, device):
+    """``(output, next greedy token, seconds)`` of one cached forward of ``tok``."""
+    import rfattn.hf
+
+    t0 = time.perf_counter()
+    out = model(tok, **{rfattn.hf.CACHE_KWARG: cache}, use_cache=True)
+    tok = out.logits[:, -1:].argmax(-1)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return out, tok, time.perf_counter() - t0
 
 
 @torch.no_grad()
@@ -115,12 +122,8 @@ def loop_times(model, context: int, steps: int, seed: int = 0):
     tok = out.logits[:, -1:].argmax(-1)
     times = []
     for _ in range(steps):
-        t0 = time.perf_counter()
-        out = model(tok, **{rfattn.hf.CACHE_KWARG: cache}, use_cache=True)
-        tok = out.logits[:, -1:].argmax(-1)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+        out, tok, seconds = _timed_step(model, tok, cache, device)
+        times.append(seconds)
         cache = getattr(out, rfattn.hf.CACHE_KWARG)
     return times, before, rfattn.hf.cache_nbytes(cache)
 
@@ -148,9 +151,7 @@ def _loop_main(args, device, doc: dict, out: Path) -> int:
             print(f"  {context:>6} {r['ms_median']:8.3f} {r['ms_p10']:8.3f}"
                   f"  {r['cache_bytes_after_context']:>10} {r['cache_bytes_after_decoding']:>10}")
     doc["loadavg_after"] = os.getloadavg()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "generate_loop.json").write_text(json.dumps(doc, indent=1))
-    print(f"# wrote {out / 'generate_loop.json'}")
+    write_json(doc, "generate_loop", out)
     return 0
 
 
@@ -233,11 +234,8 @@ def main(argv=None) -> int:
         print("# rfattn not faster per token than sdpa from any position measured on")
     else:
         print(f"# rfattn faster per token than sdpa from position {doc['rfattn_faster_from']} on")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "generate.json").write_text(json.dumps(doc, indent=1))
-    _plot(doc, out / "generate.png")
-    print(f"# wrote {out / 'generate.json'} and {out / 'generate.png'}")
+    path = write_json(doc, "generate", args.out)
+    _plot(doc, path.with_suffix(".png"))
     return 0
 
 
