@@ -565,7 +565,7 @@ def rfattn_attention_forward(
     rf = _layer_features(module, query.shape[-1], query.device)
     sliding = kwargs.get("sliding_window")  # the layer's own window: the hybrid's exact part
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    packed = _packing(query, key, attention_mask, bool(causal), kwargs)
+    packed = _packing(query, key, attention_mask, bool(causal), kwargs, layer is not None)
     if packed is not None:
         if layer is not None:  # an eval forward's cache: its states could not be per sequence
             layer.refuse_further_tokens()
@@ -582,20 +582,21 @@ def rfattn_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _packing(query, key, attention_mask, causal: bool, kwargs: dict):
+def _packing(query, key, attention_mask, causal: bool, kwargs: dict, cached: bool):
     """``(cu_q, cu_k)``, the offsets of a padding-free batch (one row of concatenated
     sequences), or None for any other batch.
 
     From flash-attention's keyword arguments ``cu_seq_lens_q`` / ``cu_seq_lens_k``
     (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``); else from ``position_ids``
     of one row where they restart (the collator's default output), but only where transformers
-    took them as packed too: its mask then keeps each sequence apart (without the mask, with a
-    cache, transformers attends over the whole row, and so does this). A mask given beside the
-    offsets must be theirs, else NotImplementedError. Reads the offsets on the host."""
+    took them as packed too: without a cache (``cached``: with one, transformers attends over
+    the whole row, and so does this; nothing is looked for, so a decode step reads nothing on
+    the host) and where its mask keeps each sequence apart. A mask given beside the offsets must
+    be theirs, else NotImplementedError. Reads the offsets on the host."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is None and cu_k is None:
         pos = kwargs.get("position_ids")
-        if attention_mask is None or pos is None or query.shape[0] != 1 or \
+        if cached or attention_mask is None or pos is None or query.shape[0] != 1 or \
                 pos.shape[-1] != query.shape[2] or query.shape[2] != key.shape[2]:  # fmt: skip
             return None
         pos = pos.reshape(-1)
@@ -834,7 +835,7 @@ class RFCacheLayer(CacheLayerMixin):
                                    pad=each(step.pad)) for step in self.past]  # fmt: skip
 
     def reset(self) -> None:
-        self.state, self.seen, self.past = None, 0, []
+        self.state, self.seen, self.past, self.packed = None, 0, [], False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map(lambda x: x.index_select(0, beam_idx.to(x.device)))

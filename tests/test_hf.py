@@ -591,8 +591,13 @@ def test_a_packed_eval_forward_with_its_cache_attends_each_document_alone():
         out = model(**batch)
         alone = torch.cat([model(torch.tensor([d]), use_cache=False).logits for d in docs], 1)
     torch.testing.assert_close(out.logits, alone, rtol=1e-12, atol=1e-12)
+    cache = getattr(out, rfhf.CACHE_KWARG)
     with torch.no_grad(), pytest.raises(ValueError, match="packed"):
-        model(torch.tensor([[4]]), past_key_values=out.past_key_values)
+        model(torch.tensor([[4]]), **{rfhf.CACHE_KWARG: cache})
+    cache.reset()  # a fresh cache again: it takes tokens
+    with torch.no_grad():
+        again = model(torch.tensor([docs[0]]), **{rfhf.CACHE_KWARG: cache})
+    torch.testing.assert_close(again.logits, alone[:, : len(docs[0])], rtol=1e-12, atol=1e-12)
 
 
 def test_packed_offsets_that_disagree_with_the_mask_raise():
