@@ -237,8 +237,7 @@ def _packed(call: Call):
     row (:func:`rfattn.torch_path.move_statistics`)."""
     heads = call.q.shape[1] > 0 and call.k.shape[1] > 0
     outs, states = [], []
-    for i in range(len(call.packed[0]) - 1):
-        seq = call.sequence(i)
+    for seq in call.sequences():
         empty = not heads or seq.q.shape[2] == 0 or seq.k.shape[2] == 0
         res = torch_path.empty_result(seq) if empty else run(seq)
         outs.append(res[0] if call.return_state else res)

@@ -520,14 +520,13 @@ def scan_forward(spec, inputs: tuple, block: int, out, den, s, off, keep: bool, 
                 # the block's [num, den]: the prefix states read at each row's factor, plus the
                 # intra-chunk products
                 a = blk.a[:, :, :, None, :, None]
-                C = blk.vh.shape[3]
+                n, C = blk.vh.shape[2:4]  # (a block shorter than a chunk is one chunk of its own)
                 nh = (blk.pq @ blk.prefix.transpose(-1, -2)).unflatten(3, (G, C)).mul_(a)
                 nh = nh.flatten(3, 4)
                 nh.flatten(0, -3).baddbmm_(blk.A.flatten(0, -3), blk.vh.flatten(0, -3))
                 if blk.poisoned is not None:
                     nh = torch.where(blk.poisoned, float("nan"), nh)
                 num, d = nh[..., :E], nh[..., E]
-                n = blk.vh.shape[2]
                 if (t1 - t0) % C or torch.is_grad_enabled():  # a padded tail, or traced
                     ratio = attention_ratio(num, d) if torch.is_grad_enabled() else (
                         num / safe_denominator(d)[..., None])  # fmt: skip

@@ -120,10 +120,7 @@ class _Recorder:
         if name is None:  # not a layer of the model being calibrated
             return run(call)
         if call.packed is not None:  # packed sequences: each recorded as the call it runs as
-            outs = []
-            for i in range(len(call.packed[0]) - 1):
-                outs.append(self(call.sequence(i), run))
-            return torch.cat(outs, dim=2)
+            return torch.cat([self(seq, run) for seq in call.sequences()], dim=2)
         if call.initial_state is not None or call.return_state or call.group is not None:
             raise RuntimeError(
                 "rfattn.calibrate runs whole sequences on one process: a calibration forward "

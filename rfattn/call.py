@@ -420,6 +420,10 @@ class Call:
         """This call with some fields changed."""
         return dataclasses.replace(self, **changes)
 
+    def sequences(self):
+        """The sequences of a packed call, in order, each as :meth:`sequence` gives it."""
+        return (self.sequence(i) for i in range(len(self.packed[0]) - 1))
+
     def sequence(self, i: int) -> Call:
         """Sequence ``i`` of a packed call as a call of its own: views of its tokens in q, k
         and v, its slices of the masks, its ``[1, Hkv, ...]`` of the initial states, running
