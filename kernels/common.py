@@ -328,6 +328,13 @@ LOW_PRECISION = "tf32x3"
 #: the half policy's ``PRECISION`` per input dtype (:func:`_precision`, :func:`product`)
 HALF_PRECISIONS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def keeps_out_residual(dtype: torch.dtype) -> bool:
+    """Whether a non-causal forward of inputs in ``dtype`` keeps its output's rounding residual
+    for the backward (:func:`store_out`; the fp16/bf16 inputs)."""
+    return dtype in HALF_PRECISIONS
+
 #: tokens handled by one split program: a multiple of every BT in the configs
 _SPLIT_QUANTUM = 128
 #: stacked rmf projection rows per inner step (constexpr: kernels read it)

@@ -112,7 +112,6 @@ import triton.language as tl
 
 from .common import (
     FEATURE_IDS,
-    HALF_PRECISIONS,
     INTERPRET,
     KEY,
     NEG,
@@ -131,6 +130,7 @@ from .common import (
     form_args,
     gerf_coeffs,
     input_scale,
+    keeps_out_residual,
     last_to_arrive,
     launch_setup,
     load_mapped,
@@ -772,7 +772,7 @@ def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, num_spli
     _one_group(c)
     B, H, Tq, Tk, NMT, dev = c.B, c.H, c.Tq, c.Tk, c.NMT, q.device
     # a half output's rounding residual, kept for the backward (``common.store_out``)
-    lo = q.dtype in HALF_PRECISIONS
+    lo = keeps_out_residual(q.dtype)
     p = dict(B=B, H=H, Tq=Tq, Tk=Tk, M=c.M, D=c.D, E=c.E, NMT=NMT, acc=c.acc, root=c.form_ptrs[0],
              has_pad=c.has_pad, lo=lo)  # fmt: skip
     pad = c.pad[1:]  # the int32 mask's strides (contiguous), or placeholders

@@ -200,16 +200,11 @@ def _torch_parallel(q, k, v, form, scale, mask):
     den = (phi_q @ z[..., None]).squeeze(-1)
     out = attention_ratio(phi_q @ S, den)
     out = out.to(q.dtype)
-    lo = torch.zeros_like(out) if _has_lo(q) else out.new_empty(0)
+    keep = kernel_common.keeps_out_residual(q.dtype)
+    lo = torch.zeros_like(out) if keep else out.new_empty(0)
     aux = (S.flatten(0, 1), z.flatten(0, 1), m_k.flatten(0, 1), phi_q.new_zeros(B * H, Tq),
            den.flatten(0, 1), lo)  # fmt: skip
     return (out, *aux)
-
-
-def _has_lo(q) -> bool:
-    """Whether the non-causal forward of ``q`` keeps its output's rounding residual for the
-    backward (``rf_parallel_fwd``'s ``out_lo``: fp16/bf16 inputs)."""
-    return q.dtype in kernel_common.HALF_PRECISIONS
 
 
 def _torch_chunk(q, k, v, form, scale, mask, state):
@@ -272,8 +267,8 @@ def _parallel_fake(q, k, v, *args):
     BH, Tq, F, acc = q.shape[0] * q.shape[1], q.shape[2], args[1].shape[0], compute_dtype(q.dtype)
     aux = [(BH, F, v.shape[3]), (BH, F), (BH, F), (BH, Tq), (BH, Tq)]
     out = q.new_empty(*q.shape[:3], v.shape[3])
-    return (out, *(q.new_empty(s, dtype=acc) for s in aux),
-            torch.empty_like(out) if _has_lo(q) else q.new_empty(0))  # fmt: skip
+    lo = torch.empty_like(out) if kernel_common.keeps_out_residual(q.dtype) else q.new_empty(0)
+    return (out, *(q.new_empty(s, dtype=acc) for s in aux), lo)
 
 
 _PARALLEL_BWD = f"Tensor do, {_QKV}, {_FORM}, {_CALL}, Tensor out, Tensor s, Tensor z, " \
