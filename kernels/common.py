@@ -1195,10 +1195,16 @@ class Scratch:
 
     def __call__(self, device, addresses: bool):
         buf = torch.empty(self.total, device=device, dtype=self.dtype)
+        return buf, self.at(buf, addresses)
+
+    def at(self, buf: torch.Tensor, addresses: bool):
+        """The buffers of an allocation ``buf`` this scratch made: their device addresses, or
+        views (a kept allocation, :func:`rfattn.kernels.rf_parallel.rf_parallel_fwd`'s
+        ``backward_plan``, read by a later call's launches)."""
         if addresses:  # map over a bound method: no Python frame per buffer
-            return buf, map(buf.data_ptr().__add__, self.bytes)
-        return buf, [buf[o : o + _numel(s)].view(s) for o, s in zip(self.offsets, self.shapes,
-                                                                    strict=True)]  # fmt: skip
+            return map(buf.data_ptr().__add__, self.bytes)
+        return [buf[o : o + _numel(s)].view(s) for o, s in zip(self.offsets, self.shapes,
+                                                               strict=True)]  # fmt: skip
 
 
 def _numel(shape) -> int:

@@ -859,10 +859,10 @@ def rf_parallel_fwd(
     Returns:
         ``out [B, H, Tq, E]`` in the input dtype; with ``return_aux`` also
         ``(S [B*H, M, E], z [B*H, M], m_K [B*H, M], m_q [B*H, Tq], den [B*H, Tq], out_lo)``
-        (with ``backward_plan``, the first five contiguous views of one allocation; ``out_lo``:
-        for fp16/bf16 inputs the output's rounding residual, ``[B, H, Tq, E]`` in the input
-        dtype scaled as ``common.store_out`` stores it, else an empty tensor); with
-        ``backward_plan`` then the backward's plan.
+        (``out_lo``: for fp16/bf16 inputs the output's rounding residual, ``[B, H, Tq, E]`` in
+        the input dtype scaled as ``common.store_out`` stores it, else an empty tensor); with
+        ``backward_plan`` instead ``(kept, out_lo)``, ``kept`` the one allocation of the first
+        five (the backward finds them in it), and then the backward's plan.
 
     Everything but the call's tensors (checks, setup, splits, launches) comes from the plan of
     the call's shape (:func:`common.shape_plan`), made at its first call.
@@ -886,13 +886,18 @@ def rf_parallel_fwd(
     # S, z, m_K, m_q, den: outputs where asked for, else scratch with the splits' partials (and
     # the statistics' buffers), as device addresses once both launches replay
     addresses = kp.kv.direct is not None and qpass.direct is not None
+    kept = None
     if return_aux or combine is not None or B * H == 0:
-        if backward_plan:  # kept for the caller's backward only: views of one allocation
-            s, z, mk, mq, den = p.outs(dev, False)[1]
+        if backward_plan:  # kept for the caller's backward only: one allocation, its buffers
+            # as addresses where the launches replay (no view to make, ~15 µs a call)
+            assert combine is None, "backward_plan: the combined statistics are new tensors"
+            kept, bufs = p.outs(dev, addresses)
+            s, z, mk, mq, den = bufs
         else:  # returned (an operator's outputs alias nothing, each other included)
             s, z, mk, mq, den = (torch.empty(x, device=dev, dtype=acc) for x in p.aux_shapes)
         if B * H == 0:
-            return _returned(out, (s, z, mk, mq, den, olo), return_aux, backward_plan, p, fargs)
+            return _returned(out, (s, z, mk, mq, den, olo), kept, return_aux, backward_plan, p,
+                             fargs)  # fmt: skip
         ws, bufs = kp.parts(dev, addresses) if kp.parts is not None else (None, ())
         bufs = [*bufs]
     else:
@@ -913,7 +918,7 @@ def rf_parallel_fwd(
         s, z, mk = (aligned(x.contiguous()) for x in combine(s, z, mk))
     if Tq:
         qpass(q, w, p.root, *ptrs, qmap, s, z, mk, out, lo_ptr, mq, den, *p.q_ints)
-    return _returned(out, (s, z, mk, mq, den, olo), return_aux, backward_plan, p, fargs)
+    return _returned(out, (s, z, mk, mq, den, olo), kept, return_aux, backward_plan, p, fargs)
 
 
 def _stats_plan(p, stats, q, k) -> Plan:
@@ -934,13 +939,14 @@ def _stats_plan(p, stats, q, k) -> Plan:
     return sp
 
 
-def _returned(out, aux, return_aux: bool, backward_plan: bool, p, fargs):
-    """What :func:`rf_parallel_fwd` returns (``backward_plan``: the forward's plan, whose
-    :attr:`bwd` holds the backward's plans by the cotangent's layout, and the form's
-    arguments)."""
+def _returned(out, aux, kept, return_aux: bool, backward_plan: bool, p, fargs):
+    """What :func:`rf_parallel_fwd` returns (``backward_plan``: the auxiliaries as ``(kept,
+    out_lo)``, ``kept`` the one allocation of S, z, m_K, m_q and den laid out by the plan's
+    ``outs``; then the forward's plan, whose :attr:`bwd` holds the backward's plans by the
+    cotangent's layout, and the form's arguments)."""
     if not return_aux:
         return out
-    return (out, aux, (p, fargs)) if backward_plan else (out, aux)
+    return (out, (kept, aux[-1]), (p, fargs)) if backward_plan else (out, aux)
 
 
 def rf_parallel_bwd(
@@ -965,7 +971,8 @@ def rf_parallel_bwd(
     Args:
         do: ``[B, H, Tq, E]`` cotangent of the output (any strides).
         q, k, v, form, scale, key_padding_mask, precision, gpu_tiles: as given to the forward.
-        out, aux: the forward's output and auxiliaries (``return_aux=True``).
+        out, aux: the forward's output and auxiliaries (``return_aux=True``; with ``plan``,
+            the forward's ``(kept, out_lo)``).
         need_dw: also compute the gradient of ``form.w`` (not for the "rmf" kind).
         reduce_ds: keys sharded over processes (the forward's ``combine``): ``(dS, dz) ->
             (dS, dz)`` summed over every shard's queries, before the key pass. ``dw`` is then
@@ -992,7 +999,13 @@ def rf_parallel_bwd(
                        out.data_ptr() % 16, do.data_ptr() % 16)  # fmt: skip
         fargs = None
     B, H, Tq, Tk, M, D, acc, dev = p.B, p.H, p.Tq, p.Tk, p.M, p.D, p.acc, q.device
-    s, z, mk, mq, den, olo = aux
+    addresses = p.ds.direct is not None and p.dqkv.direct is not None and \
+        (p.dwk.direct is not None or not (need_dw and p.ksplits))  # fmt: skip
+    if plan is not None:  # S, z, m_K, m_q, den in the forward's one allocation
+        kept, olo = aux
+        s, z, mk, mq, den = fwd.outs.at(kept, addresses)
+    else:
+        s, z, mk, mq, den, olo = aux
     if p.lo:  # read with out's strides
         assert olo.shape == out.shape and olo.stride() == out.stride(), "out_lo is not out's"
     else:
@@ -1004,8 +1017,6 @@ def rf_parallel_bwd(
     splits, ksplits = p.splits, p.ksplits
     # dS, dz and the splits' partials of them (summed by the last split of each tile): scratch,
     # or tensors for reduce_ds (ws: the scratch's allocation, held until the launches are issued)
-    addresses = p.ds.direct is not None and p.dqkv.direct is not None and \
-        (p.dwk.direct is not None or not (need_dw and ksplits))  # fmt: skip
     ws, (ds, dz, *parts) = p.scratch(dev, addresses and reduce_ds is None)
     ds_part, dz_part = parts if splits > 1 else (ds, dz)  # (unused with one split)
     # dW's partials: the query side's [B*H*splits], then the key side's [B*H*ksplits]
