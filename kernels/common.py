@@ -271,6 +271,26 @@ PLANS = not INTERPRET
 MAX_PLANS = 4096
 
 
+#: every launcher's dictionary of per-shape plans (:func:`plan_cache`, :func:`shape_plan`)
+PLAN_CACHES: list = []
+
+
+def plan_cache() -> dict:
+    """A launcher's dictionary of per-shape plans, known to :func:`forget_plans`."""
+    plans: dict = {}
+    PLAN_CACHES.append(plans)
+    return plans
+
+
+def forget_plans() -> None:
+    """Drop every launcher's per-shape plans and every launch plan: the next calls make them
+    again (for a test that changes what plans derive from, such as a module's kernel or its
+    segment policy)."""
+    for plans in PLAN_CACHES:
+        plans.clear()
+    LAUNCH_PLANS.clear()
+
+
 def _specialisation(kernel, stages: int, args: tuple, kwargs: dict) -> tuple:
     """What decides a launch's shared memory: the kernel, its constexprs and options, and its
     tensors' dtypes and devices."""

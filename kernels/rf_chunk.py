@@ -117,24 +117,30 @@ import triton.language as tl
 
 from .common import (
     NEG,
-    Setup,
+    Launch,
+    Plan,
+    Scratch,
+    aligned,
     arrival_counters,
     cdiv,
     check_forward_only,
     feature_dx,
     feature_tile,
+    form_args,
     gerf_coeffs,
     input_scale,
     last_to_arrive,
-    launch,
     launch_setup,
     load_mapped,
     load_offset,
     load_rows,
     load_w,
+    mask_rows,
     next_pow2,
+    plan_cache,
     query_cotangents,
     ratio,
+    shape_plan,
     store_offset,
     store_tile,
     valid_keys,
@@ -837,37 +843,85 @@ def segments(NC: int, BH: int, sms: int | None) -> tuple[int, int]:
     return cdiv(NC, per), per
 
 
-def _states(c: Setup, q, k, v, initial_state, final: bool = True, stats=None,
-            offsets: bool = False):  # fmt: skip
-    """Launch the states kernel: the carries into the segments (``[B*H, NS, M, E]``,
-    ``[B*H, NS, M]``, each feature tile at its own offset, ``[B*H, NS + 1, NMT]`` with each
-    tile's final offset last), with ``offsets`` also the walks' offsets before each chunk ``r``
-    ``[B*H, NC + 1, NMT]`` (else a placeholder), with ``final`` the final state (else None);
-    with ``stats`` (``kernels.stats.ChunkStats``) the running statistics' stats roles first,
-    the parameters written into the form's. Returns ``(NC, (r, gs, gz, gr), the final state,
-    (NS, chunks per segment))``."""
-    B, H, T, M, E, NMT, bt = c.B, c.H, c.Tk, c.M, c.E, c.NMT, c.BT
-    NC = max(cdiv(T, bt), 1)
-    NS, per = segments(NC, B * H, sm_count(k.device))
-    gs, gz, gr = c.acc_empty(B * H, NS, M, E), c.acc_empty(B * H, NS, M), \
-        c.acc_empty(B * H, NS + 1, NMT)  # fmt: skip
-    r = c.acc_empty(B * H, NC + 1, NMT) if offsets else gr  # (never written without)
-    sT, zT, rT = (c.acc_empty(B, H, M, E), c.acc_empty(B, H, M), c.acc_empty(B, H)) if final \
-        else (gs,) * 3  # fmt: skip
-    if initial_state is not None:
-        s0, z0, r0 = (x.to(c.acc).contiguous() for x in initial_state)
-    else:
-        s0 = z0 = r0 = gs  # never read
-    roles, stats_args, stats_meta = chunk_stats_arguments(stats, q, k, B, H, c.G, c.D, c.acc)
-    launch(_chunk_states_kernel, (roles + NMT * NS * B * H,),
-        k, v, c.w, c.pad[0], *c.form_ptrs, c.maps[1], s0, z0, r0, r, gs, gz, gr, sT, zT, rT,
-        arrival_counters(k.device, B * H * (NMT + 2) + 1), T, H, B * H, NC, NS, per,
-        *k.stride(), *v.stride(), *c.w.stride(), c.pad[1], c.pad[2], *stats_args,
-        BT=bt, BP=next_pow2(NMT), HAS_PAD=c.has_pad, HAS_MAP=c.has_map,
-        HAS_INIT=initial_state is not None, PLAIN=c.plain, FINAL=final, OFFSETS=offsets,
-        **c.launch_options(), **c.meta, **stats_meta,
+#: per-shape plans of the launchers (:func:`common.shape_plan`)
+_FWD_PLANS = plan_cache()
+_BWD_PLANS = plan_cache()
+
+
+def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, backward: bool,
+          has_init: bool, has_dfinal: bool, *_layout):  # fmt: skip
+    """What a causal launcher of one shape derives once (``backward``: the backward's plan, else
+    the forward's; ``has_init``: an initial state given; ``has_dfinal``: the backward gets the
+    final state's cotangent; ``_layout``: the backward's out and do, in the key only): the
+    setup's sizes and constexprs, the segments, the scratch (the carries, and the backward's
+    walk offsets and cotangents: written and read by the call's own launches) and the bound
+    launches with their integer arguments."""
+    c = launch_setup(q, k, v, form, scale, key_padding_mask, precision, causal=True,
+                     gpu_tiles=gpu_tiles)  # fmt: skip
+    if backward:
+        check_forward_only(c)
+    B, H, G, T, M, E, NMT, acc = c.B, c.H, c.G, c.Tq, c.M, c.E, c.NMT, c.acc
+    BH = B * H
+    NC = max(cdiv(T, c.BT), 1)
+    NS, per = segments(NC, max(BH, 1), sm_count(k.device))  # (no (b, h): no launch)
+    pad = c.pad[1:]  # the int32 mask's strides (contiguous), or placeholders
+    meta = dict(**c.launch_options(), BT=c.BT, BP=next_pow2(NMT), **c.meta)
+    walk = (T, H, NC, G, NS, per)
+    carries = ((BH, NS, M, E), (BH, NS, M), (BH, NS + 1, NMT))
+    p = dict(
+        B=B, H=H, G=G, T=T, M=M, E=E, D=c.D, NMT=NMT, NS=NS, acc=acc, root=c.form_ptrs[0],
+        has_pad=c.has_pad, counters=BH * (NMT + 2) + 1,
+        # the states kernel's constexprs and integer arguments (the stats' come after them)
+        states_meta=dict(HAS_PAD=c.has_pad, HAS_MAP=c.has_map, HAS_INIT=has_init,
+                         PLAIN=c.plain, FINAL=not backward, OFFSETS=backward, **meta),
+        states_ints=(T, H, BH, NC, NS, per, *k.stride(), *v.stride(), *c.w.stride(), *pad),
     )  # fmt: skip
-    return NC, (r, gs, gz, gr), ((sT, zT, rT) if final else None), (NS, per)
+    no_stats = chunk_stats_arguments(None, q, k, B, H, G, c.D, acc)[2]
+    states = Launch(_chunk_states_kernel, (NMT * NS * BH,), **p["states_meta"], **no_stats)
+    if not backward:
+        out = (H * G * T * E, T * E, E, 1)  # contiguous, made by the launcher
+        return Plan(
+            **p, states=states, stats={}, scratch=Scratch(acc, *carries),
+            rows=((BH * G, T), (BH * G, T), (BH, T)), final=((B, H, M, E), (B, H, M), (B, H)),
+            out=Launch(_chunk_out_kernel, (NS, BH), HAS_PAD=c.has_pad, HAS_MAP=c.has_map,
+                       **meta),
+            out_ints=(*walk, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), *pad, *out),
+        )  # fmt: skip
+    return Plan(
+        **p, states=states,
+        # the walks' offsets before each chunk, the carries, the cotangents' carries
+        scratch=Scratch(acc, (BH, NC + 1, NMT), *carries, (BH, NS, M, E), (BH, NS, M)),
+        dstates=Launch(_chunk_dstates_kernel, (NMT, NS, BH), HAS_DFINAL=has_dfinal,
+                       HAS_INIT=has_init, **meta),
+        dstates_ints=(*walk, *q.stride(), *c.w.stride()),
+        bwd=Launch(_chunk_bwd_kernel, (2 * NS, BH), BPW=next_pow2(cdiv(M, 16)), RM=c.BM,
+                   HAS_PAD=c.has_pad, **meta),
+        bwd_ints=(*walk, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), *pad),
+    )  # fmt: skip
+
+
+def plans(q, k, v, form, scale: float, key_padding_mask=None, precision=None, gpu_tiles=None,
+          has_init: bool = False):  # fmt: skip
+    """``(forward plan, backward plan)`` of a causal call of these inputs (a backward with a
+    contiguous cotangent and no final-state cotangent): its launches (``plan.states``,
+    ``.out``; ``.states``, ``.dstates``, ``.bwd``: :class:`common.Launch`, with their grids)
+    and its scratch (``plan.scratch``: :class:`common.Scratch`, every buffer a launcher
+    allocates beside its outputs, the forward's row statistics and the returned state), made
+    without launching anything: what a call of this shape would run and hold on a GPU
+    (``gpu_tiles=True``)."""
+    out = (q.shape[0], q.shape[1], q.shape[2], v.shape[3])
+    do = torch.empty(out, dtype=q.dtype, device=q.device)
+    fwd = _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, False, has_init,
+                False)  # fmt: skip
+    bwd = _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, True, has_init,
+                False, do.stride(), do.stride(), 0, 0)  # fmt: skip
+    return fwd, bwd
+
+
+def _state_in(x, acc, placeholder):
+    """A state tensor the kernels read: in the accumulation dtype, contiguous and aligned (what
+    the plan's launches take), or the placeholder where it is absent."""
+    return placeholder if x is None else aligned(x.to(acc).contiguous())
 
 
 def rf_chunk_fwd(
@@ -900,27 +954,43 @@ def rf_chunk_fwd(
         accumulation dtype and ``rfattn.RFState``'s convention; with ``return_aux`` also
         ``(m_q, den, m_k)``: the queries' offsets and the denominators at the rows' offsets r_i
         (``[B*H*G, T]``) and the keys' max logits m_j (``[B*H, T]``).
+
+    Everything but the call's tensors (checks, setup, segments, launches) comes from the plan
+    of the call's shape (:func:`common.shape_plan`), made at its first call.
     """
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"causal attention needs Tq == Tk, got {q.shape[2]} and {k.shape[2]}")
-    c = launch_setup(q, k, v, form, scale, key_padding_mask, precision, causal=True,
-               gpu_tiles=gpu_tiles)  # fmt: skip
-    B, H, G, T, E, bt = c.B, c.H, c.G, c.Tq, c.E, c.BT
-    out = torch.empty(B, H * G, T, E, device=q.device, dtype=q.dtype)
-    aux = mq, den, mk = c.acc_empty(B * H * G, T), c.acc_empty(B * H * G, T), c.acc_empty(B * H, T)
-    if B * H == 0:
-        state = (c.acc_empty(B, H, c.M, E), c.acc_empty(B, H, c.M),
-                 c.acc_empty(B, H))  # fmt: skip
-        return (out, state, aux) if return_aux else (out, state)
+    p = shape_plan(_FWD_PLANS, _plan, q, k, v, form, scale, key_padding_mask, precision,
+                   gpu_tiles, False, initial_state is not None, False)  # fmt: skip
+    B, H, G, T, E, acc, dev = p.B, p.H, p.G, p.T, p.E, p.acc, q.device
     stats = form.stats  # running statistics this launch forms and moves (or None)
-    NC, states, state, segs = _states(c, q, k, v, initial_state, stats=stats)
+    # a form made for this call (its statistics formed here) is converted, not kept
+    w, *ptrs, qmap, kmap = form_args(form, B, H * G, H, acc, dev, keep=stats is None)
+    out = torch.empty(B, H * G, T, E, device=dev, dtype=q.dtype)
+    aux = mq, den, mk = tuple(torch.empty(x, device=dev, dtype=acc) for x in p.rows)
+    state = sT, zT, rT = tuple(torch.empty(x, device=dev, dtype=acc) for x in p.final)
+    if B * H == 0:
+        return (out, state, aux) if return_aux else (out, state)
+    roles, stats_args, stats_meta = chunk_stats_arguments(stats, q, k, B, H, G, p.D, acc)
+    if stats is None:  # (placeholders for the statistics' arguments)
+        states = p.states
+    else:  # the stats roles first (a launch of their own per roles and constexprs)
+        key = (roles, *stats_meta.items())
+        states = p.stats.get(key)
+        if states is None:
+            states = p.stats[key] = Launch(_chunk_states_kernel,
+                                           (roles + p.NMT * p.NS * B * H,),
+                                           **p.states_meta, **stats_meta)  # fmt: skip
+    # the carries: scratch, as device addresses once both launches replay
+    addresses = states.direct is not None and p.out.direct is not None
+    ws, (gs, gz, gr) = p.scratch(dev, addresses)
+    s0, z0, r0 = (_state_in(x, acc, gs) for x in initial_state or (None,) * 3)
+    pad = mask_rows(key_padding_mask) if p.has_pad else w
+    states(k, v, w, pad, p.root, *ptrs, kmap, s0, z0, r0, gr, gs, gz, gr, sT, zT, rT,
+           arrival_counters(dev, p.counters), *p.states_ints, *stats_args)  # fmt: skip
     if T:
-        launch(_chunk_out_kernel, (segs[0], B * H),
-            q, k, v, c.w, c.pad[0], *c.form_ptrs, *c.maps, *states[1:], out, mq, den, mk,
-            T, H, NC, G, *segs, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), c.pad[1],
-            c.pad[2], *out.stride(), BT=bt, BP=next_pow2(c.NMT), HAS_PAD=c.has_pad,
-            HAS_MAP=c.has_map, **c.launch_options(), **c.meta,
-        )  # fmt: skip
+        p.out(q, k, v, w, pad, p.root, *ptrs, qmap, kmap, gs, gz, gr, out, mq, den, mk,
+              *p.out_ints)  # fmt: skip
     return (out, state, aux) if return_aux else (out, state)
 
 
@@ -949,37 +1019,37 @@ def rf_chunk_bwd(
     Returns:
         ``(dq, dk, dv, dS0, dz0)``; the last two are None without ``initial_state``.
     """
-    c = launch_setup(q, k, v, form, scale, key_padding_mask, precision, causal=True,
-               gpu_tiles=gpu_tiles)  # fmt: skip
-    check_forward_only(c)
-    B, H, T, M, E, NMT, bt = c.B, c.H, c.Tq, c.M, c.E, c.NMT, c.BT
+    has_init = initial_state is not None
+    # the strides and alignment of out and do are the plan's too (Triton specialises)
+    p = shape_plan(_BWD_PLANS, _plan, q, k, v, form, scale, key_padding_mask, precision,
+                   gpu_tiles, True, has_init, dstate is not None, out.stride(), do.stride(),
+                   out.data_ptr() % 16, do.data_ptr() % 16)  # fmt: skip
+    B, H, G, M, E, T, acc, dev = p.B, p.H, p.G, p.M, p.E, p.T, p.acc, q.device
     mq, den, mk = aux
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    has_init = initial_state is not None
-    ds0 = c.acc_empty(B, H, M, E) if has_init else None
-    dz0 = c.acc_empty(B, H, M) if has_init else None
+    ds0 = torch.empty(B, H, M, E, device=dev, dtype=acc) if has_init else None
+    dz0 = torch.empty(B, H, M, device=dev, dtype=acc) if has_init else None
     if B * H == 0:
         return dq, dk, dv, ds0, dz0
+    w, *ptrs, _, _ = form_args(form, B, H * G, H, acc, dev)
+    # the walks' offsets, the carries and the cotangents' carries: scratch, as device addresses
+    # once the three launches replay
+    addresses = p.states.direct is not None and p.dstates.direct is not None and \
+        p.bwd.direct is not None  # fmt: skip
+    ws, (r, gs, gz, gr, gd, gdz) = p.scratch(dev, addresses)
+    s0, z0, r0 = (_state_in(x, acc, gs) for x in initial_state or (None,) * 3)
+    dsT, dzT = (_state_in(x, acc, gd) for x in dstate or (None,) * 2)
+    pad = mask_rows(key_padding_mask) if p.has_pad else w
     # the parameters as the forward's first launch formed them (never its statistics again)
-    NC, states, _, segs = _states(c, q, k, v, initial_state, final=False, offsets=True)
-    meta = dict(**c.launch_options(), BT=bt, BP=next_pow2(NMT), **c.meta)
-    gd, gdz = c.acc_empty(B * H, segs[0], M, E), c.acc_empty(B * H, segs[0], M)
-    if dstate is not None:
-        dsT, dzT = (x.to(c.acc).contiguous() for x in dstate)
-    else:
-        dsT = dzT = gd  # never read
-    launch(_chunk_dstates_kernel, (NMT, segs[0], B * H),
-        q, c.w, *c.form_ptrs, out, do, mq, den, mk, states[0], states[3], dsT, dzT, gd, gdz,
-        ds0 if has_init else gd, dz0 if has_init else gdz,
-        arrival_counters(q.device, B * H * NMT), T, H, NC, c.G, *segs,
-        *q.stride(), *c.w.stride(), *out.stride(), *do.stride(),
-        HAS_DFINAL=dstate is not None, HAS_INIT=has_init, **meta,
-    )  # fmt: skip
+    p.states(k, v, w, pad, p.root, *ptrs, w, s0, z0, r0, r, gs, gz, gr, gs, gs, gs,
+             arrival_counters(dev, p.counters), *p.states_ints,
+             *chunk_stats_arguments(None, q, k, B, H, G, p.D, acc)[1])  # fmt: skip
+    p.dstates(q, w, p.root, *ptrs, out, do, mq, den, mk, r, gr, dsT, dzT, gd, gdz,
+              ds0 if has_init else gd, dz0 if has_init else gdz,
+              arrival_counters(dev, B * H * p.NMT), *p.dstates_ints, *out.stride(),
+              *do.stride())  # fmt: skip
     if T:  # the forward walks (dq) and the reverse walks (dk, dv), one launch
-        launch(_chunk_bwd_kernel, (2 * segs[0], B * H),
-            q, k, v, c.w, c.pad[0], *c.form_ptrs, *states, gd, gdz, out, do, mq, den, mk, dq, dk,
-            dv, T, H, NC, c.G, *segs, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(),
-            c.pad[1], c.pad[2], *out.stride(), *do.stride(), *dq.stride(), *dk.stride(),
-            *dv.stride(), BPW=next_pow2(cdiv(c.M, 16)), RM=c.BM, HAS_PAD=c.has_pad, **meta,
-        )  # fmt: skip
+        p.bwd(q, k, v, w, pad, p.root, *ptrs, r, gs, gz, gr, gd, gdz, out, do, mq, den, mk, dq,
+              dk, dv, *p.bwd_ints, *out.stride(), *do.stride(), *dq.stride(), *dk.stride(),
+              *dv.stride())  # fmt: skip
     return dq, dk, dv, ds0, dz0

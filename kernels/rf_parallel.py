@@ -137,6 +137,7 @@ from .common import (
     load_rows,
     load_w,
     mask_rows,
+    plan_cache,
     product,
     query_rows,
     ratio,
@@ -758,8 +759,8 @@ def _one_group(c) -> None:
 
 
 #: per-shape plans of the launchers (:func:`common.shape_plan`)
-_FWD_PLANS: dict = {}
-_BWD_PLANS: dict = {}
+_FWD_PLANS = plan_cache()
+_BWD_PLANS = plan_cache()
 
 
 def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, num_splits, need_dw,

@@ -43,6 +43,7 @@ from .common import (
     load_w,
     mask_rows,
     next_pow2,
+    plan_cache,
     product,
     ratio,
     shape_plan,
@@ -164,7 +165,7 @@ def _recurrent_kernel(
 
 
 #: per-shape plans of the launcher (:func:`common.shape_plan`)
-_PLANS: dict = {}
+_PLANS = plan_cache()
 
 
 def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, has_init, *_alignment):

@@ -315,18 +315,25 @@ def test_key_pass_statistics_two_calls_take_their_own_data(kernel_device):
 
 @pytest.fixture
 def chunk_launches(monkeypatch):
-    """The kernels launched through ``launch`` by the causal launchers and the stats pass."""
-    from rfattn.kernels import rf_chunk, stats
+    """The kernels launched by the causal launchers (their plans' bound launches,
+    ``common.Launch``) and by the stats pass (``launch``), with their ``STATS`` flag."""
+    from rfattn.kernels import common, stats
 
     seen = []
-    for mod in (rf_chunk, stats):
-        real = mod.launch
+    real = stats.launch
 
-        def spy(kernel, grid, *args, real=real, **kwargs):
-            seen.append((getattr(kernel, "fn", kernel).__name__, kwargs.get("STATS")))
-            return real(kernel, grid, *args, **kwargs)
+    def spy(kernel, grid, *args, **kwargs):
+        seen.append((getattr(kernel, "fn", kernel).__name__, kwargs.get("STATS")))
+        return real(kernel, grid, *args, **kwargs)
 
-        monkeypatch.setattr(mod, "launch", spy)
+    real_call = common.Launch.__call__
+
+    def bound_spy(self, *args):
+        seen.append((getattr(self.kernel, "fn", self.kernel).__name__, self.kwargs.get("STATS")))
+        return real_call(self, *args)
+
+    monkeypatch.setattr(stats, "launch", spy)
+    monkeypatch.setattr(common.Launch, "__call__", bound_spy)
     return seen
 
 
