@@ -29,6 +29,9 @@ per call:
   at the large shape). Host µs less it would understate (it takes the ops' dispatch off too)
   and mixes two medians of different calls, so it is not reported.
 
+Beside the rows, ``torch_floor_us``: torch's own cost of a differentiable call of the same size
+on this host, no rfattn in it (:func:`torch_floor`), the floor under every host µs here.
+
 The measuring process (a child of ``python -m bench.host``) runs with one torch thread, the
 interpreter off, glibc's heap kept (:data:`MALLOC_ENV`: freed buffers are reused as the CUDA
 caching allocator reuses its blocks, instead of being mapped and faulted in afresh at every
@@ -241,6 +244,49 @@ def measure(feature: str, case: str, shape_name: str, dtype, reps: int, warmup: 
     }
 
 
+def torch_floor(shape_name: str, dtype, reps: int) -> dict:
+    """What torch itself costs this host for a differentiable call of the case's size, with no
+    rfattn in it: p50 µs of a bare ``torch.autograd.Function`` on q, k, v (leaves that require
+    grad) whose forward returns ``torch.empty_like(v)`` and whose backward returns three
+    ``torch.empty_like`` (``fwd``: the forward alone, grad enabled; ``fwd+bwd``: it and
+    ``out.backward(cotangent)``, the inputs' gradients dropped between calls outside the timing).
+    The floor under rfattn's host µs that no change inside rfattn can go below (autograd's graph,
+    its engine, ``Tensor.backward``'s checks of the cotangent, the gradients' accumulation)."""
+    import torch
+
+    shape = SHAPES[shape_name]
+    B, H, T, D, E = (shape[k] for k in ("B", "H", "T", "D", "E"))
+
+    class Bare(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            return torch.empty_like(v)
+
+        @staticmethod
+        def backward(ctx, g):
+            return torch.empty_like(g), torch.empty_like(g), torch.empty_like(g)
+
+    q, k = (torch.zeros(B, H, T, D, dtype=dtype).requires_grad_() for _ in range(2))
+    v = torch.zeros(B, H, T, E, dtype=dtype).requires_grad_()
+    cotangent = torch.zeros(B, H, T, E, dtype=dtype)
+    out = {}
+    for mode in ("fwd", "fwd+bwd"):
+        times = []
+        for i in range(reps + 10):
+            start = time.perf_counter_ns()
+            y = Bare.apply(q, k, v)
+            if mode == "fwd+bwd":
+                y.backward(cotangent)
+            stop = time.perf_counter_ns()
+            del y
+            for x in (q, k, v):
+                x.grad = None
+            if i >= 10:
+                times.append((stop - start) / 1e3)
+        out[mode] = _percentile(sorted(times), 50)
+    return out
+
+
 def targets(rows: list[dict]) -> list[dict]:
     """Issue 35's ceilings, each with the measured value and whether it is met."""
     out = []
@@ -329,6 +375,10 @@ def markdown(doc: dict, shape: str = "large") -> str:
             cells.append(f"{us['p10']:.0f} / {us['p50']:.0f} · "
                          f"{r['triton_launches']} + {r['gpu_ops']}")  # fmt: skip
         lines.append(f"| {feature} | " + " | ".join(cells) + " |")
+    floor = doc.get("torch_floor_us", {}).get(shape)
+    if floor is not None:
+        lines.append(f"| torch alone (bare `autograd.Function`) | {floor['fwd']:.0f} µs forward "
+                     f"with grad, {floor['fwd+bwd']:.0f} µs forward+backward | |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -360,6 +410,7 @@ def run(features, shapes, cases, reps: int, warmup: int, dtype_name: str, thread
                     print(HEADER)
                 rows.append(row)
                 print(row_line(row), flush=True)
+    floor = {shape: torch_floor(shape, dtype, reps) for shape in shapes}
     env = environment(threads)
     env["loadavg_before"] = load_before
     env["loadavg_after"] = os.getloadavg()  # a shared host: other work inflates every time
@@ -374,6 +425,7 @@ def run(features, shapes, cases, reps: int, warmup: int, dtype_name: str, thread
         "config": {"dtype": dtype_name, "shapes": {s: SHAPES[s] for s in shapes}, "reps": reps,
                    "warmup": warmup, "features": list(features), "cases": list(cases)},  # fmt: skip
         "results": rows,
+        "torch_floor_us": floor,
         "targets": targets(rows),
     }
 
@@ -413,6 +465,9 @@ def main(argv=None) -> int:
     print()
     print_table(doc["results"])
     missed = [t for t in doc["targets"] if not t["met"]]
+    for shape, floor in doc["torch_floor_us"].items():
+        print(f"torch's own floor ({shape}: a bare autograd.Function, no rfattn): forward "
+              f"{floor['fwd']:.0f} µs, forward+backward {floor['fwd+bwd']:.0f} µs p50")
     print(f"\nissue 35's ceilings: {len(doc['targets']) - len(missed)} met, {len(missed)} missed")
     for t in missed:
         print(f"  missed: {t['what']} = {t['value']:.3g} (ceiling {t['ceiling']})")

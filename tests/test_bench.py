@@ -330,6 +330,8 @@ def test_host_quick_run(tmp_path):
     assert row["gpu_operations"] == row["triton_launches"] + row["gpu_ops"]
     assert row["gpu_ops"] == sum(row["gpu_ops_by_name"].values())
     assert row["host_copies"] == {} and row["syncs"] == {}
+    floor = doc["torch_floor_us"]["small"]  # torch's own cost of a differentiable call
+    assert 0 < floor["fwd"] < floor["fwd+bwd"]
     assert any(t["what"].endswith("host copies + syncs") and t["met"] for t in doc["targets"])
 
 
