@@ -232,6 +232,24 @@ def _check_state(state, q, v, rf, B: int) -> None:
         raise TypeError("initial_state must be an RFState (s, z, offset)")
     H, E = v.shape[1], v.shape[3]  # key/value heads (grouped-query attention)
     F = rf.feature_map.width(rf.num_features)
+    s, z, off = state
+    dev = q.device
+    if not (isinstance(s, torch.Tensor) and isinstance(z, torch.Tensor) and
+            isinstance(off, torch.Tensor) and s.shape == (B, H, F, E) and z.shape == (B, H, F)
+            and off.shape == (B, H) and s.device == dev and z.device == dev and off.device == dev
+            and s.dtype.is_floating_point and z.dtype.is_floating_point and
+            off.dtype.is_floating_point):  # fmt: skip
+        _state_error(state, dev, B, H, F, E)  # (a decode step's every call: one test first)
+    made_by = None if torch.compiler.is_compiling() else _STATE_DRAW.get(s)
+    if made_by is not None and made_by != getattr(rf, "draw_id", None):
+        raise ValueError(
+            "initial_state was returned by a call with another RandomFeatures, or with this one "
+            "before rf.redraw(): a state only continues the features that made it"
+        )
+
+
+def _state_error(state, device, B: int, H: int, F: int, E: int) -> None:
+    """Raise naming what is wrong with ``initial_state`` (the shapes and device expected)."""
     expected = {"s": (B, H, F, E), "z": (B, H, F), "offset": (B, H)}
     for name, x in zip(("s", "z", "offset"), state, strict=True):
         _check_tensor(f"initial_state.{name}", x, len(expected[name]), str(expected[name]))
@@ -239,16 +257,10 @@ def _check_state(state, q, v, rf, B: int) -> None:
             raise ValueError(
                 f"initial_state.{name} must have shape {expected[name]}, got {tuple(x.shape)}"
             )
-        if x.device != q.device:
-            raise ValueError(f"initial_state.{name} is on {x.device}, expected {q.device}")
+        if x.device != device:
+            raise ValueError(f"initial_state.{name} is on {x.device}, expected {device}")
         if not x.dtype.is_floating_point:  # (other float dtypes are cast to fp32/fp64)
             raise TypeError(f"initial_state.{name} must be floating point, got dtype {x.dtype}")
-    made_by = None if torch.compiler.is_compiling() else _STATE_DRAW.get(state[0])
-    if made_by is not None and made_by != getattr(rf, "draw_id", None):
-        raise ValueError(
-            "initial_state was returned by a call with another RandomFeatures, or with this one "
-            "before rf.redraw(): a state only continues the features that made it"
-        )
 
 
 def group_size(q: torch.Tensor, k: torch.Tensor) -> int:
