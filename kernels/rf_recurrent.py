@@ -51,7 +51,7 @@ from .common import (
     valid_keys,
 )
 
-__all__ = ["rf_recurrent_fwd", "MAX_TOKENS"]
+__all__ = ["rf_recurrent_fwd", "pool_index", "MAX_TOKENS"]
 
 #: the most tokens a call sends through the recurrent step (longer ones use rf_chunk)
 MAX_TOKENS = 16
@@ -60,7 +60,7 @@ MAX_TOKENS = 16
 @triton.jit
 def _recurrent_kernel(
     q_ptr, k_ptr, v_ptr, w_ptr, pad_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr,
-    xi_ptr, qmap_ptr, kmap_ptr, s0_ptr, z0_ptr, r0_ptr, s_ptr, z_ptr, r_ptr, o_ptr,
+    xi_ptr, qmap_ptr, kmap_ptr, s0_ptr, z0_ptr, r0_ptr, s_ptr, z_ptr, r_ptr, o_ptr, idx_ptr,
     T, H, G,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
@@ -72,13 +72,19 @@ def _recurrent_kernel(
     HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
     HAS_INIT: tl.constexpr, PLAIN: tl.constexpr, GP: tl.constexpr, HAS_MAP: tl.constexpr,
+    HAS_IDX: tl.constexpr, POOL_OUT: tl.constexpr,
 ):  # fmt: skip
     """T tokens of one key/value head (b, h) against the state (S0, z0, R0) (zeros without
     HAS_INIT), written to (S, z, R): the first token reads S0, the later ones S (the two may be
     the same tensors: in place). The G query heads that read it are the rows of one [GP, .]
-    tile (GP >= 16, as tl.dot needs)."""
+    tile (GP >= 16, as tl.dot needs). HAS_IDX: the initial states are rows ``idx[b]`` of a pool
+    (S0 ``[P, H, M, E]``, ...), and with POOL_OUT so are the written ones (in place)."""
     i_bh = tl.program_id(0).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
+    i_in = i_bh  # the (b, h) row of the initial state, and of the written one
+    if HAS_IDX:
+        i_in = tl.load(idx_ptr + i_b).to(tl.int64) * H + i_h
+    i_out = i_in if POOL_OUT else i_bh
     NMT: tl.constexpr = (M + BM - 1) // BM
     o_d, o_e = tl.arange(0, BD), tl.arange(0, BE)
     m_d, m_e = o_d < D, o_e < E
@@ -91,7 +97,7 @@ def _recurrent_kernel(
     q_base = q_ptr + i_b * stride_qb + i_h * G * stride_qh  # the group's first query head
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
     v_base = v_ptr + i_b * stride_vb + i_h * stride_vh
-    b_r = load_offset(r0_ptr + i_bh, PLAIN, HAS_INIT, ACC)
+    b_r = load_offset(r0_ptr + i_in, PLAIN, HAS_INIT, ACC)
     for t in range(0, T):
         o_t = t + o_r * 0  # [GP], all rows point at token t
         m_row = o_r == 0
@@ -125,13 +131,14 @@ def _recurrent_kernel(
             o_f = i_m * BM + tl.arange(0, BM)
             m_f = o_f < M
             m_fe = m_f[:, None] & m_e[None, :]
-            o_fe = i_bh * M * E + o_f[:, None] * E + o_e[None, :]
+            o_fe = o_f[:, None] * E + o_e[None, :]
             # the state so far: the initial one before the first token, then the written one
-            b_s = tl.load(s_ptr + o_fe, mask=m_fe & (t > 0), other=0.0)
-            b_z = tl.load(z_ptr + i_bh * M + o_f, mask=m_f & (t > 0), other=0.0)
+            b_s = tl.load(s_ptr + i_out * M * E + o_fe, mask=m_fe & (t > 0), other=0.0)
+            b_z = tl.load(z_ptr + i_out * M + o_f, mask=m_f & (t > 0), other=0.0)
             if HAS_INIT:
-                b_s += tl.load(s0_ptr + o_fe, mask=m_fe & (t == 0), other=0.0).to(ACC)
-                b_z += tl.load(z0_ptr + i_bh * M + o_f, mask=m_f & (t == 0), other=0.0).to(ACC)
+                b_s += tl.load(s0_ptr + i_in * M * E + o_fe, mask=m_fe & (t == 0),
+                               other=0.0).to(ACC)  # fmt: skip
+                b_z += tl.load(z0_ptr + i_in * M + o_f, mask=m_f & (t == 0), other=0.0).to(ACC)
             b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)
             b_uk, b_gk, b_g1, b_g2 = feature_tile(
                 b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
@@ -141,8 +148,8 @@ def _recurrent_kernel(
             # [BM, GP] @ [GP, BE] -> [BM, BE] (signed features split, as the key pass's)
             b_s = b_s * b_alpha + product(tl.trans(b_b), b_v, PRECISION, ACC, FEATURE != 0)
             b_z = b_z * b_alpha + tl.sum(b_b, axis=0)
-            tl.store(s_ptr + o_fe, b_s, mask=m_fe)
-            tl.store(z_ptr + i_bh * M + o_f, b_z, mask=m_f)
+            tl.store(s_ptr + i_out * M * E + o_fe, b_s, mask=m_fe)
+            tl.store(z_ptr + i_out * M + o_f, b_z, mask=m_f)
             b_uq, b_gq, b_g1, b_g2 = feature_tile(
                 b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
                 M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY, b_q, b_scq,
@@ -161,21 +168,24 @@ def _recurrent_kernel(
         tl.store(p_o + o_e[None, :] * stride_oe, b_o.to(o_ptr.dtype.element_ty),
                  mask=m_qr[:, None] & m_e[None, :])  # fmt: skip
         b_r = b_rn
-    store_offset(r_ptr + i_bh, b_r)
+    store_offset(r_ptr + i_out, b_r)
 
 
 #: per-shape plans of the launcher (:func:`common.shape_plan`)
 _PLANS = plan_cache()
 
 
-def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, has_init, *_alignment):
-    """What :func:`rf_recurrent_fwd` derives once per shape (``_alignment``: the state's, in the
-    key only): the setup's sizes, the bound launch and its integer arguments."""
+def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, has_init, has_idx,
+          pool_out, *_alignment):  # fmt: skip
+    """What :func:`rf_recurrent_fwd` derives once per shape (``has_idx``: the initial states are
+    rows of a pool, ``pool_out``: and so are the written ones; ``_alignment``: the state's and
+    the index's, in the key only): the setup's sizes, the bound launch and its integer
+    arguments."""
     c = launch_setup(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles=gpu_tiles)
     B, H, G, T, E = c.B, c.H, c.G, c.Tq, c.E
     launch = Launch(_recurrent_kernel, (B * H,), HAS_PAD=c.has_pad, HAS_INIT=has_init,
-                    PLAIN=c.plain, GP=next_pow2(G), HAS_MAP=c.has_map,
-                    **c.launch_options(num_warps=4), **c.meta)  # fmt: skip
+                    PLAIN=c.plain, GP=next_pow2(G), HAS_MAP=c.has_map, HAS_IDX=has_idx,
+                    POOL_OUT=pool_out, **c.launch_options(num_warps=4), **c.meta)  # fmt: skip
     out = (H * G * T * E, T * E, E, 1)  # contiguous, made by the launcher
     return Plan(B=B, H=H, G=G, T=T, M=c.M, E=E, acc=c.acc, plain=c.plain, root=c.form_ptrs[0],
                 has_pad=c.has_pad, launch=launch, ints=(
@@ -194,6 +204,7 @@ def rf_recurrent_fwd(
     precision: str | None = None,
     inplace: bool = False,
     gpu_tiles: bool | None = None,
+    state_index: torch.Tensor | None = None,
 ):
     """Causal decode step over ``T <= MAX_TOKENS`` tokens (no gradient).
 
@@ -206,9 +217,15 @@ def rf_recurrent_fwd(
         inplace: write the new state into ``initial_state``'s own tensors (they must be
             contiguous, in the accumulation dtype, and not needed afterwards: the cache of a
             generation loop) instead of new ones. Either way no copy of the state is made.
+        state_index: a pool of states (a server's, for requests of different ages):
+            ``initial_state`` holds P states (``[P, H, M, E]``, ...) and row b of the batch
+            continues state ``state_index[b]`` (``[B]`` integers on q's device,
+            :func:`pool_index`); with ``inplace`` the new states are written into those rows
+            of the pool (the indices distinct), else returned as ``[B, ...]``.
 
     Returns:
-        ``(out [B, H * G, T, E], (S, z, offset))``, the state per key/value head.
+        ``(out [B, H * G, T, E], (S, z, offset))``, the state per key/value head (with
+        ``state_index`` and ``inplace``: the pool).
     """
     if q.shape[2] != k.shape[2] or q.shape[2] > MAX_TOKENS:
         raise ValueError(f"the decode step takes Tq == Tk <= {MAX_TOKENS} tokens, got "
@@ -225,12 +242,24 @@ def rf_recurrent_fwd(
                       for x in initial_state)  # fmt: skip
         # the state's alignment is the plan's (Triton specialises on it; in place, no copy)
         state = (s0.data_ptr() % 16, z0.data_ptr() % 16, r0.data_ptr() % 16)
+    idx = None
+    if state_index is not None:
+        if state is None:
+            raise ValueError("state_index needs an initial_state: the pool it indexes")
+        idx = pool_index(state_index, q.shape[0], s0.shape[0], q.device, distinct=inplace)
+        state = (*state, idx.data_ptr() % 16)
     p = shape_plan(_PLANS, _plan, q, k, v, form, scale, key_padding_mask, precision, gpu_tiles,
-                   state is not None, *(state or ()))  # fmt: skip
+                   state is not None, idx is not None, inplace and idx is not None,
+                   *(state or ()))  # fmt: skip
     B, H, G, T, M, E, dev = p.B, p.H, p.G, p.T, p.M, p.E, q.device
     w, *ptrs = form_args(form, B, H * G, H, acc, dev)
     if state is None:
         s0 = z0 = r0 = w  # never read
+    elif idx is not None and (s0.shape[1:] != (H, M, E) or z0.shape != (s0.shape[0], H, M) or
+                              r0.shape != (s0.shape[0], H)):  # fmt: skip
+        raise ValueError(f"a pool of states must be (S [P, {H}, {M}, {E}], z [P, {H}, {M}], "
+                         f"offset [P, {H}]) with one P, got {tuple(s0.shape)}, "
+                         f"{tuple(z0.shape)}, {tuple(r0.shape)}")  # fmt: skip
     if inplace:
         s, z, r = s0, z0, r0
     else:
@@ -242,9 +271,39 @@ def rf_recurrent_fwd(
         if state is None:
             s.zero_(), z.zero_(), r.fill_(0.0 if p.plain else float("-inf"))
         elif not inplace:
-            s.copy_(s0), z.copy_(z0), r.copy_(r0)
+            rows = (s0, z0, r0) if idx is None else (x.index_select(0, idx) for x in (s0, z0, r0))
+            for a, b in zip((s, z, r), rows, strict=True):
+                a.copy_(b)
         return out, (s, z, r)
     if B * H:
         pad = mask_rows(key_padding_mask) if p.has_pad else w
-        p.launch(q, k, v, w, pad, p.root, *ptrs, s0, z0, r0, s, z, r, out, *p.ints)
+        p.launch(q, k, v, w, pad, p.root, *ptrs, s0, z0, r0, s, z, r, out,
+                 w if idx is None else idx, *p.ints)  # fmt: skip
     return out, (s, z, r)
+
+
+def pool_index(state_index: torch.Tensor, batch: int, pool: int, device,
+               distinct: bool) -> torch.Tensor:  # fmt: skip
+    """``state_index`` checked as the rows of a pool of ``pool`` states that a batch of ``batch``
+    continues, as int64 ``[batch]`` (contiguous): its type, shape and device at once, its values
+    (in ``[0, pool)``; ``distinct``: no row twice, as an in-place update needs) by asserts that
+    run on the device, without reading them on the host (an error surfaces at the next sync on
+    CUDA, at once on the CPU)."""
+    if not isinstance(state_index, torch.Tensor) or state_index.dtype.is_floating_point or \
+            state_index.dtype.is_complex or state_index.dtype == torch.bool:  # fmt: skip
+        raise TypeError(f"state_index must be an integer tensor, got "
+                        f"{getattr(state_index, 'dtype', type(state_index).__name__)}")  # fmt: skip
+    if tuple(state_index.shape) != (batch,):
+        raise ValueError(f"state_index must have shape [B] = [{batch}], got "
+                         f"{tuple(state_index.shape)}")  # fmt: skip
+    if state_index.device != device:
+        raise ValueError(f"state_index is on {state_index.device}, expected {device}")
+    idx = state_index.to(torch.int64).contiguous()
+    if batch:
+        torch._assert_async(((idx >= 0) & (idx < pool)).all(),
+                            f"state_index must lie in [0, {pool}): the pool's rows")  # fmt: skip
+    if distinct and batch > 1:
+        sorted_ = idx.sort().values
+        torch._assert_async((sorted_[1:] != sorted_[:-1]).all(),
+                            "state_index must not repeat a row for an in-place update")  # fmt: skip
+    return idx

@@ -529,28 +529,45 @@ def rf_chunk(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, ini
 # decode
 
 
-def _decode_run(q, k, v, form, scale, mask, state, precision, gpu_tiles, inplace=False):
+def _decode_run(q, k, v, form, scale, mask, state, precision, gpu_tiles, inplace=False,
+                index=None):  # fmt: skip
     """The decode step's body (both operators' and the eager call's): ``(out, S, z, offset)``,
-    or ``out`` with ``inplace`` (the new state written into ``state``'s tensors)."""
+    or ``out`` with ``inplace`` (the new state written into ``state``'s tensors; with ``index``
+    into those rows of the pool ``state``)."""
     if on_torch(q):
+        pool = state
+        if index is not None:
+            if state is None:
+                raise ValueError("state_index needs an initial_state: the pool it indexes")
+            index = rf_recurrent_kernels.pool_index(index, q.shape[0], state[0].shape[0],
+                                                    q.device, distinct=inplace)  # fmt: skip
+            state = tuple(x.index_select(0, index) for x in pool)
         out, *new = _torch_chunk(q, k, v, form, scale, mask, state)
         if not inplace:
             return out, *new
-        for old_, new_ in zip(state, new, strict=True):
-            old_.copy_(new_)
+        for old_, new_ in zip(pool, new, strict=True):
+            if index is None:
+                old_.copy_(new_)
+            else:
+                old_.index_copy_(0, index, new_.to(old_.dtype))
         return out
     out, new = rf_recurrent_kernels.rf_recurrent_fwd(
-        q, k, v, form, scale, mask, state, precision, inplace=inplace, gpu_tiles=gpu_tiles
-    )
+        q, k, v, form, scale, mask, state, precision, inplace=inplace, gpu_tiles=gpu_tiles,
+        state_index=index,
+    )  # fmt: skip
     return out if inplace else (out, *new)
 
 
+_INDEX = "Tensor? state_index"
+
+
 def _decode_body(q, k, v, *args):
-    form, (scale, mask, s0, z0, off0, precision, gpu_tiles) = _form(args)
-    return _decode_run(q, k, v, form, scale, mask, _state(s0, z0, off0), precision, gpu_tiles)
+    form, (scale, mask, s0, z0, off0, index, precision, gpu_tiles) = _form(args)
+    return _decode_run(q, k, v, form, scale, mask, _state(s0, z0, off0), precision, gpu_tiles,
+                       index=index)  # fmt: skip
 
 
-_decode = _op("decode", f"{_QKV}, {_FORM}, {_CALL}, {_STATE}, {_OPTS}",
+_decode = _op("decode", f"{_QKV}, {_FORM}, {_CALL}, {_STATE}, {_INDEX}, {_OPTS}",
               "(Tensor, Tensor, Tensor, Tensor)")(_decode_body)  # fmt: skip
 
 
@@ -559,12 +576,14 @@ def _(q, k, v, *args):
     return q.new_empty(*q.shape[:3], v.shape[3]), *_state_like(q, v, args[1])
 
 
-_DECODE_ = f"{_QKV}, {_FORM}, {_CALL}, Tensor(a!) s, Tensor(b!) z, Tensor(c!) off, {_OPTS}"
+_DECODE_ = f"{_QKV}, {_FORM}, {_CALL}, Tensor(a!) s, Tensor(b!) z, Tensor(c!) off, {_INDEX}, " \
+    f"{_OPTS}"  # fmt: skip
 
 
 def _decode_inplace_body(q, k, v, *args):
-    form, (scale, mask, s, z, off, precision, gpu_tiles) = _form(args)
-    return _decode_run(q, k, v, form, scale, mask, (s, z, off), precision, gpu_tiles, True)
+    form, (scale, mask, s, z, off, index, precision, gpu_tiles) = _form(args)
+    return _decode_run(q, k, v, form, scale, mask, (s, z, off), precision, gpu_tiles, True,
+                       index)  # fmt: skip
 
 
 _decode_ = _op("decode_", _DECODE_, "Tensor", mutates=("s", "z", "off"))(_decode_inplace_body)
@@ -576,22 +595,30 @@ def _(q, k, v, *args):
 
 
 def rf_decode(q, k, v, form: KernelForm, scale: float, key_padding_mask=None,
-              initial_state=None, precision=None, inplace=False, gpu_tiles=None):  # fmt: skip
+              initial_state=None, precision=None, inplace=False, gpu_tiles=None,
+              state_index=None):  # fmt: skip
     """The causal decode step of the kernel form ``form`` (no gradient): ``(out, S, z, offset)``.
 
     ``inplace=True`` (``rfattn::decode_``) writes the new state over ``initial_state``'s tensors
     (contiguous, in the accumulation dtype) and returns them: for a caller that owns the state,
     such as a generation cache. Otherwise (``rfattn::decode``) the given state is only read.
+
+    ``state_index`` (``[B]`` integers on q's device): ``initial_state`` is a pool of P states
+    (``[P, H, F, E]``, ...), as a server keeps them for requests of different ages, and batch
+    row b continues state ``state_index[b]``; with ``inplace`` the new states are written into
+    those rows (distinct) and the pool is returned, else the new states are ``[B, ...]``
+    (``rfattn.kernels.rf_recurrent.pool_index`` checks the indices on the device, without a
+    host read).
     """
     if inplace and initial_state is None:
         raise ValueError("inplace=True needs an initial_state to update")
     if not torch.compiler.is_compiling():  # the body: no gradient, no dispatch needed
         out = _decode_run(q, k, v, form, scale, key_padding_mask, initial_state, precision,
-                          gpu_tiles, inplace)  # fmt: skip
+                          gpu_tiles, inplace, state_index)  # fmt: skip
         return (out, *initial_state) if inplace else out
     args = (*flat_form(form), scale, key_padding_mask)
     if inplace:
-        out = _decode_(q, k, v, *args, *initial_state, precision, gpu_tiles)
+        out = _decode_(q, k, v, *args, *initial_state, state_index, precision, gpu_tiles)
         return (out, *initial_state)
     s0, z0, off0 = (None, None, None) if initial_state is None else initial_state
-    return _decode(q, k, v, *args, s0, z0, off0, precision, gpu_tiles)
+    return _decode(q, k, v, *args, s0, z0, off0, state_index, precision, gpu_tiles)

@@ -44,10 +44,16 @@ def test_opcheck_chunk_and_decode(kernel_device):
     torch.library.opcheck(torch.ops.rfattn.chunk.default, args, test_utils=CHECKS)
     one = (q[:, :, :1].detach(), k[:, :, :1], v[:, :, :1])
     state = (s0.detach(), z0.detach(), off0)
-    args = (*one, *flat_form(form), D**-0.5, None, *state, None, None)
+    args = (*one, *flat_form(form), D**-0.5, None, *state, None, None, None)
     torch.library.opcheck(torch.ops.rfattn.decode.default, args, test_utils=CHECKS)
     state = tuple(x.clone() for x in state)
-    args = (*one, *flat_form(form), D**-0.5, None, *state, None, None)
+    args = (*one, *flat_form(form), D**-0.5, None, *state, None, None, None)
+    torch.library.opcheck(torch.ops.rfattn.decode_.default, args, test_utils=CHECKS)
+    # a pool of states, rows picked by index (B rows of a pool of B + 1)
+    pool = tuple(torch.cat([x, x[:1] + 1]).clone() for x in state)
+    index = torch.arange(B, device=kernel_device).flip(0) + 1
+    args = (*one, *flat_form(form), D**-0.5, None, *pool, index, None, None)
+    torch.library.opcheck(torch.ops.rfattn.decode.default, args, test_utils=CHECKS)
     torch.library.opcheck(torch.ops.rfattn.decode_.default, args, test_utils=CHECKS)
 
 

@@ -6,6 +6,7 @@ test_attention.py. On CPU these run under the Triton interpreter with 16-token c
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -472,6 +473,47 @@ def test_decode_step_equals_chunked(feature, weights, opts, kernel_device):
     )
     assert all(a is b for a, b in zip(new, init, strict=True)) and torch.equal(out, step)
     assert all(torch.equal(a, b) for a, b in zip(init, st1, strict=True))
+
+
+@pytest.mark.parametrize("backend", ["kernel", "torch"])
+def test_decode_from_a_pool_of_states(backend, monkeypatch, kernel_device):
+    """A batch whose rows continue rows of a pool of states (``state_index``, grouped-query
+    heads) equals the same step from those states gathered: outputs and new states in float64;
+    in place, the indexed rows of the pool become the new states and no other row changes; an
+    index out of range, repeated for an in-place step, of the wrong type or length is refused.
+    On the kernel (interpreter / GPU) and on the operators' torch kernels."""
+    from rfattn import ops
+
+    device = kernel_device if backend == "kernel" else torch.device("cpu")
+    monkeypatch.setattr(ops, "TORCH_ON_CPU", backend == "torch")
+    B, P, Hq, H, D, M, E = 3, 5, 4, 2, 8, 16, 5
+    rf = rfattn.RandomFeatures(D, M, seed=4).double().to(device)
+    q = rand(P, Hq, 9, D, seed=1, dtype=f64, device=device)
+    k = rand(P, H, 9, D, seed=2, dtype=f64, device=device)
+    v = rand(P, H, 9, E, seed=3, dtype=f64, device=device)
+    form = kernel_form(rf, q[:, :2], k, None, D**-0.5, causal=True)
+    pool = rf_chunk(q[:, :, :7], k[:, :, :7], v[:, :, :7], form, D**-0.5)[1:]  # P states
+    index = torch.tensor([3, 0, 4], device=device)
+    step = (q[:B, :, 7:], k[:B, :, 7:], v[:B, :, 7:])  # two new tokens per row
+    gathered = tuple(x[index].clone() for x in pool)
+    out_ref, *new_ref = rf_decode(*step, form, D**-0.5, initial_state=gathered)
+    out, *new = rf_decode(*step, form, D**-0.5, initial_state=pool, state_index=index)
+    assert rel_rms(out, out_ref) <= 1e-12
+    for a, b in zip(new, new_ref, strict=True):
+        assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-12, atol=0)
+    before = tuple(x.clone() for x in pool)
+    out2, *kept = rf_decode(*step, form, D**-0.5, initial_state=pool, inplace=True,
+                            state_index=index)  # fmt: skip
+    assert rel_rms(out2, out_ref) <= 1e-12 and all(a is b for a, b in zip(kept, pool, strict=True))
+    others = torch.tensor([1, 2], device=device)
+    for x, x0, ref in zip(pool, before, new_ref, strict=True):
+        assert torch.allclose(x[index], ref, rtol=1e-12, atol=0)
+        assert torch.equal(x[others], x0[others])
+    for bad, error in ((torch.tensor([3, 0, 5]), "lie in"), (torch.tensor([3, 3, 4]), "repeat"),
+                       (torch.tensor([3.0, 0.0, 4.0]), "integer"), (torch.tensor([3, 0]), "[B]")):
+        with pytest.raises((RuntimeError, TypeError, ValueError), match=re.escape(error)):
+            rf_decode(*step, form, D**-0.5, initial_state=pool, inplace=True,
+                      state_index=bad.to(device))  # fmt: skip
 
 
 class _FakeKernel:
