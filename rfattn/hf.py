@@ -393,8 +393,11 @@ def rfattn_mask(
 
 def _padding_view(keep: torch.Tensor | None, batch_size: int, q_length: int):
     """The key-padding mask ``keep [B, Tk]`` (True = a token) as a stride-0 ``[B, 1, Tq, Tk]``
-    view, or None when every key is a token."""
-    if keep is None or bool(keep.all()):
+    view, or None when every key is a token. Whether every key is one is read on the host in
+    eager mode only (as transformers' own SDPA mask skips its check under tracing): a compiled
+    forward keeps the view, and the attention takes it as padding of no key, with no host read
+    and no graph break."""
+    if keep is None or not torch.compiler.is_compiling() and bool(keep.all()):
         return None
     return keep[:, None, None, :].expand(batch_size, 1, q_length, keep.shape[1])
 
@@ -503,7 +506,10 @@ def _split_mask(mask: torch.Tensor, causal: bool, tq: int, tk: int):
         raise NotImplementedError("rfattn: per-head attention masks are not supported")
     keep = keep[:, 0]
     pad = ~keep[:, -1, :]  # the last query sees every non-padded key in both forms
-    if keep.stride(-2) == 0:  # rfattn_mask's key-padding view: rows identical by construction
+    # rfattn_mask's key-padding view (rows identical by construction), or one query, whose one
+    # row is its key padding whatever the pattern: nothing to compare (a decode step reads
+    # nothing on the host)
+    if keep.stride(-2) == 0 or tq == 1:
         return pad, causal
     i = torch.arange(tq, device=keep.device)[:, None] + (tk - tq)
     tri = torch.arange(tk, device=keep.device)[None, :] <= i

@@ -336,29 +336,38 @@ def test_rfattns_own_calls_raise_no_deprecation_warning():
                     reason="before 5.24 an attention layer gives the cache's update no dict it "
                     "shares with the attention function: the state layer goes through a weak "
                     "dictionary, where dynamo breaks the graph")  # fmt: skip
-def test_a_decode_step_compiles_whole_once_for_every_later_position():
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_decode_step_compiles_whole_once_for_every_later_position(padded):
     """torch.compile(fullgraph=True) of one cached forward (the hand-written loop's step): no
     graph break (the cache layer reaches the attention function through the attention layer's
-    own keyword arguments, not a module-level dict), at most two compilations over 16
-    positions (the first position's, then one with the position dynamic), and logits equal to
-    the eager steps' (float64)."""
+    own keyword arguments, not a module-level dict; with an attention mask, as generate() and
+    padded batches pass one, the mask is read without a host sync), at most two compilations
+    over 16 positions (the first position's, then one with the position dynamic), and logits
+    equal to the eager steps' (float64)."""
     from torch._dynamo.testing import CompileCounter
 
     model = _llama(2, num_features=16)
-    ids = _ids(1, 8, seed=5)
+    B = 2 if padded else 1
+    ids = _ids(B, 8, seed=5)
     counter = CompileCounter()
 
-    def step(tok, cache):
-        return model(tok, use_cache=True, **{CACHE: cache}).logits
+    def step(tok, mask, cache):
+        return model(tok, attention_mask=mask, use_cache=True, **{CACHE: cache}).logits
 
     compiled = torch.compile(step, backend=counter, fullgraph=True)
     logits = []
     for run in (step, compiled):
         with torch.no_grad():
-            out = model(ids, use_cache=True)
+            mask = None
+            if padded:  # the second row left-padded by 3
+                mask = torch.ones(B, 8, dtype=torch.long)
+                mask[1, :3] = 0
+            out = model(ids, attention_mask=mask, use_cache=True)
             cache, tok, steps = getattr(out, CACHE), out.logits[:, -1:].argmax(-1), []
             for _ in range(16):
-                steps.append(run(tok, cache))
+                if padded:
+                    mask = torch.cat((mask, mask.new_ones(B, 1)), 1)
+                steps.append(run(tok, mask, cache))
                 tok = steps[-1][:, -1:].argmax(-1)
         assert all(isinstance(layer, rfhf.RFCacheLayer) for layer in cache.layers)
         logits.append(torch.cat(steps, 1))
