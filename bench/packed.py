@@ -10,7 +10,8 @@ Four seeded length mixes: ``longtail`` (lognormal lengths, median ``--median``, 
 ``onelong`` (one ``--max-len`` document and seven of ``--short``: the issue's example),
 ``uniform`` (``--uniform-n`` documents within 10 % of ``--total / --uniform-n``: padding wastes
 little) and ``manyshort`` (the same with ``--many-n`` documents: little padding, and many
-sequences, which the packed path runs one call each). Each mix runs causal and non-causal,
+sequences, which the packed path runs as a few batches of similar length,
+``rfattn.attention.buckets``). Each mix runs causal and non-causal,
 forward and forward+backward (``torch.autograd.grad`` of the outputs weighted on the valid
 positions), posrf features, fp32, the default backend (the torch path on the CPU, the fused
 kernels on CUDA).

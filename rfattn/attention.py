@@ -229,23 +229,85 @@ def _attend(call: Call):
 
 
 def _packed(call: Call):
-    """A packed call's result: each sequence a call of its own (:meth:`Call.sequence`: views of
-    the row, so features stay blocked per sequence on the torch path and the fused kernels run
-    per sequence), outputs joined along T and states along the batch; a sequence without
-    queries or keys runs nothing (:func:`rfattn.torch_path.empty_result`: outputs 0, the state
-    passed on; no heads: nothing at all). Running statistics then move once, from the whole
-    row (:func:`rfattn.torch_path.move_statistics`)."""
+    """A packed call's result: its sequences in batches of similar length (:func:`buckets`),
+    each batch one call (:meth:`Call.batch_of`: the sequences as rows, zero-padded and masked
+    to the longest; a batch of one sequence is :meth:`Call.sequence`'s views of the row, no
+    copy), so a row of many short documents costs a few calls, not one per document; outputs
+    back in the row's order and states along the batch. A sequence without queries or keys runs
+    nothing (:func:`rfattn.torch_path.empty_result`: outputs 0, the state passed on; no heads:
+    nothing at all). Running statistics then move once, from the whole row
+    (:func:`rfattn.torch_path.move_statistics`)."""
+    oq, ok = call.packed
+    N = len(oq) - 1
     heads = call.q.shape[1] > 0 and call.k.shape[1] > 0
-    outs, states = [], []
-    for seq in call.sequences():
-        empty = not heads or seq.q.shape[2] == 0 or seq.k.shape[2] == 0
-        res = torch_path.empty_result(seq) if empty else run(seq)
-        outs.append(res[0] if call.return_state else res)
+    lengths = [(oq[i + 1] - oq[i], ok[i + 1] - ok[i]) for i in range(N)]
+    runs = [i for i in range(N) if heads and min(lengths[i]) > 0]
+    states = [None] * N
+    parts = []  # (query slots of a result's rows, their positions in the row, the result)
+    for i in set(range(N)).difference(runs):
+        seq = call.sequence(i)
+        res = torch_path.empty_result(seq)
+        parts.append((None, i, res[0] if call.return_state else res))
+        states[i] = res[1] if call.return_state else None
+    for group in buckets([lengths[i] for i in runs]):
+        indices = [runs[j] for j in group]
+        if len(indices) == 1:
+            res = run(call.sequence(indices[0]))
+            parts.append((None, indices[0], res[0] if call.return_state else res))
+        else:
+            batch, slots, pos = call.batch_of(indices)
+            res = run(batch)
+            parts.append((slots, pos, res[0] if call.return_state else res))
         if call.return_state:
-            states.append(res[1])
+            for j, i in enumerate(indices):
+                states[i] = RFState(*(x[j : j + 1] for x in res[1]))
     if heads:
         torch_path.move_statistics(call)
-    out = torch.cat(outs, dim=2)
+    out = _packed_output(call, parts)
     if not call.return_state:
         return out
-    return out, RFState(*(torch.cat(parts, dim=0) for parts in zip(*states, strict=True)))
+    return out, RFState(*(torch.cat(p, dim=0) for p in zip(*states, strict=True)))
+
+
+#: the most padding a batch of packed sequences carries (:func:`buckets`): a quarter of its
+#: tokens
+PACKED_PADDING = 0.25
+
+
+def buckets(lengths: list[tuple[int, int]]) -> list[list[int]]:
+    """The sequences of lengths ``(queries, keys)`` grouped into batches, shortest first, each
+    padded to its longest with at most :data:`PACKED_PADDING` of its tokens in padding (a
+    sequence longer than every other alone), as indices into ``lengths``."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i][1], lengths[i][0]))
+    groups, group, tokens, lq, lk = [], [], 0, 0, 0
+    for i in order:
+        q, k = lengths[i]
+        mq, mk = max(lq, q), max(lk, k)
+        if group and (len(group) + 1) * (mq + mk) > (1 + PACKED_PADDING) * (tokens + q + k):
+            groups.append(group)
+            group, tokens, mq, mk = [], 0, q, k
+        group.append(i)
+        tokens, lq, lk = tokens + q + k, mq, mk
+    if group:
+        groups.append(group)
+    return groups
+
+
+def _packed_output(call: Call, parts: list) -> torch.Tensor:
+    """The packed row's output ``[1, H, total, E]`` from its parts: a batch's rows (its query
+    slots and their positions in the row, :meth:`Call.batch_of`) or one sequence's output."""
+    oq = call.packed[0]
+    q, v = call.q, call.v
+    if len(parts) == 1 and parts[0][0] is None:  # one sequence: its output is the row's
+        return parts[0][2]
+    pieces, positions = [], []
+    for slots, pos, out in parts:
+        if slots is None:  # sequence pos: [1, H, its queries, E]
+            pieces.append(out[0])
+            positions.append(torch.arange(oq[pos], oq[pos + 1], device=q.device))
+        else:  # [n, H, Lq, E]: the rows' token slots
+            pieces.append(out.transpose(0, 1).flatten(1, 2).index_select(1, slots))
+            positions.append(pos)
+    values, where = torch.cat(pieces, dim=1), torch.cat(positions)
+    row = values.new_zeros(q.shape[1], q.shape[2], v.shape[3])
+    return row.index_copy(1, where, values)[None]

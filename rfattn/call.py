@@ -452,6 +452,51 @@ class Call:
             packed=None, update_stats=False,
         )  # fmt: skip
 
+    def batch_of(self, indices: list[int]) -> tuple[Call, torch.Tensor, torch.Tensor]:
+        """Sequences ``indices`` of a packed call as one call of a batch: row j holds sequence
+        ``indices[j]``, its tokens first and zeros after them up to the longest of them, the
+        zeros key- and query-padded (so they reach no output, statistic or gradient) besides
+        the packed call's own masks; its rows of the initial states; running statistics left
+        where they are (as :meth:`sequence`). Returns ``(call, slots, tokens)``: the batch's
+        query slots (``[n * Lq]``, flat over rows) that hold tokens and those tokens' positions
+        in the packed row, for the output's way back."""
+        oq, ok = self.packed
+        dev = self.q.device
+
+        def layout(offsets):  # (slots, positions, length) of the sequences' tokens
+            lens = [offsets[i + 1] - offsets[i] for i in indices]
+            L = max(lens)
+            slots = [j * L + t for j, n in enumerate(lens) for t in range(n)]
+            pos = [offsets[i] + t for i, n in zip(indices, lens, strict=True) for t in range(n)]
+            return (torch.tensor(slots, dtype=torch.int64, device=dev),
+                    torch.tensor(pos, dtype=torch.int64, device=dev), L)  # fmt: skip
+
+        (sq, pq, Lq), (sk, pk, Lk) = layout(oq), layout(ok)
+        n = len(indices)
+
+        def rows(x, slots, pos, L):  # [1, H, total, D] -> [n, H, L, D], zeros after the tokens
+            flat = x.new_zeros(x.shape[1], n * L, x.shape[3])
+            flat = flat.index_copy(1, slots, x[0].index_select(1, pos))
+            return flat.unflatten(1, (n, L)).transpose(0, 1)
+
+        def padding(mask, slots, pos, L):  # [1, total] -> [n, L] bool, True = padding
+            given = torch.zeros(len(pos), dtype=torch.bool, device=dev) if mask is None \
+                else mask[0].index_select(0, pos)  # fmt: skip
+            return torch.ones(n * L, dtype=torch.bool, device=dev).index_copy(0, slots,
+                                                                             given).view(n, L)
+
+        st = self.initial_state
+        if st is not None:
+            idx = torch.tensor(indices, dtype=torch.int64, device=st[0].device)
+            st = RFState(*(x.index_select(0, idx) for x in st))
+        call = self.replace(
+            q=rows(self.q, sq, pq, Lq), k=rows(self.k, sk, pk, Lk), v=rows(self.v, sk, pk, Lk),
+            key_padding_mask=padding(self.key_padding_mask, sk, pk, Lk),
+            query_padding_mask=padding(self.query_padding_mask, sq, pq, Lq),
+            initial_state=st, packed=None, update_stats=False,
+        )  # fmt: skip
+        return call, sq, pq
+
     def with_maps_applied(self) -> Call:
         """This call with its head maps applied to q and k here (padded keys zeroed first), for
         the paths that read q and k more than once or take no maps."""

@@ -12,7 +12,9 @@ import rfattn
 
 f64 = torch.float64
 HQ, HK, D, E, M = 4, 2, 4, 3, 8
-LENGTHS = (0, 1, 5, 17, 33)  # an empty sequence, one token, and a few awkward lengths
+#: an empty sequence, one token, a few awkward lengths, and lengths close enough to be batched
+#: (rfattn.attention.buckets: 5, 5, 6 and 16, 17, 18 run as two batches of three)
+LENGTHS = (0, 1, 5, 17, 33, 6, 16, 5, 18)
 CAUSAL = [pytest.param(c, id="causal" if c else "noncausal") for c in (False, True)]
 
 
@@ -115,6 +117,43 @@ def test_packed_initial_states_torch(kv_heads):
     assert torch.equal(packed[1].s[0], st.s[0]) and torch.equal(packed[1].offset[0], st.offset[0])
 
 
+def test_buckets_bound_the_padding():
+    """Every sequence in exactly one batch; a batch of more than one pads at most a quarter of
+    its tokens (queries and keys), shortest first."""
+    from rfattn.attention import PACKED_PADDING, buckets
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [(int(a), int(b)) for a, b in torch.randint(1, 300, (200, 2), generator=g)]
+    groups = buckets(lengths)
+    assert sorted(i for grp in groups for i in grp) == list(range(200))
+    assert sum(len(grp) > 1 for grp in groups) >= 10  # it batches at all
+    for grp in groups:
+        tokens = sum(sum(lengths[i]) for i in grp)
+        padded = len(grp) * (max(lengths[i][0] for i in grp) + max(lengths[i][1] for i in grp))
+        assert len(grp) == 1 or padded <= (1 + PACKED_PADDING) * tokens
+
+
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_many_short_sequences_run_as_few_calls(causal, monkeypatch):
+    """64 documents of 7-9 tokens: two calls in all (one per batch), outputs, states and
+    gradients equal to 64 separate calls (float64)."""
+    from rfattn import attention
+
+    ran = []
+    real = attention.run
+    monkeypatch.setattr(attention, "run", lambda call: ran.append(call) or real(call))
+    rf = rfattn.RandomFeatures(D, M, "oprf", seed=0).double().eval()
+    lengths = [7 + i % 3 for i in range(64)]
+    q, k, v = leaves(lengths, kv_heads=HK)
+    cu = offsets(lengths)
+    packed = rfattn.rf_attention(q, k, v, rf, causal=causal, return_state=causal, cu_seqlens=cu,
+                                 backend="torch")  # fmt: skip
+    batches = [c for c in ran if c.packed is None]  # (the packed call itself enters run too)
+    assert len(batches) <= 2 and sum(c.q.shape[0] for c in batches) == 64
+    sep = separate(q, k, v, rf, cu.tolist(), cu.tolist(), causal, backend="torch")
+    assert_same(packed, sep, (q, k, v))
+
+
 def test_packed_head_maps_and_masks_torch():
     """Head maps (their gradients too) and ``[1, total]`` masks sliced per sequence, non-causal
     cross-attention with ``cu_seqlens_q`` / ``cu_seqlens_k`` (a sequence with queries and no keys
@@ -122,13 +161,13 @@ def test_packed_head_maps_and_masks_torch():
     rf = rfattn.RandomFeatures(D, M, "posrf", seed=0, head_maps=(HQ, HK)).double()
     with torch.no_grad():
         rf.query_map.add_(0.1 * rand(*rf.query_map.shape, seed=11))
-    lq, lk = (3, 0, 4, 9), (5, 2, 0, 7)
+    lq, lk = (3, 0, 4, 9, 5), (5, 2, 0, 7, 6)  # the first and the last batched
     q, k, v = leaves(lq, kv_lengths=lk)
     cq, ck = offsets(lq), offsets(lk)
     kpm = torch.zeros(1, sum(lk), dtype=torch.bool)
-    kpm[0, [1, 12]] = True
+    kpm[0, [1, 12, 16]] = True
     qpm = torch.zeros(1, sum(lq), dtype=torch.bool)
-    qpm[0, 8] = True
+    qpm[0, [8, 17]] = True
     outs = []
     for packed in (True, False):
         kw = dict(cu_seqlens_q=cq, cu_seqlens_k=ck) if packed else {}
@@ -208,11 +247,11 @@ def test_junk_in_one_sequence_reaches_no_other(backend, causal, kernel_device):
 
 @pytest.mark.parametrize("causal", CAUSAL)
 def test_packed_equals_separate_calls_fused(causal, kernel_device):
-    """The fused backend (one fused call per sequence): outputs, gradients and states equal
+    """The fused backend (a fused call per batch of sequences): outputs, gradients and states equal
     separate fused calls, grouped heads, with initial states when causal (tiny shapes: the
     interpreter)."""
     rf = rfattn.RandomFeatures(D, M, "posrf", seed=0).double().to(kernel_device).eval()
-    lengths = (0, 1, 5, 17)
+    lengths = (0, 1, 5, 17, 6, 16)  # 5 and 6, 16 and 17: batches of two
     q, k, v = (x.detach().to(kernel_device).requires_grad_() for x in leaves(lengths))
     cu = offsets(lengths).to(kernel_device)
     st = None
