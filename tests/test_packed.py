@@ -222,7 +222,7 @@ def test_junk_in_one_sequence_reaches_no_other(backend, causal, kernel_device):
     gradients are those of the clean row, bit for bit (the fused backend: its causal kernels)."""
     device = kernel_device if backend == "triton" else torch.device("cpu")
     rf = rfattn.RandomFeatures(D, M, "posrf", seed=0).double().to(device).eval()
-    lengths = (6, 9, 5)
+    lengths = (6, 7, 5)  # one batch of three (rfattn.attention.buckets): junk shares it
     cu = offsets(lengths).to(device)
     res = []
     for junk in (None, float("nan"), 1e30):
@@ -230,11 +230,11 @@ def test_junk_in_one_sequence_reaches_no_other(backend, causal, kernel_device):
         if junk is not None:
             with torch.no_grad():
                 for x in (q, k, v):
-                    x[:, :, 6:15:2] = junk
+                    x[:, :, 6:13:2] = junk
         out = rfattn.rf_attention(q, k, v, rf, causal=causal, return_state=causal,
                                   cu_seqlens=cu, backend=backend)  # fmt: skip
         res.append((out, grads(out, (q, k, v))))
-    keep = torch.tensor([True] * 6 + [False] * 9 + [True] * 5, device=device)
+    keep = torch.tensor([True] * 6 + [False] * 7 + [True] * 5, device=device)
     for out, gs in res[1:]:
         o, o0 = (out, res[0][0]) if not causal else (out[0], res[0][0][0])
         assert torch.equal(o[:, :, keep], o0[:, :, keep])
