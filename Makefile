@@ -90,7 +90,8 @@ test-slow: $(STAMP)
 	$(INTERPRET) $(PY) -m pytest -m slow $(XDIST) $(PYTEST_ARGS)
 
 # Every fused kernel launch compiles for a Hopper GPU (sm_90) and fits its shared memory, checked
-# without a GPU (bench/compile.py; ~30 minutes on 2 cores, so not part of `make test`; CI runs it).
+# without a GPU (bench/compile.py; ~30 minutes on 2 cores, so not part of `make test`; CI runs it);
+# with it, torch.compile(dynamic=True) of rf_attention: one graph for every sequence length.
 check-compile: $(STAMP)
 	$(INTERPRET) $(PY) -m pytest -m compile tests/test_compile.py $(PYTEST_ARGS)
 

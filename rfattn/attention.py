@@ -9,6 +9,7 @@ running key max of docs/numerics.md, so a sequence can be split and resumed).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -28,6 +29,7 @@ from rfattn.call import (
     validate,
 )
 from rfattn.features import compute_dtype, python_scalar
+from rfattn.features.base import symbolic
 
 __all__ = ["rf_attention", "RFState", "BACKENDS", "fused_kernel_available"]
 
@@ -164,11 +166,21 @@ def rf_attention(
         root = learned.reshape(()).to(device=q.device, dtype=compute_dtype(q.dtype)).sqrt()
         q = (padded_rows(q, query_padding_mask) * root).to(q.dtype)
         k = (padded_rows(k, key_padding_mask) * root).to(k.dtype)
-    call = Call(q, k, v, rf, causal=causal, key_padding_mask=key_padding_mask,
-                scale=q.shape[-1] ** -0.5 if scale is None else float(scale), backend=backend,
-                query_padding_mask=query_padding_mask, initial_state=initial_state,
-                return_state=return_state, group=group, window=window, sinks=sinks,
-                packed=packed)  # fmt: skip
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    elif symbolic(scale) and runs_fused(q, rf, causal, backend):
+        # a scale computed from symbolic sizes (torch.compile, dynamic shapes): the operators
+        # take a float, which would specialise it (a recompile per length), so it goes into q
+        # and k, as a learned scale does (the torch path takes it as it is)
+        root = math.sqrt(scale)
+        q, k = ((x.to(compute_dtype(x.dtype)) * root).to(x.dtype) for x in (q, k))
+        scale = 1.0
+    elif type(scale) is not float:  # an int (a symbolic one stays symbolic)
+        scale = torch.sym_float(scale)
+    call = Call(q, k, v, rf, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
+                backend=backend, query_padding_mask=query_padding_mask,
+                initial_state=initial_state, return_state=return_state, group=group,
+                window=window, sinks=sinks, packed=packed)  # fmt: skip
     if packed is None and 0 in (q.shape[0], q.shape[1], k.shape[1]):  # nothing to run
         res = torch_path.empty_result(call)
     elif interception() is not None:  # rfattn.calibrate records calls

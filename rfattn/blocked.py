@@ -46,7 +46,7 @@ import torch.nn.functional as nnf
 
 from rfattn import threads, workspace
 from rfattn.features import prescale, query_features
-from rfattn.features.base import LOG2E, exp_diff
+from rfattn.features.base import LOG2E, exp_diff, symbolic
 from rfattn.reference import attention_ratio, linear_attention, safe_denominator
 
 #: tokens per chunk (the intra-chunk block is [C, C] per (b, h, query head))
@@ -366,7 +366,9 @@ class Block:
         ve = self.e[..., None]  # each value at its weight in its chunk's state
         self.ve = torch.mul(vh, ve, out=workspace.buffer("ve", vh.shape, vh.dtype, vh.device))
         own = workspace.product(self.ve.transpose(-1, -2), pk, "own")  # [B, H, n, V, F]
-        if torch.is_grad_enabled():
+        if compiling and symbolic(n):  # dynamic shapes: no loop over a symbolic chunk count
+            self.prefix, s_out = _chunk_scan(s_in, own, R)
+        elif torch.is_grad_enabled():
             states = [s_in]
             for c in range(n):
                 states.append(torch.addcmul(own[:, :, c], states[-1], step[:, :, c]))
@@ -416,6 +418,29 @@ class Block:
         dvh = (self.pk @ d_own.transpose(-1, -2)).mul_(self.e[..., None])
         dvh.flatten(0, -3).baddbmm_(self.A.transpose(-1, -2).flatten(0, -3), dnh.flatten(0, -3))
         return dpq.flatten(2, 3), dpk.flatten(2, 3), dvh, ds_in
+
+
+def _chunk_scan(s_in, own, R):
+    """``(prefix, s_out)`` of :class:`Block`'s scan over its chunks, ``S_c = step_c S_{c-1} +
+    own_c``, as products for a symbolic chunk count n (``torch.compile`` with dynamic shapes,
+    where a loop over the chunks would specialise the length: a recompile per length).
+    Unrolled, the state before chunk c is ``sum_{j <= c} exp(R_j - R_c) X_j`` over ``X = [s_in,
+    own_0, ..., own_{n-1}]`` (the steps' product telescopes; the terms of ``R_j = -inf``, no key
+    yet, are 0 as the steps make them): every factor at most 1, so no overflow. n^2 in place of
+    the loop's n multiply-adds of ``[V, F]`` per (b, h): below the intra-chunk products' n C^2
+    (F + V) up to about C^2 (F + V) / (V F) chunks (~120 at F = 64, V = 72: T ~ 7600), then
+    quadratic in T. No slice of a symbolic length is taken (its layout would be guarded on)."""
+    n = own.shape[2]
+    x = torch.cat((s_in[:, :, None], own), dim=2).flatten(3)  # [B, H, n + 1, V * F]
+    j = torch.arange(n + 1, device=R.device)
+
+    def weights(c, Rc):  # exp(R_j - R_c) for j <= c, R_j live, else 0: [B, H, rows, n + 1]
+        live = (j <= c[:, None]) & (R[..., None, :] > _NINF)
+        return torch.where(live, R[..., None, :] - Rc[..., None], _NINF).mul_(LOG2E).exp2_()
+
+    prefix = weights(torch.arange(n, device=R.device), R[..., :-1]) @ x
+    s_out = weights(j[-1:], R[..., -1:]) @ x
+    return prefix.unflatten(3, own.shape[3:]), s_out[:, :, 0].unflatten(2, own.shape[3:])
 
 
 def _ratio_grad(dout, out, den, poisoned, width: int):
@@ -497,9 +522,13 @@ def scan_forward(spec, inputs: tuple, block: int, out, den, s, off, keep: bool, 
         q, k, v, w, params = inputs
         inputs = (q[:, h0 * G : h1 * G], k[:, h0:h1], v[:, h0:h1], w, params)
     starts, offs, scores = [], [], []
+    # blocks of ``block`` tokens; one for a symbolic length or block (torch.compile, dynamic
+    # shapes: a loop over them would specialise the length, a recompile per length; the traced
+    # path holds the whole sequence's features anyway)
+    whole = torch.compiler.is_compiling() and (symbolic(T) or symbolic(block))
     with threads.adaptive(out.device) if threads.ENABLED else contextlib.nullcontext():
-        for t0 in range(0, T, block):
-            t1 = min(T, t0 + block)
+        for t0 in (0,) if whole else range(0, T, block):
+            t1 = T if whole else min(T, t0 + block)
             if keep:
                 starts.append(s)
                 offs.append(off)
@@ -527,7 +556,7 @@ def scan_forward(spec, inputs: tuple, block: int, out, den, s, off, keep: bool, 
                 if blk.poisoned is not None:
                     nh = torch.where(blk.poisoned, float("nan"), nh)
                 num, d = nh[..., :E], nh[..., E]
-                if (t1 - t0) % C or torch.is_grad_enabled():  # a padded tail, or traced
+                if whole or (t1 - t0) % C or torch.is_grad_enabled():  # a padded tail, traced
                     ratio = attention_ratio(num, d) if torch.is_grad_enabled() else (
                         num / safe_denominator(d)[..., None])  # fmt: skip
                     ratio = ratio.unflatten(3, (G, C)).transpose(2, 3).flatten(3, 4)
@@ -692,13 +721,21 @@ class _CausalAttention(torch.autograd.Function):
 def _given_block(pq, pk, m, v, mask, t0: int, t1: int, s, off, scores=None) -> Block:
     """The :class:`Block` of tokens ``t0:t1`` from given features (:class:`_CausalScan`;
     ``scores``: :class:`Block`'s)."""
-    C = chunk_of(t1 - t0)
-    G, n = pq.shape[2], -(-(t1 - t0) // C)
-    pad = n * C - (t1 - t0)
+    G, T = pq.shape[2], t1 - t0
+    if symbolic(T):
+        # torch.compile, dynamic shapes: chunks of CHUNK tokens, at least two and at least one
+        # padded token, for every length alike (torch's views and layouts treat a dim of size 1
+        # and a slice that is the whole dim apart: guards on them, a graph more per case)
+        C = CHUNK
+        n = max(2, T // C + 1)
+    else:
+        C = chunk_of(T)
+        n = -(-T // C)
+    pad = n * C - T
     mb = None if mask is None else mask[:, t0:t1]
     vh = _key_values(v[:, :, t0:t1], mb, s.shape[-2], s.dtype, pad)
     pq, pk, mk = pq[:, :, :, t0:t1], pk[:, :, t0:t1], nnf.pad(m[:, :, t0:t1], (0, pad), value=_NINF)
-    if pad:  # the tokens that fill the last chunk: zero features, empty keys
+    if symbolic(pad) or pad:  # the tokens that fill the last chunk: zero features, empty keys
         pq, pk = nnf.pad(pq, (0, 0, 0, pad)), nnf.pad(pk, (0, 0, 0, pad))
     rows = pq.unflatten(3, (n, C)).transpose(2, 3).flatten(2, 4)
     return Block(rows, pk, mk, vh.unflatten(2, (n, C)), s, off, G, v.shape[-1], scores)

@@ -110,9 +110,13 @@ def validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_stat
     if key_padding_mask is not None:
         check_mask("key_padding_mask", key_padding_mask, (ks[0], ks[2]), q.device)
     if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        if isinstance(scale, bool) or not isinstance(scale, (int, float, torch.SymInt,
+                                                             torch.SymFloat)):  # fmt: skip
             raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-        if not (math.isfinite(scale) and scale > 0):
+        # comparisons, not math.isfinite: under torch.compile with dynamic shapes a scale
+        # computed from sizes (a length-dependent temperature) is a SymFloat, which they check
+        # by a guard on the expression, not on its value (no recompile per length); NaN fails
+        if not 0 < scale < math.inf:
             raise ValueError(f"scale must be a finite number > 0, got {scale}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

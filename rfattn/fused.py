@@ -14,6 +14,7 @@ import torch
 
 from rfattn.call import Call, RFState, learns_gerf_a, mapped, no_kernel_reason, query_rows
 from rfattn.features import compute_dtype, prescale
+from rfattn.features.base import symbolic
 from rfattn.features.exponential import coefficient_form
 from rfattn.stats import Moments, running_moments
 from rfattn.weights import WEIGHTED_WEIGHTS
@@ -25,11 +26,11 @@ def attend(call: Call, gpu_tiles=None):
     """``out`` (or ``(out, state)`` with ``return_state``) of a call on the fused kernels: one
     process (no group), a non-causal grouped-query call as rows (:meth:`Call.as_rows`). Causal
     calls of at most ``rf_recurrent.MAX_TOKENS`` tokens without gradient run the decode step,
-    others the chunked form; states keep the torch path's conventions (the kernel forms' offsets
-    are the torch path's). Head maps are applied by the forward kernels as they load q and k; a
-    call that needs gradients (of anything, the maps included) maps q and k first (the backward
-    kernels take no maps). ``gpu_tiles``: as the launchers' (``bench.compile`` records a GPU's
-    launches).
+    others (and symbolic lengths under ``torch.compile``) the chunked form; states keep the torch
+    path's conventions (the kernel forms' offsets are the torch path's). Head maps are applied
+    by the forward kernels as they load q and k; a call that needs gradients (of anything, the
+    maps included) maps q and k first (the backward kernels take no maps). ``gpu_tiles``: as
+    the launchers' (``bench.compile`` records a GPU's launches).
 
     A call whose form is kept (:func:`constant_form`) for a RandomFeatures the fused kernels take
     as it is (no head maps, no learnable GERF A; checked when the form was kept) goes straight
@@ -37,6 +38,10 @@ def attend(call: Call, gpu_tiles=None):
     from rfattn import ops
 
     rf, causal, q = call.rf, call.causal, call.q
+    # few enough tokens for the decode step. A symbolic length (torch.compile, dynamic shapes)
+    # runs the chunked form, which takes any length: a branch on it would guard on T <=
+    # DECODE_TOKENS (a second graph once a length crosses it)
+    short = causal and not symbolic(q.shape[2]) and q.shape[2] <= ops.DECODE_TOKENS
     kept = kept_form(rf, q.device, q.dtype, causal)
     if kept is not None and kept.plain_call and call.maps is None and \
             not (causal and kept.w.requires_grad):  # fmt: skip
@@ -65,7 +70,7 @@ def attend(call: Call, gpu_tiles=None):
             call = call.with_maps_applied()
         # the forward's first launch forms the statistics: the key pass (non-causal), the walk
         # over the key chunks (causal, not the decode step)
-        chunked = causal and (grad or call.q.shape[2] > ops.DECODE_TOKENS)
+        chunked = causal and (grad or not short)
         defer = not causal or chunked
         form = kernel_form(rf, call.q, call.k, call.key_padding_mask, call.scale, causal,
                            call.query_padding_mask, maps=call.maps, defer=defer,
@@ -75,7 +80,7 @@ def attend(call: Call, gpu_tiles=None):
     if not causal:
         return ops.rf_parallel(q, k, v, form, scale, mask, gpu_tiles=gpu_tiles, stats=stats)
     # decoding (few tokens, no gradient): one launch, O(M (D + E)) per token
-    run = ops.rf_decode if not grad and q.shape[2] <= ops.DECODE_TOKENS else ops.rf_chunk
+    run = ops.rf_decode if not grad and short else ops.rf_chunk
     out, s, z, off = run(q, k, v, form, scale, mask, call.initial_state, gpu_tiles=gpu_tiles)
     return (out, RFState(s, z, off)) if call.return_state else out
 

@@ -7,6 +7,10 @@ launches of every fused path, feature form and flag on D = 64 in fp32 and bf16 a
 fp32 (the widest tiles: they need the unpipelined fallback configs), and compiles for sm_90 the
 smallest config each autotuner tries, with Triton's own ptxas (no driver needed). On a CUDA
 machine the GPU tests compile every kernel for real, so it is skipped there.
+
+``torch.compile(dynamic=True)`` over ``rf_attention`` on the CPU (the torch path, and the fused
+operators: Triton kernels under the interpreter) is checked here too: one graph for every
+sequence length, outputs and gradients equal to eager calls.
 """
 
 import copy
@@ -14,6 +18,7 @@ import copy
 import pytest
 import torch
 
+import rfattn
 from bench import compile as aot
 
 pytestmark = [
@@ -106,3 +111,97 @@ def test_ctas_per_sm():
     # tiny kernels: the 2048-thread limit (16 CTAs of 4 warps) and the 32-CTA limit
     assert aot.ctas_per_sm(32, 4, 0) == 16
     assert aot.ctas_per_sm(32, 1, 0) == 32
+
+
+# torch.compile with dynamic shapes (issue 40): validation, branches and loops on the length must
+# not need its value, so the first dynamic compile serves every later length. Lengths above 64
+# give the torch path's causal blocks more than one chunk (its scan over them, blocked.py).
+LENGTHS = (16, 24, 40, 100)
+
+
+def _dynamic(fn, fullgraph=True):
+    """``(compiled fn, its compile counter)``: ``torch.compile(fn, dynamic=True)`` on aot_eager
+    (autograd traced as inductor would take it, no C++ compile)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    return torch.compile(fn, dynamic=True, fullgraph=fullgraph, backend=counter), counter
+
+
+def _qkv(T, dtype=torch.float32, kv_heads=2, grad=False):
+    g = torch.Generator().manual_seed(T)
+    shapes = ((1, 2, T, 64), (1, kv_heads, T, 64), (1, kv_heads, T, 64))
+    return [(0.5 * torch.randn(*s, generator=g, dtype=dtype)).requires_grad_(grad) for s in shapes]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dynamic_lengths_compile_once(backend, causal):
+    """One graph for every length (it was one per length on the causal torch path, whose blocks
+    and chunks were Python loops over T, and two on the fused path, whose decode step is taken
+    for T <= 16), each output equal to the eager call's."""
+    rf = rfattn.RandomFeatures(64, 32, feature="posrf", seed=0)
+
+    def f(q, k, v):
+        return rfattn.rf_attention(q, k, v, rf, causal=causal, backend=backend)
+
+    compiled, counter = _dynamic(f)
+    for T in LENGTHS:
+        q, k, v = _qkv(T)
+        torch.testing.assert_close(compiled(q, k, v), f(q, k, v), rtol=1e-5, atol=1e-6)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_dynamic_scale_of_the_length(backend):
+    """A scale computed from the symbolic length (a length-dependent temperature): validated
+    without its value (``math.isfinite`` of a SymFloat broke the trace) and never specialised
+    (the operators take a float: it goes into q and k), equal to the eager call's; a scale that
+    is not > 0 for some length still raises naming it."""
+    rf = rfattn.RandomFeatures(64, 32, feature="posrf", seed=0)
+
+    def f(q, k, v):
+        return rfattn.rf_attention(q, k, v, rf, causal=True, backend=backend,
+                                   scale=2.0 / q.shape[-2])  # fmt: skip
+
+    compiled, counter = _dynamic(f)
+    for T in LENGTHS[:3]:
+        q, k, v = _qkv(T)
+        torch.testing.assert_close(compiled(q, k, v), f(q, k, v), rtol=1e-5, atol=1e-6)
+    assert counter.frame_count == 1
+
+    def g(q, k, v):
+        return rfattn.rf_attention(q, k, v, rf, backend=backend, scale=(q.shape[-2] - 20) / 64)
+
+    compiled, _ = _dynamic(g, fullgraph=False)  # (fullgraph: Dynamo reports any raise as its own)
+    compiled(*_qkv(24))
+    with pytest.raises(ValueError, match="scale must be a finite number > 0"):
+        compiled(*_qkv(16))
+
+
+def test_dynamic_lengths_gradients_torch_path():
+    """The causal torch path under dynamic shapes (blocks of a symbolic chunk count: the chunk
+    states as one product, blocked._chunk_scan) with a key padding mask, grouped heads and the
+    returned state: outputs, states and gradients equal to eager in float64, one graph."""
+    rf = rfattn.RandomFeatures(64, 32, feature="posrf", seed=0).double()
+
+    def f(q, k, v, mask):
+        return rfattn.rf_attention(q, k, v, rf, causal=True, key_padding_mask=mask,
+                                   backend="torch", return_state=True)  # fmt: skip
+
+    compiled, counter = _dynamic(f)
+    for T in (40, 100, 136, 3):
+        mask = torch.zeros(1, T, dtype=torch.bool)
+        mask[0, T // 2 :: 3] = True
+        args = _qkv(T, torch.float64, kv_heads=1, grad=True)
+        ref_args = [x.detach().clone().requires_grad_() for x in args]
+        (out, state), (ref, ref_state) = compiled(*args, mask), f(*ref_args, mask)
+        torch.testing.assert_close(out, ref)
+        for a, b in zip(state, ref_state, strict=True):
+            torch.testing.assert_close(a, b)
+        (out.square().sum() + state.s.sum()).backward()
+        (ref.square().sum() + ref_state.s.sum()).backward()
+        for a, b in zip(args, ref_args, strict=True):
+            torch.testing.assert_close(a.grad, b.grad)
+    assert counter.frame_count == 1

@@ -56,12 +56,18 @@ from rfattn.stats import (
     update_running,
 )
 
+try:  # torch >= 2.8 (Dynamo traces it without a graph break from then on)
+    from torch.fx.experimental.symbolic_shapes import has_static_value as _has_static_value
+except ImportError:
+    _has_static_value = None
+
 __all__ = [
     "FeatureMap",
     "StatsFeature",
     "check_choice",
     "check_number",
     "python_scalar",
+    "symbolic",
     "query_features",
     "component_weights",
     "key_offset",
@@ -491,6 +497,19 @@ class FeatureMap(nn.Module):
     def target_kernel(self, xq: torch.Tensor, xk: torch.Tensor) -> torch.Tensor:
         """The exact kernel ``[B, H, Tq, Tk]`` this feature map estimates: ``exp(x_q . x_k)``."""
         return torch.exp(xq @ xk.transpose(-1, -2))
+
+
+def symbolic(n) -> bool:
+    """Whether ``n``, a size or a number computed from sizes, is symbolic: a dynamic shape of
+    ``torch.compile`` (``dynamic=True``, or a length Dynamo has seen vary) that has no value
+    while tracing, so a Python branch or loop on it would specialise it (a guard on its value:
+    a recompile per length). False in eager calls and for static shapes. Adds no guard. Dynamo
+    shows a symbolic int to ``isinstance`` and ``type`` as an int, so this asks
+    ``has_static_value``, which Dynamo reads from torch 2.8 on; before, False: dynamic lengths
+    specialise there."""
+    if type(n) in (int, float) and not torch.compiler.is_compiling():  # eager: no call
+        return False
+    return _has_static_value is not None and not _has_static_value(n)
 
 
 def python_scalar(value):
