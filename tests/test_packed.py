@@ -119,13 +119,15 @@ def test_packed_initial_states_torch(kv_heads):
 
 def test_buckets_bound_the_padding():
     """Every sequence in exactly one batch; a batch of more than one pads at most a quarter of
-    its tokens (queries and keys), shortest first."""
-    from rfattn.attention import PACKED_PADDING, buckets
+    its tokens (queries and keys), shortest first; a long sequence runs alone."""
+    from rfattn.attention import PACKED_ALONE, PACKED_PADDING, buckets
 
     g = torch.Generator().manual_seed(0)
     lengths = [(int(a), int(b)) for a, b in torch.randint(1, 300, (200, 2), generator=g)]
+    lengths += [(PACKED_ALONE, PACKED_ALONE), (PACKED_ALONE + 7, 5), (3, PACKED_ALONE)]
     groups = buckets(lengths)
-    assert sorted(i for grp in groups for i in grp) == list(range(200))
+    assert sorted(i for grp in groups for i in grp) == list(range(203))
+    assert [200] in groups and [201] in groups and [202] in groups  # long ones alone
     assert sum(len(grp) > 1 for grp in groups) >= 10  # it batches at all
     for grp in groups:
         tokens = sum(sum(lengths[i]) for i in grp)
