@@ -286,9 +286,8 @@ def _packed(call: Call):
 PACKED_PADDING = 0.25
 #: a packed sequence with this many queries or keys runs alone, on views of the row: a call's
 #: fixed cost is small beside its work, and batching would only add the copies and the padding
-#: (``python -m bench.packed`` on the CPU: 8 documents of ~2k tokens, 9 % padding, batched
-#: 0.77-0.88x of padding them, alone 1.03-1.29x; 256 of ~70, batched 0.86-0.95x, alone
-#: 0.29-1.00x)
+#: (``python -m bench.packed`` on the CPU, 8 documents of ~2k tokens and 9 % padding: alone
+#: 0.99-1.19x of padding them, packed.json; batched, in a trial run, 0.77-0.88x)
 PACKED_ALONE = 1024
 
 
