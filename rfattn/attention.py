@@ -256,7 +256,7 @@ def _packed(call: Call):
     runs = [i for i in range(N) if heads and min(lengths[i]) > 0]
     states = [None] * N
     parts = []  # (query slots of a result's rows, their positions in the row, the result)
-    for i in set(range(N)).difference(runs):
+    for i in (i for i in range(N) if not heads or min(lengths[i]) == 0):
         seq = call.sequence(i)
         res = torch_path.empty_result(seq)
         parts.append((None, i, res[0] if call.return_state else res))

@@ -467,16 +467,21 @@ class Call:
         oq, ok = self.packed
         dev = self.q.device
 
-        def layout(offsets):  # (slots, positions, length) of the sequences' tokens
-            lens = [offsets[i + 1] - offsets[i] for i in indices]
-            L = max(lens)
-            slots = [j * L + t for j, n in enumerate(lens) for t in range(n)]
-            pos = [offsets[i] + t for i, n in zip(indices, lens, strict=True) for t in range(n)]
-            return (torch.tensor(slots, dtype=torch.int64, device=dev),
-                    torch.tensor(pos, dtype=torch.int64, device=dev), L)  # fmt: skip
-
-        (sq, pq, Lq), (sk, pk, Lk) = layout(oq), layout(ok)
         n = len(indices)
+
+        def layout(offsets):  # (slots, positions, length) of the sequences' tokens
+            lens = torch.tensor([offsets[i + 1] - offsets[i] for i in indices])
+            starts = torch.tensor([offsets[i] for i in indices])
+            L = int(lens.max())
+            first = torch.repeat_interleave(lens.cumsum(0) - lens, lens)  # per token, on CPU
+            t = torch.arange(len(first)) - first  # the token's place in its sequence
+            slots = torch.repeat_interleave(torch.arange(n) * L, lens) + t
+            pos = torch.repeat_interleave(starts, lens) + t
+            return slots.to(dev), pos.to(dev), L
+
+        # (causal: q and k share one list of offsets, one layout)
+        (sq, pq, Lq) = layout(oq)
+        (sk, pk, Lk) = (sq, pq, Lq) if ok is oq else layout(ok)
 
         def rows(x, slots, pos, L):  # [1, H, total, D] -> [n, H, L, D], zeros after the tokens
             flat = x.new_zeros(x.shape[1], n * L, x.shape[3])
