@@ -9,11 +9,14 @@ the H100 by Triton's compiler and ptxas, and every launch goes through Triton's 
 ``cuLaunchKernelEx``, which does nothing. The call's torch ops run on the CPU tensors. Reported
 per call:
 
-* host µs: p10, p50 (also p90, min) of ``--reps`` calls (default 300), each timed alone by the
-  wall clock after ``--warmup`` calls (the first compiles and autotunes), and the thread's CPU
-  time (p10, p50: less sensitive to other jobs on a shared host); a forward+backward call is
-  ``rf_attention`` and ``out.backward(cotangent)`` (the inputs' gradients are dropped between
-  calls, outside the timing);
+* host µs: p10 (also p90, min) of ``--reps`` calls (default 300), each timed alone by the
+  wall clock after ``--warmup`` calls (the first compiles and autotunes), in ``--rounds`` rounds
+  (default 5) that each time every case in turn; p50 is the median of the case's quietest round
+  (the lowest of its rounds' medians: a slow spell of a shared host, which only adds time, lands
+  in some rounds of a case, not in all of them; every round's median is kept too); and the
+  thread's CPU time (p10, p50: less sensitive to other jobs on a shared host); a
+  forward+backward call is ``rf_attention`` and ``out.backward(cotangent)`` (the inputs'
+  gradients are dropped between calls, outside the timing);
 * Triton launches (counted by the fake ``cuLaunchKernelEx``, in the counted calls and over the
   timed ones alike), by kernel;
 * GPU-side torch ops (``bench.opcount``: fills, copies, casts, reductions, arithmetic; not views
@@ -77,7 +80,8 @@ SHAPES = {
     "small": dict(B=2, H=4, T=128, D=64, M=256, E=64),
 }
 #: --quick: a smoke run (tests/test_bench.py): one case, three kernels to compile
-QUICK = dict(features=("posrf",), shapes=("small",), cases=("noncausal fwd",), reps=20, warmup=2)
+QUICK = dict(features=("posrf",), shapes=("small",), cases=("noncausal fwd",), reps=20, warmup=2,
+             rounds=2)  # fmt: skip
 #: glibc settings of the measuring process (bench.allocator's "glibc-tuned", and no mmap at all):
 #: freed memory stays in the heap and is handed out again, as torch's CUDA caching allocator
 #: hands out its blocks; with glibc's defaults every large buffer of a call is mapped afresh and
@@ -163,10 +167,11 @@ def _case(feature: str, case: str, shape: dict, dtype):
     return call, reset, training
 
 
-def measure(feature: str, case: str, shape_name: str, dtype, reps: int, warmup: int,
+def prepare(feature: str, case: str, shape_name: str, dtype, warmup: int,
             count_reps: int = 5) -> dict:  # fmt: skip
-    """One row: the case's call warmed up, counted ``count_reps`` times (the op counts of the
-    first; the CPU time in the GPU-side ops, their median), then timed ``reps`` times."""
+    """One case made ready to time: its call warmed up, then counted ``count_reps`` times (the
+    op counts of the first; the CPU time in the GPU-side ops, their median). Returns the row
+    without its timings and, under ``"_case"``, ``(call, reset)`` for :func:`time_round`."""
     from bench import fake_gpu
     from bench.opcount import OpCounter
 
@@ -189,21 +194,6 @@ def measure(feature: str, case: str, shape_name: str, dtype, reps: int, warmup: 
     same = all(p[0] == launches and p[2].ops == mode.ops for p in passes)
     op_seconds = {n: statistics.median(p[2].seconds[n] for p in passes) for n in mode.seconds}
     reset()
-    gc.collect()
-    times, cpu = [], []
-    before, faults = fake_gpu.launches(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(reps):
-        reset()
-        start, start_cpu = time.perf_counter_ns(), time.thread_time_ns()
-        result = call()
-        stop_cpu, stop = time.thread_time_ns(), time.perf_counter_ns()
-        del result
-        times.append((stop - start) / 1e3)
-        cpu.append((stop_cpu - start_cpu) / 1e3)
-    timed_launches = (fake_gpu.launches() - before) / reps
-    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / reps
-    times.sort()
-    cpu.sort()
     gpu = mode.of_kind("gpu")
     gpu_ops = sum(gpu.values())
     return {
@@ -217,17 +207,7 @@ def measure(feature: str, case: str, shape_name: str, dtype, reps: int, warmup: 
         **shape,
         "T_call": 1 if case == "decode" else shape["T"],
         "dtype": str(dtype).removeprefix("torch."),
-        "reps": reps,
-        "host_us": {
-            "p10": _percentile(times, 10),
-            "p50": _percentile(times, 50),
-            "p90": _percentile(times, 90),
-            "min": times[0],
-        },
-        "thread_cpu_us": {"p10": _percentile(cpu, 10), "p50": _percentile(cpu, 50)},
-        "page_faults_per_call": faults,
         "triton_launches": launches,
-        "triton_launches_timed": timed_launches,
         "launched_kernels": counted,
         "gpu_ops": gpu_ops,
         "gpu_ops_by_name": gpu,
@@ -241,7 +221,64 @@ def measure(feature: str, case: str, shape_name: str, dtype, reps: int, warmup: 
         "views": sum(mode.of_kind("view").values()),
         "allocations": sum(mode.of_kind("alloc").values()),
         "torch_ops": sum(mode.ops.values()),
+        "_case": (call, reset),
+        "_times": [],
+        "_cpu": [],
+        "_launches": 0,
+        "_faults": 0,
     }
+
+
+def time_round(row: dict, reps: int) -> None:
+    """Time ``reps`` calls of a prepared case (:func:`prepare`), each alone, adding them to its
+    samples."""
+    from bench import fake_gpu
+
+    call, reset = row["_case"]
+    reset()
+    gc.collect()
+    before, faults = fake_gpu.launches(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    times, cpu = [], []
+    for _ in range(reps):
+        reset()
+        start, start_cpu = time.perf_counter_ns(), time.thread_time_ns()
+        result = call()
+        stop_cpu, stop = time.thread_time_ns(), time.perf_counter_ns()
+        del result
+        times.append((stop - start) / 1e3)
+        cpu.append((stop_cpu - start_cpu) / 1e3)
+    row["_launches"] += fake_gpu.launches() - before
+    row["_faults"] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    row["_times"].append(times)
+    row["_cpu"].extend(cpu)
+
+
+def finish(row: dict) -> dict:
+    """The row of a timed case: host µs over all its rounds (p10, p90, min over every call; p50
+    the lowest of the rounds' own medians: other work on a shared host only adds time, and a
+    slow spell of it lands in some rounds, not all), the rounds' medians, launches and page
+    faults per timed call."""
+    rounds = row.pop("_times")
+    cpu = sorted(row.pop("_cpu"))
+    launches, faults = row.pop("_launches"), row.pop("_faults")
+    del row["_case"]
+    times = sorted(t for r in rounds for t in r)
+    medians = [_percentile(sorted(r), 50) for r in rounds]
+    row.update({
+        "reps": len(times),
+        "rounds": len(rounds),
+        "host_us": {
+            "p10": _percentile(times, 10),
+            "p50": min(medians),
+            "p90": _percentile(times, 90),
+            "min": times[0],
+        },
+        "host_us_round_p50": medians,
+        "thread_cpu_us": {"p10": _percentile(cpu, 10), "p50": _percentile(cpu, 50)},
+        "page_faults_per_call": faults / len(times),
+        "triton_launches_timed": launches / len(times),
+    })  # fmt: skip
+    return row
 
 
 def torch_floor(shape_name: str, dtype, reps: int) -> dict:
@@ -325,7 +362,7 @@ def environment(threads: int) -> dict:
 
     env = bench_env(torch.device("cpu"))
     env["torch_threads"] = threads
-    env["gc"] = "enabled (collected before each timed loop)"
+    env["gc"] = "enabled (collected before each timed round)"
     env["malloc"] = {k: os.environ.get(k) for k in MALLOC_ENV}
     return env
 
@@ -382,7 +419,8 @@ def markdown(doc: dict, shape: str = "large") -> str:
     return "\n".join(lines)
 
 
-def run(features, shapes, cases, reps: int, warmup: int, dtype_name: str, threads: int) -> dict:
+def run(features, shapes, cases, reps: int, warmup: int, dtype_name: str, threads: int,
+        rounds: int = 1) -> dict:  # fmt: skip
     import torch
 
     from bench import fake_gpu
@@ -397,19 +435,24 @@ def run(features, shapes, cases, reps: int, warmup: int, dtype_name: str, thread
     device = fake_gpu.activate()
     routed = route_cpu_tensors_to_triton()
     dtype = getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype_name])
-    rows = []
+    rows = []  # every case prepared first (compiled, counted), then timed round by round
     for shape in shapes:
         for feature in features:
             for case in cases:
                 try:
-                    row = measure(feature, case, shape, dtype, reps, warmup)
+                    row = prepare(feature, case, shape, dtype, warmup)
                 except Exception as e:  # noqa: BLE001 -- reported per row
                     row = {"feature": feature, "case": case, "shape": shape,
                            "error": f"{type(e).__name__}: {e}"[:500]}  # fmt: skip
-                if not rows:
-                    print(HEADER)
                 rows.append(row)
-                print(row_line(row), flush=True)
+    # the cases interleaved: each round times every case once, so a slow spell of the host
+    # (other tenants of a shared machine) lands in one round of several cases, not in all of
+    # one case's calls; a case's p50 is its quietest round's median
+    for _ in range(rounds):
+        for row in rows:
+            if "error" not in row:
+                time_round(row, max(reps // rounds, 1))
+    rows = [row if "error" in row else finish(row) for row in rows]
     floor = {shape: torch_floor(shape, dtype, reps) for shape in shapes}
     env = environment(threads)
     env["loadavg_before"] = load_before
@@ -423,7 +466,8 @@ def run(features, shapes, cases, reps: int, warmup: int, dtype_name: str, thread
         "rfattn_switches": routed,
         "autotune_choices": fake_gpu.tunings(),
         "config": {"dtype": dtype_name, "shapes": {s: SHAPES[s] for s in shapes}, "reps": reps,
-                   "warmup": warmup, "features": list(features), "cases": list(cases)},  # fmt: skip
+                   "rounds": rounds, "warmup": warmup, "features": list(features),
+                   "cases": list(cases)},  # fmt: skip
         "results": rows,
         "torch_floor_us": floor,
         "targets": targets(rows),
@@ -437,6 +481,8 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     p.add_argument("--reps", type=int, default=300, help="timed calls per case (default 300)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="timing rounds, every case once per round (default 5)")  # fmt: skip
     p.add_argument("--warmup", type=int, default=3, help="calls before counting and timing")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
@@ -460,8 +506,8 @@ def main(argv=None) -> int:
         return subprocess.run(args, env=env).returncode
     if a.quick:
         a.features, a.shapes, a.cases = QUICK["features"], QUICK["shapes"], QUICK["cases"]
-        a.reps, a.warmup = QUICK["reps"], QUICK["warmup"]
-    doc = run(a.features, a.shapes, a.cases, a.reps, a.warmup, a.dtype, a.threads)
+        a.reps, a.warmup, a.rounds = QUICK["reps"], QUICK["warmup"], QUICK["rounds"]
+    doc = run(a.features, a.shapes, a.cases, a.reps, a.warmup, a.dtype, a.threads, a.rounds)
     print()
     print_table(doc["results"])
     missed = [t for t in doc["targets"] if not t["met"]]

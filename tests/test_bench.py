@@ -324,6 +324,9 @@ def test_host_quick_run(tmp_path):
     (row,) = doc["results"]
     assert (row["feature"], row["case"], row["shape"]) == ("posrf", "noncausal fwd", "small")
     assert 0 < row["host_us"]["p10"] <= row["host_us"]["p50"] <= row["host_us"]["p90"]
+    # timed in rounds (2 for --quick): p50 is the quietest round's median
+    assert row["rounds"] == 2 and len(row["host_us_round_p50"]) == 2 and row["reps"] == 20
+    assert row["host_us"]["p50"] == min(row["host_us_round_p50"])
     assert row["triton_launches"] >= 1
     assert row["triton_launches_timed"] == row["triton_launches"]
     assert sum(row["launched_kernels"].values()) == row["triton_launches"]
