@@ -878,18 +878,6 @@ def valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD: tl.constexpr
 
 
 @triton.jit
-def query_cotangents(
-    do_base, o_base, den_ptr, i_bh, o_t, o_e, T, m_t, m_e,
-    stride_dot, stride_doe, stride_ot, stride_oe, ACC: tl.constexpr,
-):  # fmt: skip
-    """g = do / den [BT, BE] and c = -(do . out) / den [BT] of one query tile."""
-    b_do, b_den, b_c = query_rows(do_base, o_base, o_base, den_ptr, i_bh, o_t, o_e, T, m_t, m_e,
-                                  stride_dot, stride_doe, stride_ot, stride_oe, ACC,
-                                  False)  # fmt: skip
-    return b_do / b_den[:, None], b_c
-
-
-@triton.jit
 def query_rows(
     do_base, o_base, olo_base, den_ptr, i_bh, o_t, o_e, T, m_t, m_e,
     stride_dot, stride_doe, stride_ot, stride_oe, ACC: tl.constexpr, OUT_LO: tl.constexpr,
@@ -1007,31 +995,35 @@ def _precision(dtype: torch.dtype, precision: str | None, causal: bool = False,
     policy ("bf16" / "fp16", :func:`product`).
 
     Default: fp32/fp64 inputs exact ("ieee"; "tf32" or "tf32x3" only when asked). fp16/bf16
-    inputs, non-causal kernels and the decode step: the half policy ("half" asks for it by
-    name), docs/numerics.md. The logits ``x~ W^T`` as two half products (W split into
-    ``W_hi + W_lo`` in the input dtype, x exact, sqrt(scale) on the fp32 accumulator:
+    inputs of every kernel (non-causal, the causal chunk kernels, the decode step): the half
+    policy ("half" asks for it by name), docs/numerics.md. The logits ``x~ W^T`` as two half
+    products (W split into ``W_hi + W_lo`` in the input dtype, x exact, sqrt(scale) on the fp32
+    accumulator:
     :func:`projection`); the products whose result cancels with an fp32 state as an operand
     (``a S``, ``do S^T`` for dq, ``v dS^T`` for dk) with the state split too
     (:func:`product`'s SPLIT_B), signed features split (SPLIT_A); every other product one
     half product of operands rounded to the input dtype, fp32 accumulation. Under the
     interpreter (T = 100, M = 64; ``tests/test_precision``): outputs at most 1.5x the torch
     path's error in the same dtype, gradients 2.5x (the stored output's rounding in the
-    backward). rmf in fp16: its unbounded states overflow fp16, so :data:`LOW_PRECISION`.
-    fp16/bf16 inputs of the causal kernels: their fp32 products as three tf32 products
-    (:data:`LOW_PRECISION`, about fp32's accuracy; measured on an H100, 2.7x the time of one
-    product in the non-causal kernel at T = 8192).
+    backward). The causal kernels' intra-chunk products too: the scores ``a b^T`` and their
+    products with v and the cotangents are one half product each (both operands split for
+    the signed features, whose sums cancel), as flash-attention rounds P and dS. rmf in fp16:
+    its unbounded states overflow fp16, so :data:`LOW_PRECISION` (three tf32 products, about
+    fp32's accuracy; measured on an H100 at 2.7x the time of one product). ``causal`` is
+    accepted for the callers' symmetry; the policy no longer depends on it.
     """
     half = HALF_PRECISIONS.get(dtype)
-    # rmf's features are unbounded products (no offsets): its states overflow fp16's range
-    overflows = kind == "rmf" and dtype == torch.float16
+    # rmf's features are unbounded products (no offsets): its states overflow fp16's range;
+    # the causal kernels' backward rounds g = do / den for its products, which overflows fp16
+    overflows = dtype == torch.float16 and (kind == "rmf" or causal)
     if precision is None:
-        return "ieee" if half is None else (LOW_PRECISION if causal or overflows else half)
+        return "ieee" if half is None else (LOW_PRECISION if overflows else half)
     if precision == "half":
-        if half is None or causal or overflows:
-            why = "kind 'rmf' in fp16 (its states overflow)" if overflows else str(dtype) + (
-                " (causal)" if causal else "")  # fmt: skip
-            raise ValueError(f"precision 'half' takes fp16/bf16 inputs of the non-causal or decode "
-                             f"kernels, got {why}")  # fmt: skip
+        if half is None or overflows:
+            why = str(dtype) if not overflows else (
+                "kind 'rmf' in fp16 (its states overflow)" if kind == "rmf" else
+                "fp16 inputs of the causal kernels (their backward's rows overflow fp16)")
+            raise ValueError(f"precision 'half' takes fp16/bf16 inputs, got {why}")
         return half
     if precision not in _PRECISIONS:
         raise ValueError(f"precision must be one of {_PRECISIONS + ('half',)}, got {precision!r}")

@@ -116,6 +116,7 @@ import triton
 import triton.language as tl
 
 from .common import (
+    HALF_PRECISIONS,
     NEG,
     Launch,
     Plan,
@@ -129,6 +130,7 @@ from .common import (
     form_args,
     gerf_coeffs,
     input_scale,
+    keeps_out_residual,
     last_to_arrive,
     launch_setup,
     load_mapped,
@@ -138,10 +140,12 @@ from .common import (
     mask_rows,
     next_pow2,
     plan_cache,
-    query_cotangents,
+    product,
+    query_rows,
     ratio,
     shape_plan,
     store_offset,
+    store_out,
     store_tile,
     valid_keys,
 )
@@ -298,18 +302,18 @@ def _walk_sums(
         o_t = (i_c * BT + tl.arange(0, BT)).to(tl.int64)
         m_t = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
         b_v = load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_t, m_e, ACC)  # padded: unread
-        b_xs = load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, kmap_ptr, i_h, D, BT,
-                           BD, HAS_MAP, PRECISION, ACC) * b_sc[None, :]  # fmt: skip
+        b_x = load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, kmap_ptr, i_h, D, BT,
+                          BD, HAS_MAP, PRECISION, ACC)  # fmt: skip
         b_u, b_g, b_g1, b_g2 = feature_tile(
-            b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
-            M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
+            b_x * b_sc[None, :], b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr,
+            xi_ptr, i_m, M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY, b_x, b_sc,
+            HAS_MAP)  # [BT, BM]  # fmt: skip
         m_tf = m_t[:, None] & m_f[None, :]  # valid keys and features: the only ones read
         b_rn = tl.maximum(b_r, tl.max(tl.max(tl.where(m_tf, b_u, NEG), axis=1), axis=0))
         b_p = tl.where(m_tf, b_g * tl.exp(b_u - b_rn), 0.0)  # [BT, BM]
         b_alpha = tl.exp(b_r - b_rn)
         # [BM, BT] @ [BT, BE] -> [BM, BE]
-        b_s = b_s * b_alpha + tl.dot(tl.trans(b_p), b_v, input_precision=PRECISION,
-                                     out_dtype=ACC)  # fmt: skip
+        b_s = b_s * b_alpha + product(tl.trans(b_p), b_v, PRECISION, ACC, FEATURE != 0)
         b_z = b_z * b_alpha + tl.sum(b_p, axis=0)
         b_r = b_rn
     if OFFSETS:
@@ -370,7 +374,7 @@ def _walk_sums(
 @triton.jit
 def _chunk_out_kernel(
     q_ptr, k_ptr, v_ptr, w_ptr, pad_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr,
-    xi_ptr, qmap_ptr, kmap_ptr, gs_ptr, gz_ptr, gr_ptr, o_ptr, mq_ptr, den_ptr, mk_ptr,
+    xi_ptr, qmap_ptr, kmap_ptr, gs_ptr, gz_ptr, gr_ptr, o_ptr, olo_ptr, mq_ptr, den_ptr, mk_ptr,
     T, H, NC, G, NS, CPS,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
@@ -381,12 +385,13 @@ def _chunk_out_kernel(
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr,
     HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
-    HAS_MAP: tl.constexpr,
+    HAS_MAP: tl.constexpr, OUT_LO: tl.constexpr,
 ):  # fmt: skip
     """The walk of segment i_g of key/value head (b, h) over its chunks: out [BT, E] of each
     chunk for the G query heads from the state before it (the segment's carry slot, each
     feature tile at its own offset, brought to R_{c-1}) plus the masked intra-chunk term,
-    normalised; then the chunk's keys added to the state in its slot."""
+    normalised (with OUT_LO also its rounding residual, ``common.store_out``, for the
+    backward); then the chunk's keys added to the state in its slot."""
     i_g, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     NMT: tl.constexpr = (M + BM - 1) // BM
@@ -405,8 +410,9 @@ def _chunk_out_kernel(
         m_q = o_t < T
         m_k = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
         m_tril = o_t[:, None] >= o_t[None, :]  # [BT(i), BT(j)]
-        b_xk = load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, kmap_ptr, i_h, D,
-                           BT, BD, HAS_MAP, PRECISION, ACC) * b_sck[None, :]  # fmt: skip
+        b_xkr = load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, kmap_ptr, i_h, D,
+                            BT, BD, HAS_MAP, PRECISION, ACC)  # the rows, x~ = rows * scale
+        b_xk = b_xkr * b_sck[None, :]
         b_v = load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_k, m_e, ACC)  # [BT, BE]
         # a non-finite value poisons its own and later rows, never earlier ones: zero in the
         # product (0 * NaN would reach every row), NaN from its position on (a prefix count)
@@ -417,8 +423,9 @@ def _chunk_out_kernel(
         for g in range(0, G):  # the query heads that read this key/value head
             i_hq = i_h * G + g
             q_base = q_ptr + i_b * stride_qb + i_hq * stride_qh
-            b_xq = load_mapped(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, qmap_ptr, i_hq,
-                               D, BT, BD, HAS_MAP, PRECISION, ACC) * b_scq[None, :]  # fmt: skip
+            b_xqr = load_mapped(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, qmap_ptr, i_hq,
+                                D, BT, BD, HAS_MAP, PRECISION, ACC)  # fmt: skip
+            b_xq = b_xqr * b_scq[None, :]
             b_mx = tl.full([BT], NEG, dtype=ACC)  # per row, online over feature tiles
             b_mk = tl.full([BT], NEG, dtype=ACC)  # per key (m_j), likewise
             b_num = tl.zeros([BT, BE], dtype=ACC)
@@ -430,14 +437,16 @@ def _chunk_out_kernel(
                 b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
                 b_uq, b_gq, b_g1, b_g2 = feature_tile(
                     b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
-                    M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
+                    M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY, b_xqr, b_scq,
+                    HAS_MAP)  # [BT, BM]  # fmt: skip
                 b_uq = tl.where(m_f[None, :], b_uq, float("-inf"))
                 b_mx_new = tl.maximum(b_mx, tl.max(b_uq, axis=1))
                 b_alpha = tl.exp(b_mx - b_mx_new)
                 b_a = b_gq * tl.exp(b_uq - b_mx_new[:, None])  # [BT, BM]
                 b_uk, b_gk, b_g1, b_g2 = feature_tile(
                     b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
-                    M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY)  # [BT, BM]  # fmt: skip
+                    M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY, b_xkr, b_sck,
+                    HAS_MAP)  # [BT, BM]  # fmt: skip
                 m_kf = m_k[:, None] & m_f[None, :]  # valid keys and features: the only ones read
                 b_uk = tl.where(m_kf, b_uk, NEG)
                 b_mk_new = tl.maximum(b_mk, tl.max(b_uk, axis=1))
@@ -451,19 +460,18 @@ def _chunk_out_kernel(
                 b_s = tl.load(gs_ptr + p_g * M * E + o_fe, mask=m_fe, other=0.0)  # [BM, BE]
                 b_z = tl.load(gz_ptr + p_g * M + o_f, mask=m_f, other=0.0)  # [BM]
                 # [BT, BM] @ [BM, BE] -> [BT, BE]; [BT, BM] @ [BM, BT] -> [BT, BT]
-                b_num = b_num * b_alpha[:, None] + b_f * tl.dot(
-                    b_a, b_s, input_precision=PRECISION, out_dtype=ACC)  # fmt: skip
+                b_num = b_num * b_alpha[:, None] + b_f * product(b_a, b_s, PRECISION, ACC,
+                                                                 FEATURE != 0, True)  # fmt: skip
                 b_den = b_den * b_alpha + b_f * tl.sum(b_a * b_z[None, :], axis=1)
-                b_A = b_A * b_alpha[:, None] * b_beta[None, :] + tl.dot(
-                    b_a, tl.trans(b_b), input_precision=PRECISION, out_dtype=ACC)  # fmt: skip
+                b_A = b_A * b_alpha[:, None] * b_beta[None, :] + product(
+                    b_a, tl.trans(b_b), PRECISION, ACC, FEATURE != 0, FEATURE != 0)  # fmt: skip
                 b_mx, b_mk = b_mx_new, b_mk_new
                 if g == G - 1:  # every head has read it: the chunk's keys into the tile
                     b_rn = tl.maximum(b_rm, tl.max(tl.max(b_uk, axis=1), axis=0))
                     b_p = tl.where(m_kf, b_gk * tl.exp(b_uk - b_rn), 0.0)  # [BT, BM]
                     b_al = tl.exp(b_rm - b_rn)
                     # [BM, BT] @ [BT, BE] -> [BM, BE]
-                    b_s = b_s * b_al + tl.dot(tl.trans(b_p), b_v, input_precision=PRECISION,
-                                              out_dtype=ACC)  # fmt: skip
+                    b_s = b_s * b_al + product(tl.trans(b_p), b_v, PRECISION, ACC, FEATURE != 0)
                     b_z = b_z * b_al + tl.sum(b_p, axis=0)
                     tl.debug_barrier()  # every thread's loads of the tile before its stores
                     tl.store(gs_ptr + p_g * M * E + o_fe, b_s, mask=m_fe)
@@ -478,12 +486,12 @@ def _chunk_out_kernel(
             b_inter = tl.exp(b_rp - b_ri)
             b_num, b_den = b_num * b_inter[:, None], b_den * b_inter
             b_A = tl.where(m_tril & m_k[None, :], b_A * _intra_decay(b_mk, b_ri), 0.0)
-            b_num += tl.dot(b_A, b_vc, input_precision=PRECISION, out_dtype=ACC)
+            b_num += product(b_A, b_vc, PRECISION, ACC, FEATURE != 0)
             b_num = tl.where(b_poison, float("nan"), b_num)
             b_den += tl.sum(b_A, axis=1)
             b_o, b_den = ratio(b_num, b_den, TINY)
-            store_tile(o_ptr, i_b, i_hq, o_t, o_e, stride_ob, stride_oh, stride_ot, stride_oe,
-                       b_o, m_q, m_e)  # fmt: skip
+            store_out(o_ptr, olo_ptr, i_b, i_hq, o_t, o_e, stride_ob, stride_oh, stride_ot,
+                      stride_oe, b_o, m_q, m_e, OUT_LO)  # fmt: skip
             i_row = (i_bh * G + g) * T  # the query head's rows of m_q and den
             tl.store(mq_ptr + i_row + o_t, b_mx, mask=m_q)
             tl.store(den_ptr + i_row + o_t, b_den, mask=m_q)
@@ -493,8 +501,8 @@ def _chunk_out_kernel(
 @triton.jit
 def _chunk_dstates_kernel(
     q_ptr, w_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
-    o_ptr, do_ptr, mq_ptr, den_ptr, mk_ptr, r_ptr, gr_ptr, dsT_ptr, dzT_ptr, gd_ptr, gdz_ptr,
-    ds0_ptr, dz0_ptr, arrive_ptr,
+    o_ptr, olo_ptr, do_ptr, mq_ptr, den_ptr, mk_ptr, r_ptr, gr_ptr, dsT_ptr, dzT_ptr, gd_ptr,
+    gdz_ptr, ds0_ptr, dz0_ptr, arrive_ptr,
     T, H, NC, G, NS, CPS,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_wm, stride_wd,
@@ -504,7 +512,7 @@ def _chunk_dstates_kernel(
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr,
     FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
-    HAS_DFINAL: tl.constexpr, HAS_INIT: tl.constexpr,
+    HAS_DFINAL: tl.constexpr, HAS_INIT: tl.constexpr, OUT_LO: tl.constexpr,
 ):  # fmt: skip
     """The reverse walk of one feature tile over one segment's chunks: D_c [BM, E], dz_c [BM],
     the cotangent of the state after chunk c at R_c, D_c = L_{c+1} + exp(R_c - R_{c+1}) D_{c+1},
@@ -543,19 +551,21 @@ def _chunk_dstates_kernel(
             i_hq = i_h * G + g
             i_row = (i_bh * G + g) * T
             q_base = q_ptr + i_b * stride_qb + i_hq * stride_qh
-            b_xq = load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, ACC) * b_sc[None, :]
+            b_xq = load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, ACC)
             b_mq = tl.load(mq_ptr + i_row + o_t, mask=m_q, other=0.0)
             b_u, b_g, b_g1, b_g2 = feature_tile(
-                b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
-                M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY)  # fmt: skip
+                b_xq * b_sc[None, :], b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr,
+                xi_ptr, i_m, M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY, b_xq,
+                b_sc)  # fmt: skip
             b_a = b_g * tl.where(m_q[:, None] & m_f[None, :], tl.exp(b_u - b_mq[:, None]), 0.0)
-            b_gq, b_cq = query_cotangents(do_ptr + i_b * stride_dob + i_hq * stride_doh,
-                                          o_ptr + i_b * stride_ob + i_hq * stride_oh, den_ptr,
-                                          i_bh * G + g, o_t, o_e, T, m_q, m_e, stride_dot,
-                                          stride_doe, stride_ot, stride_oe, ACC)  # fmt: skip
-            # [BM, BT] @ [BT, BE] -> [BM, BE]
-            b_L += tl.dot(tl.trans(b_a), b_gq * b_wr[:, None], input_precision=PRECISION,
-                          out_dtype=ACC)  # fmt: skip
+            o_off = i_b * stride_ob + i_hq * stride_oh
+            b_do, b_den, b_cq = query_rows(do_ptr + i_b * stride_dob + i_hq * stride_doh,
+                                           o_ptr + o_off, olo_ptr + o_off, den_ptr, i_bh * G + g,
+                                           o_t, o_e, T, m_q, m_e, stride_dot, stride_doe,
+                                           stride_ot, stride_oe, ACC, OUT_LO)  # fmt: skip
+            # [BM, BT] @ [BT, BE] -> [BM, BE]: sum_i (w_i a_i / den_i) do_i^T, do as given
+            b_L += product(tl.trans(b_a * (b_wr / b_den)[:, None]), b_do, PRECISION, ACC,
+                           FEATURE != 0)  # fmt: skip
             b_l += tl.sum(b_a * (b_cq * b_wr)[:, None], axis=0)
         b_f = tl.exp(b_rp - b_rc)
         b_ds = b_ds * b_f + b_L
@@ -594,14 +604,15 @@ def _chunk_dstates_kernel(
 def _chunk_keys(k_base, v_base, pad_ptr, mk_ptr, i_b, i_bh, i_c, b_sck, b_rp, o_d, o_e, m_d, m_e,
                 T, stride_kt, stride_kd, stride_vt, stride_ve, stride_pb, stride_pt,
                 BT: tl.constexpr, HAS_PAD: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
-    """Chunk c's tokens ``o_t``, row and key masks, scaled keys [BT, BD], values [BT, BE], the
-    keys' max logits m_j [BT] as the forward saved them, and at R_{c-1} = ``b_rp`` the rows'
-    prefix factors w_i [BT] and the causal decay exp(m_j - r_i) [BT, BT] (0 off the mask)."""
+    """Chunk c's tokens ``o_t``, row and key masks, keys [BT, BD] (unscaled: x~ = keys * b_sck),
+    values [BT, BE], the keys' max logits m_j [BT] as the forward saved them, and at R_{c-1} =
+    ``b_rp`` the rows' prefix factors w_i [BT] and the causal decay exp(m_j - r_i) [BT, BT] (0
+    off the mask)."""
     o_t = (i_c * BT + tl.arange(0, BT)).to(tl.int64)
     m_q = o_t < T
     m_k = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
     m_tril = o_t[:, None] >= o_t[None, :]  # [BT(i), BT(j)]
-    b_xk = load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, ACC) * b_sck[None, :]
+    b_xk = load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, ACC)
     b_v = load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_k, m_e, ACC)  # [BT, BE]
     b_mk = tl.load(mk_ptr + i_bh * T + o_t, mask=m_q, other=NEG)
     b_ri = _row_offsets(b_rp, b_mk, m_tril)
@@ -610,43 +621,48 @@ def _chunk_keys(k_base, v_base, pad_ptr, mk_ptr, i_b, i_bh, i_c, b_sck, b_rp, o_
 
 
 @triton.jit
-def _head_rows(q_ptr, o_ptr, do_ptr, mq_ptr, den_ptr, i_b, i_h, i_bh, g, G, T, o_t, o_d, o_e, m_q,
-               m_d, m_e, m_tril, b_v, b_decay, b_scq, stride_qb, stride_qh, stride_qt, stride_qd,
-               stride_ob, stride_oh, stride_ot, stride_oe, stride_dob, stride_doh, stride_dot,
-               stride_doe, PRECISION: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
-    """Query head ``h * G + g``'s rows of the chunk: its index, scaled queries [BT, BD], their
-    max logits m_q [BT], the cotangents g [BT, BE], c [BT] and dK [BT, BT], causal."""
+def _head_rows(q_ptr, o_ptr, olo_ptr, do_ptr, mq_ptr, den_ptr, i_b, i_h, i_bh, g, G, T, o_t, o_d,
+               o_e, m_q, m_d, m_e, m_tril, b_v, b_decay, b_scq, stride_qb, stride_qh, stride_qt,
+               stride_qd, stride_ob, stride_oh, stride_ot, stride_oe, stride_dob, stride_doh,
+               stride_dot, stride_doe, PRECISION: tl.constexpr, ACC: tl.constexpr,
+               OUT_LO: tl.constexpr):  # fmt: skip
+    """Query head ``h * G + g``'s rows of the chunk: its index, queries [BT, BD] (unscaled), their
+    max logits m_q [BT], the output's cotangent do [BT, BE] as given (the products take it,
+    exact in a half format, never do / den rounded), den [BT], c [BT] and dK [BT, BT], causal."""
     i_hq = i_h * G + g
     q_base = q_ptr + i_b * stride_qb + i_hq * stride_qh
-    b_xq = load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, ACC) * b_scq[None, :]
+    b_xq = load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, ACC)
     b_mq = tl.load(mq_ptr + (i_bh * G + g) * T + o_t, mask=m_q, other=0.0)
-    b_g, b_c = query_cotangents(do_ptr + i_b * stride_dob + i_hq * stride_doh,
-                                o_ptr + i_b * stride_ob + i_hq * stride_oh, den_ptr, i_bh * G + g,
-                                o_t, o_e, T, m_q, m_e, stride_dot, stride_doe, stride_ot,
-                                stride_oe, ACC)  # fmt: skip
-    # dK_ij = (v_j . g_i + c_i) exp(m_j - r_i), causal: [BT, BE] @ [BE, BT] -> [BT, BT]
-    b_dK = tl.dot(b_g, tl.trans(b_v), input_precision=PRECISION, out_dtype=ACC)
-    return i_hq, b_xq, b_mq, b_g, b_c, tl.where(m_tril, (b_dK + b_c[:, None]) * b_decay, 0.0)
+    o_off = i_b * stride_ob + i_hq * stride_oh
+    b_do, b_den, b_c = query_rows(do_ptr + i_b * stride_dob + i_hq * stride_doh, o_ptr + o_off,
+                                  olo_ptr + o_off, den_ptr, i_bh * G + g, o_t, o_e, T, m_q, m_e,
+                                  stride_dot, stride_doe, stride_ot, stride_oe, ACC,
+                                  OUT_LO)  # fmt: skip
+    # dK_ij = (v_j . do_i / den_i + c_i) exp(m_j - r_i), causal: [BT, BE] @ [BE, BT]
+    b_dK = product(b_do, tl.trans(b_v), PRECISION, ACC) / b_den[:, None]
+    return i_hq, b_xq, b_mq, b_do, b_den, b_c, tl.where(m_tril, (b_dK + b_c[:, None]) * b_decay,
+                                                        0.0)  # fmt: skip
 
 
 @triton.jit
-def _tile_pair(b_xq, b_xk, b_mq, b_mk, m_q, m_k, w_ptr, i_m, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr,
-               xr_ptr, xi_ptr, stride_wm, stride_wd, M: tl.constexpr, D: tl.constexpr,
-               BM: tl.constexpr, FEATURE: tl.constexpr, HAS_LAM: tl.constexpr,
+def _tile_pair(b_xq, b_xk, b_scq, b_sck, b_mq, b_mk, m_q, m_k, w_ptr, i_m, o_d, m_d, b_ca, b_cb,
+               b_cd, tab_ptr, xr_ptr, xi_ptr, stride_wm, stride_wd, M: tl.constexpr,
+               D: tl.constexpr, BM: tl.constexpr, FEATURE: tl.constexpr, HAS_LAM: tl.constexpr,
                PRECISION: tl.constexpr, TINY: tl.constexpr):  # fmt: skip
-    """Feature tile i_m of the chunk's rows and keys at the forward's offsets: ``(o_f, m_f,
+    """Feature tile i_m of the chunk's rows and keys (x~ = rows * scales) at the forward's
+    offsets: ``(o_f, m_f,
     W [BM, BD], a = g_q e_q, e_q, the query side's feature_dx terms, key logits u_k (NEG where
     not valid), g_k, e_k, the key side's feature_dx terms)``, each ``[BT, BM]``."""
     o_f = i_m * BM + tl.arange(0, BM)
     m_f = o_f < M
     b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
     b_uq, b_gq, b_g1q, b_g2q = feature_tile(
-        b_xq, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM,
-        FEATURE, False, HAS_LAM, PRECISION, TINY)  # fmt: skip
+        b_xq * b_scq[None, :], b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr,
+        i_m, M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY, b_xq, b_scq)  # fmt: skip
     b_eq = tl.where(m_q[:, None] & m_f[None, :], tl.exp(b_uq - b_mq[:, None]), 0.0)
     b_uk, b_gk, b_g1k, b_g2k = feature_tile(
-        b_xk, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM,
-        FEATURE, True, HAS_LAM, PRECISION, TINY)  # fmt: skip
+        b_xk * b_sck[None, :], b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr,
+        i_m, M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY, b_xk, b_sck)  # fmt: skip
     m_kf = m_k[:, None] & m_f[None, :]
     b_uk = tl.where(m_kf, b_uk, NEG)
     b_ek = tl.where(m_kf, tl.exp(b_uk - b_mk[:, None]), 0.0)
@@ -656,8 +672,8 @@ def _tile_pair(b_xq, b_xk, b_mq, b_mk, m_q, m_k, w_ptr, i_m, o_d, m_d, b_ca, b_c
 @triton.jit
 def _chunk_bwd_kernel(
     q_ptr, k_ptr, v_ptr, w_ptr, pad_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr,
-    xi_ptr, r_ptr, gs_ptr, gz_ptr, gr_ptr, gd_ptr, gdz_ptr, o_ptr, do_ptr, mq_ptr, den_ptr,
-    mk_ptr, dq_ptr, dk_ptr, dv_ptr,
+    xi_ptr, r_ptr, gs_ptr, gz_ptr, gr_ptr, gd_ptr, gdz_ptr, o_ptr, olo_ptr, do_ptr, mq_ptr,
+    den_ptr, mk_ptr, dq_ptr, dk_ptr, dv_ptr,
     T, H, NC, G, NS, CPS,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
@@ -672,7 +688,7 @@ def _chunk_bwd_kernel(
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr,
     BPW: tl.constexpr, RM: tl.constexpr, HAS_PAD: tl.constexpr, FEATURE: tl.constexpr,
     PRECISION: tl.constexpr, ACC: tl.constexpr, HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr,
-    HAS_LAM: tl.constexpr, TINY: tl.constexpr,
+    HAS_LAM: tl.constexpr, TINY: tl.constexpr, OUT_LO: tl.constexpr,
 ):  # fmt: skip
     """Program (w, b*h), w < NS: the forward walk of segment w, its prefix state in the
     segment's carry slot (each M tile at its own offset): dq [BT, D] of each chunk for the G
@@ -707,17 +723,18 @@ def _chunk_bwd_kernel(
                 T, stride_kt, stride_kd, stride_vt, stride_ve, stride_pb, stride_pt, BT, HAS_PAD,
                 ACC)  # fmt: skip
             for g in range(0, G):
-                i_hq, b_xq, b_mq, b_g, b_c, b_dK = _head_rows(
-                    q_ptr, o_ptr, do_ptr, mq_ptr, den_ptr, i_b, i_h, i_bh, g, G, T, o_t, o_d, o_e,
-                    m_q, m_d, m_e, m_tril, b_v, b_decay, b_scq, stride_qb, stride_qh, stride_qt,
-                    stride_qd, stride_ob, stride_oh, stride_ot, stride_oe, stride_dob, stride_doh,
-                    stride_dot, stride_doe, PRECISION, ACC)  # fmt: skip
+                i_hq, b_xq, b_mq, b_do, b_den, b_c, b_dK = _head_rows(
+                    q_ptr, o_ptr, olo_ptr, do_ptr, mq_ptr, den_ptr, i_b, i_h, i_bh, g, G, T, o_t,
+                    o_d, o_e, m_q, m_d, m_e, m_tril, b_v, b_decay, b_scq, stride_qb, stride_qh,
+                    stride_qt, stride_qd, stride_ob, stride_oh, stride_ot, stride_oe, stride_dob,
+                    stride_doh, stride_dot, stride_doe, PRECISION, ACC, OUT_LO)  # fmt: skip
                 b_dxq = tl.zeros([BT, BD], dtype=ACC)
                 for i_m in range(0, NMT):
                     o_f, m_f, b_w, b_a, b_eq, b_g1q, b_g2q, b_uk, b_gk, b_ek, b_g1k, b_g2k = \
-                        _tile_pair(b_xq, b_xk, b_mq, b_mk, m_q, m_k, w_ptr, i_m, o_d, m_d, b_ca,
-                                   b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, stride_wm, stride_wd, M, D,
-                                   BM, FEATURE, HAS_LAM, PRECISION, TINY)  # fmt: skip
+                        _tile_pair(b_xq, b_xk, b_scq, b_sck, b_mq, b_mk, m_q, m_k, w_ptr, i_m, o_d,
+                                   m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, stride_wm,
+                                   stride_wd, M, D, BM, FEATURE, HAS_LAM, PRECISION,
+                                   TINY)  # fmt: skip
                     m_kf = m_k[:, None] & m_f[None, :]
                     b_b = b_gk * b_ek  # [BT, BM]
                     # the tile's state before the chunk, at its own offset r_m
@@ -726,20 +743,22 @@ def _chunk_bwd_kernel(
                     m_fe = m_f[:, None] & m_e[None, :]
                     b_s = tl.load(gs_ptr + p_g * M * E + o_fe, mask=m_fe, other=0.0)  # [BM, BE]
                     b_z = tl.load(gz_ptr + p_g * M + o_f, mask=m_f, other=0.0)  # [BM]
-                    # da = w (g S^T + c z) + dK b:  [BT, BE] @ [BE, BM] and [BT, BT] @ [BT, BM]
-                    b_da = tl.dot(b_g, tl.trans(b_s), input_precision=PRECISION, out_dtype=ACC)
+                    # da = w (do S^T / den + c z) + dK b: [BT, BE] @ [BE, BM], [BT, BT] @ [BT, BM]
+                    b_da = product(b_do, tl.trans(b_s), PRECISION, ACC, False, True) / \
+                        b_den[:, None]  # fmt: skip
                     b_fr = b_wr * tl.exp(b_rm - b_rp)  # [BT] to R_{c-1}, then to r_i
                     b_da = (b_da + b_c[:, None] * b_z[None, :]) * b_fr[:, None]
-                    b_da += tl.dot(b_dK, b_b, input_precision=PRECISION, out_dtype=ACC)
-                    b_dxq += feature_dx(b_a * b_da, b_eq * b_da, b_g1q, b_g2q, b_xq, b_w,
-                                        o_f, m_f, o_d, m_d, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m, M,
-                                        D, BM, FEATURE, False, PRECISION, TINY)  # fmt: skip
+                    b_da += product(b_dK, b_b, PRECISION, ACC, False, FEATURE != 0)
+                    b_dxq += feature_dx(b_a * b_da, b_eq * b_da, b_g1q, b_g2q,
+                                        b_xq * b_scq[None, :], b_w, o_f, m_f, o_d, m_d, b_cb,
+                                        tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM, FEATURE, False,
+                                        PRECISION, TINY, b_xq, b_scq)  # fmt: skip
                     if g == G - 1:  # every head has read it: the chunk's keys into the tile
                         b_rn = tl.maximum(b_rm, tl.max(tl.max(b_uk, axis=1), axis=0))
                         b_p = tl.where(m_kf, b_gk * tl.exp(b_uk - b_rn), 0.0)  # [BT, BM]
                         b_al = tl.exp(b_rm - b_rn)
-                        b_s = b_s * b_al + tl.dot(tl.trans(b_p), b_v, input_precision=PRECISION,
-                                                  out_dtype=ACC)  # fmt: skip
+                        b_s = b_s * b_al + product(tl.trans(b_p), b_v, PRECISION, ACC,
+                                                   FEATURE != 0)  # fmt: skip
                         b_z = b_z * b_al + tl.sum(b_p, axis=0)
                         tl.debug_barrier()  # every thread's loads of the tile before its stores
                         tl.store(gs_ptr + p_g * M * E + o_fe, b_s, mask=m_fe)
@@ -761,47 +780,49 @@ def _chunk_bwd_kernel(
             b_dxk = tl.zeros([BT, BD], dtype=ACC)
             b_dv = tl.zeros([BT, BE], dtype=ACC)
             for g in range(0, G):  # each query head: its share of dk, dv and of D_{c-1}
-                i_hq, b_xq, b_mq, b_g, b_c, b_dK = _head_rows(
-                    q_ptr, o_ptr, do_ptr, mq_ptr, den_ptr, i_b, i_h, i_bh, g, G, T, o_t, o_d, o_e,
-                    m_q, m_d, m_e, m_tril, b_v, b_decay, b_scq, stride_qb, stride_qh, stride_qt,
-                    stride_qd, stride_ob, stride_oh, stride_ot, stride_oe, stride_dob, stride_doh,
-                    stride_dot, stride_doe, PRECISION, ACC)  # fmt: skip
+                i_hq, b_xq, b_mq, b_do, b_den, b_c, b_dK = _head_rows(
+                    q_ptr, o_ptr, olo_ptr, do_ptr, mq_ptr, den_ptr, i_b, i_h, i_bh, g, G, T, o_t,
+                    o_d, o_e, m_q, m_d, m_e, m_tril, b_v, b_decay, b_scq, stride_qb, stride_qh,
+                    stride_qt, stride_qd, stride_ob, stride_oh, stride_ot, stride_oe, stride_dob,
+                    stride_doh, stride_dot, stride_doe, PRECISION, ACC, OUT_LO)  # fmt: skip
                 b_A = tl.zeros([BT, BT], dtype=ACC)
                 for i_m in range(0, NMT):
                     o_f, m_f, b_w, b_a, b_eq, b_g1q, b_g2q, b_uk, b_gk, b_ek, b_g1k, b_g2k = \
-                        _tile_pair(b_xq, b_xk, b_mq, b_mk, m_q, m_k, w_ptr, i_m, o_d, m_d, b_ca,
-                                   b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, stride_wm, stride_wd, M, D,
-                                   BM, FEATURE, HAS_LAM, PRECISION, TINY)  # fmt: skip
+                        _tile_pair(b_xq, b_xk, b_scq, b_sck, b_mq, b_mk, m_q, m_k, w_ptr, i_m, o_d,
+                                   m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, stride_wm,
+                                   stride_wd, M, D, BM, FEATURE, HAS_LAM, PRECISION,
+                                   TINY)  # fmt: skip
                     b_b = b_gk * b_ek  # [BT, BM]
                     # db = dK^T a (+ kf (v D^T + dz) once per key, not once per query head)
-                    b_db = tl.dot(tl.trans(b_dK), b_a, input_precision=PRECISION, out_dtype=ACC)
+                    b_db = product(tl.trans(b_dK), b_a, PRECISION, ACC, False, FEATURE != 0)
                     o_fe = o_f[:, None] * E + o_e[None, :]
                     m_fe = m_f[:, None] & m_e[None, :]
                     b_ds = tl.load(gd_ptr + p_g * M * E + o_fe, mask=m_fe, other=0.0)  # [BM, BE]
                     b_dz = tl.load(gdz_ptr + p_g * M + o_f, mask=m_f, other=0.0)  # [BM]
                     if g == 0:  # D_c, dz_c: the cotangent after chunk c at R_c
-                        b_dbs = tl.dot(b_v, tl.trans(b_ds), input_precision=PRECISION,
-                                       out_dtype=ACC)  # fmt: skip
+                        b_dbs = product(b_v, tl.trans(b_ds), PRECISION, ACC, False, True)
                         b_db += (b_dbs + b_dz[None, :]) * b_kf[:, None]
                         # inter-chunk dv = kf b D: [BT, BM] @ [BM, BE]
-                        b_dv += tl.dot(b_b * b_kf[:, None], b_ds, input_precision=PRECISION,
-                                       out_dtype=ACC)  # fmt: skip
+                        b_dv += product(b_b * b_kf[:, None], b_ds, PRECISION, ACC, FEATURE != 0,
+                                        FEATURE != 0)  # fmt: skip
                         b_fc = tl.exp(b_rp - b_rc)  # D_{c-1} = L_c + exp(R_{c-1} - R_c) D_c
                         b_ds, b_dz = b_ds * b_fc, b_dz * b_fc
                     # the head's rows' share of L_c = sum_i w_i a_i g_i^T, l_c = sum_i w_i c_i a_i
-                    b_ds += tl.dot(tl.trans(b_a), b_g * b_wr[:, None], input_precision=PRECISION,
-                                   out_dtype=ACC)  # fmt: skip
+                    b_ds += product(tl.trans(b_a * (b_wr / b_den)[:, None]), b_do, PRECISION,
+                                    ACC, FEATURE != 0)  # fmt: skip
                     b_dz += tl.sum(b_a * (b_c * b_wr)[:, None], axis=0)
                     tl.debug_barrier()  # every thread's loads of the tile before its stores
                     tl.store(gd_ptr + p_g * M * E + o_fe, b_ds, mask=m_fe)
                     tl.store(gdz_ptr + p_g * M + o_f, b_dz, mask=m_f)
-                    b_dxk += feature_dx(b_b * b_db, b_ek * b_db, b_g1k, b_g2k, b_xk, b_w, o_f,
-                                        m_f, o_d, m_d, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m, M, D,
-                                        BM, FEATURE, True, PRECISION, TINY)  # fmt: skip
+                    b_dxk += feature_dx(b_b * b_db, b_ek * b_db, b_g1k, b_g2k,
+                                        b_xk * b_sck[None, :], b_w, o_f, m_f, o_d, m_d, b_cb,
+                                        tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM, FEATURE, True,
+                                        PRECISION, TINY, b_xk, b_sck)  # fmt: skip
                     # intra dv needs A = a b^T over all features
-                    b_A += tl.dot(b_a, tl.trans(b_b), input_precision=PRECISION, out_dtype=ACC)
+                    b_A += product(b_a, tl.trans(b_b), PRECISION, ACC, FEATURE != 0, FEATURE != 0)
                 b_A = tl.where(m_tril & m_k[None, :], b_A * b_decay, 0.0)
-                b_dv += tl.dot(tl.trans(b_A), b_g, input_precision=PRECISION, out_dtype=ACC)
+                b_dv += product(tl.trans(b_A / b_den[:, None]), b_do, PRECISION, ACC,
+                                FEATURE != 0)  # fmt: skip
                 tl.debug_barrier()  # the cotangent's stores before the next loads
             store_tile(dk_ptr, i_b, i_h, o_t, o_d, stride_dkb, stride_dkh, stride_dkt,
                        stride_dkd, b_dxk * b_sck[None, :], m_q, m_d)  # fmt: skip
@@ -849,10 +870,11 @@ _BWD_PLANS = plan_cache()
 
 
 def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, backward: bool,
-          has_init: bool, has_dfinal: bool, *_layout):  # fmt: skip
+          has_init: bool, has_dfinal: bool, has_lo: bool, *_layout):  # fmt: skip
     """What a causal launcher of one shape derives once (``backward``: the backward's plan, else
     the forward's; ``has_init``: an initial state given; ``has_dfinal``: the backward gets the
-    final state's cotangent; ``_layout``: the backward's out and do, in the key only): the
+    final state's cotangent; ``has_lo``: the backward reads the output's rounding residual;
+    ``_layout``: the backward's out and do, in the key only): the
     setup's sizes and constexprs, the segments, the scratch (the carries, and the backward's
     walk offsets and cotangents: written and read by the call's own launches) and the bound
     launches with their integer arguments."""
@@ -880,11 +902,15 @@ def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, backward
     states = Launch(_chunk_states_kernel, (NMT * NS * BH,), **p["states_meta"], **no_stats)
     if not backward:
         out = (H * G * T * E, T * E, E, 1)  # contiguous, made by the launcher
+        # the half policy's output keeps its rounding residual where a backward follows
+        lo = c.precision in HALF_PRECISIONS.values()
         return Plan(
-            **p, states=states, stats={}, scratch=Scratch(acc, *carries),
+            **p, states=states, stats={}, scratch=Scratch(acc, *carries), lo=lo,
             rows=((BH * G, T), (BH * G, T), (BH, T)), final=((B, H, M, E), (B, H, M), (B, H)),
             out=Launch(_chunk_out_kernel, (NS, BH), HAS_PAD=c.has_pad, HAS_MAP=c.has_map,
-                       **meta),
+                       OUT_LO=False, **meta),
+            out_lo=Launch(_chunk_out_kernel, (NS, BH), HAS_PAD=c.has_pad, HAS_MAP=c.has_map,
+                          OUT_LO=True, **meta) if lo else None,
             out_ints=(*walk, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), *pad, *out),
         )  # fmt: skip
     return Plan(
@@ -892,10 +918,10 @@ def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, backward
         # the walks' offsets before each chunk, the carries, the cotangents' carries
         scratch=Scratch(acc, (BH, NC + 1, NMT), *carries, (BH, NS, M, E), (BH, NS, M)),
         dstates=Launch(_chunk_dstates_kernel, (NMT, NS, BH), HAS_DFINAL=has_dfinal,
-                       HAS_INIT=has_init, **meta),
+                       HAS_INIT=has_init, OUT_LO=has_lo, **meta),
         dstates_ints=(*walk, *q.stride(), *c.w.stride()),
         bwd=Launch(_chunk_bwd_kernel, (2 * NS, BH), BPW=next_pow2(cdiv(M, 16)), RM=c.BM,
-                   HAS_PAD=c.has_pad, **meta),
+                   HAS_PAD=c.has_pad, OUT_LO=has_lo, **meta),
         bwd_ints=(*walk, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), *pad),
     )  # fmt: skip
 
@@ -912,9 +938,9 @@ def plans(q, k, v, form, scale: float, key_padding_mask=None, precision=None, gp
     out = (q.shape[0], q.shape[1], q.shape[2], v.shape[3])
     do = torch.empty(out, dtype=q.dtype, device=q.device)
     fwd = _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, False, has_init,
-                False)  # fmt: skip
+                False, False)  # fmt: skip
     bwd = _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, True, has_init,
-                False, do.stride(), do.stride(), 0, 0)  # fmt: skip
+                False, fwd.lo, do.stride(), do.stride(), 0, 0)  # fmt: skip
     return fwd, bwd
 
 
@@ -952,8 +978,10 @@ def rf_chunk_fwd(
     Returns:
         ``(out [B, H * G, T, E], (S, z, offset))`` with the final state ``[B, H, ...]`` in the
         accumulation dtype and ``rfattn.RFState``'s convention; with ``return_aux`` also
-        ``(m_q, den, m_k)``: the queries' offsets and the denominators at the rows' offsets r_i
-        (``[B*H*G, T]``) and the keys' max logits m_j (``[B*H, T]``).
+        ``(m_q, den, m_k, out_lo)``: the queries' offsets and the denominators at the rows'
+        offsets r_i (``[B*H*G, T]``), the keys' max logits m_j (``[B*H, T]``) and, for fp16/bf16
+        inputs, the output's rounding residual (``common.store_out``; shaped and typed as out,
+        zeros where the products are not the half policy's), else an empty tensor.
 
     Everything but the call's tensors (checks, setup, segments, launches) comes from the plan
     of the call's shape (:func:`common.shape_plan`), made at its first call.
@@ -961,14 +989,20 @@ def rf_chunk_fwd(
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"causal attention needs Tq == Tk, got {q.shape[2]} and {k.shape[2]}")
     p = shape_plan(_FWD_PLANS, _plan, q, k, v, form, scale, key_padding_mask, precision,
-                   gpu_tiles, False, initial_state is not None, False)  # fmt: skip
+                   gpu_tiles, False, initial_state is not None, False, False)  # fmt: skip
     B, H, G, T, E, acc, dev = p.B, p.H, p.G, p.T, p.E, p.acc, q.device
     stats = form.stats  # running statistics this launch forms and moves (or None)
     # a form made for this call (its statistics formed here) is converted, not kept
     w, *ptrs, qmap, kmap = form_args(form, B, H * G, H, acc, dev, keep=stats is None)
     out = torch.empty(B, H * G, T, E, device=dev, dtype=q.dtype)
-    aux = mq, den, mk = tuple(torch.empty(x, device=dev, dtype=acc) for x in p.rows)
+    mq, den, mk = tuple(torch.empty(x, device=dev, dtype=acc) for x in p.rows)
+    # for a backward: the half output's rounding residual, written by the output walk that
+    # OUT_LO compiles it into (zeros where the products are not the half policy's)
+    olo = torch.empty_like(out) if return_aux and keeps_out_residual(q.dtype) else None
+    aux = (mq, den, mk, out.new_empty(0) if olo is None else olo)
     state = sT, zT, rT = tuple(torch.empty(x, device=dev, dtype=acc) for x in p.final)
+    if olo is not None and not p.lo:
+        olo.zero_()
     if B * H == 0:
         return (out, state, aux) if return_aux else (out, state)
     roles, stats_args, stats_meta = chunk_stats_arguments(stats, q, k, B, H, G, p.D, acc)
@@ -981,16 +1015,17 @@ def rf_chunk_fwd(
             states = p.stats[key] = Launch(_chunk_states_kernel,
                                            (roles + p.NMT * p.NS * B * H,),
                                            **p.states_meta, **stats_meta)  # fmt: skip
+    walk, lo_ptr = (p.out_lo, olo) if olo is not None and p.lo else (p.out, out)
     # the carries: scratch, as device addresses once both launches replay
-    addresses = states.direct is not None and p.out.direct is not None
+    addresses = states.direct is not None and walk.direct is not None
     ws, (gs, gz, gr) = p.scratch(dev, addresses)
     s0, z0, r0 = (_state_in(x, acc, gs) for x in initial_state or (None,) * 3)
     pad = mask_rows(key_padding_mask) if p.has_pad else w
     states(k, v, w, pad, p.root, *ptrs, kmap, s0, z0, r0, gr, gs, gz, gr, sT, zT, rT,
            arrival_counters(dev, p.counters), *p.states_ints, *stats_args)  # fmt: skip
     if T:
-        p.out(q, k, v, w, pad, p.root, *ptrs, qmap, kmap, gs, gz, gr, out, mq, den, mk,
-              *p.out_ints)  # fmt: skip
+        walk(q, k, v, w, pad, p.root, *ptrs, qmap, kmap, gs, gz, gr, out, lo_ptr, mq, den, mk,
+             *p.out_ints)  # fmt: skip
     return (out, state, aux) if return_aux else (out, state)
 
 
@@ -1014,18 +1049,22 @@ def rf_chunk_bwd(
     Args:
         do: ``[B, H, T, E]`` cotangent of the output.
         dstate: None or ``(dS [B, H, M, E], dz [B, H, M])``, cotangents of the final state.
-        out, aux: the forward's output and ``(m_q, den, m_k)``; the rest as given to the forward.
+        out, aux: the forward's output and ``(m_q, den, m_k, out_lo)`` (``out_lo`` read where it
+            is not empty; a 3-tuple: none); the rest as given to the forward.
 
     Returns:
         ``(dq, dk, dv, dS0, dz0)``; the last two are None without ``initial_state``.
     """
     has_init = initial_state is not None
-    # the strides and alignment of out and do are the plan's too (Triton specialises)
+    mq, den, mk, *lo = aux
+    olo = lo[0] if lo and lo[0].numel() else None
+    # the strides and alignment of out and do are the plan's too (Triton specialises; out_lo
+    # is made as out is)
     p = shape_plan(_BWD_PLANS, _plan, q, k, v, form, scale, key_padding_mask, precision,
-                   gpu_tiles, True, has_init, dstate is not None, out.stride(), do.stride(),
-                   out.data_ptr() % 16, do.data_ptr() % 16)  # fmt: skip
+                   gpu_tiles, True, has_init, dstate is not None, olo is not None, out.stride(),
+                   do.stride(), out.data_ptr() % 16, do.data_ptr() % 16)  # fmt: skip
     B, H, G, M, E, T, acc, dev = p.B, p.H, p.G, p.M, p.E, p.T, p.acc, q.device
-    mq, den, mk = aux
+    olo = out if olo is None else olo
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     ds0 = torch.empty(B, H, M, E, device=dev, dtype=acc) if has_init else None
     dz0 = torch.empty(B, H, M, device=dev, dtype=acc) if has_init else None
@@ -1044,12 +1083,12 @@ def rf_chunk_bwd(
     p.states(k, v, w, pad, p.root, *ptrs, w, s0, z0, r0, r, gs, gz, gr, gs, gs, gs,
              arrival_counters(dev, p.counters), *p.states_ints,
              *chunk_stats_arguments(None, q, k, B, H, G, p.D, acc)[1])  # fmt: skip
-    p.dstates(q, w, p.root, *ptrs, out, do, mq, den, mk, r, gr, dsT, dzT, gd, gdz,
+    p.dstates(q, w, p.root, *ptrs, out, olo, do, mq, den, mk, r, gr, dsT, dzT, gd, gdz,
               ds0 if has_init else gd, dz0 if has_init else gdz,
               arrival_counters(dev, B * H * p.NMT), *p.dstates_ints, *out.stride(),
               *do.stride())  # fmt: skip
     if T:  # the forward walks (dq) and the reverse walks (dk, dv), one launch
-        p.bwd(q, k, v, w, pad, p.root, *ptrs, r, gs, gz, gr, gd, gdz, out, do, mq, den, mk, dq,
-              dk, dv, *p.bwd_ints, *out.stride(), *do.stride(), *dq.stride(), *dk.stride(),
+        p.bwd(q, k, v, w, pad, p.root, *ptrs, r, gs, gz, gr, gd, gdz, out, olo, do, mq, den, mk,
+              dq, dk, dv, *p.bwd_ints, *out.stride(), *do.stride(), *dq.stride(), *dk.stride(),
               *dv.stride())  # fmt: skip
     return dq, dk, dv, ds0, dz0

@@ -13,9 +13,9 @@ generation path. One program per (b, h) walks the tokens and the M tiles of its 
 the initial state and writes the new one, into new tensors or (``inplace=True``) over the
 initial state's own, never copying it first.
 
-fp16/bf16 inputs run the non-causal kernels' half policy (``common._precision``: split logits,
-one half product for ``b v`` and ``a S``), where ``rf_chunk`` runs its products as tf32x3: a
-state from either still continues in the other, up to that rounding.
+fp16/bf16 inputs run the half policy of every kernel (``common._precision``: split logits,
+one half product for ``b v`` and ``a S``), as ``rf_chunk`` does: a state from either continues
+in the other, up to the rounding of the products' order.
 
 Forward only (generation runs without gradients); ``rfattn.rf_attention`` uses it for causal
 calls of at most :data:`MAX_TOKENS` tokens that need no gradient.

@@ -412,9 +412,9 @@ def rf_parallel(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, 
 def _chunk_body(q, k, v, *args):
     """``rfattn::chunk``'s body (the operator's and the eager :class:`_Chunk`'s)."""
     form, (scale, mask, s0, z0, off0, precision, gpu_tiles) = _form(args)
-    if on_torch(q):  # the saved m_q, den, m_k are only read by the Triton backward
+    if on_torch(q):  # the saved m_q, den, m_k, out_lo are only read by the Triton backward
         return (*_torch_chunk(q, k, v, form, scale, mask, _state(s0, z0, off0)),
-                *(torch.zeros_like(x) for x in _chunk_aux_like(q, k)))  # fmt: skip
+                *(torch.zeros_like(x) for x in _chunk_aux_like(q, k, v)))  # fmt: skip
     out, state, aux = rf_chunk_kernels.rf_chunk_fwd(
         q, k, v, form, scale, mask, _state(s0, z0, off0), precision, return_aux=True,
         gpu_tiles=gpu_tiles,
@@ -422,26 +422,29 @@ def _chunk_body(q, k, v, *args):
     return out, *state, *aux
 
 
-def _chunk_aux_like(q, k) -> tuple:
-    """Empty ``(m_q, den [B*Hq, T], m_k [B*Hk, T])`` in the accumulation dtype."""
+def _chunk_aux_like(q, k, v) -> tuple:
+    """Empty ``(m_q, den [B*Hq, T], m_k [B*Hk, T])`` in the accumulation dtype, and ``out_lo``
+    (the output's rounding residual: shaped as the output for fp16/bf16 inputs, else empty)."""
     B, T, acc = q.shape[0], q.shape[2], compute_dtype(q.dtype)
     rows = (B * q.shape[1], B * q.shape[1], B * k.shape[1])
-    return tuple(q.new_empty(n, T, dtype=acc) for n in rows)
+    keep = kernel_common.keeps_out_residual(q.dtype)
+    lo = q.new_empty(*q.shape[:3], v.shape[3]) if keep else q.new_empty(0)
+    return (*(q.new_empty(n, T, dtype=acc) for n in rows), lo)
 
 
 def _chunk_fake(q, k, v, *args):
     return (q.new_empty(*q.shape[:3], v.shape[3]), *_state_like(q, v, args[1]),
-            *_chunk_aux_like(q, k))  # fmt: skip
+            *_chunk_aux_like(q, k, v))  # fmt: skip
 
 
 _CHUNK_BWD = f"Tensor do, Tensor? ds, Tensor? dz, {_QKV}, {_FORM}, {_CALL}, {_STATE}, " \
-    f"Tensor out, Tensor mq, Tensor den, Tensor mk, {_OPTS}"  # fmt: skip
+    f"Tensor out, Tensor mq, Tensor den, Tensor mk, Tensor out_lo, {_OPTS}"  # fmt: skip
 
 
 def _chunk_bwd_body(do, ds, dz, q, k, v, *args):
-    form, (scale, mask, s0, z0, off0, out, mq, den, mk, precision, gpu_tiles) = _form(args)
+    form, (scale, mask, s0, z0, off0, out, mq, den, mk, olo, precision, gpu_tiles) = _form(args)
     dq, dk, dv, ds0, dz0 = rf_chunk_kernels.rf_chunk_bwd(
-        do, None if ds is None else (ds, dz), q, k, v, form, scale, out, (mq, den, mk), mask,
+        do, None if ds is None else (ds, dz), q, k, v, form, scale, out, (mq, den, mk, olo), mask,
         _state(s0, z0, off0), precision, gpu_tiles=gpu_tiles,
     )  # fmt: skip
     if ds0 is None:
@@ -464,16 +467,16 @@ def _(do, ds, dz, q, k, v, *args):
 
 
 def _chunk_setup(ctx, inputs, output, bwd):
-    out, mq, den, mk = output[0], *output[4:7]
-    _auxiliary(ctx, output[3:])  # the offsets and the backward's row statistics
+    out, mq, den, mk, olo = output[0], *output[4:8]
+    _auxiliary(ctx, output[3:])  # the offsets and what the backward reads of the rows
     ctx.save_for_backward(*inputs[:3], *inputs[4:_SCALE], *inputs[_SCALE + 1 : _SCALE + 5], out,
-                          mq, den, mk)  # fmt: skip
+                          mq, den, mk, olo)  # fmt: skip
     ctx.kind, ctx.scale, ctx.opts, ctx.bwd = inputs[3], inputs[_SCALE], inputs[_SCALE + 5 :], bwd
 
 
 @no_autocast
 def _chunk_backward(ctx, d_out, d_s, d_z, *_rest):
-    q, k, v, *form, mask, s0, z0, off0, out, mq, den, mk = ctx.saved_tensors
+    q, k, v, *form, mask, s0, z0, off0, out, mq, den, mk, olo = ctx.saved_tensors
     d_out = torch.zeros_like(out) if d_out is None else d_out
     if d_s is not None or d_z is not None:  # the final state's cotangents, zeros where unused
         s, z, _ = _state_like(q, v, form[0])
@@ -491,7 +494,7 @@ def _chunk_backward(ctx, d_out, d_s, d_z, *_rest):
         return dq, dk, dv, *([None] * (_NFORM + 2)), ds0, dz0, None, None, None
     dq, dk, dv, ds0, dz0 = ctx.bwd(
         d_out, d_s, d_z, q, k, v, ctx.kind, *form, ctx.scale, mask, s0, z0, off0, out, mq, den,
-        mk, *ctx.opts,
+        mk, olo, *ctx.opts,
     )  # fmt: skip
     return (dq, dk, dv, *([None] * (_NFORM + 2)), (ds0 if init else None),
             (dz0 if init else None),
@@ -500,7 +503,7 @@ def _chunk_backward(ctx, d_out, d_s, d_z, *_rest):
 
 _chunk, _Chunk = _differentiable(
     "chunk", f"{_QKV}, {_FORM}, {_CALL}, {_STATE}, {_OPTS}",
-    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", _chunk_body, _chunk_fake,
+    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", _chunk_body, _chunk_fake,
     _chunk_setup, _chunk_backward, _chunk_bwd, _chunk_bwd_body,
 )
 

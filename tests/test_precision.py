@@ -1,4 +1,4 @@
-"""The half-precision policy of the non-causal kernels (``kernels/common.py: _precision``,
+"""The half-precision policy of the fused kernels (``kernels/common.py: _precision``,
 docs/numerics.md) for fp16/bf16 inputs.
 
 Two checks, both under the interpreter (which emulates the GPU's half products,
@@ -51,14 +51,17 @@ def _inputs(B, H, T, D, E, sq, sk, dtype, seed=0):
     return q, k, v
 
 
-def _errors(q, k, v, rf, backend, do):
+def _errors(q, k, v, rf, backend, do, causal=False):
     """Relative RMS errors of out, dq, dk, dv of ``backend`` in the inputs' dtype against the
     float64 torch path on the same W (the same cotangent ``do``)."""
+    # the reference's copy first: a causal training call of oprf/saderf moves the running
+    # statistics it read (both calls read them as they were)
+    ref_rf = copy.deepcopy(rf).double()
     args = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    out = rfattn.rf_attention(*args, rf, backend=backend)
+    out = rfattn.rf_attention(*args, rf, backend=backend, causal=causal)
     out.backward(do.to(out.dtype))
     ref_args = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    ref = rfattn.rf_attention(*ref_args, copy.deepcopy(rf).double(), backend="torch")
+    ref = rfattn.rf_attention(*ref_args, ref_rf, backend="torch", causal=causal)
     ref.backward(do)
     pairs = [("out", out, ref)]
     pairs += [("d" + n, a.grad, r.grad) for n, a, r in zip("qkv", args, ref_args, strict=True)]
@@ -83,26 +86,36 @@ RMF_CANCELS = pytest.mark.xfail(strict=True, reason="rmf's log-domain products u
 KNOWN = {("rmf", torch.float16, "s1"): RMF_CANCELS}
 
 
+#: the causal kernels' one case in make test (bf16: their fp16 runs tf32x3)
+QUICK_CAUSAL = {("posrf", torch.bfloat16, "large")}
+
+
 def _cases():
-    for form in FORMS:
-        for dtype in HALVES:
-            for sigma in SIGMAS:
-                marks = () if (form, dtype, sigma) in QUICK else (pytest.mark.slow,)
-                if (form, dtype, sigma) in KNOWN:
-                    marks += (KNOWN[form, dtype, sigma],)
-                yield pytest.param(form, dtype, sigma, marks=marks,
-                                   id=f"{form}-{str(dtype)[6:]}-{sigma}")  # fmt: skip
+    for causal in (False, True):
+        # the causal kernels run the half policy for bf16 only (fp16: tf32x3, _precision)
+        for dtype in (torch.bfloat16,) if causal else HALVES:
+            for form in FORMS:
+                for sigma in SIGMAS:
+                    case = (form, dtype, sigma)
+                    quick = case in (QUICK_CAUSAL if causal else QUICK)
+                    marks = () if quick else (pytest.mark.slow,)
+                    if case in KNOWN and not causal:
+                        marks += (KNOWN[case],)
+                    name = f"{form}-{str(dtype)[6:]}-{sigma}" + ("-causal" if causal else "")
+                    yield pytest.param(form, dtype, sigma, causal, marks=marks, id=name)
 
 
-@pytest.mark.parametrize("form, dtype, sigma", list(_cases()))
-def test_half_policy_within_the_flash_attention_rule(form, dtype, sigma):
+@pytest.mark.parametrize("form, dtype, sigma, causal", list(_cases()))
+def test_half_policy_within_the_flash_attention_rule(form, dtype, sigma, causal):
+    """Causal: T = 100 is two chunks of 64 in two segments (HOST_SEGMENTS), so the carries,
+    the intra-chunk products and the output's rounding residual all take part."""
     feature, weights, opts = FORMS[form]
     B, H, T, D, M, E = 1, 2, 100, 32, 64, 32
     q, k, v = _inputs(B, H, T, D, E, *SIGMAS[sigma], dtype)
     rf = rfattn.RandomFeatures(D, M, feature=feature, weights=weights, seed=0, **opts)
     do = torch.randn(B, H, T, E, generator=torch.Generator().manual_seed(5), dtype=f64)
-    kernel = _errors(q, k, v, rf, "triton", do)
-    torch_errs = _errors(q, k, v, rf, "torch", do)
+    kernel = _errors(q, k, v, rf, "triton", do, causal)
+    torch_errs = _errors(q, k, v, rf, "torch", do, causal)
     for name, err in torch_errs.items():
         factor, kind = (2, "out") if name == "out" else (3, "grad")
         assert kernel[name] <= factor * err or kernel[name] <= tolerance(dtype, kind) / 10, (
@@ -234,9 +247,10 @@ def test_kernel_is_its_rounding_policy(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, *HALVES, torch.float64], ids=str)
 def test_policy_per_dtype_and_path(dtype):
-    """The half policy is the default for fp16/bf16 inputs of the non-causal kernels (and asked
-    for as "half"); fp32 stays exact unless TF32 is asked for, fp64 is fp64, and the causal
-    kernels keep tf32x3 for fp16/bf16."""
+    """The half policy is the default for fp16/bf16 inputs of the non-causal kernels and for
+    bf16 inputs of the causal ones (and asked for as "half"); fp16 inputs of the causal kernels
+    keep tf32x3 (their backward's rows would overflow fp16), as does rmf in fp16; fp32 stays
+    exact unless TF32 is asked for, fp64 is fp64."""
     from rfattn.kernels.common import HALF_PRECISIONS, LOW_PRECISION, launch_setup
 
     x = torch.zeros(1, 1, 4, 16, dtype=dtype)
@@ -244,20 +258,27 @@ def test_policy_per_dtype_and_path(dtype):
     form = rf.feature_map.kernel_form(rf.weight)
     half = HALF_PRECISIONS.get(dtype)
     assert launch_setup(x, x, x, form, 0.25, None).precision == (half or "ieee")
+    fp16 = dtype == torch.float16
     assert launch_setup(x, x, x, form, 0.25, None, causal=True).precision == (
-        LOW_PRECISION if half else "ieee")  # fmt: skip
+        LOW_PRECISION if fp16 else half or "ieee")  # fmt: skip
     assert launch_setup(x, x, x, form, 0.25, None, precision="tf32").precision == "tf32"
     if half:
         assert launch_setup(x, x, x, form, 0.25, None, precision="half").precision == half
+        if fp16:
+            with pytest.raises(ValueError, match="causal"):
+                launch_setup(x, x, x, form, 0.25, None, causal=True, precision="half")
+        else:
+            assert launch_setup(x, x, x, form, 0.25, None, causal=True,
+                                precision="half").precision == half  # fmt: skip
     else:
         with pytest.raises(ValueError, match="half"):
             launch_setup(x, x, x, form, 0.25, None, precision="half")
     # rmf's unbounded states would overflow fp16's range: the accurate products, "half" refused
     rmf = rfattn.RandomFeatures(16, 16, feature="rmf", weights="rademacher", seed=0)
     rmf_form = rmf.feature_map.kernel_form(rmf.weight)
-    fp16 = dtype == torch.float16
-    assert launch_setup(x, x, x, rmf_form, 0.25, None).precision == (
-        LOW_PRECISION if fp16 else half or "ieee")  # fmt: skip
+    for causal in (False, True):
+        assert launch_setup(x, x, x, rmf_form, 0.25, None, causal=causal).precision == (
+            LOW_PRECISION if fp16 else half or "ieee")  # fmt: skip
     if fp16:
         with pytest.raises(ValueError, match="rmf"):
             launch_setup(x, x, x, rmf_form, 0.25, None, precision="half")
