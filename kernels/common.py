@@ -1014,15 +1014,17 @@ def _precision(dtype: torch.dtype, precision: str | None, causal: bool = False,
     """
     half = HALF_PRECISIONS.get(dtype)
     # rmf's features are unbounded products (no offsets): its states overflow fp16's range;
-    # the causal kernels' backward rounds g = do / den for its products, which overflows fp16
-    overflows = dtype == torch.float16 and (kind == "rmf" or causal)
+    # the causal backward's intra-chunk dK = (v . do) / den of the signed features, whose
+    # denominators cancel, does too (trigrf at sigma 1: NaN dk)
+    overflows = dtype == torch.float16 and (kind == "rmf" or causal and kind == "table")
     if precision is None:
         return "ieee" if half is None else (LOW_PRECISION if overflows else half)
     if precision == "half":
         if half is None or overflows:
             why = str(dtype) if not overflows else (
                 "kind 'rmf' in fp16 (its states overflow)" if kind == "rmf" else
-                "fp16 inputs of the causal kernels (their backward's rows overflow fp16)")
+                "fp16 inputs of the causal kernels with signed (table) features (their "
+                "backward's products overflow fp16)")
             raise ValueError(f"precision 'half' takes fp16/bf16 inputs, got {why}")
         return half
     if precision not in _PRECISIONS:

@@ -86,15 +86,19 @@ RMF_CANCELS = pytest.mark.xfail(strict=True, reason="rmf's log-domain products u
 KNOWN = {("rmf", torch.float16, "s1"): RMF_CANCELS}
 
 
-#: the causal kernels' one case in make test (bf16: their fp16 runs tf32x3)
+#: the causal kernels' one case in make test
 QUICK_CAUSAL = {("posrf", torch.bfloat16, "large")}
+#: the causal kernels run fp16 inputs of the signed forms and rmf as tf32x3 (_precision)
+CAUSAL_FP32_PRODUCTS = {("trigrf", torch.float16), ("hrf", torch.float16),
+                        ("rmf", torch.float16)}  # fmt: skip
 
 
 def _cases():
     for causal in (False, True):
-        # the causal kernels run the half policy for bf16 only (fp16: tf32x3, _precision)
-        for dtype in (torch.bfloat16,) if causal else HALVES:
+        for dtype in HALVES:
             for form in FORMS:
+                if causal and (form, dtype) in CAUSAL_FP32_PRODUCTS:
+                    continue
                 for sigma in SIGMAS:
                     case = (form, dtype, sigma)
                     quick = case in (QUICK_CAUSAL if causal else QUICK)
@@ -247,9 +251,9 @@ def test_kernel_is_its_rounding_policy(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, *HALVES, torch.float64], ids=str)
 def test_policy_per_dtype_and_path(dtype):
-    """The half policy is the default for fp16/bf16 inputs of the non-causal kernels and for
-    bf16 inputs of the causal ones (and asked for as "half"); fp16 inputs of the causal kernels
-    keep tf32x3 (their backward's rows would overflow fp16), as does rmf in fp16; fp32 stays
+    """The half policy is the default for fp16/bf16 inputs (and asked for as "half"), but for
+    fp16 inputs of rmf (its states overflow fp16) and of the causal kernels' signed (table)
+    forms (their backward's intra-chunk products overflow fp16), which keep tf32x3; fp32 stays
     exact unless TF32 is asked for, fp64 is fp64."""
     from rfattn.kernels.common import HALF_PRECISIONS, LOW_PRECISION, launch_setup
 
@@ -259,20 +263,24 @@ def test_policy_per_dtype_and_path(dtype):
     half = HALF_PRECISIONS.get(dtype)
     assert launch_setup(x, x, x, form, 0.25, None).precision == (half or "ieee")
     fp16 = dtype == torch.float16
-    assert launch_setup(x, x, x, form, 0.25, None, causal=True).precision == (
-        LOW_PRECISION if fp16 else half or "ieee")  # fmt: skip
+    assert launch_setup(x, x, x, form, 0.25, None, causal=True).precision == (half or "ieee")
     assert launch_setup(x, x, x, form, 0.25, None, precision="tf32").precision == "tf32"
     if half:
-        assert launch_setup(x, x, x, form, 0.25, None, precision="half").precision == half
-        if fp16:
-            with pytest.raises(ValueError, match="causal"):
-                launch_setup(x, x, x, form, 0.25, None, causal=True, precision="half")
-        else:
-            assert launch_setup(x, x, x, form, 0.25, None, causal=True,
+        for causal in (False, True):
+            assert launch_setup(x, x, x, form, 0.25, None, causal=causal,
                                 precision="half").precision == half  # fmt: skip
     else:
         with pytest.raises(ValueError, match="half"):
             launch_setup(x, x, x, form, 0.25, None, precision="half")
+    # a signed (table) form: the half policy but for the causal kernels in fp16
+    trig = rfattn.RandomFeatures(16, 16, feature="trigrf", seed=0)
+    trig_form = trig.feature_map.kernel_form(trig.weight)
+    assert launch_setup(x, x, x, trig_form, 0.25, None).precision == (half or "ieee")
+    assert launch_setup(x, x, x, trig_form, 0.25, None, causal=True).precision == (
+        LOW_PRECISION if fp16 else half or "ieee")  # fmt: skip
+    if fp16:
+        with pytest.raises(ValueError, match="causal"):
+            launch_setup(x, x, x, trig_form, 0.25, None, causal=True, precision="half")
     # rmf's unbounded states would overflow fp16's range: the accurate products, "half" refused
     rmf = rfattn.RandomFeatures(16, 16, feature="rmf", weights="rademacher", seed=0)
     rmf_form = rmf.feature_map.kernel_form(rmf.weight)
