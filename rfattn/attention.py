@@ -120,7 +120,9 @@ def rf_attention(
             the row would). The masks, if given, are ``[1, total]``. The offsets are read on the
             host once per call (one device-to-host copy when they lie on the GPU): each
             sequence runs as a call of its own on views of the row, on the backend chosen as
-            for any call (the fused kernels: one call per sequence). No window, sinks or group.
+            for any call (sequences of similar length batched, zero-padded and masked). With
+            ``window`` / ``sinks`` each sequence has its own sinks and window (no
+            initial_state or return_state then). No group.
         cu_seqlens_q, cu_seqlens_k: non-causal cross-attention of packed sequences: the
             offsets of the queries and of the keys/values, ``[N + 1]`` each, in place of
             ``cu_seqlens``.

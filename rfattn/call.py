@@ -122,9 +122,17 @@ def validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_stat
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if (initial_state is not None or return_state) and not causal:
         raise ValueError("initial_state and return_state need causal=True")
-    if packed is not None and (window or sinks or group is not None):
-        raise NotImplementedError("packed sequences (cu_seqlens) have no window, sinks or "
-                                  "process group yet: one call per sequence")  # fmt: skip
+    if packed is not None:
+        if group is not None:
+            raise NotImplementedError("packed sequences (cu_seqlens) have no process group yet: "
+                                      "one call per sequence")  # fmt: skip
+        if (window or sinks) and (initial_state is not None or return_state):
+            raise NotImplementedError("packed sequences (cu_seqlens) with window or sinks take "
+                                      "no initial_state or return_state yet")  # fmt: skip
+        if (window or sinks) and packed[0] != packed[1]:
+            raise ValueError("window and sinks need each packed sequence's queries and keys to "
+                             "be the same tokens: cu_seqlens (or cu_seqlens_q == "
+                             "cu_seqlens_k)")  # fmt: skip
     if window or sinks:  # the hybrid (rfattn.hybrid): its own state, checked there
         if not causal and qs[2] != ks[2]:
             raise ValueError(f"window and sinks need Tq == Tk, got Tq={qs[2]}, Tk={ks[2]}")

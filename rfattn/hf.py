@@ -386,8 +386,8 @@ def rfattn_mask(
     )
     if _plain_where_it_counts(mask, valid, q_offset, q_length, kv_offset, kv_length, window):
         return _padding_view(keep, batch_size, q_length)
-    if local_size is not None and span >= local_size:
-        raise _window_error(local_size, span, kwargs.get("config"))
+    # another pattern (packed sequences, whose offsets the attention function reads, with or
+    # without the window; a custom mask, which it refuses): handed on
     return mask
 
 
@@ -571,7 +571,8 @@ def rfattn_attention_forward(
     rf = _layer_features(module, query.shape[-1], query.device)
     sliding = kwargs.get("sliding_window")  # the layer's own window: the hybrid's exact part
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    packed = _packing(query, key, attention_mask, bool(causal), kwargs, layer is not None)
+    packed = _packing(query, key, attention_mask, bool(causal), kwargs, layer is not None,
+                      sliding)  # fmt: skip
     if packed is not None:
         if layer is not None:  # an eval forward's cache: its states could not be per sequence
             layer.refuse_further_tokens()
@@ -588,7 +589,8 @@ def rfattn_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _packing(query, key, attention_mask, causal: bool, kwargs: dict, cached: bool):
+def _packing(query, key, attention_mask, causal: bool, kwargs: dict, cached: bool,
+             sliding: int | None = None):  # fmt: skip
     """``(cu_q, cu_k)``, the offsets of a padding-free batch (one row of concatenated
     sequences), or None for any other batch.
 
@@ -598,7 +600,8 @@ def _packing(query, key, attention_mask, causal: bool, kwargs: dict, cached: boo
     took them as packed too: without a cache (``cached``: with one, transformers attends over
     the whole row, and so does this; nothing is looked for, so a decode step reads nothing on
     the host) and where its mask keeps each sequence apart. A mask given beside the offsets must
-    be theirs, else NotImplementedError. Reads the offsets on the host."""
+    be theirs (within the layer's ``sliding`` window, where it has one), else
+    NotImplementedError. Reads the offsets on the host."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is None and cu_k is None:
         pos = kwargs.get("position_ids")
@@ -610,20 +613,23 @@ def _packing(query, key, attention_mask, causal: bool, kwargs: dict, cached: boo
         if starts.numel() == 0:  # one sequence: a mask of its own (padding) applies
             return None
         cu_q = cu_k = torch.cat((starts.new_zeros(1), starts, starts.new_full((1,), pos.numel())))
-        if not _keeps_sequences_apart(attention_mask, cu_q, cu_k, causal):
+        if not _keeps_sequences_apart(attention_mask, cu_q, cu_k, causal, sliding):
             return None
     elif cu_q is None or cu_k is None:
         raise ValueError("rfattn: cu_seq_lens_q and cu_seq_lens_k go together")
     elif attention_mask is not None and not _keeps_sequences_apart(attention_mask, cu_q, cu_k,
-                                                                   causal):  # fmt: skip
+                                                                   causal, sliding):  # fmt: skip
         raise NotImplementedError("rfattn: cu_seq_lens_q/k with an attention mask that is not "
                                   "their sequences'")  # fmt: skip
     return cu_q, cu_k
 
 
-def _keeps_sequences_apart(mask: torch.Tensor, cu_q, cu_k, causal: bool) -> bool:
+def _keeps_sequences_apart(mask: torch.Tensor, cu_q, cu_k, causal: bool,
+                          sliding: int | None = None) -> bool:  # fmt: skip
     """Whether the 4-D mask transformers built is exactly that of the packed sequences: each
-    query attends to the keys of its own sequence (causally where ``causal``)."""
+    query attends to the keys of its own sequence (causally where ``causal``; within the
+    layer's ``sliding`` window where it has one: transformers' causal ``j > i - W``,
+    bidirectional ``|i - j| <= W``)."""
     tq, tk = mask.shape[-2:]
     if mask.dim() != 4 or mask.shape[0] != 1 or mask.stride(-2) == 0 or cu_q[-1] != tq or \
             cu_k[-1] != tk:  # (a stride-0 view: rfattn_mask's key padding, rows alike)
@@ -636,6 +642,10 @@ def _keeps_sequences_apart(mask: torch.Tensor, cu_q, cu_k, causal: bool) -> bool
     expected = seq_q[:, None] == seq_k[None, :]
     if causal:
         expected &= torch.ones(tq, tk, dtype=torch.bool, device=mask.device).tril(tk - tq)
+    if sliding is not None:
+        i = torch.arange(tq, device=mask.device)[:, None] + (tk - tq)
+        j = torch.arange(tk, device=mask.device)[None, :]
+        expected &= (j > i - sliding) if causal else ((i - j).abs() <= sliding)
     return bool((keep == expected).all())
 
 
@@ -645,15 +655,17 @@ def _packed_attention(module, rf, query, key, value, causal: bool, scaling, slid
     (:func:`rf_attention`'s ``cu_seqlens``), causal with one set of offsets for q and k."""
     group = getattr(module, "rfattn_group", None)
     window, sinks = local_attention_of(module.config, sliding, causal)
-    if window or sinks or group is not None:
+    if group is not None:
         raise NotImplementedError("rfattn: packed sequences (cu_seq_lens, position_ids) have "
-                                  "no window, sinks or process group yet")  # fmt: skip
+                                  "no process group yet")  # fmt: skip
+    local = dict(window=window, sinks=sinks)  # a hybrid layer: exact sinks and window
     if not causal:
         return rf_attention(query, key, value, rf, scale=scaling, cu_seqlens_q=cu_q,
-                            cu_seqlens_k=cu_k)  # fmt: skip
+                            cu_seqlens_k=cu_k, **local)  # fmt: skip
     if cu_q is not cu_k and not torch.equal(cu_q, cu_k.to(cu_q.device)):
         raise ValueError("rfattn: causal packed sequences need cu_seq_lens_q == cu_seq_lens_k")
-    return rf_attention(query, key, value, rf, causal=True, scale=scaling, cu_seqlens=cu_q)
+    return rf_attention(query, key, value, rf, causal=True, scale=scaling, cu_seqlens=cu_q,
+                        **local)  # fmt: skip
 
 
 def local_attention_of(config, sliding_window: int | None, causal: bool) -> tuple[int, int]:

@@ -260,7 +260,7 @@ def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
                      key_padding_mask: torch.Tensor | None = None,
                      initial_state: HybridState | None = None, return_state: bool = False,
                      block: int = BLOCK, query_padding_mask: torch.Tensor | None = None,
-                     causal: bool = True):  # fmt: skip
+                     causal: bool = True, update: bool = True):  # fmt: skip
     """Hybrid attention (module docstring): exact sinks and window, random features for the
     rest, one normaliser. The torch path, blocked, differentiated by autograd.
 
@@ -279,17 +279,28 @@ def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
         query_padding_mask: ``[B, T]`` bool, True = queries left out of the data statistics
             (oprf, saderf, ...).
         causal: False: every valid key, the window ``|i - j| < window`` exact (no state).
+        update: False: running statistics (oprf/saderf in training) are read as they stand and
+            not moved (a batch of packed sequences, whose call moves them once, from the row).
 
     Returns:
         ``[B, H, T, E]`` in q's dtype (0 for a row with no valid key), and the
         :class:`HybridState` with ``return_state``. Split/resume equals one call up to rounding.
     """
     _check(q, k, v, window, sinks, key_padding_mask)
+    if not causal and (initial_state is not None or return_state):
+        raise ValueError("initial_state and return_state need causal=True")
+    if q.shape[2] == 0:  # no token: nothing to attend, the state passed on as it was
+        out = q.new_zeros(*q.shape[:3], v.shape[-1])
+        if not return_state:
+            return out
+        empty = _empty_state(k, v, rf, window, sinks)
+        if initial_state is None:
+            return out, empty
+        _check_state(initial_state, empty)
+        return out, initial_state
     if not causal:
-        if initial_state is not None or return_state:
-            raise ValueError("initial_state and return_state need causal=True")
         return _bidirectional(q, k, v, rf, window, sinks, scale, key_padding_mask,
-                              query_padding_mask, block)  # fmt: skip
+                              query_padding_mask, block, update)  # fmt: skip
     maps = rf.map_tensors(q, k)  # the features' head maps (the exact part takes q, k as they are)
     B, H, T, D = q.shape
     Hk, E, W = k.shape[1], v.shape[-1], window
@@ -321,7 +332,7 @@ def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
     if qpm is not None and G > 1:  # the rows of a key/value head: its G query heads' tokens
         qpm = qpm.repeat(1, G)
     params = rf.feature_params(fq, fk[:, :, W:], key_padding_mask, causal=True,
-                               query_padding_mask=qpm)  # fmt: skip
+                               query_padding_mask=qpm, update=update)  # fmt: skip
     estimated = (kinds == WINDOW)[:, None, :, None]  # valid, not a sink: leaves the window
     a, mq, b, mk = _factors(rf, fq, fk, w, params, estimated)
     a, mq, xq = (x.view(B, Hk, G, T, x.shape[-1]) for x in (a, mq, xq))
@@ -395,7 +406,7 @@ def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
 
 
 def _bidirectional(q, k, v, rf, window, sinks, scale, key_padding_mask, query_padding_mask,
-                   block):  # fmt: skip
+                   block, update=True):  # fmt: skip
     """:func:`hybrid_attention` with ``causal=False``. Every row sees every valid key, so one
     offset R per (b, h) over the estimated keys serves all rows (as non-causal random-feature
     attention's); each query block ``c0 <= i < c1`` reads the keys of the aligned key blocks
@@ -424,7 +435,8 @@ def _bidirectional(q, k, v, rf, window, sinks, scale, key_padding_mask, query_pa
     qpm = query_padding_mask
     if qpm is not None and G > 1:
         qpm = qpm.repeat(1, G)
-    params = rf.feature_params(fq, fk, key_padding_mask, causal=False, query_padding_mask=qpm)
+    params = rf.feature_params(fq, fk, key_padding_mask, causal=False, query_padding_mask=qpm,
+                               update=update)  # fmt: skip
     a, mq, b, mk = _factors(rf, fq, fk, w, params, est[:, None, :, None])
     R = mk.amax(-2, keepdim=True)  # [B, Hk, 1, 1], -inf without estimated keys
     kw = torch.exp(mk - R.masked_fill(R == -math.inf, 0.0)) * b  # 0 off the estimated keys
@@ -481,4 +493,5 @@ def attend(call):
                             scale=call.scale, key_padding_mask=call.key_padding_mask,
                             query_padding_mask=call.query_padding_mask,
                             initial_state=call.initial_state,
-                            return_state=call.return_state, causal=call.causal)  # fmt: skip
+                            return_state=call.return_state, causal=call.causal,
+                            update=call.update_stats)  # fmt: skip

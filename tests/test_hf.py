@@ -574,6 +574,37 @@ def test_packed_batches_equal_the_documents_one_by_one(how, use_cache):
                         p.sub_(0.5 * d)
 
 
+@pytest.mark.parametrize("window", [{"window": 3, "sinks": 1}, {"sliding_window": 3}],
+                         ids=["hybrid", "sliding-window"])  # fmt: skip
+def test_packed_hybrid_batches_equal_the_documents_one_by_one(window):
+    """A hybrid model (exact sinks and window inside the features: ``attach_random_features``'
+    options, or a Mistral's own ``sliding_window``) trains padding-free too: a packed batch's
+    loss and gradients equal (float64) the documents run one by one."""
+    if "sliding_window" in window:
+        model = _windowed(**window).double().train()
+    else:
+        model = _llama().double().train()
+        rfhf.attach_random_features(model, num_features=16, seed=0, **window)
+    model.set_attn_implementation("rfattn")
+    g = torch.Generator().manual_seed(4)
+    docs = [torch.randint(0, V, (n,), generator=g) for n in (6, 1, 9, 5)]
+    batch = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
+        [{"input_ids": d.tolist()} for d in docs])
+    batch.pop("labels")
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = model(**batch, use_cache=False).logits
+    ref = torch.cat([model(d[None], use_cache=False).logits for d in docs], dim=1)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    w = torch.randn(out.shape, generator=g, dtype=out.dtype)
+    grads = torch.autograd.grad((out * w).sum(), params, allow_unused=True)
+    ref_grads = torch.autograd.grad((ref * w).sum(), params, allow_unused=True)
+    for a, b in zip(grads, ref_grads, strict=True):
+        if a is None or b is None:
+            assert a is None and b is None
+            continue
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
 def test_a_packed_eval_forward_with_its_cache_attends_each_document_alone():
     """In eval, ``model(**packed_batch)`` with flash-attention's offsets makes a cache
     (transformers' default use_cache): the logits still treat each document on its own (equal

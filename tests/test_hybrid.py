@@ -207,6 +207,31 @@ def test_decoding_token_by_token_is_one_call_and_constant_size():
     assert len(sizes) == 1  # the state's bytes do not grow with the context
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_an_empty_sequence_attends_nothing(causal):
+    """T = 0 (an empty document of a packed row run on its own, a resumed call with no new
+    token): an empty output, and a causal call's state passed on as it was (or the empty
+    state); it used to fail gathering the sinks of no token."""
+    q, k, v = inputs(seed=3, T=12)
+    rf = features()
+    empty = (x[:, :, :0] for x in (q, k, v))
+    if not causal:
+        out = rfattn.rf_attention(*empty, rf, window=4, sinks=2, backend="torch")
+        assert out.shape == (*q.shape[:2], 0, v.shape[-1])
+        return
+    _, state = hybrid_attention(q, k, v, rf, window=4, sinks=2, return_state=True)
+    q0, k0, v0 = empty
+    out, after = hybrid_attention(q0, k0, v0, rf, window=4, sinks=2, initial_state=state,
+                                  return_state=True)  # fmt: skip
+    assert out.shape == (*q.shape[:2], 0, v.shape[-1])
+    for a, b in zip(after, state, strict=True):
+        assert torch.equal(a, b)
+    out, fresh = hybrid_attention(q0, k0, v0, rf, window=4, sinks=2, return_state=True)
+    whole, st = hybrid_attention(q, k, v, rf, window=4, sinks=2, initial_state=fresh,
+                                 return_state=True)  # fmt: skip
+    torch.testing.assert_close(whole, hybrid_attention(q, k, v, rf, window=4, sinks=2))
+
+
 def test_gradients_reach_the_initial_state():
     q, k, v = inputs(seed=8, T=20)
     rf = features()

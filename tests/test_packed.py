@@ -314,8 +314,11 @@ BAD = [
      ValueError, r"key_padding_mask must have shape \[B, T\] = \(1, 7\)"),
     ("state-batch", dict(cu_seqlens=torch.tensor([0, 3, 7]), causal=True, initial_state="one"),
      ValueError, r"initial_state.s must have shape \(2, 2, 8, 3\)"),
-    ("window", dict(cu_seqlens=torch.tensor([0, 3, 7]), window=2), NotImplementedError,
-     "packed sequences"),
+    ("window-state", dict(cu_seqlens=torch.tensor([0, 3, 7]), window=2, causal=True,
+                          return_state=True), NotImplementedError, "no initial_state or return"),
+    ("window-cross", dict(cu_seqlens_q=torch.tensor([0, 3, 7]), window=2,
+                          cu_seqlens_k=torch.tensor([0, 4, 7])), ValueError,
+     "window and sinks need each packed sequence's queries and keys"),
 ]  # fmt: skip
 
 
@@ -327,6 +330,38 @@ def test_bad_offsets_raise_naming_them(case, kw, error, match):
         kw["initial_state"] = states(1, rf)
     with pytest.raises(error, match=match):
         rfattn.rf_attention(q, k, v, rf, backend="torch", **kw)
+
+
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("feature", ["posrf", "oprf"])
+def test_packed_window_and_sinks_equal_separate_calls(feature, causal):
+    """Exact sinks and a sliding window inside the features (rfattn.hybrid) on a packed row:
+    outputs and gradients equal N separate hybrid calls (float64, grouped heads), the batched
+    sequences padded and masked as any packed batch; oprf in training reads its running
+    statistics as they stand for every sequence (separate calls in eval mode) and moves them
+    once, as the unpacked row does."""
+    stats = {"stats": "running"} if feature == "oprf" else {}
+    rf = rfattn.RandomFeatures(D, M, feature, seed=0, **stats).double()
+    if feature == "oprf":
+        rfattn.rf_attention(*leaves((40,), seed=20), rf, causal=causal, backend="torch")
+    else:
+        rf.eval()
+    row, ev = copy.deepcopy(rf), copy.deepcopy(rf).eval()
+    q, k, v = leaves(LENGTHS)
+    cu = offsets(LENGTHS)
+    kw = dict(backend="torch", causal=causal, window=3, sinks=2)
+    packed = rfattn.rf_attention(q, k, v, rf, cu_seqlens=cu, **kw)
+    o = cu.tolist()
+    sep = torch.cat([rfattn.rf_attention(q[:, :, o[i]:o[i + 1]], k[:, :, o[i]:o[i + 1]],
+                                         v[:, :, o[i]:o[i + 1]], ev, **kw)
+                     for i in range(len(LENGTHS))], dim=2)  # fmt: skip
+    assert_same(packed, sep, (q, k, v), feature)
+    if feature == "oprf":
+        with torch.no_grad():
+            rfattn.rf_attention(q, k, v, row, **kw)  # the row unpacked moves them once
+        for (name, a), (_, b) in zip(rf.feature_map.named_buffers(),
+                                     row.feature_map.named_buffers(), strict=True):  # fmt: skip
+            assert torch.equal(a, b), name
 
 
 def test_offsets_need_batch_one_and_equal_lengths():
