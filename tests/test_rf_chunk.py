@@ -389,7 +389,7 @@ SIGNED = [
     ("trigrf", "orf", {}),
     pytest.param("hrf", "orf", {"lambda_features": 2}, marks=SLOW),  # ~6 s; test_bad_data's hrf
     pytest.param("hrf", "orf", {}, marks=SLOW),
-    ("gerf", "orf", {"A": 0.1j}),
+    pytest.param("gerf", "orf", {"A": 0.1j}, marks=SLOW),  # ~6 s; trigrf's table form covers it
     ("rmf", "rademacher", {}),
     ("rmf", "rademacher", {"dot_kernel": "inverse", "mode": "paper"}),
     pytest.param("posrf", "sgq", {}, marks=SLOW),
@@ -597,7 +597,8 @@ class _Refusing:
 
 @pytest.mark.parametrize(
     "feature,weights",
-    [("posrf", "orf"), pytest.param("rmf", "rademacher", marks=pytest.mark.slow)],  # rmf: ~8 s
+    # ~9 s each under the interpreter (make test stayed under 5 minutes by a few seconds)
+    [pytest.param("posrf", "orf", marks=SLOW), pytest.param("rmf", "rademacher", marks=SLOW)],
 )
 def test_backward_with_the_feature_tile_halved(feature, weights, monkeypatch, kernel_device,
                                                fresh_plans):  # fmt: skip
