@@ -1009,8 +1009,9 @@ def _precision(dtype: torch.dtype, precision: str | None, causal: bool = False,
     products with v and the cotangents are one half product each (both operands split for
     the signed features, whose sums cancel), as flash-attention rounds P and dS. rmf in fp16:
     its unbounded states overflow fp16, so :data:`LOW_PRECISION` (three tf32 products, about
-    fp32's accuracy; measured on an H100 at 2.7x the time of one product). ``causal`` is
-    accepted for the callers' symmetry; the policy no longer depends on it.
+    fp32's accuracy; measured on an H100 at 2.7x the time of one product); so do the causal
+    kernels' signed (table) forms in fp16, whose intra-chunk ``dK = (v . do) / den`` leaves
+    fp16's range where their denominators cancel.
     """
     half = HALF_PRECISIONS.get(dtype)
     # rmf's features are unbounded products (no offsets): its states overflow fp16's range;

@@ -650,9 +650,9 @@ def _tile_pair(b_xq, b_xk, b_scq, b_sck, b_mq, b_mk, m_q, m_k, w_ptr, i_m, o_d, 
                D: tl.constexpr, BM: tl.constexpr, FEATURE: tl.constexpr, HAS_LAM: tl.constexpr,
                PRECISION: tl.constexpr, TINY: tl.constexpr):  # fmt: skip
     """Feature tile i_m of the chunk's rows and keys (x~ = rows * scales) at the forward's
-    offsets: ``(o_f, m_f,
-    W [BM, BD], a = g_q e_q, e_q, the query side's feature_dx terms, key logits u_k (NEG where
-    not valid), g_k, e_k, the key side's feature_dx terms)``, each ``[BT, BM]``."""
+    offsets: ``(o_f, m_f, W [BM, BD], a = g_q e_q, e_q, the query side's feature_dx terms, key
+    logits u_k (NEG where not valid), g_k, e_k, the key side's feature_dx terms)``, each
+    ``[BT, BM]``."""
     o_f = i_m * BM + tl.arange(0, BM)
     m_f = o_f < M
     b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]

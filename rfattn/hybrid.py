@@ -287,18 +287,9 @@ def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
         :class:`HybridState` with ``return_state``. Split/resume equals one call up to rounding.
     """
     _check(q, k, v, window, sinks, key_padding_mask)
-    if not causal and (initial_state is not None or return_state):
-        raise ValueError("initial_state and return_state need causal=True")
-    if q.shape[2] == 0:  # no token: nothing to attend, the state passed on as it was
-        out = q.new_zeros(*q.shape[:3], v.shape[-1])
-        if not return_state:
-            return out
-        empty = _empty_state(k, v, rf, window, sinks)
-        if initial_state is None:
-            return out, empty
-        _check_state(initial_state, empty)
-        return out, initial_state
     if not causal:
+        if initial_state is not None or return_state:
+            raise ValueError("initial_state and return_state need causal=True")
         return _bidirectional(q, k, v, rf, window, sinks, scale, key_padding_mask,
                               query_padding_mask, block, update)  # fmt: skip
     maps = rf.map_tensors(q, k)  # the features' head maps (the exact part takes q, k as they are)
@@ -310,6 +301,9 @@ def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
     st = empty if initial_state is None else initial_state
     if initial_state is not None:
         _check_state(initial_state, empty)
+    if T == 0:  # no token: nothing to attend, the state passed on as it was
+        out = q.new_zeros(B, H, 0, E)
+        return (out, st) if return_state else out
     dev, cd = q.device, compute_dtype(q.dtype)
     # the extended sequence: the state's last W positions, then this call's T (rows e = W + t)
     valid = torch.ones(B, T, dtype=torch.bool, device=dev)
@@ -416,6 +410,8 @@ def _bidirectional(q, k, v, rf, window, sinks, scale, key_padding_mask, query_pa
     maps = rf.map_tensors(q, k)
     B, H, T, D = q.shape
     Hk, E, W, C = k.shape[1], v.shape[-1], window, block
+    if T == 0:  # no token: nothing to attend
+        return q.new_zeros(B, H, 0, E)
     G = H // Hk
     scale = D**-0.5 if scale is None else float(scale)
     dev, cd = q.device, compute_dtype(q.dtype)

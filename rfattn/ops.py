@@ -263,12 +263,19 @@ def _parallel_body(q, k, v, *args):
     return (out, *aux)
 
 
+def _residual_like(q, v) -> torch.Tensor:
+    """An empty ``out_lo`` as the operators return it: shaped and typed as the output for
+    fp16/bf16 inputs (``common.keeps_out_residual``), else empty."""
+    if kernel_common.keeps_out_residual(q.dtype):
+        return q.new_empty(*q.shape[:3], v.shape[3])
+    return q.new_empty(0)
+
+
 def _parallel_fake(q, k, v, *args):
     BH, Tq, F, acc = q.shape[0] * q.shape[1], q.shape[2], args[1].shape[0], compute_dtype(q.dtype)
     aux = [(BH, F, v.shape[3]), (BH, F), (BH, F), (BH, Tq), (BH, Tq)]
     out = q.new_empty(*q.shape[:3], v.shape[3])
-    lo = torch.empty_like(out) if kernel_common.keeps_out_residual(q.dtype) else q.new_empty(0)
-    return (out, *(q.new_empty(s, dtype=acc) for s in aux), lo)
+    return (out, *(q.new_empty(s, dtype=acc) for s in aux), _residual_like(q, v))
 
 
 _PARALLEL_BWD = f"Tensor do, {_QKV}, {_FORM}, {_CALL}, Tensor out, Tensor s, Tensor z, " \
@@ -427,9 +434,7 @@ def _chunk_aux_like(q, k, v) -> tuple:
     (the output's rounding residual: shaped as the output for fp16/bf16 inputs, else empty)."""
     B, T, acc = q.shape[0], q.shape[2], compute_dtype(q.dtype)
     rows = (B * q.shape[1], B * q.shape[1], B * k.shape[1])
-    keep = kernel_common.keeps_out_residual(q.dtype)
-    lo = q.new_empty(*q.shape[:3], v.shape[3]) if keep else q.new_empty(0)
-    return (*(q.new_empty(n, T, dtype=acc) for n in rows), lo)
+    return (*(q.new_empty(n, T, dtype=acc) for n in rows), _residual_like(q, v))
 
 
 def _chunk_fake(q, k, v, *args):
