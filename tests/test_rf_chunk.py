@@ -415,7 +415,9 @@ def test_signed_and_plain_features(feature, weights, opts, kernel_device):
 # the decode step (kernels/rf_recurrent.py)
 
 DECODE = [
-    ("posrf", "orf", {}),
+    # ~8 s under the interpreter: make test-slow (in make test tests/test_ops.py holds the
+    # decode kernel against the operators' torch kernels, the chunked form)
+    pytest.param("posrf", "orf", {}, marks=SLOW),
     pytest.param("trigrf", "orf", {}, marks=SLOW),
     pytest.param("rmf", "rademacher", {}, marks=SLOW),
     pytest.param("oprf", "orf", {"stats": "fixed", "A": -0.05}, marks=SLOW),
