@@ -11,14 +11,18 @@ Stages (``--stages`` picks some; ``--profile`` adds the last):
    mask) per fused path (non-causal, causal chunk, decode step, stats pass) x feature form (the
    real GERF family, the signed table form, rmf) x dtype (fp32, bf16, fp16 on CUDA; fp32 under the
    interpreter), outputs and gradients against float64, with every uninitialised buffer poisoned
-   with NaN; autotuning off (``RFATTN_AUTOTUNE=0``) so compiling stays short.
-3. ``pytest``: ``pytest -m gpu`` (autotuning off, in parallel when pytest-xdist is there).
-4. ``compile``: ``torch.compile(fullgraph=True)`` over ``rf_attention`` on CUDA, non-causal and
+   with NaN; autotuning off (``RFATTN_AUTOTUNE=0``: one config per launch, for fp16/bf16 the
+   half policy's own) so compiling stays short.
+3. ``sync``: each fused form once (bf16, posrf / oprf / hrf / rmf, non-causal and causal
+   forward+backward, decode step; GQA, a key padding mask, packed sequences) under
+   ``torch.cuda.set_sync_debug_mode("error")`` after a warm-up call (``bench.sync_check``).
+4. ``pytest``: ``pytest -m gpu`` (autotuning off, in parallel when pytest-xdist is there).
+5. ``compile``: ``torch.compile(fullgraph=True)`` over ``rf_attention`` on CUDA, non-causal and
    causal, forward and backward: graph breaks counted, compiled against eager.
-5. ``bench``: ``python -m bench`` on the issue's grid (rows kept as they are measured).
-6. ``fla``: ``python -m bench.fla``, the causal shapes of flash-linear-attention.
-7. ``decode``: ``python -m bench.decode``, the time per token by position.
-8. ``profile`` (``--profile``): Nsight Compute on the fused kernels at one large shape.
+6. ``bench``: ``python -m bench`` on the issue's grid (rows kept as they are measured).
+7. ``fla``: ``python -m bench.fla``, the causal shapes of flash-linear-attention.
+8. ``decode``: ``python -m bench.decode``, the time per token by position.
+9. ``profile`` (``--profile``): Nsight Compute on the fused kernels at one large shape.
 
 Writes ``gpu_report.json`` and ``gpu_report.md`` (plus ``bench.json``/``fla.json``/
 ``decode.json`` and ``gpu_log.txt``, the stages' output) to ``--out``, and prints the report's
@@ -60,6 +64,7 @@ class Stage:
 STAGES = [
     Stage("env", 30, 20, False, "GPU, versions, bf16/tf32 matmul and copy ceilings"),
     Stage("smoke", 100, 80, False, "fused paths x feature forms x dtypes vs float64, NaN-poisoned"),
+    Stage("sync", 40, 60, True, "each fused form once under set_sync_debug_mode('error')"),
     Stage("pytest", 100, 60, True, "pytest -m gpu, RFATTN_AUTOTUNE=0"),
     Stage(
         "compile", 60, 50, True, "torch.compile(fullgraph=True): graph breaks, compiled == eager"
@@ -567,6 +572,23 @@ def stage_fla(rec: Recorder, work: Path, args) -> None:
     )
 
 
+def stage_sync(rec: Recorder, work: Path, args) -> None:
+    import torch
+
+    from bench.sync_check import cases, check_case
+
+    for name, fn in cases(torch.device("cuda")):
+        row = check_case(fn)
+        rec.row(case=name, **row)
+        print(f"# sync {name}: {row['status']} {row.get('error', '')}"[:300], flush=True)
+    bad = [r["case"] for r in rec.doc["rows"] if r["status"] != "ok"]
+    rec.set(
+        status="failed" if bad else "ok",
+        summary=f"{len(rec.doc['rows']) - len(bad)} of {len(rec.doc['rows'])} cases copy and "
+        "sync nothing" + (f"; synchronising: {', '.join(bad)}" if bad else ""),
+    )
+
+
 def stage_decode(rec: Recorder, work: Path, args) -> None:
     from bench.decode import main as decode_main
 
@@ -689,6 +711,7 @@ def _ncu_rows(csv_text: str) -> list[dict]:
 STAGE_FNS = {
     "env": stage_env,
     "smoke": stage_smoke,
+    "sync": stage_sync,
     "pytest": stage_pytest,
     "compile": stage_compile,
     "bench": stage_bench,
@@ -697,6 +720,8 @@ STAGE_FNS = {
     "profile": stage_profile,
 }
 REPO = Path(__file__).resolve().parent.parent
+#: stage -> the JSONL file its rows stream to (a stage killed at its box keeps them)
+STREAMED_ROWS = {"bench": "bench_rows.jsonl", "fla": "fla_rows.jsonl"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -740,7 +765,7 @@ def run_stage(
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if not cuda:
         env["TRITON_INTERPRET"] = "1"  # the kernels run on the CPU under Triton's interpreter
-    if name == "smoke":
+    if name in ("smoke", "sync"):
         env["RFATTN_AUTOTUNE"] = "0"
     t0 = time.perf_counter()
     with open(out / "gpu_log.txt", "a") as log:
@@ -759,9 +784,13 @@ def run_stage(
     seconds = time.perf_counter() - t0
     doc = json.loads(result_path.read_text()) if result_path.exists() else {"rows": []}
     if timed_out:
+        # the benchmarks stream their rows to a JSONL file, not to the stage's record
+        streamed = STREAMED_ROWS.get(name)
+        n_rows = (len(_bench_rows(work / streamed)[0]) if streamed
+                  else len(doc.get("rows", [])))  # fmt: skip
         doc["status"] = "timeout"
         doc["summary"] = f"stopped at its {box_s:.0f} s box; kept: " + (
-            doc.get("summary") or f"{len(doc.get('rows', []))} rows"
+            doc.get("summary") or f"{n_rows} rows"
         )
     elif rc != 0 and doc.get("status") in (None, "ok"):
         doc["status"] = "error"
@@ -773,6 +802,9 @@ def collect(work: Path, out: Path) -> dict:
     """Copy the stages' artefacts into ``out``; the benchmark rows measured (partial runs too)."""
     import shutil
 
+    features = BENCH_ARGS[BENCH_ARGS.index("--features") + 1 : BENCH_ARGS.index("--providers")]
+    if not (work / "bench" / "bench.json").exists():
+        _merge_bench(work / "bench", features)  # the stage was cut off: the features it finished
     for src, dst in (
         ("bench/bench.json", "bench.json"),
         ("fla/fla.json", "fla.json"),
@@ -971,6 +1003,19 @@ def _worker(args) -> int:
     return 0
 
 
+def _not_importable() -> str | None:
+    """Why this interpreter cannot import the kernels (``rfattn.kernels`` lives in ``kernels/``
+    and exists only through the package's install), or None."""
+    try:
+        import rfattn.kernels  # noqa: F401
+    except ImportError as exc:
+        return (
+            f"{exc}: install the package into this interpreter ({sys.executable}) first: "
+            f"{sys.executable} -m pip install --no-deps --no-build-isolation -e ."
+        )
+    return None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.profile_target:
@@ -978,6 +1023,10 @@ def main(argv=None) -> int:
         return 0
     if args.stage_worker:
         return _worker(args)
+    why = _not_importable()
+    if why:
+        print(f"# bench.gpu: {why}", file=sys.stderr)
+        return 2
     import torch
 
     cuda = torch.cuda.is_available()

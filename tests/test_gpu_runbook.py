@@ -177,9 +177,10 @@ def test_junit_and_ncu_parsers(tmp_path):
     ]
 
 
-def test_merge_bench_concatenates_the_feature_runs(tmp_path):
-    for f, ms in (("posrf", 1.0), ("rmf", 2.0)):
-        (tmp_path / f).mkdir()
+def _feature_docs(folder, features=(("posrf", 1.0), ("rmf", 2.0))):
+    """Per-feature bench.json files as ``stage_bench`` leaves them in ``folder``."""
+    for f, ms in features:
+        (folder / f).mkdir(parents=True)
         doc = {
             "schema": "rfattn-bench/1",
             "env": {"device": f},
@@ -191,9 +192,57 @@ def test_merge_bench_concatenates_the_feature_runs(tmp_path):
             "failures": [],
             "skipped": [],
         }
-        (tmp_path / f / "bench.json").write_text(json.dumps(doc))
+        (folder / f / "bench.json").write_text(json.dumps(doc))
+
+
+def test_merge_bench_concatenates_the_feature_runs(tmp_path):
+    _feature_docs(tmp_path)
     gpu._merge_bench(tmp_path, ["posrf", "oprf", "rmf"])  # oprf never finished
     merged = json.loads((tmp_path / "bench.json").read_text())
     assert [r["feature"] for r in merged["results"]] == ["posrf", "rmf"]
     assert merged["config"]["features_run"] == ["posrf", "rmf"]
     assert merged["env"] == {"device": "posrf"}
+
+
+def test_a_cut_off_benchmark_keeps_its_finished_features_and_streamed_rows(tmp_path):
+    """The bench stage killed at its box (an H100 run, 2026-11-27) left no merged bench.json and
+    reported 0 rows while 105 had streamed to the JSONL: collect merges the features that
+    finished and the report counts the streamed rows."""
+    work, out = tmp_path / "work", tmp_path / "out"
+    out.mkdir()
+    _feature_docs(work / "bench", (("posrf", 1.0), ("oprf", 2.0)))  # rmf was running
+    rows = [_row("rfattn", 64, 1.0), _row("rfattn", 64, 3.0, feature="rmf")]
+    with open(work / "bench_rows.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps({"kind": "row", **r}) + "\n")
+    doc = gpu.collect(work, out)
+    assert [r["ms_p50"] for r in doc["bench_rows"]] == [1.0, 3.0]
+    merged = json.loads((out / "bench.json").read_text())
+    assert merged["config"]["features_run"] == ["posrf", "oprf"]
+    assert gpu.STREAMED_ROWS["bench"] == "bench_rows.jsonl"
+    assert len(gpu._bench_rows(work / gpu.STREAMED_ROWS["bench"])[0]) == 2
+
+
+def test_sync_stage_is_planned_and_cuda_only():
+    (sync,) = [st for st in gpu.plan(gpu.DEFAULT_STAGES, 540, cuda=False) if st["name"] == "sync"]
+    assert not sync["runs"]
+    assert gpu.DEFAULT_STAGES.index("sync") == gpu.DEFAULT_STAGES.index("smoke") + 1
+
+
+def test_runbook_refuses_clearly_without_the_installed_kernels(monkeypatch):
+    """Where ``rfattn.kernels`` does not import (an H100 session's first call, after a bare
+    ``pip install -e .``: every stage failed on it), the runbook says how to install the package
+    instead of failing every stage."""
+    import builtins
+
+    real = builtins.__import__
+
+    def no_kernels(name, *a, **kw):
+        if name == "rfattn.kernels":
+            raise ModuleNotFoundError("No module named 'rfattn.kernels'")
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_kernels)
+    assert gpu.main(["--dry-run"]) == 2
+    why = gpu._not_importable()
+    assert "rfattn.kernels" in why and "-m pip install" in why
