@@ -363,7 +363,7 @@ _BR = tl.constexpr(32)
 
 
 #: the half policy's config (:func:`_prune_configs`): BT 64, 8 warps, pipelined
-_HALF_CONFIG = triton.Config({"BT": 64}, num_warps=8)
+HALF_CONFIG = triton.Config({"BT": 64}, num_warps=8)
 
 
 def autotune_configs(bts=(32, 64, 128), warps=(4, 8)):
@@ -375,7 +375,7 @@ def autotune_configs(bts=(32, 64, 128), warps=(4, 8)):
     if INTERPRET:
         return [triton.Config({"BT": 64}, num_warps=1)]
     if not AUTOTUNE:  # the fallback that fits at every size, and the half policy's (_prune)
-        return [triton.Config({"BT": 32}, num_warps=4, num_stages=1), _HALF_CONFIG]
+        return [triton.Config({"BT": 32}, num_warps=4, num_stages=1), HALF_CONFIG]
     return [triton.Config({"BT": bt}, num_warps=w) for bt in bts for w in warps] + [
         triton.Config({"BT": bt}, num_warps=4, num_stages=1) for bt in (32, 16)
     ]

@@ -330,7 +330,7 @@ def test_without_autotuning_the_half_policy_keeps_its_own_config(monkeypatch):
     from rfattn.kernels import common
 
     fallback = triton.Config({"BT": 32}, num_warps=4, num_stages=1)
-    configs = [fallback, common._HALF_CONFIG]
+    configs = [fallback, common.HALF_CONFIG]
     prune = common.PRUNE["early_config_prune"]
     monkeypatch.setattr(common, "AUTOTUNE", False)
     for precision in common.HALF_PRECISIONS.values():
@@ -342,4 +342,4 @@ def test_without_autotuning_the_half_policy_keeps_its_own_config(monkeypatch):
     monkeypatch.setattr(common, "AUTOTUNE", True)
     full = [triton.Config({"BT": bt}, num_warps=w) for bt in (32, 64, 128) for w in (4, 8)]
     (kept,) = prune(full + [fallback], {}, PRECISION="bf16", ACC=tl.float32)
-    assert kept.all_kwargs() == common._HALF_CONFIG.all_kwargs()
+    assert kept.all_kwargs() == common.HALF_CONFIG.all_kwargs()
