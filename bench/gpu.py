@@ -22,13 +22,15 @@ Stages (``--stages`` picks some; ``--profile`` adds the last):
 6. ``bench``: ``python -m bench`` on the issue's grid (rows kept as they are measured).
 7. ``fla``: ``python -m bench.fla``, the causal shapes of flash-linear-attention.
 8. ``decode``: ``python -m bench.decode``, the time per token by position.
-9. ``profile`` (``--profile``): Nsight Compute on the fused kernels at one large shape.
+9. ``packed``: ``python -m bench.packed``, packed sequences (``cu_seqlens``) against the same
+   documents padded, one length mix at a time (rows kept per mix).
+10. ``profile`` (``--profile``): Nsight Compute on the fused kernels at one large shape.
 
 Writes ``gpu_report.json`` and ``gpu_report.md`` (plus ``bench.json``/``fla.json``/
-``decode.json`` and ``gpu_log.txt``, the stages' output) to ``--out``, and prints the report's
-table last. ``--dry-run`` prints the plan with each stage's time box and estimate. Without CUDA
-the smoke stage runs under the Triton interpreter at tiny shapes (how CI tests this harness) and
-the CUDA-only stages are recorded as skipped.
+``decode.json``/``packed.json`` and ``gpu_log.txt``, the stages' output) to ``--out``, and
+prints the report's table last. ``--dry-run`` prints the plan with each stage's time box and
+estimate. Without CUDA the smoke stage runs under the Triton interpreter at tiny shapes (how CI
+tests this harness) and the CUDA-only stages are recorded as skipped.
 """
 
 from __future__ import annotations
@@ -63,8 +65,8 @@ class Stage:
 
 STAGES = [
     Stage("env", 30, 20, False, "GPU, versions, bf16/tf32 matmul and copy ceilings"),
-    Stage("smoke", 100, 80, False, "fused paths x feature forms x dtypes vs float64, NaN-poisoned"),
-    Stage("sync", 40, 60, True, "each fused form once under set_sync_debug_mode('error')"),
+    Stage("smoke", 100, 250, False, "fused paths x feature forms x dtypes vs float64, NaN-poisoned"),
+    Stage("sync", 40, 200, True, "each fused form once under set_sync_debug_mode('error')"),
     Stage("pytest", 100, 60, True, "pytest -m gpu, RFATTN_AUTOTUNE=0"),
     Stage(
         "compile", 60, 50, True, "torch.compile(fullgraph=True): graph breaks, compiled == eager"
@@ -74,6 +76,7 @@ STAGES = [
     ),
     Stage("fla", 50, 200, True, "python -m bench.fla: flash-linear-attention's causal shapes"),
     Stage("decode", 30, 20, True, "python -m bench.decode: ms per token by position"),
+    Stage("packed", 40, 60, True, "python -m bench.packed: packed (cu_seqlens) vs padded"),
     Stage("profile", 90, 90, True, "ncu on the key/query passes and the chunk kernels"),
 ]
 BY_NAME = {s.name: s for s in STAGES}
@@ -589,6 +592,45 @@ def stage_sync(rec: Recorder, work: Path, args) -> None:
     )
 
 
+def stage_packed(rec: Recorder, work: Path, args) -> None:
+    """One ``bench.packed`` run per length mix, so a run cut off by its box keeps the mixes it
+    finished; ``packed.json`` merges them (:func:`merge_packed`)."""
+    from bench.packed import MIXES
+    from bench.packed import main as packed_main
+
+    for mix in MIXES:
+        packed_main(["--device", "cuda", "--mixes", mix, "--out", str(work / "packed" / mix)])
+        doc = json.loads((work / "packed" / mix / "packed.json").read_text())
+        for row in doc["results"]:
+            rec.row(**row)
+    rec.set(summary=_packed_summary(rec.doc["rows"]))
+
+
+def _packed_summary(rows: list[dict]) -> str:
+    """padded / packed time per mix, the range over causal x mode."""
+    parts = []
+    for mix in dict.fromkeys(r["mix"] for r in rows):
+        ratios = [r["ratio_p50"] for r in rows if r["mix"] == mix]
+        parts.append(f"{mix} {min(ratios):.2f}-{max(ratios):.2f}x")
+    return "padded / packed: " + ", ".join(parts) if parts else "no rows"
+
+
+def merge_packed(folder: Path) -> dict | None:
+    """``folder/<mix>/packed.json`` as one document (the first's environment, every mix's rows),
+    or None without any."""
+    from bench.packed import MIXES
+
+    paths = [folder / mix / "packed.json" for mix in MIXES]
+    docs = [json.loads(p.read_text()) for p in paths if p.exists()]
+    if not docs:
+        return None
+    merged = dict(docs[0])
+    merged["mixes"] = {k: v for d in docs for k, v in d["mixes"].items()}
+    merged["results"] = [r for d in docs for r in d["results"]]
+    merged["seconds"] = round(sum(d.get("seconds", 0.0) for d in docs), 1)
+    return merged
+
+
 def stage_decode(rec: Recorder, work: Path, args) -> None:
     from bench.decode import main as decode_main
 
@@ -717,6 +759,7 @@ STAGE_FNS = {
     "bench": stage_bench,
     "fla": stage_fla,
     "decode": stage_decode,
+    "packed": stage_packed,
     "profile": stage_profile,
 }
 REPO = Path(__file__).resolve().parent.parent
@@ -812,6 +855,9 @@ def collect(work: Path, out: Path) -> dict:
     ):
         if (work / src).exists():
             shutil.copy(work / src, out / dst)
+    packed = merge_packed(work / "packed")
+    if packed is not None:
+        (out / "packed.json").write_text(json.dumps(packed, indent=1))
     rows, _ = _bench_rows(work / "bench_rows.jsonl")
     fla_rows, _ = _bench_rows(work / "fla_rows.jsonl")
     return dict(bench_rows=rows, fla_rows=fla_rows)

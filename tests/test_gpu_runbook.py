@@ -246,3 +246,25 @@ def test_runbook_refuses_clearly_without_the_installed_kernels(monkeypatch):
     assert gpu.main(["--dry-run"]) == 2
     why = gpu._not_importable()
     assert "rfattn.kernels" in why and "-m pip install" in why
+
+
+def test_packed_stage_merges_the_mixes_it_finished(tmp_path):
+    """The packed stage runs one mix at a time: a run cut off keeps the mixes done, merged in
+    ``bench.packed.MIXES`` order, and the summary gives padded / packed per mix."""
+    for mix, ratio in (("uniform", 1.1), ("longtail", 3.4)):
+        doc = {"title": mix, "mixes": {mix: {"N": 8}}, "seconds": 2.0,
+               "results": [{"mix": mix, "causal": c, "mode": "fwd", "ratio_p50": ratio + c}
+                           for c in (0, 1)]}  # fmt: skip
+        (tmp_path / "packed" / mix).mkdir(parents=True)
+        (tmp_path / "packed" / mix / "packed.json").write_text(json.dumps(doc))
+    merged = gpu.merge_packed(tmp_path / "packed")
+    assert [r["mix"] for r in merged["results"]] == ["longtail"] * 2 + ["uniform"] * 2
+    assert set(merged["mixes"]) == {"longtail", "uniform"} and merged["seconds"] == 4.0
+    assert gpu._packed_summary(merged["results"]) == (
+        "padded / packed: longtail 3.40-4.40x, uniform 1.10-2.10x"
+    )
+    assert gpu.merge_packed(tmp_path / "nothing") is None
+    out = tmp_path / "out"
+    out.mkdir()
+    gpu.collect(tmp_path, out)
+    assert json.loads((out / "packed.json").read_text())["results"] == merged["results"]
