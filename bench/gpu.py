@@ -65,7 +65,9 @@ class Stage:
 
 STAGES = [
     Stage("env", 30, 20, False, "GPU, versions, bf16/tf32 matmul and copy ceilings"),
-    Stage("smoke", 100, 250, False, "fused paths x feature forms x dtypes vs float64, NaN-poisoned"),
+    Stage(
+        "smoke", 100, 250, False, "fused paths x feature forms x dtypes vs float64, NaN-poisoned"
+    ),
     Stage("sync", 40, 200, True, "each fused form once under set_sync_debug_mode('error')"),
     Stage("pytest", 100, 60, True, "pytest -m gpu, RFATTN_AUTOTUNE=0"),
     Stage(

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench import gpu
 
@@ -268,3 +269,16 @@ def test_packed_stage_merges_the_mixes_it_finished(tmp_path):
     out.mkdir()
     gpu.collect(tmp_path, out)
     assert json.loads((out / "packed.json").read_text())["results"] == merged["results"]
+
+
+@pytest.mark.slow  # eight fused calls under the interpreter: ~40 s
+def test_rmf_probe_runs_every_precision_on_the_same_inputs():
+    """bench.probe_rmf (for the next GPU session): under the interpreter every precision of both
+    fused paths errs as the torch path does (the emulation's answer; the H100's was 0.27)."""
+    from bench.probe_rmf import PRECISIONS, probe
+
+    rows = probe(B=1, H=1, T=20, D=8, M=8, device=torch.device("cpu"))
+    for path in ("parallel", "chunk"):
+        got = {r["precision"]: r["error"] for r in rows if r["path"] == path}
+        assert set(got) == {"torch path", *PRECISIONS}
+        assert all(e is not None and e <= 2 * got["torch path"] + 1e-6 for e in got.values())
