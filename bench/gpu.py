@@ -24,7 +24,9 @@ Stages (``--stages`` picks some; ``--profile`` adds the last):
 8. ``decode``: ``python -m bench.decode``, the time per token by position.
 9. ``packed``: ``python -m bench.packed``, packed sequences (``cu_seqlens``) against the same
    documents padded, one length mix at a time (rows kept per mix).
-10. ``profile`` (``--profile``): Nsight Compute on the fused kernels at one large shape.
+10. ``probe``: ``python -m bench.probe_rmf``, rmf's fused operators at each kernel precision
+   (why its bf16 half form erred on an H100).
+11. ``profile`` (``--profile``): Nsight Compute on the fused kernels at one large shape.
 
 Writes ``gpu_report.json`` and ``gpu_report.md`` (plus ``bench.json``/``fla.json``/
 ``decode.json``/``packed.json`` and ``gpu_log.txt``, the stages' output) to ``--out``, and
@@ -79,6 +81,7 @@ STAGES = [
     Stage("fla", 50, 200, True, "python -m bench.fla: flash-linear-attention's causal shapes"),
     Stage("decode", 30, 20, True, "python -m bench.decode: ms per token by position"),
     Stage("packed", 40, 60, True, "python -m bench.packed: packed (cu_seqlens) vs padded"),
+    Stage("probe", 30, 60, True, "python -m bench.probe_rmf: rmf's error at each precision"),
     Stage("profile", 90, 90, True, "ncu on the key/query passes and the chunk kernels"),
 ]
 BY_NAME = {s.name: s for s in STAGES}
@@ -633,6 +636,25 @@ def merge_packed(folder: Path) -> dict | None:
     return merged
 
 
+def stage_probe(rec: Recorder, work: Path, args) -> None:
+    """rmf's fused operators at each kernel precision on the shape where its half form erred
+    (:mod:`bench.probe_rmf`); ok while the default precision is within twice the torch path's
+    error (the half form's row is what the probe is for)."""
+    from bench.probe_rmf import probe
+
+    rows = probe()
+    for row in rows:
+        rec.row(**row)
+    own = {r["path"]: r["error"] for r in rows if r["precision"] == "torch path"}
+    bad = [f"{r['path']} {r['precision']} {r['error']:.2e}" for r in rows
+           if r["error"] is not None and r["precision"] != "torch path"
+           and r["error"] > 2 * own[r["path"]]]  # fmt: skip
+    rec.set(
+        status="ok" if not any(p.split()[1] == "tf32x3" for p in bad) else "failed",
+        summary="over 2x the torch path's error: " + (", ".join(bad) if bad else "none"),
+    )
+
+
 def stage_decode(rec: Recorder, work: Path, args) -> None:
     from bench.decode import main as decode_main
 
@@ -762,6 +784,7 @@ STAGE_FNS = {
     "fla": stage_fla,
     "decode": stage_decode,
     "packed": stage_packed,
+    "probe": stage_probe,
     "profile": stage_profile,
 }
 REPO = Path(__file__).resolve().parent.parent

@@ -33,7 +33,7 @@ def test_dry_run_prints_the_plan():
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("  ")]
     assert [ln.split()[0] for ln in lines] == [s.name for s in gpu.STAGES]
     boxes = [float(ln.split()[2]) for ln in lines]
-    assert sum(boxes) == pytest.approx(300, abs=1)
+    assert sum(boxes) == pytest.approx(300, abs=len(boxes) / 2)  # each printed to the second
 
 
 def test_plan_shares_the_budget_and_skips_cuda_stages_without_cuda():
@@ -282,3 +282,18 @@ def test_rmf_probe_runs_every_precision_on_the_same_inputs():
         got = {r["precision"]: r["error"] for r in rows if r["path"] == path}
         assert set(got) == {"torch path", *PRECISIONS}
         assert all(e is not None and e <= 2 * got["torch path"] + 1e-6 for e in got.values())
+
+
+def test_probe_stage_fails_only_where_the_default_precision_errs(tmp_path, monkeypatch):
+    import bench.probe_rmf
+
+    def rows(errs):
+        return [dict(path="parallel", precision=p, error=e) for p, e in errs.items()]
+
+    for tf32x3, status in ((0.03, "ok"), (0.2, "failed")):
+        errs = {"torch path": 0.027, "half": 0.27, "tf32x3": tf32x3, "ieee": 0.02}
+        monkeypatch.setattr(bench.probe_rmf, "probe", lambda errs=errs: rows(errs))
+        rec = gpu.Recorder(tmp_path / "stage-probe.json")
+        gpu.stage_probe(rec, tmp_path, None)
+        assert rec.doc["status"] == status and len(rec.doc["rows"]) == 4
+        assert "parallel half 2.70e-01" in rec.doc["summary"]
