@@ -391,8 +391,8 @@ def _prune_configs(configs, nargs, **kwargs):
     policy's, else the unpipelined BT 32. (The autotuner calls it only when it has several
     configs, i.e. not under the interpreter.)"""
     half = kwargs.get("PRECISION") in HALF_PRECISIONS.values()
-    if kwargs.get("ACC") == tl.float64 or not (AUTOTUNE or half):
-        return [c for c in configs if c.num_stages == 1][:1 if not AUTOTUNE else None]
+    if kwargs.get("ACC") == tl.float64 or not (AUTOTUNE or half):  # without autotuning: one
+        return [c for c in configs if c.num_stages == 1]
     if half:
         return [c for c in configs if c.kwargs["BT"] == 64 and c.num_warps == 8
                 and c.num_stages != 1]  # fmt: skip
