@@ -902,11 +902,16 @@ def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, backward
     states = Launch(_chunk_states_kernel, (NMT * NS * BH,), **p["states_meta"], **no_stats)
     if not backward:
         out = (H * G * T * E, T * E, E, 1)  # contiguous, made by the launcher
+        rows, final = ((BH * G, T), (BH * G, T), (BH, T)), ((B, H, M, E), (B, H, M), (B, H))
         # the half policy's output keeps its rounding residual where a backward follows
         lo = c.precision in HALF_PRECISIONS.values()
         return Plan(
             **p, states=states, stats={}, scratch=Scratch(acc, *carries), lo=lo,
-            rows=((BH * G, T), (BH * G, T), (BH, T)), final=((B, H, M, E), (B, H, M), (B, H)),
+            rows=rows, final=final,
+            # a call that returns neither: the rows and the final state are scratch too
+            # (written, never read); one that returns the state only: the rows
+            scratch_all=Scratch(acc, *carries, *rows, *final),
+            scratch_rows=Scratch(acc, *carries, *rows),
             out=Launch(_chunk_out_kernel, (NS, BH), HAS_PAD=c.has_pad, HAS_MAP=c.has_map,
                        OUT_LO=False, **meta),
             out_lo=Launch(_chunk_out_kernel, (NS, BH), HAS_PAD=c.has_pad, HAS_MAP=c.has_map,
@@ -961,6 +966,7 @@ def rf_chunk_fwd(
     precision: str | None = None,
     return_aux: bool = False,
     gpu_tiles: bool | None = None,
+    return_state: bool = True,
 ):
     """Causal fused random-feature attention forward (chunkwise).
 
@@ -974,6 +980,9 @@ def rf_chunk_fwd(
         initial_state: optional ``(S [B, H, M, E], z [B, H, M], offset [B, H])`` to continue, in
             ``rfattn.RFState``'s convention (offset -inf before any valid key).
         return_aux: also return what the backward needs.
+        return_state: False: the final state is not wanted (None in its place; without
+            ``return_aux`` the kernels then write it, and the rows, into the call's scratch:
+            one allocation besides the output instead of seven).
 
     Returns:
         ``(out [B, H * G, T, E], (S, z, offset))`` with the final state ``[B, H, ...]`` in the
@@ -995,16 +1004,18 @@ def rf_chunk_fwd(
     # a form made for this call (its statistics formed here) is converted, not kept
     w, *ptrs, qmap, kmap = form_args(form, B, H * G, H, acc, dev, keep=stats is None)
     out = torch.empty(B, H * G, T, E, device=dev, dtype=q.dtype)
-    mq, den, mk = tuple(torch.empty(x, device=dev, dtype=acc) for x in p.rows)
     # for a backward: the half output's rounding residual, written by the output walk that
     # OUT_LO compiles it into (zeros where the products are not the half policy's)
     olo = torch.empty_like(out) if return_aux and keeps_out_residual(q.dtype) else None
-    aux = (mq, den, mk, out.new_empty(0) if olo is None else olo)
-    state = sT, zT, rT = tuple(torch.empty(x, device=dev, dtype=acc) for x in p.final)
     if olo is not None and not p.lo:
         olo.zero_()
     if B * H == 0:
-        return (out, state, aux) if return_aux else (out, state)
+        state = tuple(torch.empty(x, device=dev, dtype=acc) for x in p.final) \
+            if return_aux or return_state else None  # fmt: skip
+        if not return_aux:
+            return out, state
+        rows = tuple(torch.empty(x, device=dev, dtype=acc) for x in p.rows)
+        return out, state, (*rows, out.new_empty(0) if olo is None else olo)
     roles, stats_args, stats_meta = chunk_stats_arguments(stats, q, k, B, H, G, p.D, acc)
     if stats is None:  # (placeholders for the statistics' arguments)
         states = p.states
@@ -1016,9 +1027,19 @@ def rf_chunk_fwd(
                                            (roles + p.NMT * p.NS * B * H,),
                                            **p.states_meta, **stats_meta)  # fmt: skip
     walk, lo_ptr = (p.out_lo, olo) if olo is not None and p.lo else (p.out, out)
-    # the carries: scratch, as device addresses once both launches replay
+    # the carries, and the rows and the final state where they are not returned (written,
+    # never read): scratch, as device addresses once both launches replay
     addresses = states.direct is not None and walk.direct is not None
-    ws, (gs, gz, gr) = p.scratch(dev, addresses)
+    scratch = p.scratch if return_aux else p.scratch_rows if return_state else p.scratch_all
+    ws, (gs, gz, gr, *rest) = scratch(dev, addresses)
+    if return_aux:
+        mq, den, mk = tuple(torch.empty(x, device=dev, dtype=acc) for x in p.rows)
+    else:
+        mq, den, mk, *rest = rest
+    if return_aux or return_state:
+        state = sT, zT, rT = tuple(torch.empty(x, device=dev, dtype=acc) for x in p.final)
+    else:
+        state, (sT, zT, rT) = None, rest
     s0, z0, r0 = (_state_in(x, acc, gs) for x in initial_state or (None,) * 3)
     pad = mask_rows(key_padding_mask) if p.has_pad else w
     states(k, v, w, pad, p.root, *ptrs, kmap, s0, z0, r0, gr, gs, gz, gr, sT, zT, rT,
@@ -1026,7 +1047,9 @@ def rf_chunk_fwd(
     if T:
         walk(q, k, v, w, pad, p.root, *ptrs, qmap, kmap, gs, gz, gr, out, lo_ptr, mq, den, mk,
              *p.out_ints)  # fmt: skip
-    return (out, state, aux) if return_aux else (out, state)
+    if not return_aux:
+        return out, state
+    return out, state, (mq, den, mk, out.new_empty(0) if olo is None else olo)
 
 
 def rf_chunk_bwd(

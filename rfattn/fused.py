@@ -80,8 +80,13 @@ def attend(call: Call, gpu_tiles=None):
     if not causal:
         return ops.rf_parallel(q, k, v, form, scale, mask, gpu_tiles=gpu_tiles, stats=stats)
     # decoding (few tokens, no gradient): one launch, O(M (D + E)) per token
-    run = ops.rf_decode if not grad and short else ops.rf_chunk
-    out, s, z, off = run(q, k, v, form, scale, mask, call.initial_state, gpu_tiles=gpu_tiles)
+    if not grad and short:
+        out, s, z, off = ops.rf_decode(q, k, v, form, scale, mask, call.initial_state,
+                                       gpu_tiles=gpu_tiles)  # fmt: skip
+    else:
+        out, s, z, off = ops.rf_chunk(q, k, v, form, scale, mask, call.initial_state,
+                                      gpu_tiles=gpu_tiles,
+                                      return_state=call.return_state)  # fmt: skip
     return (out, RFState(s, z, off)) if call.return_state else out
 
 

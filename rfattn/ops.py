@@ -514,22 +514,26 @@ _chunk, _Chunk = _differentiable(
 
 
 def rf_chunk(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, initial_state=None,
-             precision=None, gpu_tiles=None):  # fmt: skip
+             precision=None, gpu_tiles=None, return_state: bool = True):  # fmt: skip
     """Causal fused attention of the kernel form ``form`` (``rfattn::chunk``); see
-    ``rfattn.kernels.rf_chunk.rf_chunk_fwd``. Returns ``(out, S, z, offset)``."""
+    ``rfattn.kernels.rf_chunk.rf_chunk_fwd``. Returns ``(out, S, z, offset)``; with
+    ``return_state`` False the state may be None (a call without gradient on the kernels then
+    leaves it in its scratch: no allocation for it)."""
     s0, z0, off0 = (None, None, None) if initial_state is None else initial_state
     traced = torch.compiler.is_compiling()
+    if not traced and not (torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad or
+            s0 is not None and (s0.requires_grad or z0.requires_grad))):  # fmt: skip
+        if on_torch(q):  # no gradient follows: the operator's body, on the form itself
+            return _torch_chunk(q, k, v, form, scale, key_padding_mask, initial_state)
+        out, state = rf_chunk_kernels.rf_chunk_fwd(
+            q, k, v, form, scale, key_padding_mask, initial_state, precision,
+            gpu_tiles=gpu_tiles, return_state=return_state,
+        )  # fmt: skip
+        return (out, None, None, None) if state is None else (out, *state)
     args = (q, k, v, *flat_form(form, not traced), scale, key_padding_mask, s0, z0, off0,
             precision, gpu_tiles)  # fmt: skip
-    if traced:
-        run = _chunk
-    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                      or s0 is not None and (s0.requires_grad
-                                                             or z0.requires_grad)):  # fmt: skip
-        run = _Chunk.apply
-    else:
-        run = _chunk_body
-    out, s, z, off, *_ = run(*args)
+    out, s, z, off, *_ = (_chunk if traced else _Chunk.apply)(*args)
     return out, s, z, off
 
 

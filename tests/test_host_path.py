@@ -115,6 +115,28 @@ def test_unused_outputs_get_no_zero_fill(causal, no_launches):
     assert not fills, fills
 
 
+@pytest.mark.parametrize("return_state", [False, True], ids=["out", "out+state"])
+def test_a_causal_call_without_gradient_allocates_what_it_returns(return_state, no_launches):
+    """A warm causal posrf call without gradient allocates its output, one scratch buffer (the
+    segments' carries, the row statistics the kernels write for a backward, and the final state
+    where it is not returned) and the returned state (before: the three row statistics and the
+    final state allocated on every call, 8 allocations with or without return_state)."""
+    rf = rfattn.RandomFeatures(16, 32, "posrf", seed=0)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 40, 16, generator=g) for _ in range(3))
+
+    def call():
+        with torch.no_grad():
+            return rfattn.rf_attention(q, k, v, rf, causal=True, return_state=return_state,
+                                       backend="triton")  # fmt: skip
+
+    call()
+    with _Count() as mode:
+        call()
+    allocations = sum(mode.of_kind("alloc").values())
+    assert allocations == (5 if return_state else 2), mode.of_kind("alloc")
+
+
 def _form_inputs(feature, stats=None, **opts):
     w = "rademacher" if feature == "rmf" else VALID_WEIGHTS[feature][0]
     rf = rfattn.RandomFeatures(16, 32, feature, weights=w, seed=0, **opts)
