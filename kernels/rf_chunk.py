@@ -928,6 +928,9 @@ def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, backward
         bwd=Launch(_chunk_bwd_kernel, (2 * NS, BH), BPW=next_pow2(cdiv(M, 16)), RM=c.BM,
                    HAS_PAD=c.has_pad, OUT_LO=has_lo, **meta),
         bwd_ints=(*walk, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), *pad),
+        # the strides of out, do and the gradients (the key's layouts fix them: the first call
+        # reads them) for the dstates and bwd launches' last arguments
+        tails=None,
     )  # fmt: skip
 
 
@@ -1040,7 +1043,8 @@ def rf_chunk_fwd(
         state = sT, zT, rT = tuple(torch.empty(x, device=dev, dtype=acc) for x in p.final)
     else:
         state, (sT, zT, rT) = None, rest
-    s0, z0, r0 = (_state_in(x, acc, gs) for x in initial_state or (None,) * 3)
+    s0, z0, r0 = (gs,) * 3 if initial_state is None else \
+        (_state_in(x, acc, gs) for x in initial_state)  # fmt: skip
     pad = mask_rows(key_padding_mask) if p.has_pad else w
     states(k, v, w, pad, p.root, *ptrs, kmap, s0, z0, r0, gr, gs, gz, gr, sT, zT, rT,
            arrival_counters(dev, p.counters), *p.states_ints, *stats_args)  # fmt: skip
@@ -1099,19 +1103,22 @@ def rf_chunk_bwd(
     addresses = p.states.direct is not None and p.dstates.direct is not None and \
         p.bwd.direct is not None  # fmt: skip
     ws, (r, gs, gz, gr, gd, gdz) = p.scratch(dev, addresses)
-    s0, z0, r0 = (_state_in(x, acc, gs) for x in initial_state or (None,) * 3)
-    dsT, dzT = (_state_in(x, acc, gd) for x in dstate or (None,) * 2)
+    s0, z0, r0 = (gs,) * 3 if initial_state is None else \
+        (_state_in(x, acc, gs) for x in initial_state)  # fmt: skip
+    dsT, dzT = (gd, gd) if dstate is None else (_state_in(x, acc, gd) for x in dstate)
     pad = mask_rows(key_padding_mask) if p.has_pad else w
+    tails = p.tails
+    if tails is None:
+        strides = (*out.stride(), *do.stride())
+        tails = p.tails = (strides, (*strides, *dq.stride(), *dk.stride(), *dv.stride()))
     # the parameters as the forward's first launch formed them (never its statistics again)
     p.states(k, v, w, pad, p.root, *ptrs, w, s0, z0, r0, r, gs, gz, gr, gs, gs, gs,
              arrival_counters(dev, p.counters), *p.states_ints,
              *chunk_stats_arguments(None, q, k, B, H, G, p.D, acc)[1])  # fmt: skip
     p.dstates(q, w, p.root, *ptrs, out, olo, do, mq, den, mk, r, gr, dsT, dzT, gd, gdz,
               ds0 if has_init else gd, dz0 if has_init else gdz,
-              arrival_counters(dev, B * H * p.NMT), *p.dstates_ints, *out.stride(),
-              *do.stride())  # fmt: skip
+              arrival_counters(dev, B * H * p.NMT), *p.dstates_ints, *tails[0])  # fmt: skip
     if T:  # the forward walks (dq) and the reverse walks (dk, dv), one launch
         p.bwd(q, k, v, w, pad, p.root, *ptrs, r, gs, gz, gr, gd, gdz, out, olo, do, mq, den, mk,
-              dq, dk, dv, *p.bwd_ints, *out.stride(), *do.stride(), *dq.stride(), *dk.stride(),
-              *dv.stride())  # fmt: skip
+              dq, dk, dv, *p.bwd_ints, *tails[1])  # fmt: skip
     return dq, dk, dv, ds0, dz0

@@ -53,6 +53,7 @@ import dataclasses
 import torch
 from torch.library import custom_op
 
+from rfattn.autograd import apply
 from rfattn.blocked import no_autocast
 from rfattn.features.base import (
     compute_dtype,
@@ -404,8 +405,8 @@ def rf_parallel(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, 
     w = form.w
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or
                                     w.requires_grad):  # fmt: skip
-        return _Parallel.apply(q, k, v, w, form, scale, key_padding_mask, precision, gpu_tiles,
-                               stats)  # fmt: skip
+        return apply(_Parallel, q, k, v, w, form, scale, key_padding_mask, precision, gpu_tiles,
+                     stats)  # fmt: skip
     if on_torch(q):  # no gradient follows: the operator's body, on the form itself
         return _torch_parallel(q, k, v, form, scale, key_padding_mask)[0]
     return rf_parallel_kernels.rf_parallel_fwd(q, k, v, form, scale, key_padding_mask, precision,
@@ -533,7 +534,7 @@ def rf_chunk(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, ini
         return (out, None, None, None) if state is None else (out, *state)
     args = (q, k, v, *flat_form(form, not traced), scale, key_padding_mask, s0, z0, off0,
             precision, gpu_tiles)  # fmt: skip
-    out, s, z, off, *_ = (_chunk if traced else _Chunk.apply)(*args)
+    out, s, z, off, *_ = _chunk(*args) if traced else apply(_Chunk, *args)
     return out, s, z, off
 
 
