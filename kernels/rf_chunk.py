@@ -116,7 +116,6 @@ import triton
 import triton.language as tl
 
 from .common import (
-    HALF_PRECISIONS,
     NEG,
     Launch,
     Plan,
@@ -903,8 +902,9 @@ def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, backward
     if not backward:
         out = (H * G * T * E, T * E, E, 1)  # contiguous, made by the launcher
         rows, final = ((BH * G, T), (BH * G, T), (BH, T)), ((B, H, M, E), (B, H, M), (B, H))
-        # the half policy's output keeps its rounding residual where a backward follows
-        lo = c.precision in HALF_PRECISIONS.values()
+        # a half output keeps its rounding residual where a backward follows, whatever the
+        # products (as the non-causal query pass does)
+        lo = keeps_out_residual(q.dtype)
         return Plan(
             **p, states=states, stats={}, scratch=Scratch(acc, *carries), lo=lo,
             rows=rows, final=final,
@@ -992,8 +992,8 @@ def rf_chunk_fwd(
         accumulation dtype and ``rfattn.RFState``'s convention; with ``return_aux`` also
         ``(m_q, den, m_k, out_lo)``: the queries' offsets and the denominators at the rows'
         offsets r_i (``[B*H*G, T]``), the keys' max logits m_j (``[B*H, T]``) and, for fp16/bf16
-        inputs, the output's rounding residual (``common.store_out``; shaped and typed as out,
-        zeros where the products are not the half policy's), else an empty tensor.
+        inputs, the output's rounding residual (``common.store_out``; shaped and typed as
+        out), else an empty tensor.
 
     Everything but the call's tensors (checks, setup, segments, launches) comes from the plan
     of the call's shape (:func:`common.shape_plan`), made at its first call.
@@ -1008,10 +1008,8 @@ def rf_chunk_fwd(
     w, *ptrs, qmap, kmap = form_args(form, B, H * G, H, acc, dev, keep=stats is None)
     out = torch.empty(B, H * G, T, E, device=dev, dtype=q.dtype)
     # for a backward: the half output's rounding residual, written by the output walk that
-    # OUT_LO compiles it into (zeros where the products are not the half policy's)
-    olo = torch.empty_like(out) if return_aux and keeps_out_residual(q.dtype) else None
-    if olo is not None and not p.lo:
-        olo.zero_()
+    # OUT_LO compiles it into
+    olo = torch.empty_like(out) if return_aux and p.lo else None
     if B * H == 0:
         state = tuple(torch.empty(x, device=dev, dtype=acc) for x in p.final) \
             if return_aux or return_state else None  # fmt: skip
@@ -1029,7 +1027,7 @@ def rf_chunk_fwd(
             states = p.stats[key] = Launch(_chunk_states_kernel,
                                            (roles + p.NMT * p.NS * B * H,),
                                            **p.states_meta, **stats_meta)  # fmt: skip
-    walk, lo_ptr = (p.out_lo, olo) if olo is not None and p.lo else (p.out, out)
+    walk, lo_ptr = (p.out, out) if olo is None else (p.out_lo, olo)
     # the carries, and the rows and the final state where they are not returned (written,
     # never read): scratch, as device addresses once both launches replay
     addresses = states.direct is not None and walk.direct is not None

@@ -42,11 +42,11 @@ def no_launches(monkeypatch):
     return launches
 
 
-def _calls(feature, training):
+def _calls(feature, training, dtype=torch.float32):
     w = "rademacher" if feature == "rmf" else VALID_WEIGHTS[feature][0]
     rf = rfattn.RandomFeatures(16, 32, feature, weights=w, seed=0).train(training)
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 4, 40, 16, generator=g) for _ in range(3))
+    q, k, v = (torch.randn(2, 4, 40, 16, generator=g).to(dtype) for _ in range(3))
     mask = torch.zeros(2, 40, dtype=torch.bool)
     mask[1, :5] = True
     kw = dict(key_padding_mask=mask, backend="triton")
@@ -102,12 +102,16 @@ def test_the_counter_sees_copies_and_syncs(no_launches):
     assert {"lift_fresh", "_local_scalar_dense", "repeat_interleave (sized by the data)"} <= seen
 
 
+@pytest.mark.parametrize("feature,dtype", [("posrf", torch.float32), ("rmf", torch.bfloat16)],
+                         ids=["posrf-fp32", "rmf-bf16"])  # fmt: skip
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
-def test_unused_outputs_get_no_zero_fill(causal, no_launches):
+def test_unused_outputs_get_no_zero_fill(causal, feature, dtype, no_launches):
     """The operators' auxiliary outputs (offsets, row statistics) are non-differentiable and
-    unused cotangents stay None: a posrf forward+backward fills no zero tensor (before: autograd
-    made one for each auxiliary output, 5 non-causal and 6 causal, each a GPU op)."""
-    call = _calls("posrf", False)[("causal" if causal else "noncausal") + " fwd+bwd"]
+    unused cotangents stay None: a forward+backward fills no zero tensor (before: autograd made
+    one for each auxiliary output, 5 non-causal and 6 causal, each a GPU op). rmf's bf16 inputs
+    take three tf32 products, not the half policy: the causal output walk still writes the
+    output's rounding residual for the backward (before: a zero fill in its place)."""
+    call = _calls(feature, False, dtype)[("causal" if causal else "noncausal") + " fwd+bwd"]
     call()
     with _Count() as mode:
         call()
