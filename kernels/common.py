@@ -1046,7 +1046,11 @@ def _precision(dtype: torch.dtype, precision: str | None, causal: bool = False,
 
 
 def _per_head(x, B: int, H: int, tail: tuple, name: str, acc, device) -> torch.Tensor:
-    """``x`` broadcast to ``[B*H, *tail]`` in the accumulation dtype (the kernels index it)."""
+    """``x`` broadcast to ``[B*H, *tail]`` in the accumulation dtype (the kernels index it): a
+    view of x where it is ``[B, H, *tail]`` already (a call's own parameters, which its stats
+    pass or key pass writes: the launches that read them see those writes)."""
+    if x.dtype == acc and x.device == device and x.shape == (B, H, *tail) and x.is_contiguous():
+        return x.detach().view(B * H, *tail)
     try:
         x = x.detach().to(device=device, dtype=acc).expand(B, H, *tail)
     except RuntimeError:
