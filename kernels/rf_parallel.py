@@ -815,6 +815,9 @@ def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, num_spli
         dqkv_ints=(Tq, Tk, H, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), *pad),
         dwk=Launch(_bwd_dwk_kernel, (NMT, ksplits, B * H), HAS_PAD=c.has_pad, **c.meta),
         dwk_ints=(Tk, H, ksplits, kper, *k.stride(), *v.stride(), *c.w.stride(), *pad),
+        # the strides of out, do and the gradients (fixed by the plan's key: the first call
+        # reads them) for the ds and dqkv launches' last arguments
+        tails=None,
     )  # fmt: skip
 
 
@@ -1007,13 +1010,18 @@ def rf_parallel_bwd(
         s, z, mk, mq, den = fwd.outs.at(kept, addresses)
     else:
         s, z, mk, mq, den, olo = aux
-    if p.lo:  # read with out's strides
-        assert olo.shape == out.shape and olo.stride() == out.stride(), "out_lo is not out's"
+    if p.lo:  # read with out's strides (the forward made it so where it kept the plan)
+        assert plan is not None or olo.shape == out.shape and olo.stride() == out.stride(), \
+            "out_lo is not out's"  # fmt: skip
     else:
         olo = out  # a placeholder: not read
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if B * H == 0:
         return dq, dk, dv, (torch.zeros(M, D, device=dev, dtype=form.w.dtype) if need_dw else None)
+    tails = p.tails
+    if tails is None:
+        strides = (*out.stride(), *do.stride())
+        tails = p.tails = (strides, (*strides, *dq.stride(), *dk.stride(), *dv.stride()))
     w, *ptrs, _, _ = fargs or form_args(form, B, H, H, acc, dev)
     splits, ksplits = p.splits, p.ksplits
     # dS, dz and the splits' partials of them (summed by the last split of each tile): scratch,
@@ -1024,14 +1032,13 @@ def rf_parallel_bwd(
     dw_part = torch.empty(B * H * (splits + ksplits), M, D, device=dev, dtype=acc) \
         if need_dw else ds  # fmt: skip
     p.ds(q, w, p.root, *ptrs, s, z, mk, out, olo, do, mq, den, ds_part, dz_part, dw_part, ds, dz,
-         arrival_counters(dev, B * H * p.NMT), *p.ds_ints, *out.stride(), *do.stride())  # fmt: skip
+         arrival_counters(dev, B * H * p.NMT), *p.ds_ints, *tails[0])  # fmt: skip
     if reduce_ds is not None:
         ds, dz = (aligned(x.contiguous()) for x in reduce_ds(ds, dz))
     pad = mask_rows(key_padding_mask) if p.has_pad else w
     if Tq or Tk:
         p.dqkv(q, k, v, w, pad, p.root, *ptrs, s, z, mk, out, olo, do, mq, den, ds, dz, dq, dk, dv,
-               *p.dqkv_ints, *out.stride(), *do.stride(), *dq.stride(), *dk.stride(),
-               *dv.stride())  # fmt: skip
+               *p.dqkv_ints, *tails[1])  # fmt: skip
     if not need_dw:
         return dq, dk, dv, None
     if ksplits:
