@@ -16,7 +16,6 @@ import math
 from typing import NamedTuple
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from rfattn.features import prescale
 from rfattn.weights import WEIGHTED_WEIGHTS
@@ -224,10 +223,12 @@ def check_mask(name: str, mask, shape: tuple, device) -> None:
         raise ValueError(f"{name} is on device {mask.device}, expected {device}")
 
 
-#: the draw (``RandomFeatures.draw_id``) that made each returned state, keyed by its S tensor:
-#: a state continues only the features that made it. States built or moved by hand (a new S)
-#: are not known here and are taken as given.
-_STATE_DRAW = WeakIdKeyDictionary()
+#: the attribute of a returned state's S tensor that holds the draw (``RandomFeatures.draw_id``)
+#: that made it: a state continues only the features that made it. States built or moved by
+#: hand (a new S) carry none and are taken as given. (An attribute of the tensor object, read
+#: and written in well under a microsecond: a weak dictionary keyed by the tensor cost a decode
+#: step ~5 µs.)
+_DRAW = "_rfattn_draw_id"
 
 
 def returned_state(out: torch.Tensor, state: RFState, rf, return_state: bool):
@@ -235,7 +236,7 @@ def returned_state(out: torch.Tensor, state: RFState, rf, return_state: bool):
     if not return_state:
         return out
     if not torch.compiler.is_compiling():
-        _STATE_DRAW[state.s] = getattr(rf, "draw_id", None)
+        setattr(state.s, _DRAW, getattr(rf, "draw_id", None))
     return out, state
 
 
@@ -252,7 +253,7 @@ def _check_state(state, q, v, rf, B: int) -> None:
             and s.dtype.is_floating_point and z.dtype.is_floating_point and
             off.dtype.is_floating_point):  # fmt: skip
         _state_error(state, dev, B, H, F, E)  # (a decode step's every call: one test first)
-    made_by = None if torch.compiler.is_compiling() else _STATE_DRAW.get(s)
+    made_by = None if torch.compiler.is_compiling() else getattr(s, _DRAW, None)
     if made_by is not None and made_by != getattr(rf, "draw_id", None):
         raise ValueError(
             "initial_state was returned by a call with another RandomFeatures, or with this one "
