@@ -118,6 +118,14 @@ def _init(rank, world, init_file, seconds=60):
                             world_size=world, timeout=timeout)  # fmt: skip
 
 
+def _finish(results, out_dir, rank) -> None:
+    """Save this rank's results, then wait for every rank before the group is torn down: a rank
+    tearing gloo down while a peer still talks to it is the suspected cause of one rank's abort
+    (SIGABRT, "terminate called without an active exception") in one loaded CI run."""
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+
+
 def _spawn(fn, args, world, timeout=300):
     """``mp.spawn(fn, args, world)`` with a deadline: ranks still running after ``timeout``
     seconds (a rank waiting on a collective the others never run) fail the test and are
@@ -143,7 +151,7 @@ def _worker(rank, world, init_file, out_dir, cases):
             x = make_inputs(case)
             ck, cq = case_shards(case, i, world)
             results.append(run(case, x, ck[rank], cq[rank], group=dist.group.WORLD, rank=rank))
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        _finish(results, out_dir, rank)
     finally:
         dist.destroy_process_group()
 
@@ -282,7 +290,7 @@ def _model_worker(rank, world, init_file, out_dir, shards):
     try:
         layer, model = _layer_and_model()
         res = _model_outputs(layer, model, shards[rank], dist.group.WORLD)
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+        _finish(res, out_dir, rank)
     finally:
         dist.destroy_process_group()
 
@@ -334,7 +342,7 @@ def _training_worker(rank, world, init_file, out_dir, kv_heads, backend):
         rf = rfattn.RandomFeatures(D, 16, "oprf", seed=0).double().train()
         res = _training_calls(rf, _training_inputs(kv_heads), cuts(T, world, seed=61)[rank],
                               dist.group.WORLD, backend)  # fmt: skip
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+        _finish(res, out_dir, rank)
     finally:
         dist.destroy_process_group()
 
@@ -455,7 +463,7 @@ def _in_step_worker(rank, world, init_file, out_dir, shards):
     try:
         res = dict(mha=_mha_outputs(shards[rank], dist.group.WORLD),
                    errors=_disagreements(rank, world))  # fmt: skip
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+        _finish(res, out_dir, rank)
     finally:
         dist.destroy_process_group()
 
