@@ -19,7 +19,9 @@ import torch
 
 __all__ = ["apply"]
 
-_transforms_active = torch._C._are_functorch_transforms_active
+#: torch's own test in ``Function.apply`` (a private function; where a torch release lacks it,
+#: every call takes ``Function.apply``)
+_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
 
 
 def apply(function: type[torch.autograd.Function], *args):
