@@ -1250,6 +1250,18 @@ class Plan(types.SimpleNamespace):
     :class:`Launch` objects, their integer arguments), fixed when it is made."""
 
 
+def backward_strides(plan: Plan, out, do, dq, dk, dv) -> tuple:
+    """``(strides of out and do, the same and those of dq, dk, dv)``: the last integer arguments
+    of a backward plan's launches. The plan's key fixes these layouts (out's and do's, and q, k,
+    v's, which the gradients are made like), so the first call reads them and the plan keeps
+    them."""
+    tails = getattr(plan, "strides", None)
+    if tails is None:
+        io = (*out.stride(), *do.stride())
+        tails = plan.strides = (io, (*io, *dq.stride(), *dk.stride(), *dv.stride()))
+    return tails
+
+
 def shape_plan(plans: dict, build, q, k, v, form, scale: float, key_padding_mask, precision,
                gpu_tiles, *options):  # fmt: skip
     """A launcher's per-shape plan for this call: ``plans[key]``, made by ``build(q, k, v, form,

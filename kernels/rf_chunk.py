@@ -122,6 +122,7 @@ from .common import (
     Scratch,
     aligned,
     arrival_counters,
+    backward_strides,
     cdiv,
     check_forward_only,
     feature_dx,
@@ -928,9 +929,6 @@ def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, backward
         bwd=Launch(_chunk_bwd_kernel, (2 * NS, BH), BPW=next_pow2(cdiv(M, 16)), RM=c.BM,
                    HAS_PAD=c.has_pad, OUT_LO=has_lo, **meta),
         bwd_ints=(*walk, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), *pad),
-        # the strides of out, do and the gradients (the key's layouts fix them: the first call
-        # reads them) for the dstates and bwd launches' last arguments
-        tails=None,
     )  # fmt: skip
 
 
@@ -1105,10 +1103,7 @@ def rf_chunk_bwd(
         (_state_in(x, acc, gs) for x in initial_state)  # fmt: skip
     dsT, dzT = (gd, gd) if dstate is None else (_state_in(x, acc, gd) for x in dstate)
     pad = mask_rows(key_padding_mask) if p.has_pad else w
-    tails = p.tails
-    if tails is None:
-        strides = (*out.stride(), *do.stride())
-        tails = p.tails = (strides, (*strides, *dq.stride(), *dk.stride(), *dv.stride()))
+    tails = backward_strides(p, out, do, dq, dk, dv)
     # the parameters as the forward's first launch formed them (never its statistics again)
     p.states(k, v, w, pad, p.root, *ptrs, w, s0, z0, r0, r, gs, gz, gr, gs, gs, gs,
              arrival_counters(dev, p.counters), *p.states_ints,

@@ -122,6 +122,7 @@ from .common import (
     aligned,
     arrival_counters,
     autotune_configs,
+    backward_strides,
     cdiv,
     check_forward_only,
     feature_dw,
@@ -815,9 +816,6 @@ def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, num_spli
         dqkv_ints=(Tq, Tk, H, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), *pad),
         dwk=Launch(_bwd_dwk_kernel, (NMT, ksplits, B * H), HAS_PAD=c.has_pad, **c.meta),
         dwk_ints=(Tk, H, ksplits, kper, *k.stride(), *v.stride(), *c.w.stride(), *pad),
-        # the strides of out, do and the gradients (fixed by the plan's key: the first call
-        # reads them) for the ds and dqkv launches' last arguments
-        tails=None,
     )  # fmt: skip
 
 
@@ -1018,10 +1016,7 @@ def rf_parallel_bwd(
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if B * H == 0:
         return dq, dk, dv, (torch.zeros(M, D, device=dev, dtype=form.w.dtype) if need_dw else None)
-    tails = p.tails
-    if tails is None:
-        strides = (*out.stride(), *do.stride())
-        tails = p.tails = (strides, (*strides, *dq.stride(), *dk.stride(), *dv.stride()))
+    tails = backward_strides(p, out, do, dq, dk, dv)
     w, *ptrs, _, _ = fargs or form_args(form, B, H, H, acc, dev)
     splits, ksplits = p.splits, p.ksplits
     # dS, dz and the splits' partials of them (summed by the last split of each tile): scratch,
