@@ -281,14 +281,16 @@ def finish(row: dict) -> dict:
     return row
 
 
-def torch_floor(shape_name: str, dtype, reps: int) -> dict:
+def torch_floor(shape_name: str, dtype, reps: int, rounds: int = 1) -> dict:
     """What torch itself costs this host for a differentiable call of the case's size, with no
     rfattn in it: p50 µs of a bare ``torch.autograd.Function`` on q, k, v (leaves that require
     grad) whose forward returns ``torch.empty_like(v)`` and whose backward returns three
     ``torch.empty_like`` (``fwd``: the forward alone, grad enabled; ``fwd+bwd``: it and
     ``out.backward(cotangent)``, the inputs' gradients dropped between calls outside the timing).
     The floor under rfattn's host µs that no change inside rfattn can go below (autograd's graph,
-    its engine, ``Tensor.backward``'s checks of the cotangent, the gradients' accumulation)."""
+    its engine, ``Tensor.backward``'s checks of the cotangent, the gradients' accumulation).
+    Measured as the rows are: ``reps`` calls in ``rounds`` rounds, p50 the quietest round's
+    median (a slow spell of a shared host lands in some rounds, not all)."""
     import torch
 
     shape = SHAPES[shape_name]
@@ -306,22 +308,23 @@ def torch_floor(shape_name: str, dtype, reps: int) -> dict:
     q, k = (torch.zeros(B, H, T, D, dtype=dtype).requires_grad_() for _ in range(2))
     v = torch.zeros(B, H, T, E, dtype=dtype).requires_grad_()
     cotangent = torch.zeros(B, H, T, E, dtype=dtype)
-    out = {}
-    for mode in ("fwd", "fwd+bwd"):
-        times = []
-        for i in range(reps + 10):
-            start = time.perf_counter_ns()
-            y = Bare.apply(q, k, v)
-            if mode == "fwd+bwd":
-                y.backward(cotangent)
-            stop = time.perf_counter_ns()
-            del y
-            for x in (q, k, v):
-                x.grad = None
-            if i >= 10:
-                times.append((stop - start) / 1e3)
-        out[mode] = _percentile(sorted(times), 50)
-    return out
+    medians = {"fwd": [], "fwd+bwd": []}
+    for _ in range(rounds):
+        for mode, kept in medians.items():
+            times = []
+            for i in range(max(reps // rounds, 1) + 10):
+                start = time.perf_counter_ns()
+                y = Bare.apply(q, k, v)
+                if mode == "fwd+bwd":
+                    y.backward(cotangent)
+                stop = time.perf_counter_ns()
+                del y
+                for x in (q, k, v):
+                    x.grad = None
+                if i >= 10:
+                    times.append((stop - start) / 1e3)
+            kept.append(_percentile(sorted(times), 50))
+    return {mode: min(kept) for mode, kept in medians.items()}
 
 
 def targets(rows: list[dict]) -> list[dict]:
@@ -453,7 +456,7 @@ def run(features, shapes, cases, reps: int, warmup: int, dtype_name: str, thread
             if "error" not in row:
                 time_round(row, max(reps // rounds, 1))
     rows = [row if "error" in row else finish(row) for row in rows]
-    floor = {shape: torch_floor(shape, dtype, reps) for shape in shapes}
+    floor = {shape: torch_floor(shape, dtype, reps, rounds) for shape in shapes}
     env = environment(threads)
     env["loadavg_before"] = load_before
     env["loadavg_after"] = os.getloadavg()  # a shared host: other work inflates every time

@@ -913,6 +913,11 @@ def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, backward
             # (written, never read); one that returns the state only: the rows
             scratch_all=Scratch(acc, *carries, *rows, *final),
             scratch_rows=Scratch(acc, *carries, *rows),
+            # a call whose backward plan comes with it (``backward_plan``): the rows kept for
+            # the backward in one allocation, the final state (unless returned) with the
+            # carries, and the backward's plans by the cotangents' layout
+            kept=Scratch(acc, *rows), scratch_final=Scratch(acc, *carries, *final), bwd={},
+            has_init=has_init,
             out=Launch(_chunk_out_kernel, (NS, BH), HAS_PAD=c.has_pad, HAS_MAP=c.has_map,
                        OUT_LO=False, **meta),
             out_lo=Launch(_chunk_out_kernel, (NS, BH), HAS_PAD=c.has_pad, HAS_MAP=c.has_map,
@@ -968,6 +973,7 @@ def rf_chunk_fwd(
     return_aux: bool = False,
     gpu_tiles: bool | None = None,
     return_state: bool = True,
+    backward_plan: bool = False,
 ):
     """Causal fused random-feature attention forward (chunkwise).
 
@@ -984,6 +990,9 @@ def rf_chunk_fwd(
         return_state: False: the final state is not wanted (None in its place; without
             ``return_aux`` the kernels then write it, and the rows, into the call's scratch:
             one allocation besides the output instead of seven).
+        backward_plan: with ``return_aux``, the auxiliaries as :func:`rf_chunk_bwd` takes them
+            with its ``plan``: the rows in one allocation (the final state, unless returned,
+            in the call's scratch), and the plan the backward is found from.
 
     Returns:
         ``(out [B, H * G, T, E], (S, z, offset))`` with the final state ``[B, H, ...]`` in the
@@ -991,7 +1000,10 @@ def rf_chunk_fwd(
         ``(m_q, den, m_k, out_lo)``: the queries' offsets and the denominators at the rows'
         offsets r_i (``[B*H*G, T]``), the keys' max logits m_j (``[B*H, T]``) and, for fp16/bf16
         inputs, the output's rounding residual (``common.store_out``; shaped and typed as
-        out), else an empty tensor.
+        out), else an empty tensor; with ``backward_plan`` instead ``(kept, out_lo)``,
+        ``kept`` the one allocation of m_q, den and m_k, followed by the plan for
+        :func:`rf_chunk_bwd` (``(out, state, (kept, out_lo), plan)``, state None unless
+        ``return_state``).
 
     Everything but the call's tensors (checks, setup, segments, launches) comes from the plan
     of the call's shape (:func:`common.shape_plan`), made at its first call.
@@ -1013,8 +1025,12 @@ def rf_chunk_fwd(
             if return_aux or return_state else None  # fmt: skip
         if not return_aux:
             return out, state
+        lo = out.new_empty(0) if olo is None else olo
+        if backward_plan:
+            return out, state if return_state else None, (p.kept(dev, False)[0], lo), \
+                (p, (w, *ptrs, qmap, kmap))  # fmt: skip
         rows = tuple(torch.empty(x, device=dev, dtype=acc) for x in p.rows)
-        return out, state, (*rows, out.new_empty(0) if olo is None else olo)
+        return out, state, (*rows, lo)
     roles, stats_args, stats_meta = chunk_stats_arguments(stats, q, k, B, H, G, p.D, acc)
     if stats is None:  # (placeholders for the statistics' arguments)
         states = p.states
@@ -1029,13 +1045,18 @@ def rf_chunk_fwd(
     # the carries, and the rows and the final state where they are not returned (written,
     # never read): scratch, as device addresses once both launches replay
     addresses = states.direct is not None and walk.direct is not None
-    scratch = p.scratch if return_aux else p.scratch_rows if return_state else p.scratch_all
-    ws, (gs, gz, gr, *rest) = scratch(dev, addresses)
-    if return_aux:
-        mq, den, mk = tuple(torch.empty(x, device=dev, dtype=acc) for x in p.rows)
+    kept = None
+    if backward_plan:  # the rows in one allocation, the final state (unless returned) scratch
+        scratch = p.scratch if return_state else p.scratch_final
+        kept, (mq, den, mk) = p.kept(dev, addresses)
     else:
+        scratch = p.scratch if return_aux else p.scratch_rows if return_state else p.scratch_all
+    ws, (gs, gz, gr, *rest) = scratch(dev, addresses)
+    if kept is None and return_aux:
+        mq, den, mk = tuple(torch.empty(x, device=dev, dtype=acc) for x in p.rows)
+    elif kept is None:
         mq, den, mk, *rest = rest
-    if return_aux or return_state:
+    if return_state or return_aux and kept is None:
         state = sT, zT, rT = tuple(torch.empty(x, device=dev, dtype=acc) for x in p.final)
     else:
         state, (sT, zT, rT) = None, rest
@@ -1049,7 +1070,10 @@ def rf_chunk_fwd(
              *p.out_ints)  # fmt: skip
     if not return_aux:
         return out, state
-    return out, state, (mq, den, mk, out.new_empty(0) if olo is None else olo)
+    lo = out.new_empty(0) if olo is None else olo
+    if backward_plan:
+        return out, state, (kept, lo), (p, (w, *ptrs, qmap, kmap))
+    return out, state, (mq, den, mk, lo)
 
 
 def rf_chunk_bwd(
@@ -1066,6 +1090,7 @@ def rf_chunk_bwd(
     initial_state: tuple | None = None,
     precision: str | None = None,
     gpu_tiles: bool | None = None,
+    plan=None,
 ):
     """Backward of :func:`rf_chunk_fwd` (chunk states recomputed).
 
@@ -1073,19 +1098,36 @@ def rf_chunk_bwd(
         do: ``[B, H, T, E]`` cotangent of the output.
         dstate: None or ``(dS [B, H, M, E], dz [B, H, M])``, cotangents of the final state.
         out, aux: the forward's output and ``(m_q, den, m_k, out_lo)`` (``out_lo`` read where it
-            is not empty; a 3-tuple: none); the rest as given to the forward.
+            is not empty; a 3-tuple: none); with ``plan``, the forward's ``(kept, out_lo)``.
+            The rest as given to the forward.
+        plan: what the forward of these inputs returned with ``backward_plan`` (its plan and
+            the form's arguments): the backward's plan is then the forward plan's, by the
+            cotangents' layout, looked up by nothing else.
 
     Returns:
         ``(dq, dk, dv, dS0, dz0)``; the last two are None without ``initial_state``.
     """
     has_init = initial_state is not None
-    mq, den, mk, *lo = aux
-    olo = lo[0] if lo and lo[0].numel() else None
-    # the strides and alignment of out and do are the plan's too (Triton specialises; out_lo
-    # is made as out is)
-    p = shape_plan(_BWD_PLANS, _plan, q, k, v, form, scale, key_padding_mask, precision,
-                   gpu_tiles, True, has_init, dstate is not None, olo is not None, out.stride(),
-                   do.stride(), out.data_ptr() % 16, do.data_ptr() % 16)  # fmt: skip
+    if plan is not None:  # the forward's plan holds the backward's, by the cotangents' layout
+        fwd, fargs = plan
+        layout = (dstate is not None, do.stride(), do.data_ptr() % 16)
+        p = fwd.bwd.get(layout)
+        if p is None:
+            p = fwd.bwd[layout] = _plan(q, k, v, form, scale, key_padding_mask, precision,
+                                        gpu_tiles, True, fwd.has_init, dstate is not None,
+                                        fwd.lo)  # fmt: skip
+        kept, olo = aux
+        olo = olo if fwd.lo else None
+    else:
+        mq, den, mk, *lo = aux
+        olo = lo[0] if lo and lo[0].numel() else None
+        # the strides and alignment of out and do are the plan's too (Triton specialises;
+        # out_lo is made as out is)
+        p = shape_plan(_BWD_PLANS, _plan, q, k, v, form, scale, key_padding_mask, precision,
+                       gpu_tiles, True, has_init, dstate is not None, olo is not None,
+                       out.stride(), do.stride(), out.data_ptr() % 16,
+                       do.data_ptr() % 16)  # fmt: skip
+        fargs = None
     B, H, G, M, E, T, acc, dev = p.B, p.H, p.G, p.M, p.E, p.T, p.acc, q.device
     olo = out if olo is None else olo
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -1093,12 +1135,14 @@ def rf_chunk_bwd(
     dz0 = torch.empty(B, H, M, device=dev, dtype=acc) if has_init else None
     if B * H == 0:
         return dq, dk, dv, ds0, dz0
-    w, *ptrs, _, _ = form_args(form, B, H * G, H, acc, dev)
+    w, *ptrs, _, _ = fargs or form_args(form, B, H * G, H, acc, dev)
     # the walks' offsets, the carries and the cotangents' carries: scratch, as device addresses
     # once the three launches replay
     addresses = p.states.direct is not None and p.dstates.direct is not None and \
         p.bwd.direct is not None  # fmt: skip
     ws, (r, gs, gz, gr, gd, gdz) = p.scratch(dev, addresses)
+    if plan is not None:  # the rows in the forward's one allocation
+        mq, den, mk = fwd.kept.at(kept, addresses)
     s0, z0, r0 = (gs,) * 3 if initial_state is None else \
         (_state_in(x, acc, gs) for x in initial_state)  # fmt: skip
     dsT, dzT = (gd, gd) if dstate is None else (_state_in(x, acc, gd) for x in dstate)

@@ -22,6 +22,7 @@ from rfattn.weights import WEIGHTED_WEIGHTS
 
 __all__ = [
     "BACKENDS",
+    "INTERCEPTS",
     "Call",
     "RFState",
     "fused_kernel_available",
@@ -386,7 +387,7 @@ def runs_fused(q, rf, causal: bool, backend: str) -> bool:
     return backend == "triton" or (backend == "auto" and use_fused(q, rf, causal))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class Call:
     """One validated ``rf_attention`` call (:func:`rfattn.rf_attention`'s arguments, defaults
     resolved).
@@ -429,6 +430,19 @@ class Call:
     sinks: int = 0
     packed: tuple | None = None
     update_stats: bool = True
+
+    def __init__(self, q, k, v, rf, causal=False, scale=1.0, key_padding_mask=None,
+                 query_padding_mask=None, backend="auto", initial_state=None,
+                 return_state=False, group=None, maps=None, window=0, sinks=0, packed=None,
+                 update_stats=True):  # fmt: skip
+        # the fields straight into the instance's dict: a frozen dataclass's own __init__ sets
+        # each through object.__setattr__ (~2 µs more per call, bench.host)
+        self.__dict__.update(
+            q=q, k=k, v=v, rf=rf, causal=causal, scale=scale, key_padding_mask=key_padding_mask,
+            query_padding_mask=query_padding_mask, backend=backend, initial_state=initial_state,
+            return_state=return_state, group=group, maps=maps, window=window, sinks=sinks,
+            packed=packed, update_stats=update_stats,
+        )  # fmt: skip
 
     @property
     def groups(self) -> int:
@@ -544,9 +558,10 @@ class Call:
         return out.unflatten(2, (G, self.q.shape[2])).flatten(1, 2)
 
 
-#: the function that runs a call in place of its backends while :func:`intercept_calls` holds
-#: one (rfattn.calibrate records the calls of a model's layers through it)
-_INTERCEPT = None
+#: the functions that run a call in place of its backends while :func:`intercept_calls` holds
+#: them, the open one last (rfattn.calibrate records the calls of a model's layers through it);
+#: ``rf_attention`` reads the list itself (no function call on its hot path)
+INTERCEPTS: list = []
 
 
 @contextlib.contextmanager
@@ -555,14 +570,8 @@ def intercept_calls(hook):
     ``call`` its :class:`Call` (validated), ``run(call)`` what the call would return, for the
     hook to use or not. How a tool (:func:`rfattn.calibrate`) sees the calls without the core
     knowing of it. Not nested: an open interception is replaced and then restored."""
-    global _INTERCEPT
-    before, _INTERCEPT = _INTERCEPT, hook
+    INTERCEPTS.append(hook)
     try:
         yield
     finally:
-        _INTERCEPT = before
-
-
-def interception():
-    """The hook of the open :func:`intercept_calls`, or None."""
-    return _INTERCEPT
+        INTERCEPTS.pop()

@@ -29,9 +29,11 @@ false) skip the operators' dispatch, which costs more host time than the launche
 (``python -m bench.host``: 21 µs per call, 93 µs when inputs require grad, against 11 / 14 µs
 for a plain ``torch.autograd.Function``): the same launchers run through :class:`_Parallel` /
 :class:`_Chunk` when a gradient may follow, and directly otherwise (the decode step always).
-:class:`_Parallel` takes only what a gradient may reach as its inputs and returns only the
-output (its backward's auxiliaries saved as intermediates), so autograd handles 4 inputs and 1
-output instead of the schema's 16 and 7.
+Each takes only what a gradient may reach as its inputs and returns only the output (and a
+causal call's final state where it is asked for), its backward's auxiliaries saved as
+intermediates in one allocation and its backward's launch plan carried from the forward's: for
+:class:`_Parallel` autograd handles 4 inputs and 1 output instead of the schema's 16 and 7, for
+:class:`_Chunk` 5 and 1 (4 with the state) instead of 20 and 8.
 
 On CPU tensors without the Triton interpreter, each operator runs its torch kernel instead: the
 kernel form evaluated in torch (:meth:`KernelForm.evaluate`) through the torch path's attention
@@ -92,44 +94,28 @@ def _op(name: str, args: str, returns: str, mutates=()):
     return custom_op(f"rfattn::{name}", mutates_args=mutates, schema=f"({args}) -> {returns}")
 
 
-def _differentiable(name: str, args: str, returns: str, body, fake, setup, backward, bwd_op,
-                    bwd_body):  # fmt: skip
-    """``rfattn::<name>`` with its fake impl and autograd (``backward`` calls ``ctx.bwd``: the
-    backward operator ``bwd_op`` where traced), and the same forward ``body``, context ``setup``
-    and ``backward`` as a plain ``torch.autograd.Function`` for eager calls (``ctx.bwd`` the
-    backward's body ``bwd_body``: no dispatch either way). Returns ``(operator, Function)``."""
+def _differentiable(name: str, args: str, returns: str, body, fake, setup, backward):
+    """``rfattn::<name>`` with its fake impl and autograd (``setup`` the context's, ``backward``
+    calling the backward operator): what ``torch.compile`` / ``torch.export`` trace. Eager
+    calls take the plain ``torch.autograd.Function`` of the same launchers instead
+    (:class:`_Parallel`, :class:`_Chunk`)."""
     op = _op(name, args, returns)(body)
     op.register_fake(fake)
-    op.register_autograd(backward,
-                         setup_context=lambda ctx, inputs, output: setup(ctx, inputs, output,
-                                                                         bwd_op))  # fmt: skip
-
-    def forward(ctx, *inputs):  # not setup_context: Function.apply would bind a signature
-        output = body(*inputs)
-        setup(ctx, inputs, output, bwd_body)
-        return output
-
-    eager = type(name.title(), (torch.autograd.Function,),
-                 {"forward": staticmethod(forward), "backward": staticmethod(backward),
-                  "__doc__": f"``rfattn::{name}`` without the operator's dispatch."})  # fmt: skip
-    return op, eager
+    op.register_autograd(backward, setup_context=setup)
+    return op
 
 
-def flat_form(form: KernelForm, eager: bool = False) -> tuple:
+def flat_form(form: KernelForm) -> tuple:
     """The form as operator arguments (``_FORM``): kind, w, coeffs, psi, table, extra, index,
-    qmap, kmap. ``eager``: the form itself in kind's place, for the eager
-    ``torch.autograd.Function`` (:func:`_form` then takes it as it is: a kept form reaches the
-    launchers as the same object, whose kernel arguments they keep)."""
+    qmap, kmap."""
     extra, index = (form.tau, form.lam) if form.kind == "table" else (form.rows, form.segments)
-    return (form if eager else form.kind, form.w, form.coeffs, form.psi, form.table, extra, index,
-            form.qmap, form.kmap)  # fmt: skip
+    return (form.kind, form.w, form.coeffs, form.psi, form.table, extra, index, form.qmap,
+            form.kmap)  # fmt: skip
 
 
 def _form(args: tuple) -> tuple[KernelForm, tuple]:
     """(the KernelForm of the leading ``_FORM`` arguments, the arguments after them)."""
     kind, w, coeffs, psi, table, extra, index, qmap, kmap = args[:_NFORM]
-    if type(kind) is KernelForm:  # flat_form(eager=True)
-        return kind, args[_NFORM:]
     named = dict(tau=extra, lam=index) if kind == "table" else dict(rows=extra, segments=index)
     form = KernelForm(kind, w, coeffs, psi, table, qmap=qmap, kmap=kmap, **named)
     return form, args[_NFORM:]
@@ -312,10 +298,10 @@ def _auxiliary(ctx, outputs) -> None:
     ctx.set_materialize_grads(False)
 
 
-def _parallel_setup(ctx, inputs, output, bwd):
+def _parallel_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:3], *inputs[4:_SCALE], inputs[_SCALE + 1], *output)
     _auxiliary(ctx, output[1:])
-    ctx.kind, ctx.scale, ctx.opts, ctx.bwd = inputs[3], inputs[_SCALE], inputs[_SCALE + 2 :], bwd
+    ctx.kind, ctx.scale, ctx.opts = inputs[3], inputs[_SCALE], inputs[_SCALE + 2 :]
 
 
 @no_autocast
@@ -333,17 +319,17 @@ def _parallel_backward(ctx, d_out, *_aux):
             fwd, (q, k, v, form_.w), (True, True, True, need_dw), (d_out,)
         )
         return dq, dk, dv, None, dw, *([None] * (_NFORM + 2))
-    dq, dk, dv, dw = ctx.bwd(
+    dq, dk, dv, dw = _parallel_bwd(
         d_out, q, k, v, ctx.kind, *form, ctx.scale, mask, out, s, z, mk, mq, den, out_lo,
         *ctx.opts, need_dw,
     )  # fmt: skip
     return dq, dk, dv, None, (dw if need_dw else None), *([None] * (_NFORM + 2))
 
 
-_parallel, _ = _differentiable(
+_parallel = _differentiable(
     "parallel", f"{_QKV}, {_FORM}, {_CALL}, {_OPTS}",
     "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", _parallel_body, _parallel_fake,
-    _parallel_setup, _parallel_backward, _parallel_bwd, _parallel_bwd_body,
+    _parallel_setup, _parallel_backward,
 )
 
 
@@ -418,7 +404,7 @@ def rf_parallel(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, 
 
 
 def _chunk_body(q, k, v, *args):
-    """``rfattn::chunk``'s body (the operator's and the eager :class:`_Chunk`'s)."""
+    """``rfattn::chunk``'s body (the operator's)."""
     form, (scale, mask, s0, z0, off0, precision, gpu_tiles) = _form(args)
     if on_torch(q):  # the saved m_q, den, m_k, out_lo are only read by the Triton backward
         return (*_torch_chunk(q, k, v, form, scale, mask, _state(s0, z0, off0)),
@@ -472,12 +458,12 @@ def _(do, ds, dz, q, k, v, *args):
             torch.empty_like(z0) if init else q.new_empty(0))  # fmt: skip
 
 
-def _chunk_setup(ctx, inputs, output, bwd):
+def _chunk_setup(ctx, inputs, output):
     out, mq, den, mk, olo = output[0], *output[4:8]
     _auxiliary(ctx, output[3:])  # the offsets and what the backward reads of the rows
     ctx.save_for_backward(*inputs[:3], *inputs[4:_SCALE], *inputs[_SCALE + 1 : _SCALE + 5], out,
                           mq, den, mk, olo)  # fmt: skip
-    ctx.kind, ctx.scale, ctx.opts, ctx.bwd = inputs[3], inputs[_SCALE], inputs[_SCALE + 5 :], bwd
+    ctx.kind, ctx.scale, ctx.opts = inputs[3], inputs[_SCALE], inputs[_SCALE + 5 :]
 
 
 @no_autocast
@@ -498,7 +484,7 @@ def _chunk_backward(ctx, d_out, d_s, d_z, *_rest):
         dq, dk, dv, ds0, dz0 = _torch_grads(fwd, (q, k, v, s0, z0), (True, True, True, init, init),
                                             (d_out, d_s, d_z))  # fmt: skip
         return dq, dk, dv, *([None] * (_NFORM + 2)), ds0, dz0, None, None, None
-    dq, dk, dv, ds0, dz0 = ctx.bwd(
+    dq, dk, dv, ds0, dz0 = _chunk_bwd(
         d_out, d_s, d_z, q, k, v, ctx.kind, *form, ctx.scale, mask, s0, z0, off0, out, mq, den,
         mk, olo, *ctx.opts,
     )  # fmt: skip
@@ -507,11 +493,71 @@ def _chunk_backward(ctx, d_out, d_s, d_z, *_rest):
             None, None, None)  # fmt: skip
 
 
-_chunk, _Chunk = _differentiable(
+_chunk = _differentiable(
     "chunk", f"{_QKV}, {_FORM}, {_CALL}, {_STATE}, {_OPTS}",
     "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", _chunk_body, _chunk_fake,
-    _chunk_setup, _chunk_backward, _chunk_bwd, _chunk_bwd_body,
+    _chunk_setup, _chunk_backward,
 )
+
+
+class _Chunk(torch.autograd.Function):
+    """``rfattn::chunk`` for eager calls, as :class:`_Parallel` is ``rfattn::parallel``'s: its
+    inputs are q, k, v and the initial S0, z0 (what a gradient may reach; the form, the mask,
+    the initial offset and the options ride along), its outputs ``out`` and, with
+    ``return_state``, the final state (offset non-differentiable). The rows the backward reads
+    (the queries' offsets and denominators, the keys' max logits) are one saved allocation, not
+    outputs; the final state of a call that does not return it is the call's scratch; the
+    backward's plan comes with the forward's (``rf_chunk_kernels.rf_chunk_fwd``'s
+    ``backward_plan``). Cotangents of unused outputs stay None (no zero fills)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, s0, z0, form, scale, mask, off0, precision, gpu_tiles,
+                return_state):  # fmt: skip
+        init = _state(s0, z0, off0)
+        if on_torch(q):
+            out, *state = _torch_chunk(q, k, v, form, scale, mask, init)
+            aux, plan = (), None
+        else:
+            out, state, aux, plan = rf_chunk_kernels.rf_chunk_fwd(
+                q, k, v, form, scale, mask, init, precision, return_aux=True,
+                gpu_tiles=gpu_tiles, return_state=return_state, backward_plan=True,
+            )  # fmt: skip
+        ctx.save_for_backward(q, k, v, mask, s0, z0, off0, out, *aux)
+        ctx.form, ctx.scale, ctx.opts, ctx.plan = form, scale, (precision, gpu_tiles), plan
+        ctx.set_materialize_grads(False)
+        if not return_state:
+            return out
+        ctx.mark_non_differentiable(state[2])
+        return out, *state
+
+    @staticmethod
+    @no_autocast
+    def backward(ctx, d_out, d_s=None, d_z=None, _d_off=None):
+        q, k, v, mask, s0, z0, off0, out, *aux = ctx.saved_tensors
+        init = s0 is not None
+        d_out = torch.zeros_like(out) if d_out is None else d_out
+        if d_s is not None or d_z is not None:  # the final state's cotangents, zeros where unused
+            s, z, _ = _state_like(q, v, ctx.form.w)
+            d_s = torch.zeros_like(s) if d_s is None else d_s
+            d_z = torch.zeros_like(z) if d_z is None else d_z
+        if ctx.plan is None:  # autograd over the torch kernel (the forward recorded no graph)
+            form, scale = ctx.form, ctx.scale
+
+            def fwd(q, k, v, s0, z0):
+                return _torch_chunk(q, k, v, form, scale, mask, _state(s0, z0, off0))[:3]
+
+            dq, dk, dv, ds0, dz0 = _torch_grads(fwd, (q, k, v, s0, z0),
+                                                (True, True, True, init, init),
+                                                (d_out, d_s, d_z))  # fmt: skip
+        else:
+            dq, dk, dv, ds0, dz0 = rf_chunk_kernels.rf_chunk_bwd(
+                d_out, None if d_s is None else (d_s, d_z), q, k, v, ctx.form, ctx.scale, out,
+                aux, mask, _state(s0, z0, off0), ctx.opts[0], gpu_tiles=ctx.opts[1],
+                plan=ctx.plan,
+            )  # fmt: skip
+            if init:
+                ds0, dz0 = ds0.to(s0.dtype), dz0.to(z0.dtype)
+        return dq, dk, dv, ds0, dz0, None, None, None, None, None, None, None
 
 
 def rf_chunk(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, initial_state=None,
@@ -532,9 +578,12 @@ def rf_chunk(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, ini
             gpu_tiles=gpu_tiles, return_state=return_state,
         )  # fmt: skip
         return (out, None, None, None) if state is None else (out, *state)
-    args = (q, k, v, *flat_form(form, not traced), scale, key_padding_mask, s0, z0, off0,
-            precision, gpu_tiles)  # fmt: skip
-    out, s, z, off, *_ = _chunk(*args) if traced else apply(_Chunk, *args)
+    if not traced:
+        res = apply(_Chunk, q, k, v, s0, z0, form, scale, key_padding_mask, off0, precision,
+                    gpu_tiles, return_state)  # fmt: skip
+        return res if return_state else (res, None, None, None)
+    out, s, z, off, *_ = _chunk(q, k, v, *flat_form(form), scale, key_padding_mask, s0, z0,
+                                off0, precision, gpu_tiles)  # fmt: skip
     return out, s, z, off
 
 
