@@ -522,7 +522,9 @@ def projection(b_x, b_rows, b_sc, PRECISION: tl.constexpr, ACC: tl.constexpr,
         HALF: tl.constexpr = tl.bfloat16 if PRECISION == "bf16" else tl.float16
         c = tl.max(b_sc, axis=0)
         b_r = b_rows.to(tl.float32) * (b_sc / c)[None, :]
-        b_p = c * split_dot(b_x.to(tl.float32), tl.trans(b_r), HALF, SPLIT_X, THREE)
+        # (rows held in the half format stay in it: exact, and the product's operand as is)
+        b_p = c * split_dot(b_x if b_x.dtype == HALF else b_x.to(tl.float32), tl.trans(b_r),
+                            HALF, SPLIT_X, THREE)  # fmt: skip
     else:
         b_xs = b_x.to(ACC) * b_sc[None, :]
         b_p = tl.dot(b_xs.to(b_rows.dtype), tl.trans(b_rows), input_precision=PRECISION,
@@ -977,6 +979,12 @@ def _feature_rows(big: int, itemsize: int, half: bool = False) -> int:
     return 64 if big <= 128 else 32
 
 
+#: warps of the causal kernels for 16-bit inputs (:func:`_chunk_tiles`): twice the registers of
+#: a 4-warp program for the same tiles (one program per SM at 255 registers a thread, where
+#: 4-warp programs fitted two: the same warps per SM)
+CHUNK_HALF_WARPS = 8
+
+
 def _chunk_tiles(big: int, itemsize: int, gpu_tiles: bool) -> tuple[int, int]:
     """(chunk length C = BT, feature tile BM) of the causal kernels (one BT for every launch of a
     call: the offsets R_c depend on it) for padded head sizes up to ``big``.
@@ -984,13 +992,17 @@ def _chunk_tiles(big: int, itemsize: int, gpu_tiles: bool) -> tuple[int, int]:
     Sized so that the backward kernel, which holds [BT, BT], [BT, BM], [BM, BE] and [BT, BD]
     tiles at once, fits the 227 KiB of shared memory of a Hopper SM for the input dtype (with the
     pipeline depth of :meth:`Setup.launch_options`; checked for D, E in {64, 128, 256} by
-    ``python -m bench.compile``). The interpreter's: 16-token chunks (several chunks even on tiny
-    test sequences) and 16-bit feature tiles.
+    ``python -m bench.compile``), and for 16-bit inputs so that the walks keep their tiles in
+    registers: 32-feature tiles at 8 warps (:data:`CHUNK_HALF_WARPS`), where 64-feature tiles
+    at 4 warps spilled 232-2408 stack bytes per thread in ``_chunk_out`` and 1552-4048 in
+    ``_chunk_bwd`` (sm_90, D = 64, bf16; 0 and 312-2640 now: ``bench.compile --report``). The
+    interpreter's: 16-token chunks (several chunks even on tiny test sequences) and 16-bit
+    feature tiles.
     """
     if not gpu_tiles:
         return 16, _feature_rows(big, 2)
     if itemsize <= 2:
-        return (64 if big <= 128 else 32), (64 if big <= 64 else 32)
+        return (64 if big <= 128 else 32), 32
     if itemsize == 4:
         return (64 if big <= 64 else 32), (32 if big <= 128 else 16)
     return (32 if big <= 64 else 16), (32 if big <= 64 else 16)

@@ -116,6 +116,7 @@ import triton
 import triton.language as tl
 
 from .common import (
+    CHUNK_HALF_WARPS,
     NEG,
     Launch,
     Plan,
@@ -395,6 +396,11 @@ def _chunk_out_kernel(
     i_g, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     NMT: tl.constexpr = (M + BM - 1) // BM
+    # under the half policy the rows and values stay in the input dtype (exact: every product
+    # rounds its operands to it), half the registers of fp32 tiles; mapped rows are fp32
+    HALF_IN: tl.constexpr = PRECISION == "bf16" or PRECISION == "fp16"
+    XDT: tl.constexpr = q_ptr.dtype.element_ty if HALF_IN and not HAS_MAP else ACC
+    VDT: tl.constexpr = v_ptr.dtype.element_ty if HALF_IN else ACC
     o_d, o_e, o_p = tl.arange(0, BD), tl.arange(0, BE), tl.arange(0, BP)
     m_d, m_e = o_d < D, o_e < E
     b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
@@ -411,21 +417,21 @@ def _chunk_out_kernel(
         m_k = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
         m_tril = o_t[:, None] >= o_t[None, :]  # [BT(i), BT(j)]
         b_xkr = load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, kmap_ptr, i_h, D,
-                            BT, BD, HAS_MAP, PRECISION, ACC)  # the rows, x~ = rows * scale
-        b_xk = b_xkr * b_sck[None, :]
-        b_v = load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_k, m_e, ACC)  # [BT, BE]
+                            BT, BD, HAS_MAP, PRECISION, XDT)  # the rows, x~ = rows * scale
+        b_xk = b_xkr.to(ACC) * b_sck[None, :]
+        b_v = load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_k, m_e, VDT)  # [BT, BE]
         # a non-finite value poisons its own and later rows, never earlier ones: zero in the
         # product (0 * NaN would reach every row), NaN from its position on (a prefix count)
         b_bad = (b_v != b_v) | (tl.abs(b_v) == float("inf"))
         b_poison = tl.cumsum(b_bad.to(tl.int32), axis=0) > 0
-        b_vc = tl.where(b_bad, 0.0, b_v)
+        b_vc = tl.where(b_bad, 0.0, b_v).to(VDT)
         b_rp = tl.max(b_rt, axis=0)  # R_{c-1}: where the rows' offsets start
         for g in range(0, G):  # the query heads that read this key/value head
             i_hq = i_h * G + g
             q_base = q_ptr + i_b * stride_qb + i_hq * stride_qh
             b_xqr = load_mapped(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, qmap_ptr, i_hq,
-                                D, BT, BD, HAS_MAP, PRECISION, ACC)  # fmt: skip
-            b_xq = b_xqr * b_scq[None, :]
+                                D, BT, BD, HAS_MAP, PRECISION, XDT)  # fmt: skip
+            b_xq = b_xqr.to(ACC) * b_scq[None, :]
             b_mx = tl.full([BT], NEG, dtype=ACC)  # per row, online over feature tiles
             b_mk = tl.full([BT], NEG, dtype=ACC)  # per key (m_j), likewise
             b_num = tl.zeros([BT, BE], dtype=ACC)
@@ -887,7 +893,8 @@ def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, backward
     NC = max(cdiv(T, c.BT), 1)
     NS, per = segments(NC, max(BH, 1), sm_count(k.device))  # (no (b, h): no launch)
     pad = c.pad[1:]  # the int32 mask's strides (contiguous), or placeholders
-    meta = dict(**c.launch_options(), BT=c.BT, BP=next_pow2(NMT), **c.meta)
+    warps = CHUNK_HALF_WARPS if c.itemsize <= 2 else None  # (the tiles': _chunk_tiles)
+    meta = dict(**c.launch_options(warps), BT=c.BT, BP=next_pow2(NMT), **c.meta)
     walk = (T, H, NC, G, NS, per)
     carries = ((BH, NS, M, E), (BH, NS, M), (BH, NS + 1, NMT))
     p = dict(

@@ -354,6 +354,36 @@ def test_deterministic_and_empty(kernel_device):
     assert torch.isinf(st.offset).all()
 
 
+@pytest.mark.parametrize("dtype", [f32, torch.bfloat16])
+def test_the_gpu_tiles_compute_what_the_interpreters_tiles_do(dtype):
+    """The causal launchers at a GPU's tiles (64-token chunks, 32 features a tile: for 16-bit
+    inputs at 8 warps, ``kernels.common._chunk_tiles``), run by the interpreter: fp32 equal to
+    the interpreter's own tiles (16-token chunks) to 1e-5; bf16 (the half policy) as far from
+    float64 as they are, within 1.25x, outputs and gradients. A partial last chunk, 2 heads."""
+    from rfattn.kernels.rf_chunk import rf_chunk_bwd
+
+    B, H, T, D, M = 1, 2, 70, 64, 64
+    rf = rfattn.RandomFeatures(D, M, seed=0)
+    q, k = (rand(B, H, T, D, seed=s, scale=0.5) for s in (1, 2))
+    v, do = rand(B, H, T, D, seed=3), rand(B, H, T, D, seed=4)
+
+    def run(dt, tiles):
+        x = [t.to(dt) for t in (q, k, v)]
+        form = kernel_form(rf, x[0], x[1], None, D**-0.5, True)
+        out, _, aux = rf_chunk_fwd(*x, form, D**-0.5, return_aux=True, gpu_tiles=tiles)
+        grads = rf_chunk_bwd(do.to(dt), None, *x, form, D**-0.5, out, aux, gpu_tiles=tiles)[:3]
+        return (out, *grads)
+
+    gpu, own = run(dtype, True), run(dtype, False)
+    if dtype == f32:
+        for a, b in zip(gpu, own, strict=True):
+            assert rel_rms(a, b) <= 1e-5
+        return
+    ref = run(torch.float64, False)
+    for name, a, b, r in zip(("out", "dq", "dk", "dv"), gpu, own, ref, strict=True):
+        assert rel_rms(a, r) <= 1.25 * rel_rms(b, r), name
+
+
 def test_learnable_weights_go_to_torch(kernel_device):
     q = rand(1, 1, 20, 16, seed=1, device=kernel_device)
     rf = rfattn.RandomFeatures(16, 16, weights="fastfoodl").to(kernel_device)
