@@ -466,23 +466,37 @@ def _chunk_setup(ctx, inputs, output):
     ctx.kind, ctx.scale, ctx.opts = inputs[3], inputs[_SCALE], inputs[_SCALE + 5 :]
 
 
+def _chunk_cotangents(q, v, w, out, d_out, d_s, d_z) -> tuple:
+    """``(d_out, d_s, d_z)`` as the causal backward takes them: the output's zeros where it got
+    none, and the final state's zeros for the one of S, z left without (both None where
+    neither has one: the backward then reads no final-state cotangent)."""
+    d_out = torch.zeros_like(out) if d_out is None else d_out
+    if d_s is not None or d_z is not None:
+        s, z, _ = _state_like(q, v, w)
+        d_s = torch.zeros_like(s) if d_s is None else d_s
+        d_z = torch.zeros_like(z) if d_z is None else d_z
+    return d_out, d_s, d_z
+
+
+def _torch_chunk_grads(form, scale, mask, q, k, v, s0, z0, off0, cotangents) -> list:
+    """``[dq, dk, dv, dS0, dz0]`` of the causal form in torch by autograd over the torch kernel
+    (the forward recorded no graph); the last two None without an initial state."""
+    init = s0 is not None
+
+    def fwd(q, k, v, s0, z0):
+        return _torch_chunk(q, k, v, form, scale, mask, _state(s0, z0, off0))[:3]
+
+    return _torch_grads(fwd, (q, k, v, s0, z0), (True, True, True, init, init), cotangents)
+
+
 @no_autocast
 def _chunk_backward(ctx, d_out, d_s, d_z, *_rest):
     q, k, v, *form, mask, s0, z0, off0, out, mq, den, mk, olo = ctx.saved_tensors
-    d_out = torch.zeros_like(out) if d_out is None else d_out
-    if d_s is not None or d_z is not None:  # the final state's cotangents, zeros where unused
-        s, z, _ = _state_like(q, v, form[0])
-        d_s = torch.zeros_like(s) if d_s is None else d_s
-        d_z = torch.zeros_like(z) if d_z is None else d_z
+    d_out, d_s, d_z = _chunk_cotangents(q, v, form[0], out, d_out, d_s, d_z)
     init = s0 is not None
-    if on_torch(q):  # autograd over the torch kernel (an operator's body records no graph)
-        form_ = _form((ctx.kind, *form))[0]
-
-        def fwd(q, k, v, s0, z0):
-            return _torch_chunk(q, k, v, form_, ctx.scale, mask, _state(s0, z0, off0))[:3]
-
-        dq, dk, dv, ds0, dz0 = _torch_grads(fwd, (q, k, v, s0, z0), (True, True, True, init, init),
-                                            (d_out, d_s, d_z))  # fmt: skip
+    if on_torch(q):  # an operator's body records no graph
+        dq, dk, dv, ds0, dz0 = _torch_chunk_grads(_form((ctx.kind, *form))[0], ctx.scale, mask,
+                                                  q, k, v, s0, z0, off0, (d_out, d_s, d_z))
         return dq, dk, dv, *([None] * (_NFORM + 2)), ds0, dz0, None, None, None
     dq, dk, dv, ds0, dz0 = _chunk_bwd(
         d_out, d_s, d_z, q, k, v, ctx.kind, *form, ctx.scale, mask, s0, z0, off0, out, mq, den,
@@ -535,20 +549,10 @@ class _Chunk(torch.autograd.Function):
     def backward(ctx, d_out, d_s=None, d_z=None, _d_off=None):
         q, k, v, mask, s0, z0, off0, out, *aux = ctx.saved_tensors
         init = s0 is not None
-        d_out = torch.zeros_like(out) if d_out is None else d_out
-        if d_s is not None or d_z is not None:  # the final state's cotangents, zeros where unused
-            s, z, _ = _state_like(q, v, ctx.form.w)
-            d_s = torch.zeros_like(s) if d_s is None else d_s
-            d_z = torch.zeros_like(z) if d_z is None else d_z
-        if ctx.plan is None:  # autograd over the torch kernel (the forward recorded no graph)
-            form, scale = ctx.form, ctx.scale
-
-            def fwd(q, k, v, s0, z0):
-                return _torch_chunk(q, k, v, form, scale, mask, _state(s0, z0, off0))[:3]
-
-            dq, dk, dv, ds0, dz0 = _torch_grads(fwd, (q, k, v, s0, z0),
-                                                (True, True, True, init, init),
-                                                (d_out, d_s, d_z))  # fmt: skip
+        d_out, d_s, d_z = _chunk_cotangents(q, v, ctx.form.w, out, d_out, d_s, d_z)
+        if ctx.plan is None:  # the torch kernel's forward recorded no graph
+            dq, dk, dv, ds0, dz0 = _torch_chunk_grads(ctx.form, ctx.scale, mask, q, k, v, s0, z0,
+                                                      off0, (d_out, d_s, d_z))  # fmt: skip
         else:
             dq, dk, dv, ds0, dz0 = rf_chunk_kernels.rf_chunk_bwd(
                 d_out, None if d_s is None else (d_s, d_z), q, k, v, ctx.form, ctx.scale, out,
