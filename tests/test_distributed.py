@@ -4,7 +4,9 @@ calls disagree all raise, none hangs (issue 34). Every spawn has a deadline: a h
 
 import datetime
 import os
+import sys
 import time
+from typing import NoReturn
 
 import pytest
 import torch
@@ -118,12 +120,21 @@ def _init(rank, world, init_file, seconds=60):
                             world_size=world, timeout=timeout)  # fmt: skip
 
 
-def _finish(results, out_dir, rank) -> None:
-    """Save this rank's results, then wait for every rank before the group is torn down: a rank
-    tearing gloo down while a peer still talks to it is the suspected cause of one rank's abort
-    (SIGABRT, "terminate called without an active exception") in one loaded CI run."""
+def _finish(results, out_dir, rank) -> NoReturn:
+    """Save this rank's results, wait for every rank, and end the process at once.
+
+    Tearing gloo down in an ordinary exit (``destroy_process_group``, then the interpreter's
+    finalisation of its threads and pairs) aborted one rank now and then on a loaded host
+    (SIGABRT, "terminate called without an active exception", after its results were saved);
+    a barrier before ``destroy_process_group`` did not stop it. ``os._exit(0)`` after the barrier
+    skips every destructor: the results are on disk, the peers are past the barrier, and the
+    exit closes the sockets. A rank that raised instead tears its group down in its worker's
+    ``finally`` and reports the error as before."""
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _spawn(fn, args, world, timeout=300):
