@@ -376,6 +376,7 @@ def _walk_sums(
 def _chunk_out_kernel(
     q_ptr, k_ptr, v_ptr, w_ptr, pad_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr,
     xi_ptr, qmap_ptr, kmap_ptr, gs_ptr, gz_ptr, gr_ptr, o_ptr, olo_ptr, mq_ptr, den_ptr, mk_ptr,
+    nex_ptr, dex_ptr, eex_ptr, wex_ptr,
     T, H, NC, G, NS, CPS,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
@@ -386,13 +387,21 @@ def _chunk_out_kernel(
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr,
     HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
-    HAS_MAP: tl.constexpr, OUT_LO: tl.constexpr,
+    HAS_MAP: tl.constexpr, OUT_LO: tl.constexpr, HAS_EX: tl.constexpr,
 ):  # fmt: skip
     """The walk of segment i_g of key/value head (b, h) over its chunks: out [BT, E] of each
     chunk for the G query heads from the state before it (the segment's carry slot, each
     feature tile at its own offset, brought to R_{c-1}) plus the masked intra-chunk term,
     normalised (with OUT_LO also its rounding residual, ``common.store_out``, for the
-    backward); then the chunk's keys added to the state in its slot."""
+    backward); then the chunk's keys added to the state in its slot.
+
+    HAS_EX (the hybrid, ``rfattn.hybrid``): each row's exact terms join its numerator and
+    denominator before the ratio, ``nex`` ``[E]`` and ``dex`` at the row's own offset ``eex``
+    (in the kernel's units: the features' sum is N times the kernel estimate, so the caller
+    adds log N), both sides at the larger of ``eex`` and the row's mq_i + r_i; the saved den
+    stays at mq_i + r_i (inf where the exact terms outweigh the features past fp range: their
+    cotangents are then 0), and ``wex`` gets the exact terms' cotangent factor
+    exp(eex - c_i) / den_i."""
     i_g, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     NMT: tl.constexpr = (M + BM - 1) // BM
@@ -495,10 +504,24 @@ def _chunk_out_kernel(
             b_num += product(b_A, b_vc, PRECISION, ACC, FEATURE != 0)
             b_num = tl.where(b_poison, float("nan"), b_num)
             b_den += tl.sum(b_A, axis=1)
+            i_row = (i_bh * G + g) * T  # the query head's rows of m_q and den
+            if HAS_EX:  # the exact terms, both sides at the larger offset
+                b_ee = tl.load(eex_ptr + i_row + o_t, mask=m_q, other=float("-inf")).to(ACC)
+                b_ee = tl.where(b_ee == float("-inf"), NEG, b_ee)
+                b_ar = b_mx + b_ri
+                b_cr = tl.maximum(b_ar, b_ee)
+                b_fa, b_fe = tl.exp(b_ar - b_cr), tl.exp(b_ee - b_cr)
+                b_ne = tl.load(nex_ptr + (i_row + o_t)[:, None] * E + o_e[None, :],
+                               mask=m_q[:, None] & m_e[None, :], other=0.0).to(ACC)  # fmt: skip
+                b_de = tl.load(dex_ptr + i_row + o_t, mask=m_q, other=0.0).to(ACC)
+                b_num = b_num * b_fa[:, None] + b_ne * b_fe[:, None]
+                b_den = b_den * b_fa + b_de * b_fe
             b_o, b_den = ratio(b_num, b_den, TINY)
+            if HAS_EX:
+                tl.store(wex_ptr + i_row + o_t, b_fe / b_den, mask=m_q)
+                b_den = b_den / b_fa  # at mq_i + r_i, as the backward reads it
             store_out(o_ptr, olo_ptr, i_b, i_hq, o_t, o_e, stride_ob, stride_oh, stride_ot,
                       stride_oe, b_o, m_q, m_e, OUT_LO)  # fmt: skip
-            i_row = (i_bh * G + g) * T  # the query head's rows of m_q and den
             tl.store(mq_ptr + i_row + o_t, b_mx, mask=m_q)
             tl.store(den_ptr + i_row + o_t, b_den, mask=m_q)
         tl.debug_barrier()  # the state's stores before the next chunk's loads (other threads')
@@ -913,6 +936,10 @@ def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, backward
         # a half output keeps its rounding residual where a backward follows, whatever the
         # products (as the non-causal query pass does)
         lo = keeps_out_residual(q.dtype)
+        # the output walk by (with its rounding residual, with exact terms: the hybrid)
+        walks = {(o, x): Launch(_chunk_out_kernel, (NS, BH), HAS_PAD=c.has_pad,
+                                HAS_MAP=c.has_map, OUT_LO=o, HAS_EX=x, **meta)
+                 for o in ((False, True) if lo else (False,)) for x in (False, True)}
         return Plan(
             **p, states=states, stats={}, scratch=Scratch(acc, *carries), lo=lo,
             rows=rows, final=final,
@@ -925,10 +952,7 @@ def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, backward
             # carries, and the backward's plans by the cotangents' layout
             kept=Scratch(acc, *rows), scratch_final=Scratch(acc, *carries, *final), bwd={},
             has_init=has_init,
-            out=Launch(_chunk_out_kernel, (NS, BH), HAS_PAD=c.has_pad, HAS_MAP=c.has_map,
-                       OUT_LO=False, **meta),
-            out_lo=Launch(_chunk_out_kernel, (NS, BH), HAS_PAD=c.has_pad, HAS_MAP=c.has_map,
-                          OUT_LO=True, **meta) if lo else None,
+            walks=walks, out=walks[False, False],
             out_ints=(*walk, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), *pad, *out),
         )  # fmt: skip
     return Plan(
@@ -981,6 +1005,7 @@ def rf_chunk_fwd(
     gpu_tiles: bool | None = None,
     return_state: bool = True,
     backward_plan: bool = False,
+    exact: tuple | None = None,
 ):
     """Causal fused random-feature attention forward (chunkwise).
 
@@ -1000,6 +1025,13 @@ def rf_chunk_fwd(
         backward_plan: with ``return_aux``, the auxiliaries as :func:`rf_chunk_bwd` takes them
             with its ``plan``: the rows in one allocation (the final state, unless returned,
             in the call's scratch), and the plan the backward is found from.
+        exact: the hybrid's exact terms (``rfattn.hybrid``), ``(nex [B, H * G, T, E], dex,
+            eex, wex [B, H * G, T])``, contiguous and aligned, in the accumulation dtype: each
+            row's numerator and denominator at its offset ``eex`` (-inf: none; in the kernel's
+            units: plus log N) join the row's before the ratio (``_chunk_out_kernel``'s
+            HAS_EX), and ``wex`` is written with their cotangent factor. The output, the saved
+            den and the backward are then the hybrid's: :func:`rf_chunk_bwd` gives the
+            features' gradients as they are, with the total denominator.
 
     Returns:
         ``(out [B, H * G, T, E], (S, z, offset))`` with the final state ``[B, H, ...]`` in the
@@ -1048,7 +1080,8 @@ def rf_chunk_fwd(
             states = p.stats[key] = Launch(_chunk_states_kernel,
                                            (roles + p.NMT * p.NS * B * H,),
                                            **p.states_meta, **stats_meta)  # fmt: skip
-    walk, lo_ptr = (p.out, out) if olo is None else (p.out_lo, olo)
+    walk, lo_ptr = p.walks[olo is not None, exact is not None], out if olo is None else olo
+    ex = (w, w, w, w) if exact is None else exact
     # the carries, and the rows and the final state where they are not returned (written,
     # never read): scratch, as device addresses once both launches replay
     addresses = states.direct is not None and walk.direct is not None
@@ -1074,7 +1107,7 @@ def rf_chunk_fwd(
            arrival_counters(dev, p.counters), *p.states_ints, *stats_args)  # fmt: skip
     if T:
         walk(q, k, v, w, pad, p.root, *ptrs, qmap, kmap, gs, gz, gr, out, lo_ptr, mq, den, mk,
-             *p.out_ints)  # fmt: skip
+             *ex, *p.out_ints)  # fmt: skip
     if not return_aux:
         return out, state
     lo = out.new_empty(0) if olo is None else olo

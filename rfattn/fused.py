@@ -7,6 +7,7 @@ Importing the operators imports Triton, so they are imported on the first fused 
 from __future__ import annotations
 
 import dataclasses
+import math
 import weakref
 from typing import NamedTuple
 
@@ -19,7 +20,8 @@ from rfattn.features.exponential import coefficient_form
 from rfattn.stats import Moments, running_moments
 from rfattn.weights import WEIGHTED_WEIGHTS
 
-__all__ = ["attend", "kernel_form", "constant_form", "kept_form", "Kept"]
+__all__ = ["attend", "hybrid", "hybrid_reason", "kernel_form", "constant_form", "kept_form",
+           "Kept"]
 
 
 def attend(call: Call, gpu_tiles=None):
@@ -88,6 +90,47 @@ def attend(call: Call, gpu_tiles=None):
                                       gpu_tiles=gpu_tiles,
                                       return_state=call.return_state)  # fmt: skip
     return (out, RFState(s, z, off)) if call.return_state else out
+
+
+def hybrid_reason(call: Call) -> str | None:
+    """Why the fused hybrid (:func:`hybrid`) cannot run a call with window or sinks, or None."""
+    from rfattn import ops
+
+    reason = no_kernel_reason(call.rf, True)
+    if reason is not None:
+        return reason
+    if not call.causal:
+        return "a non-causal window and sinks run the torch path"
+    if call.initial_state is not None or call.return_state:
+        return "window and sinks with initial_state or return_state run the torch path"
+    if call.rf.query_map is not None or call.rf.key_map is not None:
+        return "window and sinks with head maps run the torch path"
+    if learns_gerf_a(call.rf):
+        return "a learnable gerf_A runs the torch path"
+    if ops.on_torch(call.q) or torch.compiler.is_compiling():
+        return "window and sinks run the torch path on a CPU without Triton and when traced"
+    return None
+
+
+def hybrid(call: Call, gpu_tiles=None) -> torch.Tensor:
+    """The hybrid (:mod:`rfattn.hybrid`: exact sinks and window inside the features, one
+    normaliser) of a causal call on the chunk kernels: the features over the estimated keys'
+    stream (:func:`rfattn.hybrid.estimated_stream`: key ``t - window`` at position ``t``, the
+    sinks and padded keys left out), each row's exact terms (:func:`rfattn.hybrid.exact_terms`,
+    in torch, blocked) joining its numerator and denominator inside the output walk
+    (``rfattn.ops.rf_chunk_hybrid``). The form and its statistics are the call's own (every
+    valid key's, as the torch path's). Check :func:`hybrid_reason` first."""
+    from rfattn import hybrid as hybrid_path
+    from rfattn import ops
+
+    q, k, v, rf, mask, scale = call.q, call.k, call.v, call.rf, call.key_padding_mask, call.scale
+    form = kernel_form(rf, q, k, mask, scale, True, call.query_padding_mask,
+                       update=call.update_stats)  # fmt: skip
+    num, den, off = hybrid_path.exact_terms(q, k, v, call.window, call.sinks, scale, mask)
+    # the kernels' features sum to N times the estimate (N: the feature map's sample count)
+    off = off + math.log(rf.feature_map.num_samples(rf.weight))
+    ks, vs, ms = hybrid_path.estimated_stream(k, v, call.window, call.sinks, mask)
+    return ops.rf_chunk_hybrid(q, ks, vs, form, scale, ms, (num, den, off), gpu_tiles=gpu_tiles)
 
 
 def kernel_form(rf, q, k, key_padding_mask, scale: float, causal: bool,

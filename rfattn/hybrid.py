@@ -54,6 +54,7 @@ Reference: :func:`hybrid_reference` (quadratic, the plainest form).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -63,7 +64,8 @@ from rfattn.features.base import compute_dtype, prescale
 from rfattn.reference import attention_ratio
 
 __all__ = ["HybridState", "hybrid_attention", "hybrid_reference", "key_state", "local_sets",
-           "first_true", "gather_positions"]
+           "first_true", "gather_positions", "estimated_stream", "exact_terms",
+           "finite_values"]
 
 #: query rows per block of the torch path
 BLOCK = 64
@@ -202,6 +204,15 @@ def gather_positions(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.gather(2, index[:, None, :, None].expand(*x.shape[:2], index.shape[-1], x.shape[-1]))
 
 
+def finite_values(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(v with non-finite entries 0, poison)``: ``poison [B, H, T, E]`` True from a
+    non-finite value's position on (in its column), where a row's output becomes NaN. A block's
+    product with its values then never carries a later key's NaN into an earlier row (0 x NaN),
+    as the kernels' prefix count does not."""
+    bad = ~torch.isfinite(v)
+    return v.masked_fill(bad, 0.0), bad.cumsum(-2) > 0
+
+
 def _block_masks(G: int, C: int, W: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(band, near)``: bool ``[G C, C + W]`` over a causal block's rows (G query heads x C
     positions e = c0 + r) and its keys ``c0 - W + t``: the band ``j <= e - W`` (t <= r) and the
@@ -320,7 +331,7 @@ def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
     if maps is not None:
         fq = prescale(q, scale, None, maps[0]).reshape(B, Hk, G * T, D)
         fk = prescale(ks, scale, absent, maps[1])
-    vv = vs.to(cd).masked_fill(absent[:, None, :, None], 0.0)
+    vv, poison = finite_values(vs.to(cd).masked_fill(absent[:, None, :, None], 0.0))
     w = rf.weight.to(device=dev, dtype=cd)
     qpm = query_padding_mask
     if qpm is not None and G > 1:  # the rows of a key/value head: its G query heads' tokens
@@ -382,6 +393,7 @@ def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
             z = decay * z + k_w.sum(-2)
             R = R_new
     num = torch.cat([x.view(B, Hk, G, -1, E) for x in nums], 3)
+    num = num.masked_fill(poison[:, :, None, W:], math.nan)
     den = torch.cat([x.view(B, Hk, G, -1) for x in dens], 3)
     out = attention_ratio(num, den).reshape(B, H, T, E).to(q.dtype)
     if not return_state:
@@ -481,10 +493,79 @@ def _bidirectional(q, k, v, rf, window, sinks, scale, key_padding_mask, query_pa
     return torch.cat(outs, dim=3).reshape(B, H, T, E).to(q.dtype)
 
 
+def estimated_stream(k, v, window: int, sinks: int, key_padding_mask):
+    """``(k', v', mask')``: the keys the features estimate, as a causal stream of the same length
+    for the chunk kernels (:func:`rfattn.fused.hybrid`): position ``t`` holds key ``t - window``
+    (the keys a row ``i`` estimates are ``j <= i - window``, so ``t <= i``), and ``mask'`` leaves
+    out the first ``window`` positions, padded keys and the sinks."""
+    B, _, T, _ = k.shape
+    valid = torch.ones(B, T, dtype=torch.bool, device=k.device)
+    if key_padding_mask is not None:
+        valid = ~key_padding_mask
+    rank = valid.long().cumsum(-1) - 1
+    estimated = valid & (rank >= sinks)
+    W = min(window, T)
+    shift = torch.nn.functional.pad
+    mask = ~shift(estimated, (W, 0), value=False)[:, :T]
+    return shift(k, (0, 0, W, 0))[:, :, :T], shift(v, (0, 0, W, 0))[:, :, :T], mask
+
+
+def exact_terms(q, k, v, window: int, sinks: int, scale: float, key_padding_mask,
+                block: int = BLOCK):  # fmt: skip
+    """``(num [B, H, T, E], den [B, H, T], offset [B, H, T])``: each causal row's exact terms,
+    ``sum_{j in E_i} exp(s q_i . k_j - offset_i) v_j`` and the same without v, at the row's
+    largest exact logit (detached; -inf and zeros for a row with no exact key), in the compute
+    dtype; differentiable in q, k, v. Blocked: a block of rows reads its window's keys and the
+    sinks (``[C, C + window]`` and ``[C, sinks]`` logits). Grouped-query heads read their
+    key/value head's keys, nothing repeated; padded keys reach nothing."""
+    B, H, T, D = q.shape
+    Hk, E = k.shape[1], v.shape[-1]
+    G, dev, cd = H // Hk, q.device, compute_dtype(q.dtype)
+    valid = torch.ones(B, T, dtype=torch.bool, device=dev)
+    if key_padding_mask is not None:
+        valid = ~key_padding_mask
+    rank = valid.long().cumsum(-1) - 1
+    sink = valid & (rank < sinks)
+    near_key = valid & ~sink  # a sink inside the window counts once, as a sink
+    xq = prescale(q, scale).view(B, Hk, G, T, D)
+    xk = prescale(k, scale, ~valid)[:, :, None]  # [B, Hk, 1, T, D]
+    vv, poison = finite_values(v.to(cd).masked_fill(~valid[:, None, :, None], 0.0))
+    vv = vv[:, :, None]
+    slot, present = first_true(sink, sinks)  # [B, S]
+    sk = gather_positions(xk[:, :, 0], slot)[:, :, None]  # [B, Hk, 1, S, D]
+    sv = gather_positions(vv[:, :, 0], slot)[:, :, None]
+    nums, dens, offs = [], [], []
+    for c0 in range(0, T, block):
+        c1 = min(c0 + block, T)
+        i = torch.arange(c0, c1, device=dev)[:, None]
+        xq_b = xq[:, :, :, c0:c1]
+        parts = []  # (logits [B, Hk, G, C, L] with -inf off the row's keys, values)
+        if window:
+            lo = max(0, c0 - window + 1)
+            j = torch.arange(lo, c1, device=dev)[None, :]
+            near = (j <= i) & (j > i - window) & near_key[:, None, lo:c1]  # [B, C, L]
+            lg = (xq_b @ xk[:, :, :, lo:c1].transpose(-1, -2)).masked_fill(
+                ~near[:, None, None], -math.inf)  # fmt: skip
+            parts.append((lg, vv[:, :, :, lo:c1]))
+        if sinks:
+            seen = (slot[:, None, :] <= i) & present[:, None, :]  # [B, C, S]
+            ls = (xq_b @ sk.transpose(-1, -2)).masked_fill(~seen[:, None, None], -math.inf)
+            parts.append((ls, sv))
+        e = functools.reduce(torch.maximum, [lg.amax(-1) for lg, _ in parts]).detach()
+        e_safe = e.masked_fill(e == -math.inf, 0.0)
+        ps = [torch.exp(lg - e_safe[..., None]) for lg, _ in parts]
+        nums.append(sum(p @ x for p, (_, x) in zip(ps, parts, strict=True)))
+        dens.append(sum(p.sum(-1) for p in ps))
+        offs.append(e)
+    num = torch.cat(nums, 3).masked_fill(poison[:, :, None], math.nan).reshape(B, H, T, E)
+    return num, torch.cat(dens, 3).reshape(B, H, T), torch.cat(offs, 3).reshape(B, H, T)
+
+
 def attend(call):
     """``rf_attention``'s result for a validated call with ``window`` or ``sinks``
-    (:class:`rfattn.call.Call`; padded query rows already read as 0): the torch path above (on
-    a process group :func:`rfattn.distributed.hybrid_sharded` runs instead)."""
+    (:class:`rfattn.call.Call`; padded query rows already read as 0) on the torch path above
+    (``rfattn.attention.run`` sends it here, to :func:`rfattn.fused.hybrid` or, on a process
+    group, to :func:`rfattn.distributed.hybrid_sharded`)."""
     return hybrid_attention(call.q, call.k, call.v, call.rf, window=call.window, sinks=call.sinks,
                             scale=call.scale, key_padding_mask=call.key_padding_mask,
                             query_padding_mask=call.query_padding_mask,

@@ -71,7 +71,8 @@ from rfattn.kernels import rf_parallel as rf_parallel_kernels
 from rfattn.kernels import rf_recurrent as rf_recurrent_kernels
 from rfattn.kernels.common import INTERPRET
 
-__all__ = ["flat_form", "on_torch", "rf_chunk", "rf_decode", "rf_parallel", "DECODE_TOKENS"]
+__all__ = ["flat_form", "on_torch", "rf_chunk", "rf_chunk_hybrid", "rf_decode", "rf_parallel",
+           "DECODE_TOKENS"]
 
 #: the most tokens :func:`rf_decode` takes (``rfattn.kernels.rf_recurrent.MAX_TOKENS``)
 DECODE_TOKENS = rf_recurrent_kernels.MAX_TOKENS
@@ -589,6 +590,60 @@ def rf_chunk(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, ini
     out, s, z, off, *_ = _chunk(q, k, v, *flat_form(form), scale, key_padding_mask, s0, z0,
                                 off0, precision, gpu_tiles)  # fmt: skip
     return out, s, z, off
+
+
+class _HybridChunk(torch.autograd.Function):
+    """The hybrid's causal call on the chunk kernels (:func:`rf_chunk_hybrid`): inputs q, the
+    estimated keys' stream k, v (``rfattn.hybrid``'s shifted sequence) and the exact terms'
+    numerator and denominator ``nex``, ``dex`` (at their rows' offsets ``eex``, which ride
+    along), output ``out``. The backward is the chunk kernels' with the total denominator (the
+    forward saves it), and the exact terms' cotangents ``do * wex`` and ``-(do . out) wex``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, nex, dex, eex, form, scale, mask, precision, gpu_tiles):
+        wex = torch.empty_like(dex)
+        out, _, aux, plan = rf_chunk_kernels.rf_chunk_fwd(
+            q, k, v, form, scale, mask, None, precision, return_aux=True, gpu_tiles=gpu_tiles,
+            return_state=False, backward_plan=True, exact=(nex, dex, eex, wex),
+        )  # fmt: skip
+        ctx.save_for_backward(q, k, v, mask, out, wex, *aux)
+        ctx.form, ctx.scale, ctx.opts, ctx.plan = form, scale, (precision, gpu_tiles), plan
+        return out
+
+    @staticmethod
+    @no_autocast
+    def backward(ctx, d_out):
+        q, k, v, mask, out, wex, *aux = ctx.saved_tensors
+        dq, dk, dv, _, _ = rf_chunk_kernels.rf_chunk_bwd(
+            d_out, None, q, k, v, ctx.form, ctx.scale, out, aux, mask, None, ctx.opts[0],
+            gpu_tiles=ctx.opts[1], plan=ctx.plan,
+        )  # fmt: skip
+        do = d_out.to(wex.dtype)
+        d_nex = do * wex[..., None]
+        d_dex = -(do * out.to(wex.dtype)).sum(-1) * wex
+        return dq, dk, dv, d_nex, d_dex, None, None, None, None, None, None
+
+
+def rf_chunk_hybrid(q, k, v, form: KernelForm, scale: float, key_padding_mask, exact: tuple,
+                    precision=None, gpu_tiles=None) -> torch.Tensor:  # fmt: skip
+    """The hybrid's causal output on the chunk kernels (eager, Triton or its interpreter):
+    ``out [B, H * G, T, E]`` of the features over ``k``, ``v`` (the estimated keys' stream,
+    ``key_padding_mask`` leaving out every other position) with each row's exact terms
+    ``exact = (nex [B, H * G, T, E], dex, eex [B, H * G, T])`` in the same ratio (see
+    ``rfattn.kernels.rf_chunk.rf_chunk_fwd``'s ``exact``; gradients reach q, k, v, nex and
+    dex)."""
+    if on_torch(q) or torch.compiler.is_compiling():
+        raise NotImplementedError("the hybrid's fused call runs eagerly on Triton (a GPU or the "
+                                  "interpreter); use backend='torch'")  # fmt: skip
+    nex, dex, eex = (kernel_common.aligned(x.contiguous()) for x in exact)
+    if not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, nex, dex))):
+        wex = torch.empty_like(dex)
+        return rf_chunk_kernels.rf_chunk_fwd(
+            q, k, v, form, scale, key_padding_mask, None, precision, gpu_tiles=gpu_tiles,
+            return_state=False, exact=(nex, dex, eex, wex),
+        )[0]  # fmt: skip
+    return apply(_HybridChunk, q, k, v, nex, dex, eex, form, scale, key_padding_mask, precision,
+                 gpu_tiles)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------

@@ -142,7 +142,8 @@ def test_blocks_change_rounding_only():
 
 def test_no_output_depends_on_a_later_token():
     """Not even through underflow: a later key with a huge logit (which would dominate any
-    stabiliser it reached) leaves every earlier row bit for bit unchanged."""
+    stabiliser it reached) leaves every earlier row bit for bit unchanged; a NaN value reaches
+    its own and later rows only."""
     q, k, v = inputs(seed=5, H=2, Hk=2)
     rf = features()
     base = hybrid_attention(q, k, v, rf, window=4, sinks=1, block=8)
@@ -154,6 +155,11 @@ def test_no_output_depends_on_a_later_token():
     other = hybrid_attention(q2, k2, v2, rf, window=4, sinks=1, block=8)
     assert torch.equal(other[:, :, :t], base[:, :, :t])
     assert not torch.equal(other[:, :, t:], base[:, :, t:])
+    v3 = v.clone()
+    v3[:, :, t - 3, 0] = float("nan")  # inside a block of 8: its earlier rows stay clean
+    nan = hybrid_attention(q, k, v3, rf, window=4, sinks=1, block=8)
+    assert torch.equal(nan[:, :, : t - 3], base[:, :, : t - 3])
+    assert nan[:, :, t - 3 :].isnan().any(-1).all()
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -317,8 +323,8 @@ def test_rf_attention_runs_the_hybrid():
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="need Tq == Tk"):
         rfattn.rf_attention(q[:, :, :5], k, v, rf, window=5)
-    with pytest.raises(NotImplementedError, match="no fused kernel yet"):
-        rfattn.rf_attention(q, k, v, rf, causal=True, window=5, backend="triton")
+    with pytest.raises(NotImplementedError, match="non-causal window and sinks"):
+        rfattn.rf_attention(q, k, v, rf, window=5, backend="triton")
     with pytest.raises(ValueError, match="sinks must be an int >= 0"):
         rfattn.rf_attention(q, k, v, rf, causal=True, sinks=-2)
 

@@ -1,0 +1,153 @@
+"""The fused hybrid (``rfattn.fused.hybrid``): exact sinks and window inside the chunk kernels'
+ratio, the features over the estimated keys' stream. float64 parity with the ``[T, T]``
+reference and with the torch path (outputs, gradients, running statistics), on Triton or its
+interpreter (the interpreter's chunks are 16 tokens: windows below, at and past a chunk)."""
+
+import pytest
+import torch
+
+import rfattn
+from rfattn.hybrid import exact_terms, hybrid_attention, hybrid_reference
+
+f64 = torch.float64
+
+
+def inputs(B=2, H=4, Hk=2, T=37, D=8, E=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = 0.7 * torch.randn(B, H, T, D, generator=g, dtype=f64)
+    k = 0.7 * torch.randn(B, Hk, T, D, generator=g, dtype=f64)
+    v = torch.randn(B, Hk, T, E, generator=g, dtype=f64)
+    return q, k, v
+
+
+def features(name="posrf", **options):
+    weights = "rademacher" if name == "rmf" else "orf"
+    return rfattn.RandomFeatures(8, 16, feature=name, weights=weights, seed=3, **options).double()
+
+
+def padding(B, T, *junk_into):
+    """Left padding in batch 0, a hole in batch 1; NaN written into the padded keys' rows."""
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask[0, :5] = True
+    mask[-1, 11:13] = True
+    for x in junk_into:
+        x.data.masked_fill_(mask[:, None, :, None], float("nan"))
+    return mask
+
+
+def check(feature, window, sinks, T=37, H=4, Hk=2, seed=0, **options):
+    """The fused call (outputs and the gradients of q, k, v) equals ``hybrid_reference`` on the
+    valid rows, in float64, with NaN junk in the padded keys."""
+    q, k, v = inputs(H=H, Hk=Hk, T=T, seed=seed)
+    rf = features(feature, **options).eval()
+    mask = padding(2, T, k, v)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = rfattn.rf_attention(*leaves, rf, causal=True, window=window, sinks=sinks,
+                              key_padding_mask=mask, backend="triton")  # fmt: skip
+    clean = [q, *(x.masked_fill(mask[:, None, :, None], 0.0) for x in (k, v))]
+    ref_leaves = [x.clone().requires_grad_() for x in clean]
+    ref = hybrid_reference(*ref_leaves, rf, window=window, sinks=sinks, key_padding_mask=mask)
+    ref = ref.masked_fill(mask[:, None, :, None], 0.0)  # padded queries: output 0
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
+    cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=f64)
+    grads = torch.autograd.grad(out, leaves, cot)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, cot)
+    for name, g, r in zip("qkv", grads, ref_grads, strict=True):
+        assert not g.isnan().any(), name
+        torch.testing.assert_close(g, r, rtol=1e-8, atol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("window,sinks", [(1, 0), (0, 2), (5, 2), (16, 1), (40, 3)])
+def test_posrf_matches_the_reference(window, sinks):
+    """Windows of one token, none, below, at and past a chunk (and past the sequence: softmax
+    on the valid keys); grouped-query heads, padding with NaN junk."""
+    check("posrf", window, sinks)
+
+
+@pytest.mark.slow  # ~6 s each under the interpreter
+@pytest.mark.parametrize("feature,options", [
+    ("trigrf", {}), ("hrf", {}), ("gerf", {"A": -0.1}), ("gerf", {"A": 0.05j, "s": -1}),
+    ("hyprf", {}), ("rmf", {}),
+])  # fmt: skip
+def test_every_fused_form_matches_the_reference(feature, options):
+    check(feature, 5, 2, T=40, **options)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("T", [1, 15, 16, 17, 33])
+def test_awkward_lengths(T):
+    """A sequence of one token, one short of a chunk, a chunk, one past it; the window ending
+    on a chunk boundary (T = 33: rows 32.. see keys from 2 chunks back)."""
+    check("posrf", 16, 2, T=T, H=2, Hk=1)
+
+
+@pytest.mark.parametrize("feature", ["oprf", "saderf"])
+def test_statistics_forms_equal_the_torch_path(feature):
+    """oprf/saderf in training (running statistics moved by the call): outputs, gradients and
+    the moved buffers equal the torch path's hybrid in float64."""
+    q, k, v = inputs(T=24, seed=2)
+    mask = padding(2, 24, k, v)
+    rfs = [features(feature, stats="running").train() for _ in range(2)]
+    grads = []
+    for rf, backend in zip(rfs, ("torch", "triton"), strict=True):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = rfattn.rf_attention(*leaves, rf, causal=True, window=4, sinks=2,
+                                  key_padding_mask=mask, backend=backend)  # fmt: skip
+        grads.append((out, *torch.autograd.grad(out.square().sum(), leaves)))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *grads, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-11, msg=name)
+    for (name, a), b in zip(rfs[0].feature_map.named_buffers(), rfs[1].feature_map.buffers(),
+                            strict=True):  # fmt: skip
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-14, msg=name)
+
+
+def test_no_output_depends_on_a_later_token():
+    """Not even through underflow: later keys with huge logits and values leave every earlier
+    row bit for bit unchanged; a NaN value reaches its own and later rows only."""
+    q, k, v = inputs(H=2, Hk=1, T=40, seed=5)
+    rf = features().eval()
+    run = lambda q, k, v: rfattn.rf_attention(q, k, v, rf, causal=True, window=4, sinks=1,  # noqa: E731
+                                              backend="triton")  # fmt: skip
+    base = run(q, k, v)
+    t = 21
+    k2, v2, q2 = k.clone(), v.clone(), q.clone()
+    k2[:, :, t:] = 40.0 * torch.randn_like(k2[:, :, t:])
+    v2[:, :, t:] = 1e6
+    q2[:, :, t:] = -q2[:, :, t:]
+    other = run(q2, k2, v2)
+    assert torch.equal(other[:, :, :t], base[:, :, :t])
+    assert not torch.equal(other[:, :, t:], base[:, :, t:])
+    v3 = v.clone()
+    v3[:, :, t, 0] = float("nan")
+    nan = run(q, k, v3)
+    assert torch.equal(nan[:, :, :t], base[:, :, :t])
+    assert nan[:, :, t:].isnan().any(-1).all()
+
+
+def test_exact_terms_are_the_exact_part():
+    """The exact terms' ratio alone is softmax over the sinks and the window (the hybrid with
+    no estimated key: a window past the sequence, or features that see nothing)."""
+    q, k, v = inputs(T=20)
+    mask = padding(2, 20, k, v)
+    num, den, off = exact_terms(q, k, v, 20, 0, 8**-0.5, mask, block=8)
+    clean = [x.masked_fill(mask[:, None, :, None], 0.0) for x in (k, v)]
+    want = hybrid_attention(q, *clean, features().eval(), window=20, key_padding_mask=mask)
+    got = (num / den[..., None]).masked_fill(mask[:, None, :, None], 0.0)
+    torch.testing.assert_close(got, want.masked_fill(mask[:, None, :, None], 0.0), rtol=1e-12,
+                               atol=1e-12)  # fmt: skip
+    assert off.shape == den.shape == (2, 4, 20) and num.shape == (2, 4, 20, 5)
+
+
+def test_what_runs_the_torch_path_is_refused_on_triton():
+    """backend='triton' names why a hybrid call cannot run fused; 'auto' runs the torch path."""
+    q, k, v = inputs(T=12)
+    rf = features().eval()
+    with pytest.raises(NotImplementedError, match="non-causal window and sinks"):
+        rfattn.rf_attention(q, k, v, rf, window=3, backend="triton")
+    with pytest.raises(NotImplementedError, match="initial_state or return_state"):
+        rfattn.rf_attention(q, k, v, rf, causal=True, window=3, return_state=True,
+                            backend="triton")  # fmt: skip
+    rf.add_head_maps(4, 2)
+    with pytest.raises(NotImplementedError, match="head maps"):
+        rfattn.rf_attention(q, k, v, rf, causal=True, window=3, backend="triton")
