@@ -122,16 +122,20 @@ def record(calls) -> list[dict]:
     return out
 
 
-def _fused(q, k, v, rf, causal, key_padding_mask=None, initial_state=None, return_state=False):
+def _fused(q, k, v, rf, causal, key_padding_mask=None, initial_state=None, return_state=False,
+           window=0, sinks=0):  # fmt: skip
     """``rf_attention(..., backend="triton")`` with the launchers picking a GPU's tiles and launch
     options (the interpreter runs any): the fused path's ``gpu_tiles`` parameter (head maps, if
-    ``rf`` has them, in the kernels)."""
+    ``rf`` has them, in the kernels; ``window``/``sinks``: the fused hybrid)."""
     from rfattn import fused
     from rfattn.call import Call
 
     call = Call(q, k, v, rf, causal=causal, scale=q.shape[-1] ** -0.5,
                 key_padding_mask=key_padding_mask, backend="triton", initial_state=initial_state,
-                return_state=return_state, maps=rf.map_tensors(q, k))  # fmt: skip
+                return_state=return_state, maps=rf.map_tensors(q, k), window=window,
+                sinks=sinks)  # fmt: skip
+    if window or sinks:
+        return fused.hybrid(call, gpu_tiles=True)
     return fused.attend(call, gpu_tiles=True)
 
 
@@ -150,10 +154,12 @@ def _call(
     learn=False,
     groups=1,
     maps=False,
+    window=0,
+    sinks=0,
     **options,
 ):
     """A closure running one fused call (+ backward) on CPU (``groups`` query heads per
-    key/value head; ``maps``: with calibrated head maps)."""
+    key/value head; ``maps``: with calibrated head maps; ``window``, ``sinks``: the hybrid)."""
     import torch
 
     import rfattn
@@ -169,7 +175,7 @@ def _call(
             rf.weight.requires_grad_(True)
         if maps:
             rf.add_head_maps(H * groups, H)
-        kw = {}
+        kw = dict(window=window, sinks=sinks) if window or sinks else {}
         if mask:
             kw["key_padding_mask"] = torch.arange(T).expand(B, T) < 3  # left padding
         if state:
@@ -242,6 +248,8 @@ def scenarios(quick: bool = False) -> list[tuple[str, object]]:
             (f"posrf-{dt}-D{D}-causal-mask-state", _call(*base, True, mask=True, state=True)),
             (f"posrf-{dt}-D{D}-decode", _call(*base, True, grad=False, T=1, state=True)),
             (f"posrf-{dt}-D{D}-causal-gqa", _call(*base, True, groups=3)),
+            # the hybrid: the output walk with the exact terms (HAS_EX)
+            (f"posrf-{dt}-D{D}-causal-hybrid", _call(*base, True, window=16, sinks=4)),
             (f"posrf-{dt}-D{D}-decode-gqa", _call(*base, True, grad=False, T=2, groups=3)),
             # calibrated head maps in the forward kernels (inference)
             (f"posrf-{dt}-D{D}-maps", _call(*base, False, grad=False, maps=True)),
@@ -572,7 +580,8 @@ KNOWN_SPILLS = frozenset(
     + [("_recurrent_kernel", f"{t}-bfloat16-D64-decode{x}")
        for t, x in (("hrf", ""), ("rmf", ""), ("posrf", "-gqa"))]
     + [("_chunk_bwd_kernel", f"{form}-bfloat16-D64-causal") for form in _CAUSAL]
-    + [("_chunk_bwd_kernel", f"posrf-bfloat16-D64-causal-{x}") for x in ("gqa", "mask-state")]
+    + [("_chunk_bwd_kernel", f"posrf-bfloat16-D64-causal-{x}")
+       for x in ("gqa", "mask-state", "hybrid")]
     + [(k, f"{form}-bfloat16-D64-causal")
        for k in ("_chunk_out_kernel", "_chunk_dstates_kernel")
        for form in ("hrf/orf", "trigrf/orf", "posrf/sgq", "rmf/rademacher")]
