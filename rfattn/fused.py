@@ -103,8 +103,6 @@ def hybrid_reason(call: Call) -> str | None:
         return "a non-causal window and sinks run the torch path"
     if call.initial_state is not None or call.return_state:
         return "window and sinks with initial_state or return_state run the torch path"
-    if call.rf.query_map is not None or call.rf.key_map is not None:
-        return "window and sinks with head maps run the torch path"
     if learns_gerf_a(call.rf):
         return "a learnable gerf_A runs the torch path"
     if ops.on_torch(call.q) or torch.compiler.is_compiling():
@@ -124,13 +122,17 @@ def hybrid(call: Call, gpu_tiles=None) -> torch.Tensor:
     from rfattn import ops
 
     q, k, v, rf, mask, scale = call.q, call.k, call.v, call.rf, call.key_padding_mask, call.scale
-    form = kernel_form(rf, q, k, mask, scale, True, call.query_padding_mask,
+    # head maps map the features' q and k (applied here, differentiably: the maps' gradients
+    # for calibration); the exact part is the model's own attention on q and k as they are
+    maps = rf.map_tensors(q, k)
+    fq, fk = (q, k) if maps is None else (mapped(q, maps[0]), mapped(k, maps[1], mask))
+    form = kernel_form(rf, fq, fk, mask, scale, True, call.query_padding_mask,
                        update=call.update_stats)  # fmt: skip
     num, den, off = hybrid_path.exact_terms(q, k, v, call.window, call.sinks, scale, mask)
     # the kernels' features sum to N times the estimate (N: the feature map's sample count)
     off = off + math.log(rf.feature_map.num_samples(rf.weight))
-    ks, vs, ms = hybrid_path.estimated_stream(k, v, call.window, call.sinks, mask)
-    return ops.rf_chunk_hybrid(q, ks, vs, form, scale, ms, (num, den, off), gpu_tiles=gpu_tiles)
+    ks, vs, ms = hybrid_path.estimated_stream(fk, v, call.window, call.sinks, mask)
+    return ops.rf_chunk_hybrid(fq, ks, vs, form, scale, ms, (num, den, off), gpu_tiles=gpu_tiles)
 
 
 def kernel_form(rf, q, k, key_padding_mask, scale: float, causal: bool,

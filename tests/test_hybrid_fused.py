@@ -139,6 +139,30 @@ def test_exact_terms_are_the_exact_part():
     assert off.shape == den.shape == (2, 4, 20) and num.shape == (2, 4, 20, 5)
 
 
+def test_head_maps_map_the_features_only():
+    """Calibrated head maps map the features' q and k (the exact part takes them as they are):
+    outputs and the gradients of q, k, v and both maps equal the reference's in float64."""
+    q, k, v = inputs(T=30, seed=7)
+    rf = features().eval()
+    rf.add_head_maps(4, 2)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for m in (rf.query_map, rf.key_map):
+            m.add_(0.3 * torch.randn(m.shape, generator=g, dtype=f64))
+    maps = [rf.query_map, rf.key_map]
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = rfattn.rf_attention(*leaves, rf, causal=True, window=4, sinks=2, backend="triton")
+    cot = torch.randn(out.shape, generator=g, dtype=f64)
+    grads = torch.autograd.grad(out, [*leaves, *maps], cot)
+    ref_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = hybrid_reference(*ref_leaves, rf, window=4, sinks=2)
+    ref_grads = torch.autograd.grad(ref, [*ref_leaves, *maps], cot)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
+    for name, a, b in zip(("q", "k", "v", "query_map", "key_map"), grads, ref_grads,
+                          strict=True):  # fmt: skip
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10, msg=name)
+
+
 def test_what_runs_the_torch_path_is_refused_on_triton():
     """backend='triton' names why a hybrid call cannot run fused; 'auto' runs the torch path."""
     q, k, v = inputs(T=12)
@@ -148,6 +172,3 @@ def test_what_runs_the_torch_path_is_refused_on_triton():
     with pytest.raises(NotImplementedError, match="initial_state or return_state"):
         rfattn.rf_attention(q, k, v, rf, causal=True, window=3, return_state=True,
                             backend="triton")  # fmt: skip
-    rf.add_head_maps(4, 2)
-    with pytest.raises(NotImplementedError, match="head maps"):
-        rfattn.rf_attention(q, k, v, rf, causal=True, window=3, backend="triton")
