@@ -101,8 +101,6 @@ def hybrid_reason(call: Call) -> str | None:
         return reason
     if not call.causal:
         return "a non-causal window and sinks run the torch path"
-    if call.initial_state is not None or call.return_state:
-        return "window and sinks with initial_state or return_state run the torch path"
     if learns_gerf_a(call.rf):
         return "a learnable gerf_A runs the torch path"
     if ops.on_torch(call.q) or torch.compiler.is_compiling():
@@ -110,29 +108,46 @@ def hybrid_reason(call: Call) -> str | None:
     return None
 
 
-def hybrid(call: Call, gpu_tiles=None) -> torch.Tensor:
+def hybrid(call: Call, gpu_tiles=None):
     """The hybrid (:mod:`rfattn.hybrid`: exact sinks and window inside the features, one
-    normaliser) of a causal call on the chunk kernels: the features over the estimated keys'
-    stream (:func:`rfattn.hybrid.estimated_stream`: key ``t - window`` at position ``t``, the
-    sinks and padded keys left out), each row's exact terms (:func:`rfattn.hybrid.exact_terms`,
-    in torch, blocked) joining its numerator and denominator inside the output walk
-    (``rfattn.ops.rf_chunk_hybrid``). The form and its statistics are the call's own (every
-    valid key's, as the torch path's). Check :func:`hybrid_reason` first."""
+    normaliser) of a causal call on the chunk kernels: ``out``, or ``(out, HybridState)`` with
+    ``return_state``. The call's keys after its state (:func:`rfattn.hybrid.extend`; the
+    empty state without one) give the features' stream (:func:`rfattn.hybrid.estimated_stream`:
+    extended position ``t`` at position ``t``, so row ``t`` estimates exactly the stream's keys
+    ``<= t``; sinks, padding and empty positions left out) and each row's exact terms
+    (:func:`rfattn.hybrid.exact_terms`, in torch, blocked), which join its numerator and
+    denominator inside the output walk (``rfattn.ops.rf_chunk_hybrid``). The state's features
+    are the kernels' over N (the feature map's sample count: the torch path's units). The
+    form and its statistics are the call's own (its valid keys', as the torch path's). Check
+    :func:`hybrid_reason` first."""
     from rfattn import hybrid as hybrid_path
     from rfattn import ops
 
     q, k, v, rf, mask, scale = call.q, call.k, call.v, call.rf, call.key_padding_mask, call.scale
+    st = hybrid_path.empty_state(k, v, rf, call.window, call.sinks, call.initial_state)
+    ext = hybrid_path.extend(st, k, v, mask, call.sinks)
+    ks, vs, ms = hybrid_path.estimated_stream(ext, q.shape[2])
+    ks, vs = ks.to(q.dtype), vs.to(q.dtype)
     # head maps map the features' q and k (applied here, differentiably: the maps' gradients
     # for calibration); the exact part is the model's own attention on q and k as they are
     maps = rf.map_tensors(q, k)
     fq, fk = (q, k) if maps is None else (mapped(q, maps[0]), mapped(k, maps[1], mask))
+    if maps is not None:
+        ks = mapped(ks, maps[1], ms)
     form = kernel_form(rf, fq, fk, mask, scale, True, call.query_padding_mask,
                        update=call.update_stats)  # fmt: skip
-    num, den, off = hybrid_path.exact_terms(q, k, v, call.window, call.sinks, scale, mask)
+    num, den, off = hybrid_path.exact_terms(q, ext, call.window, scale)
     # the kernels' features sum to N times the estimate (N: the feature map's sample count)
-    off = off + math.log(rf.feature_map.num_samples(rf.weight))
-    ks, vs, ms = hybrid_path.estimated_stream(fk, v, call.window, call.sinks, mask)
-    return ops.rf_chunk_hybrid(fq, ks, vs, form, scale, ms, (num, den, off), gpu_tiles=gpu_tiles)
+    n = rf.feature_map.num_samples(rf.weight)
+    off = off + math.log(n)
+    init = None if call.initial_state is None else (st.s * n, st.z * n, st.offset)
+    out, state = ops.rf_chunk_hybrid(fq, ks, vs, form, scale, ms, (num, den, off), init,
+                                     gpu_tiles=gpu_tiles,
+                                     return_state=call.return_state)  # fmt: skip
+    if not call.return_state:
+        return out
+    s, z, offset = state
+    return out, hybrid_path.next_state(st, ext, s / n, z / n, offset)
 
 
 def kernel_form(rf, q, k, key_padding_mask, scale: float, causal: bool,

@@ -65,7 +65,7 @@ from rfattn.reference import attention_ratio
 
 __all__ = ["HybridState", "hybrid_attention", "hybrid_reference", "key_state", "local_sets",
            "first_true", "gather_positions", "estimated_stream", "exact_terms",
-           "finite_values"]
+           "finite_values", "extend", "next_state", "empty_state", "Extended", "sink_values"]
 
 #: query rows per block of the torch path
 BLOCK = 64
@@ -204,6 +204,68 @@ def gather_positions(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.gather(2, index[:, None, :, None].expand(*x.shape[:2], index.shape[-1], x.shape[-1]))
 
 
+class Extended(NamedTuple):
+    """A causal call's keys after a state (:func:`extend`): the state's last W positions, then
+    the call's T (the call's row t sits at extended position ``W + t``)."""
+
+    keys: torch.Tensor  # [B, Hk, W + T, D] as given (junk where kinds is NOTHING)
+    values: torch.Tensor  # [B, Hk, W + T, E]
+    kinds: torch.Tensor  # [B, W + T] int8: NOTHING, WINDOW (a valid key, not a sink), SINK
+    new_kinds: torch.Tensor  # [B, T]: the call's own
+    sink_keys: torch.Tensor  # [B, Hk, 2 S, D]: the state's sink slots, then the call's first S
+    sink_values: torch.Tensor  # [B, Hk, 2 S, E]
+    sink_pos: torch.Tensor  # [B, 2 S]: their extended positions (-1: the state's)
+    sink_present: torch.Tensor  # [B, 2 S] bool
+
+
+def extend(st: HybridState, k, v, key_padding_mask, sinks: int) -> Extended:
+    """The call's keys after the state ``st`` (:class:`Extended`): which are sinks (the first
+    ``sinks`` valid keys of the whole sequence, counting the state's), which window keys."""
+    B, T, dev = k.shape[0], k.shape[2], k.device
+    W = st.kinds.shape[-1]
+    valid = torch.ones(B, T, dtype=torch.bool, device=dev)
+    if key_padding_mask is not None:
+        valid = ~key_padding_mask
+    rank = st.sinks_seen[:, None] + valid.long().cumsum(-1) - 1
+    new = torch.where(valid & (rank < sinks), SINK, torch.where(valid, WINDOW, NOTHING))
+    new = new.to(torch.int8)
+    slot, present = first_true(new == SINK, sinks)
+    old_present = torch.arange(sinks, device=dev)[None, :] < st.sinks_seen[:, None]
+    return Extended(
+        torch.cat([st.keys, k.to(st.keys.dtype)], 2), torch.cat([st.values, v], 2),
+        torch.cat([st.kinds, new], -1), new,
+        torch.cat([st.sink_keys, gather_positions(k, slot).to(st.sink_keys.dtype)], 2),
+        torch.cat([st.sink_values, gather_positions(v, slot)], 2),
+        torch.cat([torch.full_like(slot, -1), slot + W], -1),
+        torch.cat([old_present, present], -1),
+    )  # fmt: skip
+
+
+def next_state(st: HybridState, ext: Extended, s, z, offset) -> HybridState:
+    """The state after a call (:func:`extend`'s ``ext`` of it): the features' state of its
+    estimated keys ``(s, z, offset)``, the last W positions, the sink slots (the state's first,
+    then the call's new sinks in order)."""
+    B, S, T = ext.keys.shape[0], st.sink_keys.shape[2], ext.new_kinds.shape[-1]
+    n = st.sinks_seen[:, None]
+    r = torch.arange(S, device=n.device)[None, :]
+    pick = (torch.where(r < n, r, S + r - n).clamp(max=2 * S - 1) if S else r).expand(B, S)
+    return HybridState(
+        s, z, offset, ext.keys[:, :, T:], ext.values[:, :, T:], ext.kinds[:, T:],
+        gather_positions(ext.sink_keys, pick), gather_positions(ext.sink_values, pick),
+        torch.clamp(st.sinks_seen + (ext.new_kinds == SINK).sum(-1), max=S),
+    )  # fmt: skip
+
+
+def empty_state(k, v, rf, window: int, sinks: int, initial_state=None) -> HybridState:
+    """``initial_state`` (checked against these inputs, window and sinks), or the empty state a
+    first call starts from (W positions of nothing, no sink, no estimated key)."""
+    empty = _empty_state(k, v, rf, window, sinks)
+    if initial_state is None:
+        return empty
+    _check_state(initial_state, empty)
+    return initial_state
+
+
 def finite_values(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(v with non-finite entries 0, poison)``: ``poison [B, H, T, E]`` True from a
     non-finite value's position on (in its column), where a row's output becomes NaN. A block's
@@ -308,22 +370,13 @@ def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
     Hk, E, W = k.shape[1], v.shape[-1], window
     G = H // Hk
     scale = D**-0.5 if scale is None else float(scale)
-    empty = _empty_state(k, v, rf, window, sinks)
-    st = empty if initial_state is None else initial_state
-    if initial_state is not None:
-        _check_state(initial_state, empty)
+    st = empty_state(k, v, rf, window, sinks, initial_state)
     if T == 0:  # no token: nothing to attend, the state passed on as it was
         out = q.new_zeros(B, H, 0, E)
         return (out, st) if return_state else out
     dev, cd = q.device, compute_dtype(q.dtype)
-    # the extended sequence: the state's last W positions, then this call's T (rows e = W + t)
-    valid = torch.ones(B, T, dtype=torch.bool, device=dev)
-    if key_padding_mask is not None:
-        valid = ~key_padding_mask
-    rank = st.sinks_seen[:, None] + valid.long().cumsum(-1) - 1
-    kinds_new = torch.where(valid & (rank < sinks), SINK, torch.where(valid, WINDOW, NOTHING))
-    kinds = torch.cat([st.kinds, kinds_new.to(torch.int8)], -1)  # [B, W + T]
-    ks, vs = torch.cat([st.keys, k.to(st.keys.dtype)], 2), torch.cat([st.values, v], 2)
+    ext = extend(st, k, v, key_padding_mask, sinks)
+    ks, vs, kinds = ext.keys, ext.values, ext.kinds
     absent = kinds == NOTHING
     xk = prescale(ks, scale, absent)
     xq = prescale(q, scale).reshape(B, Hk, G * T, D)  # a key/value head's queries: its rows
@@ -341,15 +394,9 @@ def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
     estimated = (kinds == WINDOW)[:, None, :, None]  # valid, not a sink: leaves the window
     a, mq, b, mk = _factors(rf, fq, fk, w, params, estimated)
     a, mq, xq = (x.view(B, Hk, G, T, x.shape[-1]) for x in (a, mq, xq))
-    # sinks: the state's (seen by every row), then this call's new ones (from their position)
-    new_slot, new_present = first_true(kinds_new == SINK, sinks)
-    old_present = torch.arange(sinks, device=dev)[None, :] < st.sinks_seen[:, None]
-    sink_k = torch.cat([st.sink_keys, gather_positions(k, new_slot).to(st.sink_keys.dtype)], 2)
-    sink_v = torch.cat([st.sink_values, gather_positions(v, new_slot)], 2)
-    sink_pos = torch.cat([torch.full_like(new_slot, -1), new_slot + W], -1)  # [B, 2S]
-    sink_present = torch.cat([old_present, new_present], -1)
+    sink_k, sink_pos, sink_present = ext.sink_keys, ext.sink_pos, ext.sink_present
     x_s = prescale(sink_k, scale, ~sink_present)
-    v_s = sink_v.to(cd).masked_fill(~sink_present[:, None, :, None], 0.0)
+    v_s = sink_values(ext, cd)
     S, z, R = st.s, st.z, st.offset[:, :, None]
     nums, dens, masks = [], [], None
     for c0 in range(W, W + T, block):
@@ -398,16 +445,7 @@ def hybrid_attention(q, k, v, rf, *, window: int, sinks: int = 0, scale: float |
     out = attention_ratio(num, den).reshape(B, H, T, E).to(q.dtype)
     if not return_state:
         return out
-    # the sink slots after this call: the state's first, then the new ones in order
-    n = st.sinks_seen[:, None]
-    r = torch.arange(sinks, device=dev)[None, :]
-    pick = torch.where(r < n, r, sinks + r - n).clamp(max=2 * sinks - 1) if sinks else r
-    state = HybridState(
-        S, z, R[:, :, 0], ks[:, :, T:], vs[:, :, T:], kinds[:, T:],
-        gather_positions(sink_k, pick.expand(B, sinks)),
-        gather_positions(sink_v, pick.expand(B, sinks)),
-        torch.clamp(st.sinks_seen + (kinds_new == SINK).sum(-1), max=sinks),
-    )  # fmt: skip
+    state = next_state(st, ext, S, z, R[:, :, 0])
     return out, state
 
 
@@ -493,71 +531,71 @@ def _bidirectional(q, k, v, rf, window, sinks, scale, key_padding_mask, query_pa
     return torch.cat(outs, dim=3).reshape(B, H, T, E).to(q.dtype)
 
 
-def estimated_stream(k, v, window: int, sinks: int, key_padding_mask):
-    """``(k', v', mask')``: the keys the features estimate, as a causal stream of the same length
-    for the chunk kernels (:func:`rfattn.fused.hybrid`): position ``t`` holds key ``t - window``
-    (the keys a row ``i`` estimates are ``j <= i - window``, so ``t <= i``), and ``mask'`` leaves
-    out the first ``window`` positions, padded keys and the sinks."""
-    B, _, T, _ = k.shape
-    valid = torch.ones(B, T, dtype=torch.bool, device=k.device)
-    if key_padding_mask is not None:
-        valid = ~key_padding_mask
-    rank = valid.long().cumsum(-1) - 1
-    estimated = valid & (rank >= sinks)
-    W = min(window, T)
-    shift = torch.nn.functional.pad
-    mask = ~shift(estimated, (W, 0), value=False)[:, :T]
-    return shift(k, (0, 0, W, 0))[:, :, :T], shift(v, (0, 0, W, 0))[:, :, :T], mask
+def estimated_stream(ext: Extended, T: int):
+    """``(k', v', mask')``: the keys the features estimate, as a causal stream of the call's
+    length for the chunk kernels (:func:`rfattn.fused.hybrid`): position ``t`` holds extended
+    position ``t`` (key ``t - window`` of the call; row ``t`` estimates exactly the keys ``<=
+    t`` of the stream), and ``mask'`` leaves out every position that is not a window key (the
+    state's empty positions, padding, the sinks)."""
+    return ext.keys[:, :, :T], ext.values[:, :, :T], ext.kinds[:, :T] != WINDOW
 
 
-def exact_terms(q, k, v, window: int, sinks: int, scale: float, key_padding_mask,
-                block: int = BLOCK):  # fmt: skip
+def sink_values(ext: Extended, dtype) -> torch.Tensor:
+    """The sink slots' values in ``dtype``, absent slots 0 and a new sink's non-finite entries 0
+    (a block's product with them reaches rows before the sink's position: the poison from its
+    position, :func:`finite_values`, marks the rows that see it); a state's sinks as they are
+    (every row sees them)."""
+    sv = ext.sink_values.to(dtype).masked_fill(~ext.sink_present[:, None, :, None], 0.0)
+    new = (ext.sink_pos >= 0)[:, None, :, None]
+    return sv.masked_fill(new & ~torch.isfinite(sv), 0.0)
+
+
+def exact_terms(q, ext: Extended, window: int, scale: float, block: int = BLOCK):
     """``(num [B, H, T, E], den [B, H, T], offset [B, H, T])``: each causal row's exact terms,
     ``sum_{j in E_i} exp(s q_i . k_j - offset_i) v_j`` and the same without v, at the row's
     largest exact logit (detached; -inf and zeros for a row with no exact key), in the compute
-    dtype; differentiable in q, k, v. Blocked: a block of rows reads its window's keys and the
-    sinks (``[C, C + window]`` and ``[C, sinks]`` logits). Grouped-query heads read their
-    key/value head's keys, nothing repeated; padded keys reach nothing."""
+    dtype; differentiable in q and the extended keys and values (:func:`extend`: row ``t`` at
+    extended position ``e = W + t`` sees the window keys ``e - window < j <= e`` and the sinks
+    up to it). Blocked: a block of C rows reads ``[C, C + window]`` window logits and ``[C,
+    2 sinks]`` sink logits. Grouped-query heads read their key/value head's keys, nothing
+    repeated; positions of nothing and padded keys reach nothing; a non-finite value makes
+    its own and later rows NaN, no earlier one."""
     B, H, T, D = q.shape
-    Hk, E = k.shape[1], v.shape[-1]
+    Hk, W = ext.keys.shape[1], ext.kinds.shape[-1] - T
     G, dev, cd = H // Hk, q.device, compute_dtype(q.dtype)
-    valid = torch.ones(B, T, dtype=torch.bool, device=dev)
-    if key_padding_mask is not None:
-        valid = ~key_padding_mask
-    rank = valid.long().cumsum(-1) - 1
-    sink = valid & (rank < sinks)
-    near_key = valid & ~sink  # a sink inside the window counts once, as a sink
+    E = ext.values.shape[-1]
+    absent = ext.kinds == NOTHING
+    near_key = ext.kinds == WINDOW  # a sink inside the window counts once, as a sink
     xq = prescale(q, scale).view(B, Hk, G, T, D)
-    xk = prescale(k, scale, ~valid)[:, :, None]  # [B, Hk, 1, T, D]
-    vv, poison = finite_values(v.to(cd).masked_fill(~valid[:, None, :, None], 0.0))
+    xk = prescale(ext.keys, scale, absent)[:, :, None]  # [B, Hk, 1, W + T, D]
+    vv, poison = finite_values(ext.values.to(cd).masked_fill(absent[:, None, :, None], 0.0))
     vv = vv[:, :, None]
-    slot, present = first_true(sink, sinks)  # [B, S]
-    sk = gather_positions(xk[:, :, 0], slot)[:, :, None]  # [B, Hk, 1, S, D]
-    sv = gather_positions(vv[:, :, 0], slot)[:, :, None]
+    sk = prescale(ext.sink_keys, scale, ~ext.sink_present)[:, :, None]  # [B, Hk, 1, 2S, D]
+    sv = sink_values(ext, cd)[:, :, None]
     nums, dens, offs = [], [], []
     for c0 in range(0, T, block):
         c1 = min(c0 + block, T)
-        i = torch.arange(c0, c1, device=dev)[:, None]
+        e = torch.arange(W + c0, W + c1, device=dev)[:, None]  # the rows' extended positions
         xq_b = xq[:, :, :, c0:c1]
         parts = []  # (logits [B, Hk, G, C, L] with -inf off the row's keys, values)
         if window:
-            lo = max(0, c0 - window + 1)
-            j = torch.arange(lo, c1, device=dev)[None, :]
-            near = (j <= i) & (j > i - window) & near_key[:, None, lo:c1]  # [B, C, L]
-            lg = (xq_b @ xk[:, :, :, lo:c1].transpose(-1, -2)).masked_fill(
+            lo = max(0, W + c0 - window + 1)
+            j = torch.arange(lo, W + c1, device=dev)[None, :]
+            near = (j <= e) & (j > e - window) & near_key[:, None, lo : W + c1]  # [B, C, L]
+            lg = (xq_b @ xk[:, :, :, lo : W + c1].transpose(-1, -2)).masked_fill(
                 ~near[:, None, None], -math.inf)  # fmt: skip
-            parts.append((lg, vv[:, :, :, lo:c1]))
-        if sinks:
-            seen = (slot[:, None, :] <= i) & present[:, None, :]  # [B, C, S]
+            parts.append((lg, vv[:, :, :, lo : W + c1]))
+        if ext.sink_pos.shape[-1]:
+            seen = (ext.sink_pos[:, None, :] <= e) & ext.sink_present[:, None, :]  # [B, C, 2S]
             ls = (xq_b @ sk.transpose(-1, -2)).masked_fill(~seen[:, None, None], -math.inf)
             parts.append((ls, sv))
-        e = functools.reduce(torch.maximum, [lg.amax(-1) for lg, _ in parts]).detach()
-        e_safe = e.masked_fill(e == -math.inf, 0.0)
-        ps = [torch.exp(lg - e_safe[..., None]) for lg, _ in parts]
+        top = functools.reduce(torch.maximum, [lg.amax(-1) for lg, _ in parts]).detach()
+        safe = top.masked_fill(top == -math.inf, 0.0)
+        ps = [torch.exp(lg - safe[..., None]) for lg, _ in parts]
         nums.append(sum(p @ x for p, (_, x) in zip(ps, parts, strict=True)))
         dens.append(sum(p.sum(-1) for p in ps))
-        offs.append(e)
-    num = torch.cat(nums, 3).masked_fill(poison[:, :, None], math.nan).reshape(B, H, T, E)
+        offs.append(top)
+    num = torch.cat(nums, 3).masked_fill(poison[:, :, None, W:], math.nan).reshape(B, H, T, E)
     return num, torch.cat(dens, 3).reshape(B, H, T), torch.cat(offs, 3).reshape(B, H, T)
 
 

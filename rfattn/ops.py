@@ -593,57 +593,73 @@ def rf_chunk(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, ini
 
 
 class _HybridChunk(torch.autograd.Function):
-    """The hybrid's causal call on the chunk kernels (:func:`rf_chunk_hybrid`): inputs q, the
-    estimated keys' stream k, v (``rfattn.hybrid``'s shifted sequence) and the exact terms'
-    numerator and denominator ``nex``, ``dex`` (at their rows' offsets ``eex``, which ride
-    along), output ``out``. The backward is the chunk kernels' with the total denominator (the
-    forward saves it), and the exact terms' cotangents ``do * wex`` and ``-(do . out) wex``."""
+    """The hybrid's causal call on the chunk kernels (:func:`rf_chunk_hybrid`), shaped like
+    :class:`_Chunk`: inputs q, the estimated keys' stream k, v (``rfattn.hybrid``), the initial
+    S0, z0 and the exact terms' numerator and denominator ``nex``, ``dex`` (at their rows'
+    offsets ``eex``, which ride along with the form, the mask and the initial offset); outputs
+    ``out`` and, with ``return_state``, the final state. The backward is the chunk kernels' with
+    the total denominator (the forward saves it), plus the exact terms' cotangents
+    ``do * wex`` and ``-(do . out) wex``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, nex, dex, eex, form, scale, mask, precision, gpu_tiles):
+    def forward(ctx, q, k, v, s0, z0, nex, dex, eex, form, scale, mask, off0, precision,
+                gpu_tiles, return_state):  # fmt: skip
         wex = torch.empty_like(dex)
-        out, _, aux, plan = rf_chunk_kernels.rf_chunk_fwd(
-            q, k, v, form, scale, mask, None, precision, return_aux=True, gpu_tiles=gpu_tiles,
-            return_state=False, backward_plan=True, exact=(nex, dex, eex, wex),
+        out, state, aux, plan = rf_chunk_kernels.rf_chunk_fwd(
+            q, k, v, form, scale, mask, _state(s0, z0, off0), precision, return_aux=True,
+            gpu_tiles=gpu_tiles, return_state=return_state, backward_plan=True,
+            exact=(nex, dex, eex, wex),
         )  # fmt: skip
-        ctx.save_for_backward(q, k, v, mask, out, wex, *aux)
+        ctx.save_for_backward(q, k, v, mask, s0, z0, off0, out, wex, *aux)
         ctx.form, ctx.scale, ctx.opts, ctx.plan = form, scale, (precision, gpu_tiles), plan
-        return out
+        ctx.set_materialize_grads(False)
+        if not return_state:
+            return out
+        ctx.mark_non_differentiable(state[2])
+        return out, *state
 
     @staticmethod
     @no_autocast
-    def backward(ctx, d_out):
-        q, k, v, mask, out, wex, *aux = ctx.saved_tensors
-        dq, dk, dv, _, _ = rf_chunk_kernels.rf_chunk_bwd(
-            d_out, None, q, k, v, ctx.form, ctx.scale, out, aux, mask, None, ctx.opts[0],
-            gpu_tiles=ctx.opts[1], plan=ctx.plan,
+    def backward(ctx, d_out, d_s=None, d_z=None, _d_off=None):
+        q, k, v, mask, s0, z0, off0, out, wex, *aux = ctx.saved_tensors
+        d_out, d_s, d_z = _chunk_cotangents(q, v, ctx.form.w, out, d_out, d_s, d_z)
+        dq, dk, dv, ds0, dz0 = rf_chunk_kernels.rf_chunk_bwd(
+            d_out, None if d_s is None else (d_s, d_z), q, k, v, ctx.form, ctx.scale, out, aux,
+            mask, _state(s0, z0, off0), ctx.opts[0], gpu_tiles=ctx.opts[1], plan=ctx.plan,
         )  # fmt: skip
+        if s0 is not None:
+            ds0, dz0 = ds0.to(s0.dtype), dz0.to(z0.dtype)
         do = d_out.to(wex.dtype)
         d_nex = do * wex[..., None]
         d_dex = -(do * out.to(wex.dtype)).sum(-1) * wex
-        return dq, dk, dv, d_nex, d_dex, None, None, None, None, None, None
+        return (dq, dk, dv, ds0, dz0, d_nex, d_dex, *([None] * 8))
 
 
 def rf_chunk_hybrid(q, k, v, form: KernelForm, scale: float, key_padding_mask, exact: tuple,
-                    precision=None, gpu_tiles=None) -> torch.Tensor:  # fmt: skip
+                    initial_state=None, precision=None, gpu_tiles=None,
+                    return_state: bool = False):  # fmt: skip
     """The hybrid's causal output on the chunk kernels (eager, Triton or its interpreter):
-    ``out [B, H * G, T, E]`` of the features over ``k``, ``v`` (the estimated keys' stream,
-    ``key_padding_mask`` leaving out every other position) with each row's exact terms
-    ``exact = (nex [B, H * G, T, E], dex, eex [B, H * G, T])`` in the same ratio (see
-    ``rfattn.kernels.rf_chunk.rf_chunk_fwd``'s ``exact``; gradients reach q, k, v, nex and
-    dex)."""
+    ``(out [B, H * G, T, E], state)`` of the features over ``k``, ``v`` (the estimated keys'
+    stream, ``key_padding_mask`` leaving out every other position; ``initial_state`` and the
+    final state ``(S, z, offset)`` as ``rfattn.kernels.rf_chunk.rf_chunk_fwd``'s, the state None
+    unless ``return_state``) with each row's exact terms ``exact = (nex [B, H * G, T, E], dex,
+    eex [B, H * G, T])`` in the same ratio (``rf_chunk_fwd``'s ``exact``). Gradients reach q, k,
+    v, the initial S and z, nex and dex."""
     if on_torch(q) or torch.compiler.is_compiling():
         raise NotImplementedError("the hybrid's fused call runs eagerly on Triton (a GPU or the "
                                   "interpreter); use backend='torch'")  # fmt: skip
     nex, dex, eex = (kernel_common.aligned(x.contiguous()) for x in exact)
-    if not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, nex, dex))):
+    s0, z0, off0 = (None, None, None) if initial_state is None else initial_state
+    inputs = (q, k, v, nex, dex) if s0 is None else (q, k, v, nex, dex, s0, z0)
+    if not (torch.is_grad_enabled() and any(x.requires_grad for x in inputs)):
         wex = torch.empty_like(dex)
         return rf_chunk_kernels.rf_chunk_fwd(
-            q, k, v, form, scale, key_padding_mask, None, precision, gpu_tiles=gpu_tiles,
-            return_state=False, exact=(nex, dex, eex, wex),
-        )[0]  # fmt: skip
-    return apply(_HybridChunk, q, k, v, nex, dex, eex, form, scale, key_padding_mask, precision,
-                 gpu_tiles)  # fmt: skip
+            q, k, v, form, scale, key_padding_mask, initial_state, precision,
+            gpu_tiles=gpu_tiles, return_state=return_state, exact=(nex, dex, eex, wex),
+        )  # fmt: skip
+    res = apply(_HybridChunk, q, k, v, s0, z0, nex, dex, eex, form, scale, key_padding_mask,
+                off0, precision, gpu_tiles, return_state)  # fmt: skip
+    return (res[0], tuple(res[1:])) if return_state else (res, None)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -7,7 +7,14 @@ import pytest
 import torch
 
 import rfattn
-from rfattn.hybrid import exact_terms, hybrid_attention, hybrid_reference
+from rfattn.hybrid import (
+    HybridState,
+    empty_state,
+    exact_terms,
+    extend,
+    hybrid_attention,
+    hybrid_reference,
+)
 
 f64 = torch.float64
 
@@ -127,16 +134,80 @@ def test_no_output_depends_on_a_later_token():
 
 def test_exact_terms_are_the_exact_part():
     """The exact terms' ratio alone is softmax over the sinks and the window (the hybrid with
-    no estimated key: a window past the sequence, or features that see nothing)."""
+    no estimated key: a window past the sequence)."""
     q, k, v = inputs(T=20)
     mask = padding(2, 20, k, v)
-    num, den, off = exact_terms(q, k, v, 20, 0, 8**-0.5, mask, block=8)
+    rf = features().eval()
+    ext = extend(empty_state(k, v, rf, 20, 2), k, v, mask, 2)
+    num, den, off = exact_terms(q, ext, 20, 8**-0.5, block=8)
     clean = [x.masked_fill(mask[:, None, :, None], 0.0) for x in (k, v)]
-    want = hybrid_attention(q, *clean, features().eval(), window=20, key_padding_mask=mask)
+    want = hybrid_attention(q, *clean, rf, window=20, sinks=2, key_padding_mask=mask)
     got = (num / den[..., None]).masked_fill(mask[:, None, :, None], 0.0)
     torch.testing.assert_close(got, want.masked_fill(mask[:, None, :, None], 0.0), rtol=1e-12,
                                atol=1e-12)  # fmt: skip
     assert off.shape == den.shape == (2, 4, 20) and num.shape == (2, 4, 20, 5)
+
+
+def _leaf_state(state):
+    """A HybridState whose floating tensors are fresh leaves that require grad."""
+    return HybridState(*(x.detach().clone().requires_grad_() if x.is_floating_point() and
+                         i != 2 else x for i, x in enumerate(state)))  # fmt: skip
+
+
+@pytest.mark.parametrize("feature", ["posrf", "trigrf"])
+def test_split_resume_and_states_equal_the_torch_path(feature):
+    """A call split in three (the last cut token by token) equals one call, on the fused kernels
+    and on the torch path alike; the states, and the gradients of q, k, v and of every tensor
+    of the initial state, equal the torch path's in float64 (padding with NaN junk, grouped
+    heads, sinks filled across the cuts)."""
+    q, k, v = inputs(T=30, seed=11)
+    mask = torch.zeros(2, 30, dtype=torch.bool)  # batch 0: its sinks in the first part
+    mask[1, 1:4] = True  # batch 1: its sinks across the first cut
+    mask[1, 11:13] = True
+    for x in (k, v):
+        x.masked_fill_(mask[:, None, :, None], float("nan"))
+    rf = features(feature).eval()
+    cuts = [(0, 3), (3, 26), *((t, t + 1) for t in range(26, 30))]
+    results = {}
+    for backend in ("torch", "triton"):
+        st, outs = None, []
+        for a, b in cuts:
+            kw = dict(key_padding_mask=mask[:, a:b], initial_state=st, return_state=True)
+            o, st = rfattn.rf_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], rf,
+                                        causal=True, window=5, sinks=3, backend=backend,
+                                        **kw)  # fmt: skip
+            outs.append(o)
+        one = rfattn.rf_attention(q, k, v, rf, causal=True, window=5, sinks=3,
+                                  key_padding_mask=mask, backend=backend)  # fmt: skip
+        torch.testing.assert_close(torch.cat(outs, 2), one, rtol=1e-9, atol=1e-10)
+        results[backend] = (one, st)
+    torch.testing.assert_close(results["triton"][0], results["torch"][0], rtol=1e-9, atol=1e-10)
+    for name, a, b in zip(HybridState._fields, results["triton"][1], results["torch"][1],
+                          strict=True):  # fmt: skip
+        if name in ("keys", "values"):  # junk (NaN) where kinds says nothing
+            keep = (results["torch"][1].kinds != 0)[:, None, :, None]
+            a, b = a.masked_fill(~keep, 0.0), b.masked_fill(~keep, 0.0)
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11, msg=name)
+    # gradients through an initial state (the state after 12 tokens) into the rest
+    first = rfattn.rf_attention(q[:, :, :12], k[:, :, :12], v[:, :, :12], rf, causal=True,
+                                window=5, sinks=3, key_padding_mask=mask[:, :12],
+                                return_state=True)[1]  # fmt: skip
+    cot = torch.randn(2, 4, 18, 5, generator=torch.Generator().manual_seed(3), dtype=f64)
+    grads = {}
+    for backend in ("torch", "triton"):
+        st = _leaf_state(first)
+        leaves = [x[:, :, 12:].clone().requires_grad_() for x in (q, k, v)]
+        out, last = rfattn.rf_attention(*leaves, rf, causal=True, window=5, sinks=3,
+                                        key_padding_mask=mask[:, 12:], initial_state=st,
+                                        return_state=True, backend=backend)  # fmt: skip
+        loss = (out * cot).sum() + last.s.square().sum() + last.z.sum()
+        wrt = [*leaves, *(x for x in st if x.requires_grad)]
+        grads[backend] = torch.autograd.grad(loss, wrt, allow_unused=True)
+    names = ["q", "k", "v", *(n for n, x in zip(HybridState._fields, first, strict=True)
+                              if x.is_floating_point() and n != "offset")]  # fmt: skip
+    for name, a, b in zip(names, grads["triton"], grads["torch"], strict=True):
+        a, b = (torch.zeros(()) if x is None else x.nan_to_num(0.0) for x in (a, b))
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10, msg=name)
 
 
 def test_head_maps_map_the_features_only():
@@ -169,6 +240,3 @@ def test_what_runs_the_torch_path_is_refused_on_triton():
     rf = features().eval()
     with pytest.raises(NotImplementedError, match="non-causal window and sinks"):
         rfattn.rf_attention(q, k, v, rf, window=3, backend="triton")
-    with pytest.raises(NotImplementedError, match="initial_state or return_state"):
-        rfattn.rf_attention(q, k, v, rf, causal=True, window=3, return_state=True,
-                            backend="triton")  # fmt: skip
