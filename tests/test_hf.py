@@ -523,6 +523,38 @@ def test_a_hybrid_generates_on_a_constant_size_cache():
     assert restored.nbytes() == cache.nbytes()
 
 
+def test_a_hybrid_model_on_the_fused_kernels_is_the_torch_paths(monkeypatch):
+    """What a GPU runs (backend 'auto' on the fused kernels; here Triton's interpreter, in
+    float64): a hybrid model's logits and gradients, and generation on an RFCache (prefill,
+    then one token a step, the HybridState carried), equal the torch path's."""
+    model = _llama().double().eval()
+    rfhf.attach_random_features(model, num_features=16, window=4, sinks=2)
+    model.set_attn_implementation("rfattn")
+    ids = _ids(4)[:, :10]
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, :3] = 0
+    from rfattn import fused as fused_path
+
+    runs, calls = [], []
+    hybrid = fused_path.hybrid
+    monkeypatch.setattr("rfattn.fused.hybrid", lambda call: calls.append(call) or hybrid(call))
+    for fused in (False, True):
+        if fused:
+            monkeypatch.setattr("rfattn.call.use_fused", lambda q, rf, causal: True)
+        model.zero_grad()
+        logits = model(ids, attention_mask=mask).logits
+        logits[mask.bool()].square().sum().backward()
+        grad = model.model.layers[0].self_attn.q_proj.weight.grad.clone()
+        with torch.no_grad():
+            gen = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+                                 **{rfhf.CACHE_KWARG: rfhf.RFCache()})  # fmt: skip
+        runs.append((logits.detach()[mask.bool()], grad, gen.sequences, torch.stack(gen.logits)))
+        assert bool(calls) == fused
+    for name, a, b in zip(("logits", "grad", "tokens", "generated logits"), *runs, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-10, msg=name)
+
+
 def test_bad_window_options_are_refused():
     model = _llama()
     with pytest.raises(ValueError, match="window must be an int >= 0"):
