@@ -115,8 +115,9 @@ def hybrid(call: Call, gpu_tiles=None):
     empty state without one) give the features' stream (:func:`rfattn.hybrid.estimated_stream`:
     extended position ``t`` at position ``t``, so row ``t`` estimates exactly the stream's keys
     ``<= t``; sinks, padding and empty positions left out) and each row's exact terms
-    (:func:`rfattn.hybrid.exact_terms`, in torch, blocked), which join its numerator and
-    denominator inside the output walk (``rfattn.ops.rf_chunk_hybrid``). The state's features
+    (``rfattn.ops.rf_local``: their own kernels, as :func:`rfattn.hybrid.exact_terms` computes
+    them), which join its numerator and denominator inside the output walk
+    (``rfattn.ops.rf_chunk_hybrid``). The state's features
     are the kernels' over N (the feature map's sample count: the torch path's units). The
     form and its statistics are the call's own (its valid keys', as the torch path's). Check
     :func:`hybrid_reason` first."""
@@ -136,7 +137,7 @@ def hybrid(call: Call, gpu_tiles=None):
         ks = mapped(ks, maps[1], ms)
     form = kernel_form(rf, fq, fk, mask, scale, True, call.query_padding_mask,
                        update=call.update_stats)  # fmt: skip
-    num, den, off = hybrid_path.exact_terms(q, ext, call.window, scale)
+    num, den, off = ops.rf_local(q, ext, call.window, scale)
     # the kernels' features sum to N times the estimate (N: the feature map's sample count)
     n = rf.feature_map.num_samples(rf.weight)
     off = off + math.log(n)

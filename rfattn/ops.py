@@ -67,12 +67,13 @@ from rfattn.features.base import (
 from rfattn.features.form import KernelForm
 from rfattn.kernels import common as kernel_common
 from rfattn.kernels import rf_chunk as rf_chunk_kernels
+from rfattn.kernels import rf_local as rf_local_kernels
 from rfattn.kernels import rf_parallel as rf_parallel_kernels
 from rfattn.kernels import rf_recurrent as rf_recurrent_kernels
 from rfattn.kernels.common import INTERPRET
 
-__all__ = ["flat_form", "on_torch", "rf_chunk", "rf_chunk_hybrid", "rf_decode", "rf_parallel",
-           "DECODE_TOKENS"]
+__all__ = ["flat_form", "on_torch", "rf_chunk", "rf_chunk_hybrid", "rf_decode", "rf_local",
+           "rf_parallel", "DECODE_TOKENS"]
 
 #: the most tokens :func:`rf_decode` takes (``rfattn.kernels.rf_recurrent.MAX_TOKENS``)
 DECODE_TOKENS = rf_recurrent_kernels.MAX_TOKENS
@@ -633,6 +634,53 @@ class _HybridChunk(torch.autograd.Function):
         d_nex = do * wex[..., None]
         d_dex = -(do * out.to(wex.dtype)).sum(-1) * wex
         return (dq, dk, dv, ds0, dz0, d_nex, d_dex, *([None] * 8))
+
+
+class _Local(torch.autograd.Function):
+    """The hybrid's exact part on its kernels (:func:`rf_local`): inputs q, the extended keys and
+    values, the sink slots' keys and values (what a gradient may reach; the kinds, the sinks'
+    positions and presence, the window and the scale ride along); outputs ``num``, ``den`` and
+    ``off`` (not differentiable: held constant, as the torch path detaches it)."""
+
+    @staticmethod
+    def forward(ctx, q, keys, values, sink_keys, sink_values, kinds, sink_pos, sink_present,
+                window, scale):  # fmt: skip
+        num, den, off = rf_local_kernels.local_fwd(q, keys, values, kinds, sink_keys,
+                                                   sink_values, sink_pos, sink_present, window,
+                                                   scale)  # fmt: skip
+        ctx.save_for_backward(q, keys, values, sink_keys, sink_values, kinds, sink_pos,
+                              sink_present, off)  # fmt: skip
+        ctx.window, ctx.scale = window, scale
+        ctx.mark_non_differentiable(off)
+        return num, den, off
+
+    @staticmethod
+    @no_autocast
+    def backward(ctx, d_num, d_den, _d_off):
+        q, keys, values, sink_keys, sink_values, kinds, sink_pos, sink_present, off = \
+            ctx.saved_tensors  # fmt: skip
+        grads = rf_local_kernels.local_bwd(d_num.contiguous(), d_den.contiguous(), off, q, keys,
+                                           values, kinds, sink_keys, sink_values, sink_pos,
+                                           sink_present, ctx.window, ctx.scale)  # fmt: skip
+        dq, dk, dv, dsk, dsv = (g.to(x.dtype) for g, x in
+                                zip(grads, (q, keys, values, sink_keys, sink_values), strict=True))
+        return dq, dk, dv, dsk, dsv, None, None, None, None, None
+
+
+def rf_local(q, ext, window: int, scale: float):
+    """``(num [B, H, T, E], den, off [B, H, T])``: the hybrid's exact terms of a causal call on
+    their kernels (``rfattn.kernels.rf_local``, eager, Triton or its interpreter), as
+    ``rfattn.hybrid.exact_terms`` computes them in torch: ``q`` against the call's keys after its
+    state ``ext`` (``rfattn.hybrid.Extended``). Gradients reach q and the extended keys, values
+    and sink slots (so the call's k, v and the state's)."""
+    if on_torch(q) or torch.compiler.is_compiling():
+        raise NotImplementedError("the hybrid's exact part runs eagerly on Triton (a GPU or the "
+                                  "interpreter); use backend='torch'")  # fmt: skip
+    dt = q.dtype
+    kinds, pos = ext.kinds.contiguous(), ext.sink_pos.contiguous()
+    present = ext.sink_present.to(torch.int8).contiguous()
+    return apply(_Local, q, ext.keys.to(dt), ext.values.to(dt), ext.sink_keys.to(dt),
+                 ext.sink_values.to(dt), kinds, pos, present, window, scale)  # fmt: skip
 
 
 def rf_chunk_hybrid(q, k, v, form: KernelForm, scale: float, key_padding_mask, exact: tuple,

@@ -148,6 +148,74 @@ def test_exact_terms_are_the_exact_part():
     assert off.shape == den.shape == (2, 4, 20) and num.shape == (2, 4, 20, 5)
 
 
+@pytest.mark.parametrize("window,sinks,before", [(5, 2, 0), (5, 2, 9), (20, 0, 0), (0, 3, 4)])
+def test_exact_part_kernels_equal_the_torch_exact_terms(window, sinks, before):
+    """``ops.rf_local`` (the exact part's kernels) equals ``exact_terms`` in float64: num, den,
+    off and the gradients of q, the extended keys and values and the sink slots; after a state
+    of ``before`` tokens, with padding and NaN junk, grouped heads, windows and sinks absent."""
+    from rfattn import ops
+
+    q, k, v = inputs(T=37, seed=13)
+    mask = padding(2, 37, k, v)
+    rf = features().eval()
+    st = empty_state(k, v, rf, window, sinks)
+    if before:
+        first = inputs(T=before, seed=14)
+        st = rfattn.rf_attention(*first, rf, causal=True, window=window, sinks=sinks,
+                                 return_state=True, backend="torch")[1]  # fmt: skip
+    ext = extend(st, k, v, mask, sinks)
+    fields = ("keys", "values", "sink_keys", "sink_values")
+    cots = None
+    results = []
+    for fn in (lambda q, e: exact_terms(q, e, window, 8**-0.5, block=8),
+               lambda q, e: ops.rf_local(q, e, window, 8**-0.5)):  # fmt: skip
+        leaves = [q.clone().requires_grad_(), *(getattr(ext, f).clone().requires_grad_()
+                                                for f in fields)]  # fmt: skip
+        num, den, off = fn(leaves[0], ext._replace(**dict(zip(fields, leaves[1:], strict=True))))
+        if cots is None:
+            g = torch.Generator().manual_seed(5)
+            cots = [torch.randn(x.shape, generator=g, dtype=f64) for x in (num, den)]
+        loss = (num.nan_to_num(0.0) * cots[0]).sum() + (den * cots[1]).sum()
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        results.append((num, den, off, *(torch.zeros_like(x) if d is None else d
+                                          for d, x in zip(grads, leaves, strict=True))))
+    names = ("num", "den", "off", "dq", *(f"d{f}" for f in fields))
+    for name, a, b in zip(names, *results, strict=True):
+        if name == "off":
+            assert torch.equal(a.isinf(), b.isinf())
+            a, b = a.masked_fill(a.isinf(), 0.0), b.masked_fill(b.isinf(), 0.0)
+        if name.startswith("d") and name not in ("dq", "den"):  # junk rows: no gradient
+            a, b = a.nan_to_num(0.0), b.nan_to_num(0.0)
+        torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-11, msg=name)
+
+
+def test_half_inputs_stay_close_to_float64():
+    """bf16 and fp16 inputs (the half policy's products) err at most 1.5x (outputs) and 2.5x
+    (gradients) the torch path's own error in the same dtype, against float64 on the same
+    weights: test_precision's rule for the chunk kernels (measured here: outputs 1.07x, dq /
+    dv 1.4x, dk 2.0x in bf16, the chunk kernels' dk most of it)."""
+    q, k, v = inputs(H=2, Hk=1, T=40, seed=17)
+    rf = features().eval()
+    kw = dict(causal=True, window=6, sinks=2)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = rfattn.rf_attention(*leaves, rf, backend="torch", **kw)
+    cot = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2), dtype=f64)
+    ref_grads = torch.autograd.grad(ref, leaves, cot)
+    for dtype in (torch.bfloat16, torch.float16):
+        errors = {}
+        for backend in ("torch", "triton"):
+            low = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+            out = rfattn.rf_attention(*low, rf.float(), backend=backend, **kw)
+            grads = torch.autograd.grad(out, low, cot.to(dtype))
+            errors[backend] = [rfattn.testing.rel_rms(a, b)
+                               for a, b in zip((out, *grads), (ref, *ref_grads), strict=True)]
+        for name, fused, torch_path in zip(("out", "dq", "dk", "dv"), errors["triton"],
+                                           errors["torch"], strict=True):  # fmt: skip
+            assert fused <= (1.5 if name == "out" else 2.5) * torch_path, \
+                (dtype, name, fused, torch_path)  # fmt: skip
+        rf.double()
+
+
 def _leaf_state(state):
     """A HybridState whose floating tensors are fresh leaves that require grad."""
     return HybridState(*(x.detach().clone().requires_grad_() if x.is_floating_point() and
