@@ -554,7 +554,8 @@ def failures(rows: list[dict]) -> list[str]:
 #: (:func:`spills`), but for :data:`KNOWN_SPILLS`
 NO_SPILL = ("_fwd_kv_kernel", "_fwd_kv_stats_kernel", "_fwd_q_kernel", "_bwd_ds_kernel",
             "_bwd_dqkv_kernel", "_bwd_dwk_kernel", "_recurrent_kernel", "_chunk_states_kernel",
-            "_chunk_out_kernel", "_chunk_dstates_kernel", "_chunk_bwd_kernel")  # fmt: skip
+            "_chunk_out_kernel", "_chunk_dstates_kernel", "_chunk_bwd_kernel",
+            "_local_rows_kernel", "_local_dkv_kernel", "_local_dsink_kernel")  # fmt: skip
 
 #: the causal scenarios of the compile report's feature forms (rmf's bf16 inputs run tf32x3:
 #: listed, as the report compiles them, though the compile check holds the half policy only)

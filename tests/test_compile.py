@@ -37,7 +37,8 @@ def launches():
     assert names == {
         "_fwd_kv_kernel", "_fwd_q_kernel", "_bwd_ds_kernel", "_bwd_dqkv_kernel", "_bwd_dwk_kernel",
         "_chunk_states_kernel", "_chunk_out_kernel", "_chunk_dstates_kernel", "_chunk_bwd_kernel",
-        "_recurrent_kernel", "_stats_kernel", "_fwd_kv_stats_kernel",
+        "_recurrent_kernel", "_stats_kernel", "_fwd_kv_stats_kernel", "_local_rows_kernel",
+        "_local_dkv_kernel", "_local_dsink_kernel",
     }  # fmt: skip
     return recorded
 
