@@ -43,7 +43,9 @@ call) and denormals flushed (outputs are never written, so the GPU-side ops read
 Cases: non-causal and causal, forward (inference: ``torch.no_grad()``, features in eval mode)
 and forward+backward (training: grad, features in training mode, so oprf/saderf move their
 running statistics in a causal call), and the decode step (causal, one token, the state of the
-whole sequence given, ``return_state=True`` as a generation loop does, no grad, eval); features
+whole sequence given, ``return_state=True`` as a generation loop does, no grad, eval); the
+hybrid's forward, forward+backward and decode step (:data:`HYBRID`: 4 exact sinks and a window of
+64 inside the features; posrf only by default; no ceiling of issue 35's); features
 posrf, oprf, saderf, hrf (orf weights) and rmf (rademacher); bf16; shapes ``large`` (B4 H16
 T1024 D64 M256 E64, the GPU benchmark's) and ``small`` (B2 H4 T128, same head sizes, so the same
 compiled kernels).
@@ -74,7 +76,12 @@ from pathlib import Path
 
 FEATURES = ("posrf", "oprf", "saderf", "hrf", "rmf")
 WEIGHTS = {"rmf": "rademacher"}  # else orf
-CASES = ("noncausal fwd", "noncausal fwd+bwd", "causal fwd", "causal fwd+bwd", "decode")
+CASES = ("noncausal fwd", "noncausal fwd+bwd", "causal fwd", "causal fwd+bwd", "decode",
+         "hybrid fwd", "hybrid fwd+bwd", "hybrid decode")
+#: the hybrid's cases (causal, exact sinks and window inside the features: ``HYBRID``'s), run
+#: for these features only unless ``--features`` names others with ``--cases``
+HYBRID = dict(window=64, sinks=4)
+HYBRID_FEATURES = ("posrf",)
 SHAPES = {
     "large": dict(B=4, H=16, T=1024, D=64, M=256, E=64),
     "small": dict(B=2, H=4, T=128, D=64, M=256, E=64),
@@ -134,8 +141,8 @@ def _case(feature: str, case: str, shape: dict, dtype):
     q, k = ((0.5 * torch.randn(B, H, T, D, generator=g)).to(dtype) for _ in range(2))
     v = torch.randn(B, H, T, E, generator=g).to(dtype)
     causal = not case.startswith("noncausal")
-    kw = dict(causal=causal, backend="triton")
-    if case == "decode":
+    kw = dict(causal=causal, backend="triton", **(HYBRID if case.startswith("hybrid") else {}))
+    if case.endswith("decode"):
         with torch.no_grad():
             _, state = rfattn.rf_attention(q, k, v, rf, return_state=True, **kw)
         q1, k1, v1 = (x[:, :, -1:].clone() for x in (q, k, v))
@@ -201,11 +208,11 @@ def prepare(feature: str, case: str, shape_name: str, dtype, warmup: int,
         "weights": WEIGHTS.get(feature, "orf"),
         "case": case,
         "causal": not case.startswith("noncausal"),
-        "mode": "decode" if case == "decode" else case.split()[1],
+        "mode": "decode" if case.endswith("decode") else case.split()[1],
         "training": training,
         "shape": shape_name,
         **shape,
-        "T_call": 1 if case == "decode" else shape["T"],
+        "T_call": 1 if case.endswith("decode") else shape["T"],
         "dtype": str(dtype).removeprefix("torch."),
         "triton_launches": launches,
         "launched_kernels": counted,
@@ -442,6 +449,9 @@ def run(features, shapes, cases, reps: int, warmup: int, dtype_name: str, thread
     for shape in shapes:
         for feature in features:
             for case in cases:
+                if case.startswith("hybrid") and feature not in HYBRID_FEATURES and \
+                        cases == list(CASES):  # fmt: skip
+                    continue
                 try:
                     row = prepare(feature, case, shape, dtype, warmup)
                 except Exception as e:  # noqa: BLE001 -- reported per row
