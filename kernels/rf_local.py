@@ -64,7 +64,7 @@ def _scores(b_q, k_base, kind_ptr, o_j, m_j, o_d, m_d, e, m_t, stride_kl, stride
             (b_kind == 1)[None, :] & m_t[:, None]  # fmt: skip
     b_k = tl.load(k_base + o_j[:, None] * stride_kl + o_d[None, :] * stride_kd,
                   mask=m_read[:, None] & m_d[None, :], other=0.0)  # fmt: skip
-    b_s = product(b_q, tl.trans(b_k), PRECISION, ACC) * scale.to(ACC)  # (scale is fp64)
+    b_s = product(b_q, tl.trans(b_k), PRECISION, ACC) * tl.full([], scale, ACC)  # (an fp64 arg)
     return tl.where(sel, b_s, NEG), sel, b_k, m_read
 
 
@@ -222,7 +222,7 @@ def _key_grads(q_ptr, dn_ptr, dd_ptr, off_ptr, b_k, b_v, kind_ptr, o_j, m_j, i_b
             e = o_t + P
             b_q = tl.load(q_base + o_t[:, None] * stride_qt + o_d[None, :] * stride_qd,
                           mask=m_t[:, None] & m_d[None, :], other=0.0)  # fmt: skip
-            b_s = product(b_q, tl.trans(b_k), PRECISION, ACC) * scale.to(ACC)  # (scale is fp64)
+            b_s = product(b_q, tl.trans(b_k), PRECISION, ACC) * tl.full([], scale, ACC)
             if IS_SINK:
                 b_pos = tl.load(kind_ptr + o_j * stride_nl, mask=m_j, other=0)
                 sel = (b_pos[None, :] <= e[:, None]) & m_j[None, :] & m_t[:, None]

@@ -125,8 +125,10 @@ def hybrid(call: Call, gpu_tiles=None):
     from rfattn import ops
 
     q, k, v, rf, mask, scale = call.q, call.k, call.v, call.rf, call.key_padding_mask, call.scale
-    st = hybrid_path.empty_state(k, v, rf, call.window, call.sinks, call.initial_state)
-    ext = hybrid_path.extend(st, k, v, mask, call.sinks)
+    st = None  # a first call that returns no state: no empty state made
+    if call.initial_state is not None or call.return_state:
+        st = hybrid_path.empty_state(k, v, rf, call.window, call.sinks, call.initial_state)
+    ext = hybrid_path.extend(st, k, v, mask, call.sinks, call.window)
     ks, vs, ms = hybrid_path.estimated_stream(ext, q.shape[2])
     ks, vs = ks.to(q.dtype), vs.to(q.dtype)
     # head maps map the features' q and k (applied here, differentiably: the maps' gradients

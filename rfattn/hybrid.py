@@ -218,18 +218,26 @@ class Extended(NamedTuple):
     sink_present: torch.Tensor  # [B, 2 S] bool
 
 
-def extend(st: HybridState, k, v, key_padding_mask, sinks: int) -> Extended:
+def extend(st: HybridState | None, k, v, key_padding_mask, sinks: int,
+           window: int = 0) -> Extended:  # fmt: skip
     """The call's keys after the state ``st`` (:class:`Extended`): which are sinks (the first
-    ``sinks`` valid keys of the whole sequence, counting the state's), which window keys."""
+    ``sinks`` valid keys of the whole sequence, counting the state's), which window keys.
+    ``st`` None: a first call (``window`` positions of nothing before it, no sink slot but the
+    call's own S), without making the empty state."""
     B, T, dev = k.shape[0], k.shape[2], k.device
-    W = st.kinds.shape[-1]
     valid = torch.ones(B, T, dtype=torch.bool, device=dev)
     if key_padding_mask is not None:
         valid = ~key_padding_mask
-    rank = st.sinks_seen[:, None] + valid.long().cumsum(-1) - 1
-    new = torch.where(valid & (rank < sinks), SINK, torch.where(valid, WINDOW, NOTHING))
-    new = new.to(torch.int8)
-    slot, present = first_true(new == SINK, sinks)
+    seen = 0 if st is None else st.sinks_seen[:, None]
+    sink = valid & (valid.cumsum(-1) + seen <= sinks)
+    new = valid.to(torch.int8) + sink.to(torch.int8)  # NOTHING, WINDOW, SINK
+    slot, present = first_true(sink, sinks)
+    if st is None:
+        pad = torch.nn.functional.pad
+        return Extended(pad(k, (0, 0, window, 0)), pad(v, (0, 0, window, 0)),
+                        pad(new, (window, 0)), new, gather_positions(k, slot),
+                        gather_positions(v, slot), slot + window, present)  # fmt: skip
+    W = st.kinds.shape[-1]
     old_present = torch.arange(sinks, device=dev)[None, :] < st.sinks_seen[:, None]
     return Extended(
         torch.cat([st.keys, k.to(st.keys.dtype)], 2), torch.cat([st.values, v], 2),
