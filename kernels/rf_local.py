@@ -368,13 +368,19 @@ def local_bwd(dnum, dden, off, q, keys, values, kinds, sink_keys, sink_values, s
     the accumulation dtype; 0 for keys of other kinds and absent sink slots."""
     B, H, T, D, Hk, L, E, NSK, acc, meta = _setup(q, keys, values, sink_keys, sink_values, window)
     dev = q.device
-    dq = torch.zeros(B, H, T, D, device=dev, dtype=acc)
-    dk = torch.zeros(B, Hk, L, D, device=dev, dtype=acc)
-    dv = torch.zeros(B, Hk, L, E, device=dev, dtype=acc)
-    dsk = torch.zeros(B, Hk, NSK, D, device=dev, dtype=acc)
-    dsv = torch.zeros(B, Hk, NSK, E, device=dev, dtype=acc)
     if B * H * T == 0:
-        return dq, dk, dv, dsk, dsv
+        return (torch.zeros(B, H, T, D, device=dev, dtype=acc),
+                torch.zeros(B, Hk, L, D, device=dev, dtype=acc),
+                torch.zeros(B, Hk, L, E, device=dev, dtype=acc),
+                torch.zeros(B, Hk, NSK, D, device=dev, dtype=acc),
+                torch.zeros(B, Hk, NSK, E, device=dev, dtype=acc))  # fmt: skip
+    # every element is written by the launches below (the keys' without a window: zeros)
+    dq = torch.empty(B, H, T, D, device=dev, dtype=acc)
+    keys_out = torch.empty if window else torch.zeros
+    dk = keys_out(B, Hk, L, D, device=dev, dtype=acc)
+    dv = keys_out(B, Hk, L, E, device=dev, dtype=acc)
+    dsk = torch.empty(B, Hk, NSK, D, device=dev, dtype=acc)
+    dsv = torch.empty(B, Hk, NSK, E, device=dev, dtype=acc)
     G, BS = H // Hk, max(next_pow2(NSK), 16)
     strides = _strides(q, keys, values, kinds, sink_keys, sink_values, sink_pos)
     _local_rows_kernel[(triton.cdiv(T, meta["BT"]), B * H)](
