@@ -655,7 +655,7 @@ def stage_probe(rec: Recorder, work: Path, args) -> None:
     bad = [r for r in rows if r["error"] is not None and r["precision"] != "torch path"
            and r["error"] > 2 * own[r["path"]]]  # fmt: skip
     listed = ", ".join(f"{r['path']} {r['precision']} {r['error']:.2e}" for r in bad)
-    rec.set(  # rmf's default for fp16/bf16 inputs is LOW_PRECISION (kernels.common._precision)
+    rec.set(  # rmf's fp16/bf16 default is LOW_PRECISION (kernels.common.precision_policy)
         status="failed" if any(r["precision"] == LOW_PRECISION for r in bad) else "ok",
         summary="over 2x the torch path's error: " + (listed or "none"),
     )

@@ -344,9 +344,9 @@ NP = tl.constexpr(9)
 NEG = tl.constexpr(-1.0e30)
 _PRECISIONS = ("ieee", "tf32", "tf32x3")
 #: ``tl.dot`` input precision of the causal kernels' fp32 products for fp16/bf16 inputs
-#: (:func:`_precision`)
+#: (:func:`precision_policy`)
 LOW_PRECISION = "tf32x3"
-#: the half policy's ``PRECISION`` per input dtype (:func:`_precision`, :func:`product`)
+#: the half policy's ``PRECISION`` per input dtype (:func:`precision_policy`, :func:`product`)
 HALF_PRECISIONS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -488,7 +488,7 @@ def split_dot(a, b, HALF: tl.constexpr, SPLIT_A: tl.constexpr, THREE: tl.constex
 @triton.jit
 def product(a, b, PRECISION: tl.constexpr, ACC: tl.constexpr, SPLIT_A: tl.constexpr = False,
             SPLIT_B: tl.constexpr = False):
-    """``a @ b`` of a kernel's product under the precision policy (:func:`_precision`): for
+    """``a @ b`` of a kernel's product under the precision policy (:func:`precision_policy`): for
     PRECISION "bf16" / "fp16" one half product (:func:`half_dot`: the operands rounded to that
     format just before it, as flash-attention rounds P; fp32 accumulation); with SPLIT_A two,
     ``a = a_hi + a_lo`` (signed features: their sums cancel); with SPLIT_B ``b = b_hi + b_lo``
@@ -1008,7 +1008,7 @@ def _chunk_tiles(big: int, itemsize: int, gpu_tiles: bool) -> tuple[int, int]:
     return (32 if big <= 64 else 16), (32 if big <= 64 else 16)
 
 
-def _precision(dtype: torch.dtype, precision: str | None, causal: bool = False,
+def precision_policy(dtype: torch.dtype, precision: str | None, causal: bool = False,
                kind: str = "gerf") -> str:
     """The kernels' ``PRECISION``: a ``tl.dot`` input precision of fp32 products, or the half
     policy ("bf16" / "fp16", :func:`product`).
@@ -1332,7 +1332,7 @@ def launch_setup(q, k, v, form, scale, key_padding_mask, precision=None, causal=
     G = Hq // H if H else 1
     BD, BE, itemsize = next_pow2(D), next_pow2(E), q.element_size()
     big = max(BD, BE)
-    precision = _precision(q.dtype, precision, causal, form.kind)
+    precision = precision_policy(q.dtype, precision, causal, form.kind)
     if causal:
         bt, rows = _chunk_tiles(big, itemsize, gpu)
     else:  # the interpreter keeps the big 16-bit tiles whatever the dtype: faster tests

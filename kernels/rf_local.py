@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, NEG, _precision, next_pow2, product
+from .common import INTERPRET, NEG, next_pow2, precision_policy, product
 
 __all__ = ["local_fwd", "local_bwd"]
 
@@ -327,7 +327,7 @@ def _setup(q, keys, values, sink_keys, sink_values, window: int):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     tiles = 16 if INTERPRET else 64
     meta = dict(D=D, E=E, BD=max(next_pow2(D), 16), BE=max(next_pow2(E), 16), BT=tiles,
-                PRECISION=_precision(q.dtype, None), ACC=tl.float64 if acc == torch.float64
+                PRECISION=precision_policy(q.dtype, None), ACC=tl.float64 if acc == torch.float64
                 else tl.float32)  # fmt: skip
     return B, H, T, D, Hk, L, E, NSK, acc, meta
 

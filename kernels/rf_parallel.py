@@ -95,7 +95,7 @@ Reference: ``rfattn.reference.linear_attention`` on ``RandomFeatures.features`` 
 
 Layout: q, k ``[B, H, T, D]``, v ``[B, H, T, E]`` with arbitrary strides; w ``[F, D]``.
 Limits: inputs fp32/fp16/bf16/fp64, one dtype; w and the extra rows stay in the accumulation
-dtype. fp16/bf16 inputs run the half policy (``common._precision``, docs/numerics.md): the
+dtype. fp16/bf16 inputs run the half policy (``common.precision_policy``, docs/numerics.md): the
 logits as two (signed tables: three) half products of the exact rows against W split in the
 kernel, every other product one half product (the query pass's signed features two), operands
 rounded to the input dtype just before it. Accumulation is fp32 (fp64 for fp64 inputs).

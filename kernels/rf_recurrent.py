@@ -13,7 +13,7 @@ generation path. One program per (b, h) walks the tokens and the M tiles of its 
 the initial state and writes the new one, into new tensors or (``inplace=True``) over the
 initial state's own, never copying it first.
 
-fp16/bf16 inputs run the half policy of every kernel (``common._precision``: split logits,
+fp16/bf16 inputs run the half policy of every kernel (``common.precision_policy``: split logits,
 one half product for ``b v`` and ``a S``), as ``rf_chunk`` does: a state from either continues
 in the other, up to the rounding of the products' order.
 

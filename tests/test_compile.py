@@ -56,7 +56,7 @@ def test_no_half_policy_config_spills(launches):
     for the rows still known to spill (``bench.compile.KNOWN_SPILLS``: signed tables, rmf,
     three decode cases, the causal backward walk and a few causal forms), and none of those has
     stopped spilling unnoticed. Only launches of the half policy (rmf's bf16 inputs run tf32x3
-    now, ``kernels.common._precision``)."""
+    now, ``kernels.common.precision_policy``)."""
     half = [r for r in launches if "-bfloat16-D64" in r["tag"] and r["name"] in aot.NO_SPILL
             and r["args"]["PRECISION"][1] == "bf16"]  # rmf's bf16 inputs take tf32x3  # fmt: skip
     assert {r["name"] for r in half} >= {"_fwd_kv_kernel", "_fwd_q_kernel", "_bwd_dqkv_kernel",

@@ -65,7 +65,10 @@ def check(feature, window, sinks, T=37, H=4, Hk=2, seed=0, **options):
         torch.testing.assert_close(g, r, rtol=1e-8, atol=1e-10, msg=name)
 
 
-@pytest.mark.parametrize("window,sinks", [(1, 0), (0, 2), (5, 2), (16, 1), (40, 3)])
+@pytest.mark.parametrize("window,sinks", [
+    (1, 0), pytest.param(0, 2, marks=pytest.mark.slow), (5, 2),
+    pytest.param(16, 1, marks=pytest.mark.slow), (40, 3),
+])  # fmt: skip
 def test_posrf_matches_the_reference(window, sinks):
     """Windows of one token, none, below, at and past a chunk (and past the sequence: softmax
     on the valid keys); grouped-query heads, padding with NaN junk."""
@@ -89,7 +92,7 @@ def test_awkward_lengths(T):
     check("posrf", 16, 2, T=T, H=2, Hk=1)
 
 
-@pytest.mark.parametrize("feature", ["oprf", "saderf"])
+@pytest.mark.parametrize("feature", ["oprf", pytest.param("saderf", marks=pytest.mark.slow)])
 def test_statistics_forms_equal_the_torch_path(feature):
     """oprf/saderf in training (running statistics moved by the call): outputs, gradients and
     the moved buffers equal the torch path's hybrid in float64."""
@@ -222,7 +225,7 @@ def _leaf_state(state):
                          i != 2 else x for i, x in enumerate(state)))  # fmt: skip
 
 
-@pytest.mark.parametrize("feature", ["posrf", "trigrf"])
+@pytest.mark.parametrize("feature", ["posrf", pytest.param("trigrf", marks=pytest.mark.slow)])
 def test_split_resume_and_states_equal_the_torch_path(feature):
     """A call split in three (the last cut token by token) equals one call, on the fused kernels
     and on the torch path alike; the states, and the gradients of q, k, v and of every tensor

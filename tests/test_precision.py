@@ -1,4 +1,4 @@
-"""The half-precision policy of the fused kernels (``kernels/common.py: _precision``,
+"""The half-precision policy of the fused kernels (``kernels/common.py: precision_policy``,
 docs/numerics.md) for fp16/bf16 inputs.
 
 Two checks, both under the interpreter (which emulates the GPU's half products,
@@ -76,7 +76,7 @@ def _errors(q, k, v, rf, backend, do, causal=False):
 
 
 #: a known miss, not of the half policy: rmf in fp16 runs the accurate fp32 products
-#: (``_precision``: its states overflow fp16), yet at sigma 1 its denominators cancel ~1000x
+#: (``precision_policy``: its states overflow fp16), yet at sigma 1 its denominators cancel ~1000x
 #: (outputs ~800 for values ~1) and the kernel, which forms each feature as exp(sum log|z|)
 #: (~1e-6 relative) where torch multiplies, errs 2.4x in out, 2.8x in dk; in fp32 too (7.0e-4
 #: against the torch path's 2.4e-4 at sigma 1). (At the large norm it met the rule once the
@@ -95,7 +95,7 @@ QUICK_CAUSAL = {("posrf", torch.bfloat16, "large")}
 #: the causal grid in make test-slow: sigma 1/0.5 and the large norm (the largest errors), hrf
 #: at the large norm only (~1-3 min a case under the interpreter); fp16 at the large norm
 CAUSAL_SIGMAS = {torch.bfloat16: ("s1-0.5", "large"), torch.float16: ("large",)}
-#: the causal kernels run fp16 inputs of the signed forms and rmf as tf32x3 (_precision)
+#: the causal kernels run fp16 inputs of the signed forms and rmf as tf32x3 (precision_policy)
 CAUSAL_FP32_PRODUCTS = {("trigrf", torch.float16), ("hrf", torch.float16),
                         ("rmf", torch.float16)}  # fmt: skip
 
