@@ -163,27 +163,32 @@ class HybridState(NamedTuple):
 NOTHING, WINDOW, SINK = 0, 1, 2
 
 
-def _empty_state(k, v, rf, window: int, sinks: int) -> HybridState:
+def _state_shapes(k, v, rf, window: int, sinks: int) -> tuple:
+    """The shapes of a :class:`HybridState` for these inputs, window and sinks."""
     B, Hk, _, D = k.shape
     E = v.shape[-1]
-    cd = compute_dtype(k.dtype)
     F = rf.feature_map.width(rf.weight.shape[-2])
+    return ((B, Hk, F, E), (B, Hk, F), (B, Hk), (B, Hk, window, D), (B, Hk, window, E),
+            (B, window), (B, Hk, sinks, D), (B, Hk, sinks, E), (B,))  # fmt: skip
+
+
+def _empty_state(k, v, rf, window: int, sinks: int) -> HybridState:
+    s, z, offset, keys, values, kinds, sink_k, sink_v, seen = _state_shapes(k, v, rf, window, sinks)
+    cd, dev = compute_dtype(k.dtype), k.device
     return HybridState(
-        k.new_zeros(B, Hk, F, E, dtype=cd), k.new_zeros(B, Hk, F, dtype=cd),
-        k.new_full((B, Hk), -math.inf, dtype=cd), k.new_zeros(B, Hk, window, D),
-        v.new_zeros(B, Hk, window, E), torch.zeros(B, window, dtype=torch.int8, device=k.device),
-        k.new_zeros(B, Hk, sinks, D), v.new_zeros(B, Hk, sinks, E),
-        torch.zeros(B, dtype=torch.long, device=k.device),
+        k.new_zeros(s, dtype=cd), k.new_zeros(z, dtype=cd), k.new_full(offset, -math.inf, dtype=cd),
+        k.new_zeros(keys), v.new_zeros(values), torch.zeros(kinds, dtype=torch.int8, device=dev),
+        k.new_zeros(sink_k), v.new_zeros(sink_v), torch.zeros(seen, dtype=torch.long, device=dev),
     )  # fmt: skip
 
 
-def _check_state(state, like: HybridState) -> None:
+def _check_state(state, shapes: tuple) -> None:
     if not isinstance(state, HybridState):
         raise TypeError(f"initial_state must be a HybridState, got {type(state).__name__}")
-    for name, got, want in zip(HybridState._fields, state, like, strict=True):
-        if tuple(got.shape) != tuple(want.shape):
-            raise ValueError(f"initial_state.{name} must have shape {tuple(want.shape)} for "
-                             f"these inputs, window and sinks, got {tuple(got.shape)}")  # fmt: skip
+    for name, got, want in zip(HybridState._fields, state, shapes, strict=True):
+        if tuple(got.shape) != want:
+            raise ValueError(f"initial_state.{name} must have shape {want} for these inputs, "
+                             f"window and sinks, got {tuple(got.shape)}")  # fmt: skip
 
 
 def first_true(flags: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,10 +272,9 @@ def next_state(st: HybridState, ext: Extended, s, z, offset) -> HybridState:
 def empty_state(k, v, rf, window: int, sinks: int, initial_state=None) -> HybridState:
     """``initial_state`` (checked against these inputs, window and sinks), or the empty state a
     first call starts from (W positions of nothing, no sink, no estimated key)."""
-    empty = _empty_state(k, v, rf, window, sinks)
     if initial_state is None:
-        return empty
-    _check_state(initial_state, empty)
+        return _empty_state(k, v, rf, window, sinks)
+    _check_state(initial_state, _state_shapes(k, v, rf, window, sinks))
     return initial_state
 
 
