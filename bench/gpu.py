@@ -95,7 +95,7 @@ BENCH_ARGS = [
     "--T", "512", "1024", "2048", "4096", "8192", "16384", "32768",
     "--features", "posrf", "oprf", "rmf",
     "--providers", "rfattn", "rfattn-torch", "rfattn-compiled", "fla-chunk", "sdpa-flash",
-    "sdpa-cudnn", "sdpa-efficient", "performer",
+    "sdpa-cudnn", "sdpa-efficient", "performer", "rfattn-hybrid",
     "--error-M", "256", "--seeds", "1",
 ]
 # fmt: on

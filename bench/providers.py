@@ -24,9 +24,13 @@ SDPA_BACKENDS = {
     "efficient": "EFFICIENT_ATTENTION",
     "math": "MATH",
 }
-RF_PROVIDERS = ("rfattn", "rfattn-torch", "rfattn-compiled", "fla-chunk", "performer")
+RF_PROVIDERS = ("rfattn", "rfattn-torch", "rfattn-compiled", "fla-chunk", "performer",
+                "rfattn-hybrid")  # fmt: skip
 #: providers with no non-causal form
-CAUSAL_ONLY = ("fla-chunk",)
+CAUSAL_ONLY = ("fla-chunk", "rfattn-hybrid")
+#: the hybrid provider's exact part (``rfattn-hybrid``: rfattn.hybrid, fused where the fused
+#: kernels run): the sinks and window a converted decoder takes (docs/hybrid.md)
+HYBRID = dict(window=64, sinks=4)
 #: largest T timed for the compiled torch path in causal mode (see _forward)
 COMPILED_CAUSAL_MAX_T = 8192
 ALL_PROVIDERS = RF_PROVIDERS + tuple(f"sdpa-{b}" for b in SDPA_BACKENDS) + ("flash-attn",)
@@ -94,6 +98,10 @@ def available_providers(
         consider("rfattn-torch", None)
     elif requested is None:  # backend='auto' is the torch path on CPU: same code, same time
         skipped["rfattn-torch"] = "on CPU rfattn (backend='auto') already is the torch path"
+    if requested is not None and "rfattn-hybrid" in requested:
+        consider("rfattn-hybrid", None)
+    elif requested is None:
+        skipped["rfattn-hybrid"] = "asked for by name only (--providers rfattn-hybrid)"
     if cuda or (requested is not None and "rfattn-compiled" in requested):
         consider("rfattn-compiled", None)
     elif requested is None:
@@ -276,6 +284,8 @@ def _forward(provider: str, x: Inputs, rf, causal: bool) -> tuple[Callable, list
     q, k, v = x.q, x.k, x.v
     if provider == "rfattn":
         return (lambda: rfattn.rf_attention(q, k, v, rf, causal=causal)), [q, k, v]
+    if provider == "rfattn-hybrid":
+        return (lambda: rfattn.rf_attention(q, k, v, rf, causal=causal, **HYBRID)), [q, k, v]
     if provider == "rfattn-torch":
         return (lambda: rfattn.rf_attention(q, k, v, rf, causal=causal, backend="torch")), [
             q,
@@ -386,5 +396,6 @@ def reference_output(provider: str, x: Inputs, rf, causal: bool) -> torch.Tensor
     if provider == "fla-chunk" and rf.feature != "posrf":
         return None  # its features are the non-causal maps: equal to rfattn's for posrf only
     rf64 = copy.deepcopy(rf).double()
+    hybrid = HYBRID if provider == "rfattn-hybrid" else {}
     with torch.no_grad():
-        return rfattn.rf_attention(q, k, v, rf64, causal=causal, backend="torch")
+        return rfattn.rf_attention(q, k, v, rf64, causal=causal, backend="torch", **hybrid)
