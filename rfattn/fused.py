@@ -117,10 +117,9 @@ def hybrid(call: Call, gpu_tiles=None):
     ``<= t``; sinks, padding and empty positions left out) and each row's exact terms
     (``rfattn.ops.rf_local``: their own kernels, as :func:`rfattn.hybrid.exact_terms` computes
     them), which join its numerator and denominator inside the output walk
-    (``rfattn.ops.rf_chunk_hybrid``). The state's features
-    are the kernels' over N (the feature map's sample count: the torch path's units). The
-    form and its statistics are the call's own (its valid keys', as the torch path's). Check
-    :func:`hybrid_reason` first."""
+    (``rfattn.ops.rf_chunk_hybrid``). The state's features are the kernels' over N (the
+    feature map's sample count: the torch path's units). The form and its statistics are the
+    call's own (its valid keys', as the torch path's). Check :func:`hybrid_reason` first."""
     from rfattn import hybrid as hybrid_path
     from rfattn import ops
 
@@ -135,7 +134,7 @@ def hybrid(call: Call, gpu_tiles=None):
     # for calibration); the exact part is the model's own attention on q and k as they are
     maps = rf.map_tensors(q, k)
     fq, fk = (q, k) if maps is None else (mapped(q, maps[0]), mapped(k, maps[1], mask))
-    if maps is not None:
+    if maps is not None:  # (the call's mapped keys give the form its statistics, if any)
         ks = mapped(ks, maps[1], ms)
     form = kernel_form(rf, fq, fk, mask, scale, True, call.query_padding_mask,
                        update=call.update_stats)  # fmt: skip
