@@ -7,8 +7,9 @@ the state's last P (= the window) first, then the call's T; row ``t`` sits at ex
 
 * the window keys at ``e - window < j <= e`` whose kind is a window key (``kinds``: 0 nothing,
   1 a window key, 2 a sink; a sink inside the window counts once, as a sink),
-* the sink slots (``[2 S]``: the state's, then the call's first new sinks) that are present and
-  sit at or before ``e`` (the state's at position -1).
+* the sink slots (``[2 S]``: the state's, then the call's first new sinks; ``[S]``, the call's
+  own, for a first call that keeps no state) that are present and sit at or before ``e`` (the
+  state's at position -1).
 
 Forward, ``_local_rows_kernel``, grid (row blocks, B * H): each block of BT rows of a query head
 walks the key tiles of its window span (BT + window - 1 positions) and one tile of sink slots with
