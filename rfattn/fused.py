@@ -20,8 +20,8 @@ from rfattn.features.exponential import coefficient_form
 from rfattn.stats import Moments, running_moments
 from rfattn.weights import WEIGHTED_WEIGHTS
 
-__all__ = ["attend", "hybrid", "hybrid_reason", "kernel_form", "constant_form", "kept_form",
-           "Kept"]
+__all__ = ["attend", "hybrid", "hybrid_in_torch", "hybrid_reason", "kernel_form", "constant_form",
+           "kept_form", "Kept"]
 
 
 def attend(call: Call, gpu_tiles=None):
@@ -94,8 +94,6 @@ def attend(call: Call, gpu_tiles=None):
 
 def hybrid_reason(call: Call) -> str | None:
     """Why the fused hybrid (:func:`hybrid`) cannot run a call with window or sinks, or None."""
-    from rfattn import ops
-
     reason = no_kernel_reason(call.rf, True)
     if reason is not None:
         return reason
@@ -103,9 +101,16 @@ def hybrid_reason(call: Call) -> str | None:
         return "a non-causal window and sinks run the torch path"
     if learns_gerf_a(call.rf):
         return "a learnable gerf_A runs the torch path"
-    if ops.on_torch(call.q) or torch.compiler.is_compiling():
-        return "window and sinks run the torch path on a CPU without Triton and when traced"
     return None
+
+
+def hybrid_in_torch(call: Call) -> bool:
+    """Whether a hybrid call the fused path would take runs the torch path's hybrid instead, as
+    the operators run their torch kernels: on a CPU without Triton (``rfattn.ops.on_torch``),
+    and when traced (``torch.compile``: the fused hybrid is eager only)."""
+    from rfattn import ops
+
+    return ops.on_torch(call.q) or torch.compiler.is_compiling()
 
 
 def hybrid(call: Call, gpu_tiles=None):

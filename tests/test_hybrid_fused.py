@@ -305,6 +305,50 @@ def test_head_maps_map_the_features_only():
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10, msg=name)
 
 
+def test_packed_sequences_are_separate_calls():
+    """Packed documents (cu_seqlens, one empty) with window and sinks on the fused hybrid equal
+    one torch-path call per document in float64, outputs and gradients."""
+    from rfattn import fused
+
+    g = torch.Generator().manual_seed(4)
+    cu = torch.tensor([0, 5, 14, 14, 33])
+    q, k, v = (torch.randn(1, h, 33, d, generator=g, dtype=f64)
+               for h, d in ((4, 8), (2, 8), (2, 5)))  # fmt: skip
+    rf = features().eval()
+    calls = []
+    hybrid = fused.hybrid
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fused, "hybrid", lambda call: calls.append(call) or hybrid(call))
+        out = rfattn.rf_attention(*leaves, rf, causal=True, window=3, sinks=2, cu_seqlens=cu,
+                                  backend="triton")  # fmt: skip
+    assert calls  # the fused hybrid ran
+    cot = torch.randn(out.shape, generator=g, dtype=f64)
+    grads = torch.autograd.grad(out, leaves, cot)
+    ref_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    parts = [rfattn.rf_attention(*(x[:, :, a:b] for x in ref_leaves), rf, causal=True, window=3,
+                                 sinks=2, backend="torch")
+             for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True) if b > a]  # fmt: skip
+    ref = torch.cat(parts, 2)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
+    for name, a, b in zip("qkv", grads, torch.autograd.grad(ref, ref_leaves, cot), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10, msg=name)
+
+
+def test_a_cpu_without_triton_runs_the_torch_paths_hybrid(monkeypatch):
+    """backend='triton' where the operators run their torch kernels (a CPU without Triton's
+    interpreter): the hybrid runs the torch path's, as those kernels would, not the fused one."""
+    from rfattn import fused, ops
+
+    monkeypatch.setattr(ops, "TORCH_ON_CPU", True)
+    monkeypatch.setattr(fused, "hybrid", lambda call: pytest.fail("the fused hybrid ran"))
+    q, k, v = inputs(T=20)
+    rf = features().eval()
+    out = rfattn.rf_attention(q, k, v, rf, causal=True, window=4, sinks=2, backend="triton")
+    want = rfattn.rf_attention(q, k, v, rf, causal=True, window=4, sinks=2, backend="torch")
+    assert torch.equal(out, want)
+
+
 def test_what_runs_the_torch_path_is_refused_on_triton():
     """backend='triton' names why a hybrid call cannot run fused; 'auto' runs the torch path."""
     q, k, v = inputs(T=12)
