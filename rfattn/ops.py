@@ -524,21 +524,29 @@ class _Chunk(torch.autograd.Function):
     (the queries' offsets and denominators, the keys' max logits) are one saved allocation, not
     outputs; the final state of a call that does not return it is the call's scratch; the
     backward's plan comes with the forward's (``rf_chunk_kernels.rf_chunk_fwd``'s
-    ``backward_plan``). Cotangents of unused outputs stay None (no zero fills)."""
+    ``backward_plan``). Cotangents of unused outputs stay None (no zero fills).
+
+    The hybrid (:func:`rf_chunk_hybrid`) passes three more inputs, each row's exact terms
+    ``nex``, ``dex`` (differentiable) at their offsets ``eex``: the output walk joins them to
+    the features' terms and saves the total denominator, so the backward is the chunk kernels'
+    as it is, plus the exact terms' cotangents ``do * wex`` and ``-(do . out) wex`` (``wex``
+    written by the walk). On the Triton kernels only."""
 
     @staticmethod
     def forward(ctx, q, k, v, s0, z0, form, scale, mask, off0, precision, gpu_tiles,
-                return_state):  # fmt: skip
+                return_state, nex=None, dex=None, eex=None):  # fmt: skip
         init = _state(s0, z0, off0)
-        if on_torch(q):
+        wex = None if nex is None else torch.empty_like(dex)
+        if on_torch(q):  # (never the hybrid's: rf_chunk_hybrid refuses it)
             out, *state = _torch_chunk(q, k, v, form, scale, mask, init)
             aux, plan = (), None
         else:
             out, state, aux, plan = rf_chunk_kernels.rf_chunk_fwd(
                 q, k, v, form, scale, mask, init, precision, return_aux=True,
                 gpu_tiles=gpu_tiles, return_state=return_state, backward_plan=True,
+                exact=None if nex is None else (nex, dex, eex, wex),
             )  # fmt: skip
-        ctx.save_for_backward(q, k, v, mask, s0, z0, off0, out, *aux)
+        ctx.save_for_backward(q, k, v, mask, s0, z0, off0, out, wex, *aux)
         ctx.form, ctx.scale, ctx.opts, ctx.plan = form, scale, (precision, gpu_tiles), plan
         ctx.set_materialize_grads(False)
         if not return_state:
@@ -549,7 +557,7 @@ class _Chunk(torch.autograd.Function):
     @staticmethod
     @no_autocast
     def backward(ctx, d_out, d_s=None, d_z=None, _d_off=None):
-        q, k, v, mask, s0, z0, off0, out, *aux = ctx.saved_tensors
+        q, k, v, mask, s0, z0, off0, out, wex, *aux = ctx.saved_tensors
         init = s0 is not None
         d_out, d_s, d_z = _chunk_cotangents(q, v, ctx.form.w, out, d_out, d_s, d_z)
         if ctx.plan is None:  # the torch kernel's forward recorded no graph
@@ -563,7 +571,11 @@ class _Chunk(torch.autograd.Function):
             )  # fmt: skip
             if init:
                 ds0, dz0 = ds0.to(s0.dtype), dz0.to(z0.dtype)
-        return dq, dk, dv, ds0, dz0, None, None, None, None, None, None, None
+        grads = (dq, dk, dv, ds0, dz0, None, None, None, None, None, None, None)
+        if wex is None:
+            return grads
+        do = d_out.to(wex.dtype)
+        return (*grads, do * wex[..., None], -(do * out.to(wex.dtype)).sum(-1) * wex, None)
 
 
 def rf_chunk(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, initial_state=None,
@@ -591,49 +603,6 @@ def rf_chunk(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, ini
     out, s, z, off, *_ = _chunk(q, k, v, *flat_form(form), scale, key_padding_mask, s0, z0,
                                 off0, precision, gpu_tiles)  # fmt: skip
     return out, s, z, off
-
-
-class _HybridChunk(torch.autograd.Function):
-    """The hybrid's causal call on the chunk kernels (:func:`rf_chunk_hybrid`), shaped like
-    :class:`_Chunk`: inputs q, the estimated keys' stream k, v (``rfattn.hybrid``), the initial
-    S0, z0 and the exact terms' numerator and denominator ``nex``, ``dex`` (at their rows'
-    offsets ``eex``, which ride along with the form, the mask and the initial offset); outputs
-    ``out`` and, with ``return_state``, the final state. The backward is the chunk kernels' with
-    the total denominator (the forward saves it), plus the exact terms' cotangents
-    ``do * wex`` and ``-(do . out) wex``."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, s0, z0, nex, dex, eex, form, scale, mask, off0, precision,
-                gpu_tiles, return_state):  # fmt: skip
-        wex = torch.empty_like(dex)
-        out, state, aux, plan = rf_chunk_kernels.rf_chunk_fwd(
-            q, k, v, form, scale, mask, _state(s0, z0, off0), precision, return_aux=True,
-            gpu_tiles=gpu_tiles, return_state=return_state, backward_plan=True,
-            exact=(nex, dex, eex, wex),
-        )  # fmt: skip
-        ctx.save_for_backward(q, k, v, mask, s0, z0, off0, out, wex, *aux)
-        ctx.form, ctx.scale, ctx.opts, ctx.plan = form, scale, (precision, gpu_tiles), plan
-        ctx.set_materialize_grads(False)
-        if not return_state:
-            return out
-        ctx.mark_non_differentiable(state[2])
-        return out, *state
-
-    @staticmethod
-    @no_autocast
-    def backward(ctx, d_out, d_s=None, d_z=None, _d_off=None):
-        q, k, v, mask, s0, z0, off0, out, wex, *aux = ctx.saved_tensors
-        d_out, d_s, d_z = _chunk_cotangents(q, v, ctx.form.w, out, d_out, d_s, d_z)
-        dq, dk, dv, ds0, dz0 = rf_chunk_kernels.rf_chunk_bwd(
-            d_out, None if d_s is None else (d_s, d_z), q, k, v, ctx.form, ctx.scale, out, aux,
-            mask, _state(s0, z0, off0), ctx.opts[0], gpu_tiles=ctx.opts[1], plan=ctx.plan,
-        )  # fmt: skip
-        if s0 is not None:
-            ds0, dz0 = ds0.to(s0.dtype), dz0.to(z0.dtype)
-        do = d_out.to(wex.dtype)
-        d_nex = do * wex[..., None]
-        d_dex = -(do * out.to(wex.dtype)).sum(-1) * wex
-        return (dq, dk, dv, ds0, dz0, d_nex, d_dex, *([None] * 8))
 
 
 class _Local(torch.autograd.Function):
@@ -705,8 +674,8 @@ def rf_chunk_hybrid(q, k, v, form: KernelForm, scale: float, key_padding_mask, e
             q, k, v, form, scale, key_padding_mask, initial_state, precision,
             gpu_tiles=gpu_tiles, return_state=return_state, exact=(nex, dex, eex, wex),
         )  # fmt: skip
-    res = apply(_HybridChunk, q, k, v, s0, z0, nex, dex, eex, form, scale, key_padding_mask,
-                off0, precision, gpu_tiles, return_state)  # fmt: skip
+    res = apply(_Chunk, q, k, v, s0, z0, form, scale, key_padding_mask, off0, precision,
+                gpu_tiles, return_state, nex, dex, eex)  # fmt: skip
     return (res[0], tuple(res[1:])) if return_state else (res, None)
 
 
