@@ -48,21 +48,26 @@ __all__ = ["local_fwd", "local_bwd"]
 
 
 @triton.jit
+def _selection(b_kj, o_j, m_j, e, m_t, WIN, IS_SINK: tl.constexpr):
+    """Which of keys ``o_j`` [BK] rows at extended positions ``e`` [BT] read exactly: window keys
+    (``b_kj`` their kinds) in ``e - WIN < j <= e``, or, IS_SINK, present sink slots (``b_kj``
+    their positions, ``m_j`` their presence) at or before ``e``."""
+    if IS_SINK:
+        return (b_kj[None, :] <= e[:, None]) & m_j[None, :] & m_t[:, None]
+    return (o_j[None, :] <= e[:, None]) & (o_j[None, :] > e[:, None] - WIN) & \
+        (b_kj == 1)[None, :] & m_t[:, None]  # fmt: skip
+
+
+@triton.jit
 def _scores(b_q, k_base, kind_ptr, o_j, m_j, o_d, m_d, e, m_t, stride_kl, stride_kd, stride_nl,
             WIN, scale, IS_SINK: tl.constexpr, PRECISION: tl.constexpr,
             ACC: tl.constexpr):  # fmt: skip
     """``(logits [BT, BK] at NEG off the selection, selection, keys [BK, BD], keys read)`` of
     rows at extended positions ``e`` against keys ``o_j``: window keys (``kind_ptr`` their
     kinds) or, IS_SINK, sink slots (``kind_ptr`` their positions, ``m_j`` their presence)."""
-    if IS_SINK:
-        b_pos = tl.load(kind_ptr + o_j * stride_nl, mask=m_j, other=0)
-        sel = (b_pos[None, :] <= e[:, None]) & m_j[None, :] & m_t[:, None]
-        m_read = m_j
-    else:
-        b_kind = tl.load(kind_ptr + o_j * stride_nl, mask=m_j, other=0)
-        m_read = m_j & (b_kind != 0)  # positions of nothing hold junk: never read
-        sel = (o_j[None, :] <= e[:, None]) & (o_j[None, :] > e[:, None] - WIN) & \
-            (b_kind == 1)[None, :] & m_t[:, None]  # fmt: skip
+    b_kj = tl.load(kind_ptr + o_j * stride_nl, mask=m_j, other=0)
+    sel = _selection(b_kj, o_j, m_j, e, m_t, WIN, IS_SINK)
+    m_read = m_j if IS_SINK else m_j & (b_kj != 0)  # positions of nothing hold junk: never read
     b_k = tl.load(k_base + o_j[:, None] * stride_kl + o_d[None, :] * stride_kd,
                   mask=m_read[:, None] & m_d[None, :], other=0.0)  # fmt: skip
     b_s = product(b_q, tl.trans(b_k), PRECISION, ACC) * tl.full([], scale, ACC)  # (an fp64 arg)
@@ -214,6 +219,7 @@ def _key_grads(q_ptr, dn_ptr, dd_ptr, off_ptr, b_k, b_v, kind_ptr, o_j, m_j, i_b
                IS_SINK: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
     """``(dk, dv)`` [BK, BD], [BK, BE] of keys ``o_j`` plus the rows ``t0 <= t < t1`` of every
     query head of key/value head (b, hk) that read them."""
+    b_kj = tl.load(kind_ptr + o_j * stride_nl, mask=m_j, other=0)  # kinds, or sink positions
     for g in range(0, G):
         i_hq = i_hk * G + g
         q_base = q_ptr + i_b * stride_qb + i_hq * stride_qh
@@ -224,13 +230,7 @@ def _key_grads(q_ptr, dn_ptr, dd_ptr, off_ptr, b_k, b_v, kind_ptr, o_j, m_j, i_b
             b_q = tl.load(q_base + o_t[:, None] * stride_qt + o_d[None, :] * stride_qd,
                           mask=m_t[:, None] & m_d[None, :], other=0.0)  # fmt: skip
             b_s = product(b_q, tl.trans(b_k), PRECISION, ACC) * tl.full([], scale, ACC)
-            if IS_SINK:
-                b_pos = tl.load(kind_ptr + o_j * stride_nl, mask=m_j, other=0)
-                sel = (b_pos[None, :] <= e[:, None]) & m_j[None, :] & m_t[:, None]
-            else:
-                b_kind = tl.load(kind_ptr + o_j * stride_nl, mask=m_j, other=0)
-                sel = (o_j[None, :] <= e[:, None]) & (o_j[None, :] > e[:, None] - WIN) & \
-                    (b_kind == 1)[None, :] & m_t[:, None]  # fmt: skip
+            sel = _selection(b_kj, o_j, m_j, e, m_t, WIN, IS_SINK)
             i_row = (i_b * H + i_hq) * T + o_t
             b_dn, b_dd, b_off = _load_rows(dn_ptr, dd_ptr, off_ptr, i_row, m_t, o_e, m_e, E)
             b_p, b_dl = _row_grads(b_s, sel, b_v, b_dn, b_dd, b_off, PRECISION, ACC)
