@@ -138,11 +138,16 @@ def hybrid(call: Call, gpu_tiles=None):
     # head maps map the features' q and k (applied here, differentiably: the maps' gradients
     # for calibration); the exact part is the model's own attention on q and k as they are
     maps = rf.map_tensors(q, k)
-    fq, fk = (q, k) if maps is None else (mapped(q, maps[0]), mapped(k, maps[1], mask))
-    if maps is not None:  # (the call's mapped keys give the form its statistics, if any)
-        ks = mapped(ks, maps[1], ms)
-    form = kernel_form(rf, fq, fk, mask, scale, True, call.query_padding_mask,
+    fq = q
+    if maps is not None:
+        fq, ks = mapped(q, maps[0]), mapped(ks, maps[1], ms)
+    # the form's statistics, if any, of the mapped q and keys (kernel_form maps the keys only
+    # where its moments read them); the kernels take the inputs mapped here, the form no maps
+    form = kernel_form(rf, fq, k, mask, scale, True, call.query_padding_mask,
+                       maps=None if maps is None else (None, maps[1]),
                        update=call.update_stats)  # fmt: skip
+    if maps is not None:
+        form = dataclasses.replace(form, kmap=None)
     num, den, off = ops.rf_local(q, ext, call.window, scale)
     # the kernels' features sum to N times the estimate (N: the feature map's sample count)
     n = rf.feature_map.num_samples(rf.weight)

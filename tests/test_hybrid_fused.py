@@ -112,6 +112,26 @@ def test_statistics_forms_equal_the_torch_path(feature):
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-14, msg=name)
 
 
+def test_statistics_of_head_mapped_inputs_equal_the_torch_path():
+    """oprf in training with head maps: the statistics are those of the mapped q and k (moved
+    into the running buffers alike), outputs equal the torch path's in float64."""
+    q, k, v = inputs(T=24, seed=3)
+    rfs = [features("oprf", stats="running").train() for _ in range(2)]
+    g = torch.Generator().manual_seed(6)
+    for rf in rfs:
+        rf.add_head_maps(4, 2)
+    with torch.no_grad():
+        for m in (rfs[0].query_map, rfs[0].key_map):
+            m.add_(0.3 * torch.randn(m.shape, generator=g, dtype=f64))
+    rfs[1].load_state_dict(rfs[0].state_dict())
+    outs = [rfattn.rf_attention(q, k, v, rf, causal=True, window=4, sinks=2, backend=backend)
+            for rf, backend in zip(rfs, ("torch", "triton"), strict=True)]  # fmt: skip
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-9, atol=1e-11)
+    for (name, a), b in zip(rfs[0].feature_map.named_buffers(), rfs[1].feature_map.buffers(),
+                            strict=True):  # fmt: skip
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-14, msg=name)
+
+
 def test_no_output_depends_on_a_later_token():
     """Not even through underflow: later keys with huge logits and values leave every earlier
     row bit for bit unchanged; a NaN value reaches its own and later rows only."""
