@@ -218,6 +218,7 @@ class Extended(NamedTuple):
     kinds: torch.Tensor  # [B, W + T] int8: NOTHING, WINDOW (a valid key, not a sink), SINK
     new_kinds: torch.Tensor  # [B, T]: the call's own
     sink_keys: torch.Tensor  # [B, Hk, 2 S, D]: the state's sink slots, then the call's first S
+    # (S slots, the call's own, for a first call without a state: extend(None, ...))
     sink_values: torch.Tensor  # [B, Hk, 2 S, E]
     sink_pos: torch.Tensor  # [B, 2 S]: their extended positions (-1: the state's)
     sink_present: torch.Tensor  # [B, 2 S] bool
