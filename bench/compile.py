@@ -180,7 +180,8 @@ def _call(
             kw["key_padding_mask"] = torch.arange(T).expand(B, T) < 3  # left padding
         if state:
             kw["return_state"] = True
-            _, st = _fused(q[:, :, :5], k[:, :, :5], v[:, :, :5], rf, True, return_state=True)
+            _, st = _fused(q[:, :, :5], k[:, :, :5], v[:, :, :5], rf, True, return_state=True,
+                           window=window, sinks=sinks)  # fmt: skip
             kw["initial_state"] = (
                 st
                 if not grad
@@ -250,6 +251,9 @@ def scenarios(quick: bool = False) -> list[tuple[str, object]]:
             (f"posrf-{dt}-D{D}-causal-gqa", _call(*base, True, groups=3)),
             # the hybrid: the output walk with the exact terms (HAS_EX)
             (f"posrf-{dt}-D{D}-causal-hybrid", _call(*base, True, window=16, sinks=4)),
+            # the hybrid's decode step (the recurrent step with the window and the sinks)
+            (f"posrf-{dt}-D{D}-decode-hybrid",
+             _call(*base, True, grad=False, T=1, state=True, window=16, sinks=4)),
             (f"posrf-{dt}-D{D}-decode-gqa", _call(*base, True, grad=False, T=2, groups=3)),
             # calibrated head maps in the forward kernels (inference)
             (f"posrf-{dt}-D{D}-maps", _call(*base, False, grad=False, maps=True)),

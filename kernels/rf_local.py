@@ -29,6 +29,11 @@ it), with ``p_ij = exp(s q_i . k_j - off_i)`` and ``dl_ij = p_ij (dnum_i . v_j +
 * ``_local_dsink_kernel``, grid (B * Hk): the sink slots, read by every later row: the same
   sums over all rows.
 
+The decode step (``rf_recurrent``'s HYBRID: one token after a state) joins its rows' exact terms
+to the features' with ``decode_exact`` (the same tile helpers: the window slots, the sink slots
+and the token itself) and moves the state's window and sinks one token on with
+``decode_shift``.
+
 Products under the kernels' precision policy (``common.product``): fp16/bf16 inputs as one half
 product each, the logits of the inputs as they are (exact products, fp32 accumulation) times the
 scale, as flash-attention does, but ``dnum . v`` of the backward as two (its fp32 cotangents
@@ -44,7 +49,7 @@ import triton.language as tl
 
 from .common import INTERPRET, NEG, next_pow2, precision_policy, product
 
-__all__ = ["local_fwd", "local_bwd"]
+__all__ = ["local_fwd", "local_bwd", "decode_exact", "decode_shift"]
 
 
 @triton.jit
@@ -319,6 +324,101 @@ def _local_dsink_kernel(
              mask=(o_j < NSK)[:, None] & m_d[None, :])  # fmt: skip
     tl.store(dsv_ptr + i_key[:, None] * E + o_e[None, :], b_dv,
              mask=(o_j < NSK)[:, None] & m_e[None, :])  # fmt: skip
+
+
+@triton.jit
+def decode_exact(b_q, b_num, b_den, b_off, k_tok, v_tok, stride_kd, stride_ve, new_exact, wk_base,
+                 wv_base, kind_base, sk_base, sv_base, seen, WIN, scale, o_r, m_r, o_d, m_d, o_e,
+                 m_e, D: tl.constexpr, E: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
+                 HAS_WIN: tl.constexpr, HAS_SINK: tl.constexpr, PRECISION: tl.constexpr,
+                 ACC: tl.constexpr):  # fmt: skip
+    """The exact terms of the hybrid's decode step (``rf_recurrent``, one token) joined to the
+    features' ``b_num`` [GP, BE], ``b_den`` [GP] at the rows' offsets ``b_off`` [GP]: rows
+    ``o_r`` (``m_r``) are the token's query heads ``b_q`` (as given) at extended position WIN,
+    which read exactly the window slots ``1 <= j < WIN`` of a window key's kind (the state's
+    keys ``[WIN, D]`` at ``wk_base``, kinds at ``kind_base``), the state's ``seen`` sink slots
+    and the token itself where ``new_exact`` ([GP], all alike: it is a sink, or a window key
+    when there is a window). ``(num, den)`` at one offset per row; NaN in the columns of a row
+    that read a non-finite value."""
+    b_m, b_acc, b_l = b_off, b_num, b_den
+    b_bad = tl.zeros(b_num.shape, dtype=ACC)
+    e = WIN + o_r * 0  # every row at the token's extended position
+    if HAS_WIN:
+        for j0 in range(1, WIN, BK):
+            o_j = j0 + tl.arange(0, BK)
+            b_s, sel, b_k, m_read = _scores(b_q, wk_base, kind_base, o_j, o_j < WIN, o_d, m_d, e,
+                                            m_r, D, 1, 1, WIN, scale, False, PRECISION,
+                                            ACC)  # fmt: skip
+            b_v, b_vb = _values(wv_base, o_j, m_read, o_e, m_e, E, 1, m_read)
+            b_m, b_l, b_acc, b_bad = _visit(b_s, sel, b_k, b_v, b_vb, b_m, b_l, b_acc, b_bad,
+                                            b_bad, b_l, b_l, False, PRECISION, ACC)  # fmt: skip
+    if HAS_SINK:
+        o_j = tl.arange(0, BS)
+        m_j = o_j < seen
+        b_k = tl.load(sk_base + o_j[:, None] * D + o_d[None, :], mask=m_j[:, None] & m_d[None, :],
+                      other=0.0)  # fmt: skip
+        sel = m_r[:, None] & m_j[None, :]
+        b_s = product(b_q, tl.trans(b_k), PRECISION, ACC) * tl.full([], scale, ACC)
+        b_v, b_vb = _values(sv_base, o_j, m_j, o_e, m_e, E, 1, m_j)
+        b_m, b_l, b_acc, b_bad = _visit(tl.where(sel, b_s, NEG), sel, b_k, b_v, b_vb, b_m, b_l,
+                                        b_acc, b_bad, b_bad, b_l, b_l, False, PRECISION,
+                                        ACC)  # fmt: skip
+    # the token itself: row 0 of a [GP, .] tile
+    m_n = (o_r == 0) & new_exact
+    b_k = tl.load(k_tok + o_r[:, None] * 0 + o_d[None, :] * stride_kd,
+                  mask=m_n[:, None] & m_d[None, :], other=0.0)  # fmt: skip
+    sel = m_r[:, None] & m_n[None, :]
+    b_s = product(b_q, tl.trans(b_k), PRECISION, ACC) * tl.full([], scale, ACC)
+    b_v, b_vb = _values(v_tok, o_r * 0, m_n, o_e, m_e, 0, stride_ve, m_n)
+    b_m, b_l, b_acc, b_bad = _visit(tl.where(sel, b_s, NEG), sel, b_k, b_v, b_vb, b_m, b_l, b_acc,
+                                    b_bad, b_bad, b_l, b_l, False, PRECISION, ACC)  # fmt: skip
+    return tl.where(b_bad > 0, float("nan"), b_acc), b_l
+
+
+@triton.jit
+def decode_shift(wk_base, wv_base, kind_base, nwk_base, nwv_base, nkind_base, sk_base, sv_base,
+                 nsk_base, nsv_base, k_tok, v_tok, stride_kd, stride_ve, new_kind, seen, i_h,
+                 WIN, NSK, o_d, m_d, o_e, m_e, D: tl.constexpr, E: tl.constexpr,
+                 BK: tl.constexpr, BS: tl.constexpr, HAS_WIN: tl.constexpr,
+                 HAS_SINK: tl.constexpr):  # fmt: skip
+    """The hybrid state after a decode step's token (``new_kind`` its kind, scalar): the window
+    slots one on (slot j takes slot j + 1, the last the token, as given), the token in sink
+    slot ``seen`` if it is a sink; the kinds (per batch row: written by the program of the
+    first key/value head, ``i_h`` 0). (Scalars enter masks as vectors: the interpreter makes a
+    scalar bool and'ed with a vector an int32 mask.)"""
+    if HAS_WIN:
+        b_kn = tl.load(k_tok + o_d * stride_kd, mask=m_d, other=0.0)
+        b_vn = tl.load(v_tok + o_e * stride_ve, mask=m_e, other=0.0)
+        for j0 in range(0, WIN, BK):
+            o_j = j0 + tl.arange(0, BK)
+            m_j = o_j < WIN
+            src = o_j + 1
+            m_old, last = src < WIN, src == WIN
+            b_k = tl.load(wk_base + src[:, None] * D + o_d[None, :],
+                          mask=m_old[:, None] & m_d[None, :], other=0.0)  # fmt: skip
+            b_v = tl.load(wv_base + src[:, None] * E + o_e[None, :],
+                          mask=m_old[:, None] & m_e[None, :], other=0.0)  # fmt: skip
+            tl.store(nwk_base + o_j[:, None] * D + o_d[None, :],
+                     tl.where(last[:, None], b_kn[None, :], b_k), mask=m_j[:, None] & m_d[None, :])
+            tl.store(nwv_base + o_j[:, None] * E + o_e[None, :],
+                     tl.where(last[:, None], b_vn[None, :], b_v), mask=m_j[:, None] & m_e[None, :])
+            b_n = tl.load(kind_base + src, mask=m_old, other=0)
+            tl.store(nkind_base + o_j, tl.where(last, new_kind, b_n).to(tl.int8),
+                     mask=m_j & (o_j * 0 + i_h == 0))  # fmt: skip
+    if HAS_SINK:
+        o_s = tl.arange(0, BS)
+        m_s = o_s < NSK
+        put = (o_s == seen) & (o_s * 0 + new_kind == 2)
+        b_kn = tl.load(k_tok + o_d * stride_kd, mask=m_d, other=0.0)
+        b_vn = tl.load(v_tok + o_e * stride_ve, mask=m_e, other=0.0)
+        b_k = tl.load(sk_base + o_s[:, None] * D + o_d[None, :], mask=m_s[:, None] & m_d[None, :],
+                      other=0.0)  # fmt: skip
+        b_v = tl.load(sv_base + o_s[:, None] * E + o_e[None, :], mask=m_s[:, None] & m_e[None, :],
+                      other=0.0)  # fmt: skip
+        tl.store(nsk_base + o_s[:, None] * D + o_d[None, :],
+                 tl.where(put[:, None], b_kn[None, :], b_k), mask=m_s[:, None] & m_d[None, :])
+        tl.store(nsv_base + o_s[:, None] * E + o_e[None, :],
+                 tl.where(put[:, None], b_vn[None, :], b_v), mask=m_s[:, None] & m_e[None, :])
 
 
 def _setup(q, keys, values, sink_keys, sink_values, window: int):

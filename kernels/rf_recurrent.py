@@ -50,8 +50,9 @@ from .common import (
     store_offset,
     valid_keys,
 )
+from .rf_local import decode_exact, decode_shift
 
-__all__ = ["rf_recurrent_fwd", "pool_index", "MAX_TOKENS"]
+__all__ = ["rf_recurrent_fwd", "rf_hybrid_step", "pool_index", "MAX_TOKENS"]
 
 #: the most tokens a call sends through the recurrent step (longer ones use rf_chunk)
 MAX_TOKENS = 16
@@ -61,7 +62,9 @@ MAX_TOKENS = 16
 def _recurrent_kernel(
     q_ptr, k_ptr, v_ptr, w_ptr, pad_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr,
     xi_ptr, qmap_ptr, kmap_ptr, s0_ptr, z0_ptr, r0_ptr, s_ptr, z_ptr, r_ptr, o_ptr, idx_ptr,
-    T, H, G,
+    wk_ptr, wv_ptr, kind_ptr, sk_ptr, sv_ptr, seen_ptr, nwk_ptr, nwv_ptr, nkind_ptr, nsk_ptr,
+    nsv_ptr, nseen_ptr, lscale: tl.float64, inv_n: tl.float64,
+    T, H, G, WIN, NSK,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
@@ -72,13 +75,22 @@ def _recurrent_kernel(
     HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
     HAS_INIT: tl.constexpr, PLAIN: tl.constexpr, GP: tl.constexpr, HAS_MAP: tl.constexpr,
-    HAS_IDX: tl.constexpr, POOL_OUT: tl.constexpr,
+    HAS_IDX: tl.constexpr, POOL_OUT: tl.constexpr, HYBRID: tl.constexpr, HAS_WIN: tl.constexpr,
+    HAS_SINK: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
 ):  # fmt: skip
     """T tokens of one key/value head (b, h) against the state (S0, z0, R0) (zeros without
     HAS_INIT), written to (S, z, R): the first token reads S0, the later ones S (the two may be
     the same tensors: in place). The G query heads that read it are the rows of one [GP, .]
     tile (GP >= 16, as tl.dot needs). HAS_IDX: the initial states are rows ``idx[b]`` of a pool
-    (S0 ``[P, H, M, E]``, ...), and with POOL_OUT so are the written ones (in place)."""
+    (S0 ``[P, H, M, E]``, ...), and with POOL_OUT so are the written ones (in place).
+
+    HYBRID (one token, ``rfattn.hybrid``'s decode step): the key that joins the state is the one
+    leaving the window, slot 0 of the state's WIN window keys ``wk`` (the token itself without
+    a window), where its kind is a window key's; the features' state is in the torch path's
+    units (``inv_n``: 1 / the feature map's sample count); the rows add the exact terms of the
+    window, the NSK sink slots and the token (``rf_local.decode_exact``, logits at ``lscale``),
+    and the state's window and sinks one token on are written to the ``n*`` tensors
+    (``rf_local.decode_shift``). The hybrid state's tensors are contiguous."""
     i_bh = tl.program_id(0).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     i_in = i_bh  # the (b, h) row of the initial state, and of the written one
@@ -98,18 +110,41 @@ def _recurrent_kernel(
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
     v_base = v_ptr + i_b * stride_vb + i_h * stride_vh
     b_r = load_offset(r0_ptr + i_in, PLAIN, HAS_INIT, ACC)
+    if HYBRID:
+        # the token's kind: padding 0, a sink while a slot is free 2, else a window key 1
+        # ([GP] alike: the interpreter makes a scalar bool and'ed with a vector an int32 mask)
+        seen_r = tl.load(seen_ptr + i_b + o_r * 0)
+        tok_ok = seen_r >= 0
+        if HAS_PAD:
+            tok_ok = tl.load(pad_ptr + i_b * stride_pb + o_r * 0) == 0
+        new_kinds = tl.where(tok_ok, tl.where(seen_r < NSK, 2, 1), 0)
+        seen, new_kind = tl.max(seen_r, axis=0), tl.max(new_kinds, axis=0)
+        # the key joining the state: the window's slot 0, or the token without a window
+        enter_kind = new_kinds
+        enter_k, enter_v = k_base, v_base
+        stride_et, stride_ed, stride_ev, stride_ee = stride_kt, stride_kd, stride_vt, stride_ve
+        if HAS_WIN:
+            enter_kind = tl.load(kind_ptr + i_b * WIN + o_r * 0).to(tl.int32)
+            enter_k, enter_v = wk_ptr + i_bh * WIN * D, wv_ptr + i_bh * WIN * E
+            stride_et, stride_ed, stride_ev, stride_ee = D, 1, E, 1
     for t in range(0, T):
         o_t = t + o_r * 0  # [GP], all rows point at token t
         m_row = o_r == 0
-        m_k = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD) & m_row
+        if HYBRID:
+            m_k = (enter_kind == 1) & m_row
+            b_k = load_mapped(enter_k, o_t, o_d, stride_et, stride_ed, m_k, m_d, kmap_ptr, i_h, D,
+                              GP, BD, HAS_MAP, PRECISION, ACC)  # fmt: skip
+            b_v = load_rows(enter_v, o_t, o_e, stride_ev, stride_ee, m_k, m_e, ACC)
+        else:
+            m_k = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD) & m_row
+            b_k = load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, kmap_ptr, i_h, D,
+                              GP, BD, HAS_MAP, PRECISION, ACC)  # fmt: skip
+            b_v = load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_k, m_e, ACC)  # [GP, BE]
         # query row g: head h * G + g at token t
         b_q = load_mapped_heads(q_base + t * stride_qt, o_r, o_d, stride_qh, stride_qd, m_qr,
                                  m_d, qmap_ptr, i_h * G, G, D, GP, BD, HAS_MAP, PRECISION,
                                  ACC)  # fmt: skip
-        b_k = load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, kmap_ptr, i_h, D, GP,
-                           BD, HAS_MAP, PRECISION, ACC)  # fmt: skip
         b_xq, b_xk = b_q * b_scq[None, :], b_k * b_sck[None, :]
-        b_v = load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_k, m_e, ACC)  # [GP, BE]
         # pass 1: the key's max logit over all features -> the new running offset
         b_rn = b_r
         for i_m in range(0, NMT):
@@ -145,6 +180,8 @@ def _recurrent_kernel(
                 M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY, b_k, b_sck,
                 HAS_MAP)  # fmt: skip
             b_b = b_gk * tl.where(m_k[:, None] & m_f[None, :], tl.exp(b_uk - b_rn), 0.0)
+            if HYBRID:  # the torch path's units
+                b_b = b_b * tl.full([], inv_n, ACC)
             # [BM, GP] @ [GP, BE] -> [BM, BE] (signed features split, as the key pass's)
             b_s = b_s * b_alpha + product(tl.trans(b_b), b_v, PRECISION, ACC, FEATURE != 0)
             b_z = b_z * b_alpha + tl.sum(b_b, axis=0)
@@ -163,12 +200,35 @@ def _recurrent_kernel(
                                                       True)  # fmt: skip
             b_den = b_den * b_beta + tl.sum(b_a * b_z[None, :], axis=1)
             b_mx = b_mx_new
+        if HYBRID:  # the exact terms, at the offset the features' terms share with them
+            b_qx = tl.load(q_base + t * stride_qt + o_r[:, None] * stride_qh +
+                           o_d[None, :] * stride_qd, mask=m_qr[:, None] & m_d[None, :],
+                           other=0.0)  # fmt: skip
+            if HAS_WIN:
+                new_exact = (new_kinds != 0) & m_qr
+            else:
+                new_exact = (new_kinds == 2) & m_qr
+            b_num, b_den = decode_exact(
+                b_qx, b_num, b_den, b_mx + b_rn, k_base + t * stride_kt, v_base + t * stride_vt,
+                stride_kd, stride_ve, new_exact, wk_ptr + i_bh * WIN * D,
+                wv_ptr + i_bh * WIN * E, kind_ptr + i_b * WIN, sk_ptr + i_bh * NSK * D,
+                sv_ptr + i_bh * NSK * E, seen, WIN, lscale, o_r, m_qr, o_d, m_d, o_e, m_e, D, E,
+                BK, BS, HAS_WIN, HAS_SINK, PRECISION, ACC,
+            )  # fmt: skip
         b_o, b_den = ratio(b_num, b_den, TINY)
         p_o = o_ptr + i_b * stride_ob + (i_h * G + o_r[:, None]) * stride_oh + t * stride_ot
         tl.store(p_o + o_e[None, :] * stride_oe, b_o.to(o_ptr.dtype.element_ty),
                  mask=m_qr[:, None] & m_e[None, :])  # fmt: skip
         b_r = b_rn
     store_offset(r_ptr + i_out, b_r)
+    if HYBRID:
+        decode_shift(wk_ptr + i_bh * WIN * D, wv_ptr + i_bh * WIN * E, kind_ptr + i_b * WIN,
+                     nwk_ptr + i_bh * WIN * D, nwv_ptr + i_bh * WIN * E, nkind_ptr + i_b * WIN,
+                     sk_ptr + i_bh * NSK * D, sv_ptr + i_bh * NSK * E, nsk_ptr + i_bh * NSK * D,
+                     nsv_ptr + i_bh * NSK * E, k_base, v_base, stride_kd, stride_ve, new_kind,
+                     seen, i_h, WIN, NSK, o_d, m_d, o_e, m_e, D, E, BK, BS, HAS_WIN,
+                     HAS_SINK)  # fmt: skip
+        tl.store(nseen_ptr + i_b, seen + (new_kind == 2).to(tl.int64), mask=i_h == 0)
 
 
 #: per-shape plans of the launcher (:func:`common.shape_plan`)
@@ -176,21 +236,25 @@ _PLANS = plan_cache()
 
 
 def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, has_init, has_idx,
-          pool_out, *_alignment):  # fmt: skip
+          pool_out, hybrid, *_alignment):  # fmt: skip
     """What :func:`rf_recurrent_fwd` derives once per shape (``has_idx``: the initial states are
-    rows of a pool, ``pool_out``: and so are the written ones; ``_alignment``: the state's and
-    the index's, in the key only): the setup's sizes, the bound launch and its integer
-    arguments."""
+    rows of a pool, ``pool_out``: and so are the written ones; ``hybrid``: ``(window, sinks)``
+    of :func:`rf_hybrid_step`, else None; ``_alignment``: the state's and the index's, in the
+    key only): the setup's sizes, the bound launch and its integer arguments."""
     c = launch_setup(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles=gpu_tiles)
     B, H, G, T, E = c.B, c.H, c.G, c.Tq, c.E
+    win, nsk = hybrid or (0, 0)
+    tiles = 64 if c.gpu_tiles else 16
     launch = Launch(_recurrent_kernel, (B * H,), HAS_PAD=c.has_pad, HAS_INIT=has_init,
                     PLAIN=c.plain, GP=next_pow2(G), HAS_MAP=c.has_map, HAS_IDX=has_idx,
-                    POOL_OUT=pool_out, **c.launch_options(num_warps=4), **c.meta)  # fmt: skip
+                    POOL_OUT=pool_out, HYBRID=hybrid is not None, HAS_WIN=win > 0,
+                    HAS_SINK=nsk > 0, BK=min(tiles, next_pow2(win)), BS=next_pow2(nsk),
+                    **c.launch_options(num_warps=4), **c.meta)  # fmt: skip
     out = (H * G * T * E, T * E, E, 1)  # contiguous, made by the launcher
     return Plan(B=B, H=H, G=G, T=T, M=c.M, E=E, acc=c.acc, plain=c.plain, root=c.form_ptrs[0],
                 has_pad=c.has_pad, launch=launch, ints=(
-                    T, H, G, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), *c.pad[1:],
-                    *out))  # fmt: skip
+                    T, H, G, win, nsk, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(),
+                    *c.pad[1:], *out))  # fmt: skip
 
 
 def rf_recurrent_fwd(
@@ -249,7 +313,7 @@ def rf_recurrent_fwd(
         idx = pool_index(state_index, q.shape[0], s0.shape[0], q.device, distinct=inplace)
         state = (*state, idx.data_ptr() % 16)
     p = shape_plan(_PLANS, _plan, q, k, v, form, scale, key_padding_mask, precision, gpu_tiles,
-                   state is not None, idx is not None, inplace and idx is not None,
+                   state is not None, idx is not None, inplace and idx is not None, None,
                    *(state or ()))  # fmt: skip
     B, H, G, T, M, E, dev = p.B, p.H, p.G, p.T, p.M, p.E, q.device
     w, *ptrs = form_args(form, B, H * G, H, acc, dev)
@@ -278,8 +342,50 @@ def rf_recurrent_fwd(
     if B * H:
         pad = mask_rows(key_padding_mask) if p.has_pad else w
         p.launch(q, k, v, w, pad, p.root, *ptrs, s0, z0, r0, s, z, r, out,
-                 w if idx is None else idx, *p.ints)  # fmt: skip
+                 w if idx is None else idx, *(w,) * 12, 1.0, 1.0, *p.ints)  # fmt: skip
     return out, (s, z, r)
+
+
+def rf_hybrid_step(q, k, v, form, scale: float, key_padding_mask, state: tuple, window: int,
+                   sinks: int, inv_n: float, precision: str | None = None,
+                   gpu_tiles: bool | None = None):  # fmt: skip
+    """The hybrid's decode step (``rfattn.hybrid``: exact sinks and window inside the features,
+    one normaliser) for one token, in one launch (no gradient).
+
+    Args:
+        q: ``[B, H * G, 1, D]``; k: ``[B, H, 1, D]``; v: ``[B, H, 1, E]``; form, scale,
+            key_padding_mask (``[B, 1]``), precision, gpu_tiles: as :func:`rf_recurrent_fwd`.
+        state: the fields of ``rfattn.hybrid.HybridState`` (the features' state in the torch
+            path's units, the window's keys and values and the sink slots in q's dtype; made
+            contiguous where they are not).
+        window, sinks: the state's W and S.
+        inv_n: 1 / the feature map's sample count (the state's units).
+
+    Returns:
+        ``(out [B, H * G, 1, E], the HybridState's fields one token on)``, new tensors.
+    """
+    if q.shape[2] != 1 or k.shape[2] != 1:
+        raise ValueError(f"the hybrid's decode step takes one token, got {q.shape[2]}")
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    s0, z0, r0, wk, wv, kinds, sk, sv, seen = (
+        x.to(dtype).contiguous()
+        for x, dtype in zip(state, (acc, acc, acc, q.dtype, q.dtype, torch.int8, q.dtype,
+                                    q.dtype, torch.int64), strict=True)
+    )  # fmt: skip
+    align = tuple(x.data_ptr() % 16 for x in (s0, z0, r0))
+    p = shape_plan(_PLANS, _plan, q, k, v, form, scale, key_padding_mask, precision, gpu_tiles,
+                   True, False, False, (window, sinks), *align)  # fmt: skip
+    B, H, G, M, E, dev = p.B, p.H, p.G, p.M, p.E, q.device
+    w, *ptrs = form_args(form, B, H * G, H, acc, dev)
+    new = (torch.empty(B, H, M, E, device=dev, dtype=acc),
+           torch.empty(B, H, M, device=dev, dtype=acc), torch.empty(B, H, device=dev, dtype=acc),
+           *(torch.empty_like(x) for x in (wk, wv, kinds, sk, sv, seen)))  # fmt: skip
+    out = torch.empty(B, H * G, 1, E, device=dev, dtype=q.dtype)
+    if B * H:
+        pad = mask_rows(key_padding_mask) if p.has_pad else w
+        p.launch(q, k, v, w, pad, p.root, *ptrs, s0, z0, r0, *new[:3], out, w, wk, wv, kinds, sk,
+                 sv, seen, *new[3:], scale, inv_n, *p.ints)  # fmt: skip
+    return out, new
 
 
 def pool_index(state_index: torch.Tensor, batch: int, pool: int, device,

@@ -129,6 +129,8 @@ def hybrid(call: Call, gpu_tiles=None):
     from rfattn import ops
 
     q, k, v, rf, mask, scale = call.q, call.k, call.v, call.rf, call.key_padding_mask, call.scale
+    if q.shape[2] == 1 and call.initial_state is not None and not _hybrid_grad(call):
+        return _hybrid_step(call, gpu_tiles)
     st = None  # a first call that returns no state: no empty state made
     if call.initial_state is not None or call.return_state:
         st = hybrid_path.empty_state(k, v, rf, call.window, call.sinks, call.initial_state)
@@ -160,6 +162,35 @@ def hybrid(call: Call, gpu_tiles=None):
         return out
     s, z, offset = state
     return out, hybrid_path.next_state(st, ext, s / n, z / n, offset)
+
+
+def _hybrid_grad(call: Call) -> bool:
+    """Whether autograd records a hybrid call (of anything it reads: q, k, v, W, the head maps,
+    the state)."""
+    if not torch.is_grad_enabled():
+        return False
+    rf = call.rf
+    given = (call.q, call.k, call.v, rf.weight, *call.initial_state,
+             *(rf.map_tensors(call.q, call.k) or ()))  # fmt: skip
+    return any(x is not None and x.requires_grad for x in given)
+
+
+def _hybrid_step(call: Call, gpu_tiles=None):
+    """A hybrid generation step (one token after a state, no gradient) in one launch
+    (``rfattn.ops.rf_hybrid_decode``: the key leaving the window joins the features' state, the
+    row adds the exact window and sinks, the state's window and sinks move one token on): what
+    :func:`hybrid` computes, O(window + sinks + F E) per token."""
+    from rfattn import hybrid as hybrid_path
+    from rfattn import ops
+
+    q, k, v, rf, mask = call.q, call.k, call.v, call.rf, call.key_padding_mask
+    st = hybrid_path.empty_state(k, v, rf, call.window, call.sinks, call.initial_state)
+    form = kernel_form(rf, q, k, mask, call.scale, True, call.query_padding_mask,
+                       maps=rf.map_tensors(q, k), update=call.update_stats)  # fmt: skip
+    n = rf.feature_map.num_samples(rf.weight)
+    out, new = ops.rf_hybrid_decode(q, k, v, form, call.scale, mask, st, call.window, call.sinks,
+                                    1.0 / float(n), gpu_tiles=gpu_tiles)  # fmt: skip
+    return (out, hybrid_path.HybridState(*new)) if call.return_state else out
 
 
 def kernel_form(rf, q, k, key_padding_mask, scale: float, causal: bool,

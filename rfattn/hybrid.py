@@ -263,8 +263,9 @@ def next_state(st: HybridState, ext: Extended, s, z, offset) -> HybridState:
     n = st.sinks_seen[:, None]
     r = torch.arange(S, device=n.device)[None, :]
     pick = (torch.where(r < n, r, S + r - n).clamp(max=2 * S - 1) if S else r).expand(B, S)
-    return HybridState(
-        s, z, offset, ext.keys[:, :, T:], ext.values[:, :, T:], ext.kinds[:, T:],
+    return HybridState(  # the window contiguous, as the decode step reads it
+        s, z, offset, ext.keys[:, :, T:].contiguous(), ext.values[:, :, T:].contiguous(),
+        ext.kinds[:, T:].contiguous(),
         gather_positions(ext.sink_keys, pick), gather_positions(ext.sink_values, pick),
         torch.clamp(st.sinks_seen + (ext.new_kinds == SINK).sum(-1), max=S),
     )  # fmt: skip

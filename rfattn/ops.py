@@ -72,8 +72,8 @@ from rfattn.kernels import rf_parallel as rf_parallel_kernels
 from rfattn.kernels import rf_recurrent as rf_recurrent_kernels
 from rfattn.kernels.common import INTERPRET
 
-__all__ = ["flat_form", "on_torch", "rf_chunk", "rf_chunk_hybrid", "rf_decode", "rf_local",
-           "rf_parallel", "DECODE_TOKENS"]
+__all__ = ["flat_form", "on_torch", "rf_chunk", "rf_chunk_hybrid", "rf_decode", "rf_hybrid_decode",
+           "rf_local", "rf_parallel", "DECODE_TOKENS"]
 
 #: the most tokens :func:`rf_decode` takes (``rfattn.kernels.rf_recurrent.MAX_TOKENS``)
 DECODE_TOKENS = rf_recurrent_kernels.MAX_TOKENS
@@ -677,6 +677,21 @@ def rf_chunk_hybrid(q, k, v, form: KernelForm, scale: float, key_padding_mask, e
     res = apply(_Chunk, q, k, v, s0, z0, form, scale, key_padding_mask, off0, precision,
                 gpu_tiles, return_state, nex, dex, eex)  # fmt: skip
     return (res[0], tuple(res[1:])) if return_state else (res, None)
+
+
+def rf_hybrid_decode(q, k, v, form: KernelForm, scale: float, key_padding_mask, state: tuple,
+                     window: int, sinks: int, inv_n: float, precision=None,
+                     gpu_tiles=None):  # fmt: skip
+    """The hybrid's decode step for one token in one launch (eager, Triton or its interpreter;
+    no gradient): ``(out, the HybridState's fields one token on)`` of ``state`` (the fields of
+    ``rfattn.hybrid.HybridState``, window ``window``, ``sinks`` sink slots; ``inv_n`` 1 / the
+    feature map's sample count), as ``rfattn.kernels.rf_recurrent.rf_hybrid_step``."""
+    if on_torch(q) or torch.compiler.is_compiling():
+        raise NotImplementedError("the hybrid's decode step runs eagerly on Triton (a GPU or the "
+                                  "interpreter); use backend='torch'")  # fmt: skip
+    return rf_recurrent_kernels.rf_hybrid_step(q, k, v, form, scale, key_padding_mask, state,
+                                               window, sinks, inv_n, precision,
+                                               gpu_tiles)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------

@@ -375,3 +375,94 @@ def test_what_runs_the_torch_path_is_refused_on_triton():
     rf = features().eval()
     with pytest.raises(NotImplementedError, match="non-causal window and sinks"):
         rfattn.rf_attention(q, k, v, rf, window=3, backend="triton")
+
+
+@pytest.fixture
+def counted_launches(monkeypatch):
+    """Triton launches by kernel name (run as usual)."""
+    import collections
+
+    from triton.runtime import interpreter
+
+    seen, run = collections.Counter(), interpreter.InterpretedFunction.run
+
+    def counting(self, *args, **kwargs):
+        seen[self.fn.__name__] += 1
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", counting)
+    return seen
+
+
+@pytest.mark.parametrize("feature,window,sinks,prefill,maps", [
+    ("posrf", 0, 2, 1, False),  # no window: the token itself joins the features or the sinks
+    ("posrf", 1, 0, 6, False),
+    ("posrf", 5, 3, 2, False),  # sinks still filling during the steps
+    ("posrf", 5, 2, 12, True),  # head maps: the features' q and leaving key mapped in the kernel
+    ("posrf", 40, 3, 12, False),  # a window past the sequence: exact softmax
+    pytest.param("trigrf", 5, 2, 12, False, marks=pytest.mark.slow),
+    pytest.param("rmf", 5, 2, 12, False, marks=pytest.mark.slow),
+])  # fmt: skip
+def test_decode_steps_are_one_launch_each_and_equal_the_torch_path(
+    feature, window, sinks, prefill, maps, counted_launches
+):  # fmt: skip
+    """Generation after a prefill, one token a call under no_grad: each step is one launch
+    (the recurrent step with the window and the sinks), and over four steps its outputs and
+    every field of its states equal the torch path's in float64 (grouped-query heads; batch
+    1's second token padded, with NaN junk in it and in a padded key of the prefill)."""
+    q, k, v = inputs(T=prefill + 4, seed=5)
+    mask = torch.zeros(2, prefill + 4, dtype=torch.bool)
+    mask[1, prefill + 1] = True
+    mask[0, prefill - 1] = prefill > 1
+    for x in (k, v):
+        x.masked_fill_(mask[:, None, :, None], float("nan"))
+    rf = features(feature).eval()
+    if maps:
+        rf.add_head_maps(4, 2)
+        g = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for m in (rf.query_map, rf.key_map):
+                m.add_(0.3 * torch.randn(m.shape, generator=g, dtype=f64))
+    kw = dict(causal=True, window=window, sinks=sinks, return_state=True)
+    _, st0 = rfattn.rf_attention(q[:, :, :prefill], k[:, :, :prefill], v[:, :, :prefill], rf,
+                                 key_padding_mask=mask[:, :prefill], backend="torch",
+                                 **kw)  # fmt: skip
+    results = {}
+    for backend in ("torch", "triton"):
+        st, outs = st0, []
+        counted_launches.clear()
+        for t in range(prefill, prefill + 4):
+            s = slice(t, t + 1)
+            with torch.no_grad():  # as generation runs (the head maps are parameters)
+                o, st = rfattn.rf_attention(q[:, :, s], k[:, :, s], v[:, :, s], rf,
+                                            initial_state=st, key_padding_mask=mask[:, s],
+                                            backend=backend, **kw)  # fmt: skip
+            outs.append(o)
+        results[backend] = (torch.cat(outs, 2), st, dict(counted_launches))
+    assert results["triton"][2] == {"_recurrent_kernel": 4}
+    assert not results["triton"][0].isnan().any()
+    torch.testing.assert_close(results["triton"][0], results["torch"][0], rtol=1e-9, atol=1e-10)
+    ours, theirs = results["triton"][1], results["torch"][1]
+    for name, a, b in zip(HybridState._fields, ours, theirs, strict=True):
+        if name in ("keys", "values"):  # junk where kinds says nothing
+            keep = (theirs.kinds != 0)[:, None, :, None]
+            a, b = a.masked_fill(~keep, 0.0), b.masked_fill(~keep, 0.0)
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11, msg=name)
+
+
+def test_a_decode_step_reads_what_a_row_reads():
+    """NaN in a window key's value reaches the step's rows (they read it) and no other batch
+    row; a NaN in a padded token reaches nothing."""
+    q, k, v = inputs(T=9, seed=4)
+    rf = features().eval()
+    kw = dict(causal=True, window=4, sinks=1, return_state=True)
+    v[0, 1, 6, 2] = float("nan")  # batch 0, head 1: inside the last step's window
+    _, st = rfattn.rf_attention(q[:, :, :8], k[:, :, :8], v[:, :, :8], rf, backend="torch", **kw)
+    mask = torch.tensor([[False], [True]])
+    k[1, :, 8], v[1, :, 8] = float("nan"), float("nan")
+    out, st = rfattn.rf_attention(q[:, :, 8:], k[:, :, 8:], v[:, :, 8:], rf, initial_state=st,
+                                  key_padding_mask=mask, backend="triton", **kw)  # fmt: skip
+    bad = out.isnan()
+    assert bad[0, 2:4, 0, 2].all() and bad.sum() == 2  # heads 2, 3 read key/value head 1
+    assert torch.equal(st.kinds[1, -1], torch.tensor(0, dtype=torch.int8))
