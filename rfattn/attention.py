@@ -227,8 +227,8 @@ def run(call: Call):
 def _hybrid(call: Call):
     """A one-process hybrid call: the fused hybrid where the backend runs the fused kernels and
     :func:`fused.hybrid_reason` finds nothing against it (``backend="triton"`` raises naming
-    it), else the torch path (also where the operators would run their torch kernels, or when
-    traced: :func:`fused.hybrid_in_torch`)."""
+    it), else the torch path (also where the operators would run their torch kernels:
+    :func:`fused.hybrid_in_torch`)."""
     if call.q.shape[2] and runs_fused(call.q, call.rf, call.causal, call.backend) and \
             not fused.hybrid_in_torch(call):  # fmt: skip
         reason = fused.hybrid_reason(call)

@@ -106,11 +106,12 @@ def hybrid_reason(call: Call) -> str | None:
 
 def hybrid_in_torch(call: Call) -> bool:
     """Whether a hybrid call the fused path would take runs the torch path's hybrid instead, as
-    the operators run their torch kernels: on a CPU without Triton (``rfattn.ops.on_torch``),
-    and when traced (``torch.compile``: the fused hybrid is eager only)."""
+    the operators run their torch kernels: on a CPU without Triton (``rfattn.ops.on_torch``).
+    Traced (``torch.compile``), the fused hybrid is the operators ``rfattn::local``,
+    ``rfattn::chunk_hybrid`` and ``rfattn::hybrid_decode``."""
     from rfattn import ops
 
-    return ops.on_torch(call.q) or torch.compiler.is_compiling()
+    return ops.on_torch(call.q)
 
 
 def hybrid(call: Call, gpu_tiles=None):
@@ -129,7 +130,9 @@ def hybrid(call: Call, gpu_tiles=None):
     from rfattn import ops
 
     q, k, v, rf, mask, scale = call.q, call.k, call.v, call.rf, call.key_padding_mask, call.scale
-    if q.shape[2] == 1 and call.initial_state is not None and not _hybrid_grad(call):
+    # (a symbolic length, torch.compile's dynamic shapes, takes the chunks: no guard on it)
+    if not symbolic(q.shape[2]) and q.shape[2] == 1 and call.initial_state is not None and \
+            not _hybrid_grad(call):  # fmt: skip
         return _hybrid_step(call, gpu_tiles)
     st = None  # a first call that returns no state: no empty state made
     if call.initial_state is not None or call.return_state:

@@ -460,11 +460,12 @@ def _(do, ds, dz, q, k, v, *args):
             torch.empty_like(z0) if init else q.new_empty(0))  # fmt: skip
 
 
-def _chunk_setup(ctx, inputs, output):
+def _chunk_setup(ctx, inputs, output, extra=()):
+    """``rfattn::chunk``'s context (``extra``: more tensors saved after its own, the hybrid's)."""
     out, mq, den, mk, olo = output[0], *output[4:8]
     _auxiliary(ctx, output[3:])  # the offsets and what the backward reads of the rows
     ctx.save_for_backward(*inputs[:3], *inputs[4:_SCALE], *inputs[_SCALE + 1 : _SCALE + 5], out,
-                          mq, den, mk, olo)  # fmt: skip
+                          mq, den, mk, olo, *extra)  # fmt: skip
     ctx.kind, ctx.scale, ctx.opts = inputs[3], inputs[_SCALE], inputs[_SCALE + 5 :]
 
 
@@ -493,7 +494,12 @@ def _torch_chunk_grads(form, scale, mask, q, k, v, s0, z0, off0, cotangents) -> 
 
 @no_autocast
 def _chunk_backward(ctx, d_out, d_s, d_z, *_rest):
-    q, k, v, *form, mask, s0, z0, off0, out, mq, den, mk, olo = ctx.saved_tensors
+    return _chunk_grads(ctx, ctx.saved_tensors, d_out, d_s, d_z)
+
+
+def _chunk_grads(ctx, saved, d_out, d_s, d_z) -> tuple:
+    """The gradients of ``rfattn::chunk``'s inputs from its ``saved`` tensors."""
+    q, k, v, *form, mask, s0, z0, off0, out, mq, den, mk, olo = saved
     d_out, d_s, d_z = _chunk_cotangents(q, v, form[0], out, d_out, d_s, d_z)
     init = s0 is not None
     if on_torch(q):  # an operator's body records no graph
@@ -626,14 +632,109 @@ class _Local(torch.autograd.Function):
     @staticmethod
     @no_autocast
     def backward(ctx, d_num, d_den, _d_off):
-        q, keys, values, sink_keys, sink_values, kinds, sink_pos, sink_present, off = \
-            ctx.saved_tensors  # fmt: skip
-        grads = rf_local_kernels.local_bwd(d_num.contiguous(), d_den.contiguous(), off, q, keys,
-                                           values, kinds, sink_keys, sink_values, sink_pos,
-                                           sink_present, ctx.window, ctx.scale)  # fmt: skip
-        dq, dk, dv, dsk, dsv = (g.to(x.dtype) for g, x in
-                                zip(grads, (q, keys, values, sink_keys, sink_values), strict=True))
-        return dq, dk, dv, dsk, dsv, None, None, None, None, None
+        return (*_local_grads(_local_bwd_body, ctx.saved_tensors, d_num, d_den, ctx.window,
+                              ctx.scale), None, None, None, None, None)  # fmt: skip
+
+
+def _local_grads(backward, saved, d_num, d_den, window: int, scale: float) -> tuple:
+    """dq and the gradients of the extended keys and values and the sink slots' (the inputs'
+    dtypes) of the exact part, from its saved tensors (:class:`_Local`, ``rfattn::local``),
+    by ``backward`` (the kernels' launcher, or the operator ``rfattn::local_bwd``)."""
+    q, keys, values, sink_keys, sink_values, kinds, sink_pos, sink_present, off = saved
+    grads = backward(d_num.contiguous(), d_den.contiguous(), off, q, keys, values, sink_keys,
+                     sink_values, kinds, sink_pos, sink_present, window, scale)  # fmt: skip
+    return tuple(g.to(x.dtype) for g, x in
+                 zip(grads, (q, keys, values, sink_keys, sink_values), strict=True))  # fmt: skip
+
+
+# The hybrid's operators: what torch.compile / torch.export trace (eager calls take _Local and
+# _Chunk); Triton or its interpreter only (the torch path's hybrid runs elsewhere).
+_LOCAL = ("Tensor q, Tensor keys, Tensor values, Tensor sink_keys, Tensor sink_values, "
+          "Tensor kinds, Tensor sink_pos, Tensor sink_present, int window, float scale")
+
+
+def _local_body(q, keys, values, sink_keys, sink_values, kinds, sink_pos, sink_present, window,
+                scale):  # fmt: skip
+    return rf_local_kernels.local_fwd(q, keys, values, kinds, sink_keys, sink_values, sink_pos,
+                                      sink_present, window, scale)  # fmt: skip
+
+
+def _local_fake(q, keys, values, *_args):
+    acc = compute_dtype(q.dtype)
+    rows = q.new_empty(*q.shape[:3], dtype=acc)
+    return q.new_empty(*q.shape[:3], values.shape[3], dtype=acc), rows, torch.empty_like(rows)
+
+
+def _local_bwd_body(dnum, dden, off, q, keys, values, sink_keys, sink_values, kinds, sink_pos,
+                    sink_present, window, scale):  # fmt: skip
+    return rf_local_kernels.local_bwd(dnum, dden, off, q, keys, values, kinds, sink_keys,
+                                      sink_values, sink_pos, sink_present, window,
+                                      scale)  # fmt: skip
+
+
+_local_bwd = _op("local_bwd", f"Tensor dnum, Tensor dden, Tensor off, {_LOCAL}",
+                 "(Tensor, Tensor, Tensor, Tensor, Tensor)")(_local_bwd_body)  # fmt: skip
+
+
+@_local_bwd.register_fake
+def _(dnum, dden, off, q, keys, values, sink_keys, sink_values, *_args):
+    acc = compute_dtype(q.dtype)
+    return tuple(torch.empty_like(x, dtype=acc) for x in (q, keys, values, sink_keys,
+                                                          sink_values))  # fmt: skip
+
+
+def _local_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:8], output[2])
+    ctx.window, ctx.scale = inputs[8], inputs[9]
+    ctx.mark_non_differentiable(output[2])
+
+
+@no_autocast
+def _local_backward(ctx, d_num, d_den, _d_off):
+    return (*_local_grads(_local_bwd, ctx.saved_tensors, d_num, d_den, ctx.window, ctx.scale),
+            None, None, None, None, None)  # fmt: skip
+
+
+_local = _differentiable("local", _LOCAL, "(Tensor, Tensor, Tensor)", _local_body, _local_fake,
+                         _local_setup, _local_backward)  # fmt: skip
+
+
+_EXACT = _SCALE + 5  # the position of nex among rfattn::chunk_hybrid's inputs (dex, eex after)
+
+
+def _chunk_hybrid_body(q, k, v, *args):
+    form, (scale, mask, s0, z0, off0, nex, dex, eex, precision, gpu_tiles) = _form(args)
+    wex = torch.empty_like(dex)
+    out, state, aux = rf_chunk_kernels.rf_chunk_fwd(
+        q, k, v, form, scale, mask, _state(s0, z0, off0), precision, return_aux=True,
+        gpu_tiles=gpu_tiles, exact=(nex, dex, eex, wex),
+    )  # fmt: skip
+    return out, *state, *aux, wex
+
+
+def _chunk_hybrid_fake(q, k, v, *args):
+    return (*_chunk_fake(q, k, v, *args), torch.empty_like(args[_EXACT - 2]))  # wex as dex
+
+
+def _chunk_hybrid_setup(ctx, inputs, output):
+    _chunk_setup(ctx, (*inputs[:_EXACT], *inputs[_EXACT + 3 :]), output[:8], extra=output[8:])
+
+
+@no_autocast
+def _chunk_hybrid_backward(ctx, d_out, d_s, d_z, *_rest):
+    *saved, wex = ctx.saved_tensors
+    grads = _chunk_grads(ctx, saved, d_out, d_s, d_z)
+    out = saved[_SCALE + 3]
+    do = (torch.zeros_like(out) if d_out is None else d_out).to(wex.dtype)
+    return (*grads[:_EXACT], do * wex[..., None], -(do * out.to(wex.dtype)).sum(-1) * wex, None,
+            *grads[_EXACT:])  # fmt: skip
+
+
+_chunk_hybrid = _differentiable(
+    "chunk_hybrid", f"{_QKV}, {_FORM}, {_CALL}, {_STATE}, Tensor nex, Tensor dex, Tensor eex, "
+    f"{_OPTS}", "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _chunk_hybrid_body, _chunk_hybrid_fake, _chunk_hybrid_setup, _chunk_hybrid_backward,
+)  # fmt: skip
 
 
 def rf_local(q, ext, window: int, scale: float):
@@ -642,14 +743,17 @@ def rf_local(q, ext, window: int, scale: float):
     ``rfattn.hybrid.exact_terms`` computes them in torch: ``q`` against the call's keys after its
     state ``ext`` (``rfattn.hybrid.Extended``). Gradients reach q and the extended keys, values
     and sink slots (so the call's k, v and the state's)."""
-    if on_torch(q) or torch.compiler.is_compiling():
-        raise NotImplementedError("the hybrid's exact part runs eagerly on Triton (a GPU or the "
+    if on_torch(q):
+        raise NotImplementedError("the hybrid's exact part runs on Triton (a GPU or the "
                                   "interpreter); use backend='torch'")  # fmt: skip
     dt = q.dtype
     kinds, pos = ext.kinds.contiguous(), ext.sink_pos.contiguous()
     present = ext.sink_present.to(torch.int8).contiguous()
-    return apply(_Local, q, ext.keys.to(dt), ext.values.to(dt), ext.sink_keys.to(dt),
-                 ext.sink_values.to(dt), kinds, pos, present, window, scale)  # fmt: skip
+    args = (q, ext.keys.to(dt), ext.values.to(dt), ext.sink_keys.to(dt), ext.sink_values.to(dt),
+            kinds, pos, present, window, scale)  # fmt: skip
+    if torch.compiler.is_compiling():
+        return _local(*args)
+    return apply(_Local, *args)
 
 
 def rf_chunk_hybrid(q, k, v, form: KernelForm, scale: float, key_padding_mask, exact: tuple,
@@ -662,11 +766,16 @@ def rf_chunk_hybrid(q, k, v, form: KernelForm, scale: float, key_padding_mask, e
     unless ``return_state``) with each row's exact terms ``exact = (nex [B, H * G, T, E], dex,
     eex [B, H * G, T])`` in the same ratio (``rf_chunk_fwd``'s ``exact``). Gradients reach q, k,
     v, the initial S and z, nex and dex."""
-    if on_torch(q) or torch.compiler.is_compiling():
-        raise NotImplementedError("the hybrid's fused call runs eagerly on Triton (a GPU or the "
+    if on_torch(q):
+        raise NotImplementedError("the hybrid's fused call runs on Triton (a GPU or the "
                                   "interpreter); use backend='torch'")  # fmt: skip
-    nex, dex, eex = (kernel_common.aligned(x.contiguous()) for x in exact)
     s0, z0, off0 = (None, None, None) if initial_state is None else initial_state
+    if torch.compiler.is_compiling():
+        out, s, z, off, *_ = _chunk_hybrid(q, k, v, *flat_form(form), scale, key_padding_mask,
+                                           s0, z0, off0, *(x.contiguous() for x in exact),
+                                           precision, gpu_tiles)  # fmt: skip
+        return out, ((s, z, off) if return_state else None)
+    nex, dex, eex = (kernel_common.aligned(x.contiguous()) for x in exact)
     inputs = (q, k, v, nex, dex) if s0 is None else (q, k, v, nex, dex, s0, z0)
     if not (torch.is_grad_enabled() and any(x.requires_grad for x in inputs)):
         wex = torch.empty_like(dex)
@@ -686,12 +795,40 @@ def rf_hybrid_decode(q, k, v, form: KernelForm, scale: float, key_padding_mask, 
     no gradient): ``(out, the HybridState's fields one token on)`` of ``state`` (the fields of
     ``rfattn.hybrid.HybridState``, window ``window``, ``sinks`` sink slots; ``inv_n`` 1 / the
     feature map's sample count), as ``rfattn.kernels.rf_recurrent.rf_hybrid_step``."""
-    if on_torch(q) or torch.compiler.is_compiling():
-        raise NotImplementedError("the hybrid's decode step runs eagerly on Triton (a GPU or the "
+    if on_torch(q):
+        raise NotImplementedError("the hybrid's decode step runs on Triton (a GPU or the "
                                   "interpreter); use backend='torch'")  # fmt: skip
+    if torch.compiler.is_compiling():
+        out, *new = _hybrid_decode(q, k, v, *flat_form(form), scale, key_padding_mask, *state,
+                                   window, sinks, inv_n, precision, gpu_tiles)  # fmt: skip
+        return out, tuple(new)
     return rf_recurrent_kernels.rf_hybrid_step(q, k, v, form, scale, key_padding_mask, state,
                                                window, sinks, inv_n, precision,
                                                gpu_tiles)  # fmt: skip
+
+
+def _hybrid_decode_body(q, k, v, *args):
+    form, (scale, mask, *state, window, sinks, inv_n, precision, gpu_tiles) = _form(args)
+    out, new = rf_recurrent_kernels.rf_hybrid_step(q, k, v, form, scale, mask, tuple(state),
+                                                   window, sinks, inv_n, precision,
+                                                   gpu_tiles)  # fmt: skip
+    return out, *new
+
+
+_hybrid_decode = _op(
+    "hybrid_decode", f"{_QKV}, {_FORM}, {_CALL}, Tensor s0, Tensor z0, Tensor off0, Tensor keys, "
+    "Tensor values, Tensor kinds, Tensor sink_keys, Tensor sink_values, Tensor sinks_seen, "
+    f"int window, int sinks, float inv_n, {_OPTS}", "(" + ", ".join(["Tensor"] * 10) + ")",
+)(_hybrid_decode_body)  # fmt: skip
+
+
+@_hybrid_decode.register_fake
+def _(q, k, v, *args):
+    state = args[_NFORM + 2 : _NFORM + 11]
+    acc, dt = compute_dtype(q.dtype), q.dtype
+    dtypes = (acc, acc, acc, dt, dt, torch.int8, dt, dt, torch.int64)
+    return (q.new_empty(*q.shape[:3], v.shape[3]),
+            *(x.new_empty(x.shape, dtype=d) for x, d in zip(state, dtypes, strict=True)))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -466,3 +466,52 @@ def test_a_decode_step_reads_what_a_row_reads():
     bad = out.isnan()
     assert bad[0, 2:4, 0, 2].all() and bad.sum() == 2  # heads 2, 3 read key/value head 1
     assert torch.equal(st.kinds[1, -1], torch.tensor(0, dtype=torch.int8))
+
+
+def test_compiled_hybrid_runs_the_operators():
+    """``torch.compile(fullgraph=True)`` of a hybrid call on the fused path traces the hybrid's
+    operators (the exact part, the output walk with the exact terms; the decode step for a
+    generation step), no graph break: outputs, gradients and states equal the eager call's in
+    float64 (padding with NaN junk, grouped-query heads)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    q, k, v = inputs(T=20, seed=8)
+    mask = padding(2, 20, k, v)
+    rf = features().eval()
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    def call(a, b, c, m, st=None):
+        return rfattn.rf_attention(a, b, c, rf, causal=True, window=5, sinks=2,
+                                   key_padding_mask=m, initial_state=st, return_state=True,
+                                   backend="triton")  # fmt: skip
+
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(call, fullgraph=True, backend=counter)
+    leaves = [x[:, :, :19].clone().requires_grad_() for x in (q, k, v)]
+    out, st = compiled(*leaves, mask[:, :19])
+    cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=f64)
+    grads = torch.autograd.grad((out * cot).sum() + st.s.sum(), leaves)
+    ref_leaves = [x[:, :, :19].clone().requires_grad_() for x in (q, k, v)]
+    ref, ref_st = call(*ref_leaves, mask[:, :19])
+    ref_grads = torch.autograd.grad((ref * cot).sum() + ref_st.s.sum(), ref_leaves)
+    assert counter.frame_count == 1
+    assert any("rfattn.local" in o for o in seen) and any("chunk_hybrid" in o for o in seen), seen
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-13)
+    for name, a, b in zip("qkv", grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13, msg=name)
+    seen.clear()
+    with torch.no_grad():  # a generation step: the decode operator
+        one = [x[:, :, 19:] for x in (q, k, v)]
+        got, got_st = compiled(*one, mask[:, 19:], st)
+        want, want_st = call(*one, mask[:, 19:], ref_st)
+    assert any("hybrid_decode" in o for o in seen), seen
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
+    for name, a, b in zip(HybridState._fields, got_st, want_st, strict=True):
+        if name in ("keys", "values"):
+            keep = (want_st.kinds != 0)[:, None, :, None]
+            a, b = a.masked_fill(~keep, 0.0), b.masked_fill(~keep, 0.0)
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13, msg=name)

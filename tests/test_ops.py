@@ -242,3 +242,36 @@ def test_head_maps_of_the_wrong_shape_raise():
     bad = dataclasses.replace(form, qmap=torch.zeros(H + 1, D, D, dtype=f64))
     with pytest.raises(ValueError, match=rf"qmap must be \[{H}, {D}, {D}\]"):
         launch_setup(q, k, v, bad, D**-0.5, None)
+
+
+def test_opcheck_hybrid(kernel_device):
+    """The hybrid's operators (what torch.compile traces of a call with window and sinks): the
+    exact part, the output walk with the exact terms, the decode step."""
+    from rfattn.kernels.rf_local import local_fwd
+
+    from rfattn.hybrid import estimated_stream, extend
+
+    q, k, v, _ = _inputs(kernel_device)
+    rf = rfattn.RandomFeatures(D, M, feature="posrf", weights="orf", seed=0).double()
+    rf = rf.to(kernel_device)
+    form = kernel_form(rf, q, k, None, D**-0.5, causal=True)
+    window, sinks, scale = 2, 1, D**-0.5
+    ext = extend(None, k, v, None, sinks, window)
+    present = ext.sink_present.to(torch.int8)
+    local = (ext.keys, ext.values, ext.sink_keys, ext.sink_values, ext.kinds, ext.sink_pos,
+             present)  # fmt: skip
+    args = (q.clone().requires_grad_(), *(x.clone().requires_grad_() for x in local[:4]),
+            *local[4:], window, scale)  # fmt: skip
+    torch.library.opcheck(torch.ops.rfattn.local.default, args, test_utils=CHECKS)
+    nex, dex, eex = local_fwd(q, *local[:2], ext.kinds, *local[2:4], ext.sink_pos, present,
+                              window, scale)  # fmt: skip
+    ks, vs, ms = estimated_stream(ext, T)
+    args = (q.clone().requires_grad_(), ks.clone().requires_grad_(), vs, *flat_form(form), scale,
+            ms, None, None, None, nex.requires_grad_(), dex.requires_grad_(), eex, None, None)
+    torch.library.opcheck(torch.ops.rfattn.chunk_hybrid.default, args, test_utils=CHECKS)
+    _, st = rfattn.rf_attention(q[:, :, :4], k[:, :, :4], v[:, :, :4], rf, causal=True,
+                                window=window, sinks=sinks, return_state=True,
+                                backend="triton")  # fmt: skip
+    one = (q[:, :, 4:], k[:, :, 4:], v[:, :, 4:])
+    args = (*one, *flat_form(form), scale, None, *st, window, sinks, 1.0 / M, None, None)
+    torch.library.opcheck(torch.ops.rfattn.hybrid_decode.default, args, test_utils=CHECKS)
