@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from rfattn import fused, hybrid, torch_path
+from rfattn import backends, fused, torch_path
 from rfattn.call import (
     BACKENDS,
     INTERCEPTS,
@@ -216,27 +216,12 @@ def run(call: Call):
 
             res = distributed.hybrid_sharded(dataclasses.replace(call, q=q))
         else:
-            res = _hybrid(dataclasses.replace(call, q=q))
+            res = backends.hybrid(dataclasses.replace(call, q=q))
     else:
         res = _attend(dataclasses.replace(call, q=q, maps=call.rf.map_tensors(q, call.k)))
     if qpm is None:
         return res
     return (padded_rows(res[0], qpm), res[1]) if call.return_state else padded_rows(res, qpm)
-
-
-def _hybrid(call: Call):
-    """A one-process hybrid call: the fused hybrid where the backend runs the fused kernels and
-    :func:`fused.hybrid_reason` finds nothing against it (``backend="triton"`` raises naming
-    it), else the torch path (also where the operators would run their torch kernels:
-    :func:`fused.hybrid_in_torch`)."""
-    if call.q.shape[2] and runs_fused(call.q, call.rf, call.causal, call.backend) and \
-            not fused.hybrid_in_torch(call):  # fmt: skip
-        reason = fused.hybrid_reason(call)
-        if reason is None:
-            return fused.hybrid(call)
-        if call.backend == "triton":
-            raise NotImplementedError(f"{reason}; use backend='torch' or 'auto'")
-    return hybrid.attend(call)
 
 
 def _attend(call: Call):

@@ -515,7 +515,5 @@ def hybrid_sharded(call: Call):
         prev[:, :, L - W :, D:], prev_kinds[:, L - W :].to(torch.int8),
         picked[..., :D].to(k.dtype), picked[..., D:], torch.clamp(before, max=S),
     )  # fmt: skip
-    return hybrid.hybrid_attention(q, k, v, rf, window=W, sinks=S, scale=scale,
-                                   key_padding_mask=call.key_padding_mask,
-                                   query_padding_mask=call.query_padding_mask,
-                                   initial_state=initial)  # fmt: skip
+    # the local pass: this shard from that state, fused where the backend runs the kernels
+    return backends.hybrid(call.replace(initial_state=initial, return_state=False, group=None))

@@ -616,8 +616,8 @@ def exact_terms(q, ext: Extended, window: int, scale: float, block: int = BLOCK)
 def attend(call):
     """``rf_attention``'s result for a validated call with ``window`` or ``sinks``
     (:class:`rfattn.call.Call`; padded query rows already read as 0) on the torch path above
-    (``rfattn.attention.run`` sends it here, to :func:`rfattn.fused.hybrid` or, on a process
-    group, to :func:`rfattn.distributed.hybrid_sharded`)."""
+    (:func:`rfattn.backends.hybrid` chooses between it and :func:`rfattn.fused.hybrid`, for one
+    process and for :func:`rfattn.distributed.hybrid_sharded`'s local pass)."""
     return hybrid_attention(call.q, call.k, call.v, call.rf, window=call.window, sinks=call.sinks,
                             scale=call.scale, key_padding_mask=call.key_padding_mask,
                             query_padding_mask=call.query_padding_mask,

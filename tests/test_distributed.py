@@ -233,12 +233,21 @@ def test_sharded_sequence_equals_one_process(world, tmp_path):
 def test_sharded_calls_on_the_fused_kernels(tmp_path):
     """The Triton kernels (the interpreter on CPU): causal, the chunk kernel's local pass with
     the prefix state as its initial_state; non-causal, the parallel kernel with the states
-    combined between its passes (global oprf statistics, cross-attention, padding)."""
+    combined between its passes (global oprf statistics, cross-attention, padding); the hybrid,
+    the fused hybrid from the state of the ranks before (head maps, grouped-query heads, a
+    shard shorter than the window, a rank of padding)."""
     cases = {
         "causal-posrf-triton": dict(feature="posrf", causal=True, backend="triton"),
         "noncausal-oprf-triton": dict(feature="oprf", causal=False, backend="triton"),
         "noncausal-cross-padded-triton": dict(feature="posrf", causal=False, backend="triton",
                                               tq=17, pad=[(6, 12)]),
+        # the hybrid: each shard's local pass the fused hybrid from the ranks' state before it
+        "hybrid-maps-gqa-triton": dict(feature="posrf", causal=True, kv_heads=1, maps=True,
+                                       hybrid=(5, 2), backend="triton"),
+        "hybrid-padded-rank-triton": dict(
+            feature="posrf", causal=True, pad=[(6, 12)], hybrid=(7, 4), backend="triton",
+            shards={2: [slice(0, 3), slice(3, T)]},
+        ),
     }  # fmt: skip
     _check_cases(cases, 2, tmp_path)
 
