@@ -136,9 +136,9 @@ def validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_stat
     if window or sinks:  # the hybrid (rfattn.hybrid): its own state, checked there
         if not causal and qs[2] != ks[2]:
             raise ValueError(f"window and sinks need Tq == Tk, got Tq={qs[2]}, Tk={ks[2]}")
-        if group is not None and (not causal or initial_state is not None or return_state):
+        if group is not None and not causal:
             raise NotImplementedError("window and sinks over a process group: causal calls "
-                                      "without initial_state or return_state only")  # fmt: skip
+                                      "only")  # fmt: skip
         fm = rf.feature_map
         if group is not None and getattr(fm, "uses_batch_moments", None) and \
                 fm.uses_batch_moments(True):  # fmt: skip

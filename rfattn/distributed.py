@@ -449,14 +449,17 @@ def _gather_ints(x: torch.Tensor, group) -> torch.Tensor:
 
 def hybrid_sharded(call: Call):
     """``rf_attention(..., window=W, sinks=S, group=g)``: this rank's shard of the causal
-    hybrid over the whole sequence (module docstring; no initial or returned state). Every
-    rank must run it (and its backward)."""
+    hybrid over the whole sequence (module docstring), from ``initial_state`` (every rank's the
+    same: the state before the whole sequence) where given, with the state after the whole
+    sequence on every rank where ``return_state``. Every rank must run it (and its
+    backward)."""
     from rfattn import hybrid
 
     q, k, v, rf, group, scale = call.q, call.k, call.v, call.rf, call.group, call.scale
     W, S = call.window, call.sinks
     B, Hk, T, D = k.shape
     E, dev, rank = v.shape[-1], k.device, dist.get_rank(group)
+    st0 = hybrid.empty_state(k, v, rf, W, S, call.initial_state)
     maps = rf.map_tensors(q, k)
     key_map = None if maps is None else maps[1]
     valid = torch.ones(B, T, dtype=torch.bool, device=dev)
@@ -464,8 +467,9 @@ def hybrid_sharded(call: Call):
         valid = ~call.key_padding_mask
     counts = _gather_ints(torch.cat([valid.new_tensor([T], dtype=torch.long),
                                      valid.sum(-1)]), group).to(dev)  # fmt: skip
-    lengths, before = counts[:, 0].tolist(), counts[:rank, 1:].sum(0)  # [B] valid keys before
-    rank_in = before[:, None] + valid.long().cumsum(-1) - 1
+    lengths = counts[:, 0].tolist()
+    seen = st0.sinks_seen.to(dev)  # the initial state's sinks count first
+    rank_in = seen[:, None] + counts[:rank, 1:].sum(0)[:, None] + valid.long().cumsum(-1) - 1
     kinds = torch.where(valid & (rank_in < S), hybrid.SINK,
                         torch.where(valid, hybrid.WINDOW, hybrid.NOTHING))  # fmt: skip
     # this shard's offer: its last W positions (front-filled), its sinks, its earlier keys' state
@@ -482,38 +486,47 @@ def hybrid_sharded(call: Call):
     sz = _pack(s, z).to(v.dtype)
     sizes = [tail.numel(), sink_kv.numel(), sz.numel()]
     flat = _AllGather.apply(torch.cat([tail.flatten(), sink_kv.flatten(), sz.flatten()]), group)
-    ints = _gather_ints(torch.cat([tail_kinds, present.long()], -1), group)
+    ints = _gather_ints(torch.cat([tail_kinds, present.long()], -1), group).to(dev)
     offs = off.new_empty(dist.get_world_size(group), *off.shape)
     dist.all_gather(list(offs.unbind(0)), off.detach().contiguous(), group=group)
-    parts = [x.split(sizes) for x in flat[:rank]]
-    # the positions before this shard that its window may reach: the earlier ranks' tails
-    tails = [parts[r][0].view(B, Hk, W, D + E)[:, :, W - min(W, L) :]
-             for r, L in enumerate(lengths[:rank])]  # fmt: skip
-    tail_kinds = [ints[r, :, W - min(W, L) : W] for r, L in enumerate(lengths[:rank])]
-    prev = torch.cat([tail.new_zeros(B, Hk, W, D + E)] + tails, 2)
-    prev_kinds = torch.cat([kinds.new_zeros(B, W)] + [x.to(dev) for x in tail_kinds], 1)
-    L = prev.shape[2]
-    # those more than W before the shard have left the window: into the state
-    early = (prev_kinds == hybrid.WINDOW) & (torch.arange(L, device=dev) < L - W)[None, :]
-    s_t, z_t, off_t = hybrid.key_state(rf, prev[..., :D].to(k.dtype), prev[..., D:], early,
-                                       scale, key_map)  # fmt: skip
-    states = [RFState(*_unpack(p[2].view(B, Hk, -1, E + 1)), offs[r])
-              for r, p in enumerate(parts)]  # fmt: skip
-    state = combine_states(states + [RFState(s_t, z_t, off_t)])
+    parts = [x.split(sizes) for x in flat]
     # every rank's output depends on the gathered tensor (selected away where unused), so every
     # rank runs the backward collective
     anchor = torch.where(_FALSE, flat.sum(), 0.0)
-    sinks_kv = torch.cat([tail.new_zeros(B, Hk, 0, D + E)] +
-                         [p[1].view(B, Hk, S, D + E) for p in parts], 2)  # fmt: skip
-    sinks_present = torch.cat([present.new_zeros(B, 0)] +
-                              [ints[r, :, W:].bool() for r in range(rank)], 1).to(dev)  # fmt: skip
-    pick, _ = hybrid.first_true(sinks_present, S)
-    picked = hybrid.gather_positions(sinks_kv, pick) if sinks_kv.shape[2] else \
-        sinks_kv.new_zeros(B, Hk, S, D + E)  # fmt: skip
-    initial = hybrid.HybridState(
-        state.s + anchor, state.z, state.offset, prev[:, :, L - W :, :D].to(k.dtype),
-        prev[:, :, L - W :, D:], prev_kinds[:, L - W :].to(torch.int8),
-        picked[..., :D].to(k.dtype), picked[..., D:], torch.clamp(before, max=S),
-    )  # fmt: skip
+
+    def after(r: int):
+        """The HybridState after the initial one and the shards of ranks ``< r``."""
+        # the positions its window may reach: the initial window, then the ranks' tails
+        tails = [parts[i][0].view(B, Hk, W, D + E)[:, :, W - min(W, L) :]
+                 for i, L in enumerate(lengths[:r])]  # fmt: skip
+        tail_kinds = [ints[i, :, W - min(W, L) : W] for i, L in enumerate(lengths[:r])]
+        first = torch.cat([st0.keys.to(v.dtype), st0.values], -1)
+        prev = torch.cat([first] + tails, 2)
+        prev_kinds = torch.cat([st0.kinds.long()] + tail_kinds, 1)
+        L = prev.shape[2]
+        # those more than W before its end have left the window: into the state
+        early = (prev_kinds == hybrid.WINDOW) & (torch.arange(L, device=dev) < L - W)[None, :]
+        s_t, z_t, off_t = hybrid.key_state(rf, prev[..., :D].to(k.dtype), prev[..., D:], early,
+                                           scale, key_map)  # fmt: skip
+        states = [RFState(*_unpack(p[2].view(B, Hk, -1, E + 1)), offs[i])
+                  for i, p in enumerate(parts[:r])]  # fmt: skip
+        state = combine_states([RFState(st0.s, st0.z, st0.offset)] + states +
+                               [RFState(s_t, z_t, off_t)])  # fmt: skip
+        first_sinks = torch.cat([st0.sink_keys.to(v.dtype), st0.sink_values], -1)
+        sinks_kv = torch.cat([first_sinks] + [p[1].view(B, Hk, S, D + E) for p in parts[:r]], 2)
+        old = torch.arange(S, device=dev)[None, :] < seen[:, None]
+        sinks_present = torch.cat([old] + [ints[i, :, W:].bool() for i in range(r)], 1)
+        pick, _ = hybrid.first_true(sinks_present, S)
+        picked = hybrid.gather_positions(sinks_kv, pick)
+        return hybrid.HybridState(
+            state.s + anchor, state.z, state.offset, prev[:, :, L - W :, :D].to(k.dtype),
+            prev[:, :, L - W :, D:], prev_kinds[:, L - W :].to(torch.int8),
+            picked[..., :D].to(k.dtype), picked[..., D:],
+            torch.clamp(seen + counts[:r, 1:].sum(0), max=S),
+        )  # fmt: skip
+
     # the local pass: this shard from that state, fused where the backend runs the kernels
-    return backends.hybrid(call.replace(initial_state=initial, return_state=False, group=None))
+    out = backends.hybrid(call.replace(initial_state=after(rank), return_state=False, group=None))
+    if not call.return_state:
+        return out
+    return out, after(dist.get_world_size(group))
