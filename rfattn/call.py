@@ -139,11 +139,6 @@ def validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_stat
         if group is not None and not causal:
             raise NotImplementedError("window and sinks over a process group: causal calls "
                                       "only")  # fmt: skip
-        fm = rf.feature_map
-        if group is not None and getattr(fm, "uses_batch_moments", None) and \
-                fm.uses_batch_moments(True):  # fmt: skip
-            raise NotImplementedError("window and sinks over a process group: no statistics "
-                                      "moved in training (eval mode or fixed ones)")  # fmt: skip
     elif initial_state is not None:  # packed: one state per sequence
         _check_state(initial_state, q, v, rf, qs[0] if packed is None else len(packed[0]) - 1)
     if query_padding_mask is not None:

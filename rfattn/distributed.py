@@ -283,23 +283,36 @@ def _all_gather_states(state: RFState, group) -> list[RFState]:
     return [RFState(*_unpack(x), off) for x, off in zip(sz, offs, strict=True)]
 
 
+def _moving_statistics(call: Call, run, maps=None):
+    """``run(call)`` of a causal sharded call; with running statistics in training (oprf,
+    saderf), every rank reads them as they stand and then moves them by the whole sequence's
+    moments, as one process's causal call does (a shard's own would set each rank's apart).
+    ``maps``: the features' head maps, where q and k are not mapped yet (the hybrid)."""
+    fm = call.rf.feature_map
+    if not (getattr(fm, "uses_batch_moments", None) and fm.uses_batch_moments(True)):
+        return run(call)
+    qmap, kmap = (None, None) if maps is None else maps
+    mask = call.key_padding_mask
+    xq, qmask = query_rows(prescale(call.q, call.scale, None, qmap), call.k,
+                           call.query_padding_mask)  # fmt: skip
+    xk = prescale(call.k, call.scale, mask, kmap)
+    moments = _global_moments(xq, xk, mask, qmask, call.group)
+    fm.train(False)
+    try:
+        res = run(call)
+    finally:
+        fm.train(True)
+    update_running(fm, moments, fm.momentum)
+    return res
+
+
 def _causal(call: Call):
+    return _moving_statistics(call, _causal_shard)
+
+
+def _causal_shard(call: Call):
     q, k, v, rf, scale, group = call.q, call.k, call.v, call.rf, call.scale, call.group
     key_padding_mask, initial_state = call.key_padding_mask, call.initial_state
-    fm = rf.feature_map
-    if getattr(fm, "uses_batch_moments", None) and fm.uses_batch_moments(True):
-        # running statistics in training: every rank reads them as they stand, then moves them
-        # by the whole sequence's moments (a shard's own would set each rank's apart)
-        xq, qmask = query_rows(prescale(q, scale), k, call.query_padding_mask)
-        xk = prescale(k, scale, key_padding_mask)
-        moments = _global_moments(xq, xk, key_padding_mask, qmask, group)
-        fm.train(False)
-        try:
-            res = _causal(call)
-        finally:
-            fm.train(True)
-        update_running(fm, moments, fm.momentum)
-        return res
     rank = dist.get_rank(group)
     local = _shard_state(q, k, v, rf, key_padding_mask, scale, call.query_padding_mask)
     states = _all_gather_states(local, group)
@@ -451,8 +464,12 @@ def hybrid_sharded(call: Call):
     """``rf_attention(..., window=W, sinks=S, group=g)``: this rank's shard of the causal
     hybrid over the whole sequence (module docstring), from ``initial_state`` (every rank's the
     same: the state before the whole sequence) where given, with the state after the whole
-    sequence on every rank where ``return_state``. Every rank must run it (and its
-    backward)."""
+    sequence on every rank where ``return_state``; running statistics in training moved by the
+    whole sequence's moments. Every rank must run it (and its backward)."""
+    return _moving_statistics(call, _hybrid_shard, call.rf.map_tensors(call.q, call.k))
+
+
+def _hybrid_shard(call: Call):
     from rfattn import hybrid
 
     q, k, v, rf, group, scale = call.q, call.k, call.v, call.rf, call.group, call.scale

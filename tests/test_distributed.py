@@ -378,14 +378,22 @@ def test_layers_and_hugging_face_take_the_group(tmp_path, one_token):
         torch.testing.assert_close(got, g, rtol=RTOL, atol=1e-12, msg=name)
 
 
-def _training_calls(rf, x, sl=slice(None), group=None, backend="torch"):
+def _training_calls(rf, x, sl=slice(None), group=None, backend="torch", hybrid=False):
     """Three causal training-mode calls (running statistics moving) on the shard ``sl``: each
-    call's output and the running buffers after them."""
+    call's output and the running buffers after them (``hybrid``: window 3, sinks 2, and head
+    maps: the statistics are of the mapped q and k)."""
     outs = []
+    kw = dict(window=3, sinks=2) if hybrid else {}
+    if hybrid and rf.query_map is None:
+        rf.add_head_maps(H, x["k"][0].shape[1])
+        rf.double()
+        with torch.no_grad():
+            rf.query_map.add_(0.3 * rand(*rf.query_map.shape, seed=52))
+            rf.key_map.add_(0.3 * rand(*rf.key_map.shape, seed=53))
     for i in range(3):
         q, k, v = (x[n][i][:, :, sl] for n in ("q", "k", "v"))
         outs.append(rfattn.rf_attention(q, k, v, rf, causal=True, group=group, backend=backend,
-                                        key_padding_mask=x["mask"][:, sl]))  # fmt: skip
+                                        key_padding_mask=x["mask"][:, sl], **kw))  # fmt: skip
     buffers = {n: b.clone() for n, b in rf.feature_map.named_buffers()}
     return dict(outs=outs, buffers=buffers)
 
@@ -399,35 +407,37 @@ def _training_inputs(kv_heads=H):
     return x
 
 
-def _training_worker(rank, world, init_file, out_dir, kv_heads, backend):
+def _training_worker(rank, world, init_file, out_dir, kv_heads, backend, hybrid):
     _init(rank, world, init_file, seconds=120)
     try:
         rf = rfattn.RandomFeatures(D, 16, "oprf", seed=0).double().train()
         res = _training_calls(rf, _training_inputs(kv_heads), cuts(T, world, seed=61)[rank],
-                              dist.group.WORLD, backend)  # fmt: skip
+                              dist.group.WORLD, backend, hybrid)  # fmt: skip
         _finish(res, out_dir, rank)
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(
-    "kv_heads,backend",
-    [(H, "torch"), pytest.param(1, "torch", marks=pytest.mark.slow),  # ~7 s each
-     pytest.param(1, "triton", marks=pytest.mark.slow)],
-    ids=["mha-torch", "gqa-torch", "gqa-triton"],
-)
-def test_running_statistics_move_by_the_whole_sequence(tmp_path, kv_heads, backend):
+    "kv_heads,backend,hybrid",
+    [(H, "torch", False), pytest.param(1, "torch", False, marks=pytest.mark.slow),  # ~7 s each
+     pytest.param(1, "triton", False, marks=pytest.mark.slow), (1, "torch", True),
+     pytest.param(1, "triton", True, marks=pytest.mark.slow)],
+    ids=["mha-torch", "gqa-torch", "gqa-triton", "hybrid-maps-gqa-torch",
+         "hybrid-maps-gqa-triton"],
+)  # fmt: skip
+def test_running_statistics_move_by_the_whole_sequence(tmp_path, kv_heads, backend, hybrid):
     """Causal oprf in training mode (running statistics) over 2 processes, three calls: every
     rank's buffers are one process's, and so are the later calls' outputs (before: each rank
     moved them by its own shard's moments, and outputs drifted from the second call on; with
     grouped-query heads every sharded call raised, stacking query moments [B, H, D] with key
-    moments [B, Hkv, D])."""
+    moments [B, Hkv, D]). The hybrid (window, sinks, head maps) too."""
     world = 2
-    _spawn(_training_worker, (world, str(tmp_path / "init"), str(tmp_path), kv_heads, backend),
-           world)  # fmt: skip
+    _spawn(_training_worker, (world, str(tmp_path / "init"), str(tmp_path), kv_heads, backend,
+                              hybrid), world)  # fmt: skip
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     full = _training_calls(rfattn.RandomFeatures(D, 16, "oprf", seed=0).double().train(),
-                           _training_inputs(kv_heads))  # fmt: skip
+                           _training_inputs(kv_heads), backend=backend, hybrid=hybrid)  # fmt: skip
     for i, out in enumerate(full["outs"]):
         got = torch.cat([r["outs"][i] for r in ranks], dim=2)
         torch.testing.assert_close(got, out, rtol=RTOL, atol=1e-12, msg=f"call {i}")
