@@ -26,6 +26,7 @@ from rfattn.call import (
     padded_rows,
     returned_state,
     runs_fused,
+    state_rows,
     validate,
 )
 from rfattn.features import compute_dtype, python_scalar
@@ -263,7 +264,12 @@ def _packed(call: Call):
         res = torch_path.empty_result(seq)
         parts.append((None, i, res[0] if call.return_state else res))
         states[i] = res[1] if call.return_state else None
-    for group in buckets([lengths[i] for i in runs]):
+    # a hybrid with states runs each sequence alone: a batch's padding would move its window
+    stateful_hybrid = (call.window or call.sinks) and \
+        (call.initial_state is not None or call.return_state)  # fmt: skip
+    groups = [[j] for j in range(len(runs))] if stateful_hybrid else \
+        buckets([lengths[i] for i in runs])  # fmt: skip
+    for group in groups:
         indices = [runs[j] for j in group]
         if len(indices) == 1:
             res = run(call.sequence(indices[0]))
@@ -274,13 +280,13 @@ def _packed(call: Call):
             parts.append((slots, pos, res[0] if call.return_state else res))
         if call.return_state:
             for j, i in enumerate(indices):
-                states[i] = RFState(*(x[j : j + 1] for x in res[1]))
+                states[i] = state_rows(res[1], slice(j, j + 1))
     if heads:
         torch_path.move_statistics(call)
     out = _packed_output(call, parts)
     if not call.return_state:
         return out
-    return out, RFState(*(torch.cat(p, dim=0) for p in zip(*states, strict=True)))
+    return out, type(states[0])(*(torch.cat(p, dim=0) for p in zip(*states, strict=True)))
 
 
 #: the most padding a batch of packed sequences carries (:func:`buckets`): a quarter of its

@@ -18,9 +18,11 @@ from typing import NamedTuple
 import torch
 
 from rfattn.features import prescale
+from rfattn.hybrid import HybridState
 from rfattn.weights import WEIGHTED_WEIGHTS
 
 __all__ = [
+    "state_rows",
     "BACKENDS",
     "INTERCEPTS",
     "Call",
@@ -51,6 +53,16 @@ class RFState(NamedTuple):
     s: torch.Tensor
     z: torch.Tensor
     offset: torch.Tensor
+
+
+def state_rows(state, rows):
+    """Rows ``rows`` (a slice, or an int64 index tensor) of every field of a causal state (an
+    :class:`RFState`, a tuple of its three tensors, or a :class:`rfattn.hybrid.HybridState`,
+    whose fields all lead with the batch), as the same kind of state."""
+    kind = HybridState if isinstance(state, HybridState) else RFState
+    if isinstance(rows, slice):
+        return kind(*(x[rows] for x in state))
+    return kind(*(x.index_select(0, rows) for x in state))
 
 
 def _check_tensor(name: str, x, rank: int, dims: str) -> None:
@@ -126,9 +138,11 @@ def validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_stat
         if group is not None:
             raise NotImplementedError("packed sequences (cu_seqlens) have no process group yet: "
                                       "one call per sequence")  # fmt: skip
-        if (window or sinks) and (initial_state is not None or return_state):
-            raise NotImplementedError("packed sequences (cu_seqlens) with window or sinks take "
-                                      "no initial_state or return_state yet")  # fmt: skip
+        n = len(packed[0]) - 1
+        if (window or sinks) and initial_state is not None and (
+                not isinstance(initial_state, HybridState) or initial_state.s.shape[0] != n):
+            raise ValueError(f"initial_state of packed sequences with window or sinks must be a "
+                             f"HybridState of {n} rows, one per sequence")  # fmt: skip
         if (window or sinks) and packed[0] != packed[1]:
             raise ValueError("window and sinks need each packed sequence's queries and keys to "
                              "be the same tokens: cu_seqlens (or cu_seqlens_q == "
@@ -466,8 +480,7 @@ class Call:
             q=self.q[:, :, qs], k=self.k[:, :, ks], v=self.v[:, :, ks],
             key_padding_mask=None if kpm is None else kpm[:, ks],
             query_padding_mask=None if qpm is None else qpm[:, qs],
-            initial_state=None if st is None else RFState(st[0][i : i + 1], st[1][i : i + 1],
-                                                          st[2][i : i + 1]),
+            initial_state=None if st is None else state_rows(st, slice(i, i + 1)),
             packed=None, update_stats=False,
         )  # fmt: skip
 
@@ -511,8 +524,7 @@ class Call:
 
         st = self.initial_state
         if st is not None:
-            idx = torch.tensor(indices, dtype=torch.int64, device=st[0].device)
-            st = RFState(*(x.index_select(0, idx) for x in st))
+            st = state_rows(st, torch.tensor(indices, dtype=torch.int64, device=st[0].device))
         call = self.replace(
             q=rows(self.q, sq, pq, Lq), k=rows(self.k, sk, pk, Lk), v=rows(self.v, sk, pk, Lk),
             key_padding_mask=padding(self.key_padding_mask, sk, pk, Lk),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from rfattn import blocked
+from rfattn import blocked, hybrid
 from rfattn.call import Call, RFState, padded_rows, query_rows
 from rfattn.features import compute_dtype, prescale
 
@@ -117,6 +117,8 @@ def empty_result(call: Call):
     out = q.new_zeros(*q.shape[:3], v.shape[-1]) + (tie * 0).to(q.dtype)
     if not (call.causal and call.return_state):
         return out
+    if call.window or call.sinks:  # the hybrid's state given, or the empty one
+        return out, hybrid.empty_state(k, v, call.rf, call.window, call.sinks, state)
     if state is None:  # the torch path's state before any key
         fm, like = call.rf.feature_map, q.new_empty(0, dtype=compute_dtype(q.dtype))
         state = blocked.empty_state(q.shape[0], k.shape[1], fm.width(call.rf.num_features),

@@ -317,7 +317,7 @@ BAD = [
     ("state-batch", dict(cu_seqlens=torch.tensor([0, 3, 7]), causal=True, initial_state="one"),
      ValueError, r"initial_state.s must have shape \(2, 2, 8, 3\)"),
     ("window-state", dict(cu_seqlens=torch.tensor([0, 3, 7]), window=2, causal=True,
-                          return_state=True), NotImplementedError, "no initial_state or return"),
+                          initial_state="two"), ValueError, "must be a HybridState of 2 rows"),
     ("window-cross", dict(cu_seqlens_q=torch.tensor([0, 3, 7]), window=2,
                           cu_seqlens_k=torch.tensor([0, 4, 7])), ValueError,
      "window and sinks need each packed sequence's queries and keys"),
@@ -330,6 +330,8 @@ def test_bad_offsets_raise_naming_them(case, kw, error, match):
     q, k, v = (x.detach() for x in leaves((7,)))
     if kw.get("initial_state") == "one":  # a state of one sequence for two
         kw["initial_state"] = states(1, rf)
+    if kw.get("initial_state") == "two":  # an RFState where the hybrid needs its own
+        kw["initial_state"] = states(2, rf)
     with pytest.raises(error, match=match):
         rfattn.rf_attention(q, k, v, rf, backend="torch", **kw)
 
@@ -364,6 +366,49 @@ def test_packed_window_and_sinks_equal_separate_calls(feature, causal):
         for (name, a), (_, b) in zip(rf.feature_map.named_buffers(),
                                      row.feature_map.named_buffers(), strict=True):  # fmt: skip
             assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_packed_window_and_sinks_with_states_equal_separate_calls(backend):
+    """A packed row with window and sinks continuing one HybridState per sequence (after a
+    prefix of its own; sinks left to fill in some) and returning them: outputs, every field of
+    the returned states and the gradients of q, k, v and of the initial states' tensors equal N
+    separate hybrid calls (float64, grouped heads, an empty sequence: its state passed on)."""
+    from rfattn.hybrid import HybridState
+
+    rf = rfattn.RandomFeatures(D, M, "posrf", seed=0).double().eval()
+    lengths = (0, 1, 5, 17, 6, 5)
+    kw = dict(causal=True, window=3, sinks=2, return_state=True, backend=backend)
+    pre = [rfattn.rf_attention(*(x.detach() for x in leaves((n,), seed=30 + i)), rf, **kw)[1]
+           for i, n in enumerate((1, 4, 0, 9, 2, 3))]  # fmt: skip
+    first = HybridState(*(torch.cat(f).detach() for f in zip(*pre, strict=True)))
+    q, k, v = leaves(lengths)
+    o = offsets(lengths).tolist()
+
+    def run(packed):
+        init = HybridState(*(x.clone().requires_grad_(x.is_floating_point() and i != 2)
+                             for i, x in enumerate(first)))  # fmt: skip
+        if packed:
+            out, st = rfattn.rf_attention(q, k, v, rf, cu_seqlens=offsets(lengths),
+                                          initial_state=init, **kw)  # fmt: skip
+        else:
+            res = [rfattn.rf_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], rf,
+                                       initial_state=HybridState(*(x[i : i + 1] for x in init)),
+                                       **kw)
+                   for i, (a, b) in enumerate(zip(o[:-1], o[1:], strict=True))]  # fmt: skip
+            out = torch.cat([r[0] for r in res], 2)
+            st = HybridState(*(torch.cat(f) for f in zip(*(r[1] for r in res), strict=True)))
+        leaves_ = [q, k, v, *(x for x in init if x.requires_grad)]
+        loss = (out * rand(*out.shape, seed=9)).sum() + st.s.sum() + st.keys.square().sum()
+        return out, st, torch.autograd.grad(loss, leaves_)
+
+    packed, sep = run(True), run(False)
+    torch.testing.assert_close(packed[0], sep[0], rtol=1e-12, atol=1e-12)
+    for name, a, b in zip(HybridState._fields, packed[1], sep[1], strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, equal_nan=True, msg=name)
+    for i, (a, b) in enumerate(zip(packed[2], sep[2], strict=True)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=f"grad {i}")
 
 
 def test_offsets_need_batch_one_and_equal_lengths():
