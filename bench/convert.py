@@ -25,7 +25,13 @@ Stages, for the configurations with trainable parameters (rf, hybrid), each meas
 * ``transfer``: :func:`rfattn.calibrate` (attention transfer: head maps and projection trained so
   that every layer's output, the hybrid's whole output, matches softmax; the model frozen);
 * ``fine-tune``: then a short next-token fine-tune of the same feature parameters (the model's
-  own weights frozen; no LoRA) on the same calibration text.
+  own weights frozen; no LoRA) on the same calibration text;
+* ``lora`` (``--stages lora``; every configuration but softmax, ``local S+W`` included, so both
+  get the same fine-tune): a next-token fine-tune of low-rank adapters on every layer's q, k, v
+  and o projections (rank ``--lora-rank``, B initialised to 0 so the model starts as it was;
+  :class:`LoRA`, a few lines here rather than the peft package), with the feature parameters
+  where the configuration has them, as LoLCATs' conversions fine-tune; the adapters are removed
+  again before the next configuration.
 
 The calibration text is the corpus's last tokens, disjoint from the evaluation text (its first
 tokens). ``softmax`` and ``local S+W`` have no feature parameters: they are measured once.
@@ -135,11 +141,46 @@ def mask_kwargs(config: dict, T: int) -> dict:
     return {"attention_mask": local_mask(T, config["W"], config["S"])}
 
 
-def finetune(model, batches: torch.Tensor, steps: int, lr: float) -> list[float]:
+class LoRA(torch.nn.Module):
+    """``base(x) + (x A^T) B^T * alpha / rank``: a frozen linear layer with a trainable low-rank
+    update (A small and random, B zero: the layer starts as ``base``)."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int, alpha: float):
+        super().__init__()
+        self.base, self.scaling = base, alpha / rank
+        g = torch.Generator().manual_seed(0)
+        a = torch.randn(rank, base.in_features, generator=g) / base.in_features**0.5
+        self.lora_a = torch.nn.Parameter(a.to(base.weight.dtype))
+        self.lora_b = torch.nn.Parameter(base.weight.new_zeros(base.out_features, rank))
+
+    def forward(self, x):
+        return self.base(x) + (x @ self.lora_a.t()) @ self.lora_b.t() * self.scaling
+
+
+def add_lora(model, rank: int, alpha: float | None = None) -> list:
+    """Wrap every attention layer's q, k, v and o projections in :class:`LoRA`; the undo list
+    for :func:`remove_lora`."""
+    undo = []
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            base = getattr(attn, name)
+            setattr(attn, name, LoRA(base, rank, 2.0 * rank if alpha is None else alpha))
+            undo.append((attn, name, base))
+    return undo
+
+
+def remove_lora(undo: list) -> None:
+    for module, name, base in undo:
+        setattr(module, name, base)
+
+
+def finetune(model, batches: torch.Tensor, steps: int, lr: float,
+             also=lambda name: False) -> list[float]:  # fmt: skip
     """A next-token fine-tune of the layers' feature parameters (head maps, projection; the
-    model's own weights frozen) on ``batches`` ``[N, T]``, one sequence a step, Adam with a
-    cosine decay; the losses."""
-    names = {n for n, _ in model.named_parameters() if ".rfattn_features." in n}
+    model's own weights frozen) and of the parameters ``also`` names (LoRA adapters) on
+    ``batches`` ``[N, T]``, one sequence a step, Adam with a cosine decay; the losses."""
+    names = {n for n, _ in model.named_parameters() if ".rfattn_features." in n or also(n)}
     if not names:
         return []
     grads = {p: p.requires_grad for p in model.parameters()}
@@ -259,6 +300,9 @@ def run(a) -> dict:
         configure(model, config)
         trainable = config["kind"] in ("rf", "hybrid")
         stages = ["zero-shot"] + (list(a.stages) if trainable else [])
+        if config["kind"] == "local" and "lora" in a.stages:
+            stages.append("lora")
+        undo = []
         for stage in stages:
             t0 = time.perf_counter()
             train_info = {}
@@ -273,6 +317,13 @@ def run(a) -> dict:
                 losses = finetune(model, train, a.finetune_steps, a.finetune_lr)
                 train_info = {"steps": len(losses), "loss_first": losses[:5],
                               "loss_last": losses[-5:]}  # fmt: skip
+            elif stage == "lora":
+                undo = add_lora(model, a.lora_rank)
+                losses = finetune(model, train, a.finetune_steps, a.lora_lr,
+                                  also=lambda n: ".lora_" in n)  # fmt: skip
+                train_info = {"steps": len(losses), "loss_first": losses[:5],
+                              "loss_last": losses[-5:], "rank": a.lora_rank,
+                              "lr": a.lora_lr}  # fmt: skip
             train_seconds = time.perf_counter() - t0
             if train_info:
                 print(f"# {name(config)} {stage}: {train_info['steps']} steps, "
@@ -297,6 +348,7 @@ def run(a) -> dict:
                       f"pass key logp {row['probe_key_logprob']:7.2f} recalled "
                       f"{row['probe_recalled']:.2f}  ({row['seconds']:.0f} s)",
                       flush=True)  # fmt: skip
+        remove_lora(undo)  # the next configuration starts from the pretrained weights
     return {
         "schema": "rfattn.convert/2",
         "env": environment(torch.device("cpu")),
@@ -308,6 +360,9 @@ def run(a) -> dict:
         "transfer": f"rfattn.calibrate, params map + projection, {a.calibrate_steps} steps",
         "fine-tune": f"next-token loss, feature parameters only (head maps, projection), "
         f"{a.finetune_steps} steps of one sequence, Adam lr {a.finetune_lr}, cosine",
+        "lora": f"next-token loss, LoRA rank {a.lora_rank} (alpha 2 x rank) on q/k/v/o and the "
+        f"feature parameters, {a.finetune_steps} steps of one sequence, Adam lr {a.lora_lr}, "
+        "cosine",
         "results": rows,
     }
 
@@ -341,7 +396,9 @@ def main(argv=None) -> int:
     p.add_argument("--kinds", nargs="+", default=["softmax", "local", "hybrid"],
                    choices=["softmax", "local", "rf", "hybrid"])  # fmt: skip
     p.add_argument("--stages", nargs="*", default=["transfer", "fine-tune"],
-                   choices=["transfer", "fine-tune"])  # fmt: skip
+                   choices=["transfer", "fine-tune", "lora"])  # fmt: skip
+    p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument("--lora-lr", type=float, default=1e-3)
     p.add_argument("--train-length", type=int, default=512)
     p.add_argument("--train-sequences", type=int, default=8)
     p.add_argument("--calibrate-steps", type=int, default=100)

@@ -681,3 +681,30 @@ def test_packed_offsets_that_disagree_with_the_mask_raise():
     del batch["cu_seq_lens_k"]
     with torch.no_grad(), pytest.raises(ValueError, match="cu_seq_lens_q and cu_seq_lens_k"):
         model(**batch, use_cache=False)
+
+
+def test_the_conversion_benchmarks_lora_stage():
+    """bench.convert's LoRA stage on a tiny hybrid Llama: the adapters leave the model as it was
+    (B = 0), the fine-tune moves them and none of the model's weights, and removing them puts
+    the original projections back."""
+    from bench.convert import add_lora, finetune, remove_lora
+
+    model = _llama().double()
+    rfhf.attach_random_features(model, num_features=16, window=4, sinks=2, seed=0)
+    model.set_attn_implementation("rfattn")
+    ids = torch.randint(0, V, (3, T), generator=torch.Generator().manual_seed(0))
+    before = model(ids[:1]).logits
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters()}
+    originals = [layer.self_attn.q_proj for layer in model.model.layers]
+    undo = add_lora(model, rank=2)
+    torch.testing.assert_close(model(ids[:1]).logits, before)
+    losses = finetune(model, ids, steps=3, lr=1e-2, also=lambda n: ".lora_" in n)
+    assert len(losses) == 3
+    moved = {n for n, p in model.named_parameters()
+             if n in frozen and not torch.equal(p, frozen[n])}  # fmt: skip
+    assert all(".rfattn_features." in n for n in moved), moved  # the model's weights frozen
+    assert any(not torch.equal(layer.self_attn.o_proj.lora_b, torch.zeros_like(
+        layer.self_attn.o_proj.lora_b)) for layer in model.model.layers)  # fmt: skip
+    remove_lora(undo)
+    assert [layer.self_attn.q_proj for layer in model.model.layers] == originals
+    assert not any(".lora_" in n for n, _ in model.named_parameters())
