@@ -2,8 +2,10 @@
 
 A Llama-style decoder with random weights (no downloads) generates greedily, one token per
 forward, through transformers' own model code: ``attn_implementation="rfattn"`` with
-:class:`rfattn.hf.RFCache` (a fixed-size state per layer) against ``"sdpa"`` with transformers'
-default ``DynamicCache`` (keys and values of every past token). Every step is timed
+:class:`rfattn.hf.RFCache` (a fixed-size state per layer), the same with the hybrid
+(``rfattn-hybrid``: exact sinks and a window inside the features, :data:`HYBRID`; its state
+keeps the window and the sinks too), against ``"sdpa"`` with transformers' default
+``DynamicCache`` (keys and values of every past token). Every step is timed
 (``time.perf_counter`` around the forward; ``torch.cuda.synchronize`` on a GPU); the cache's bytes
 are read at powers of two.
 
@@ -44,7 +46,9 @@ from bench.env import environment, write_json
 
 __all__ = ["build", "decode_times", "loop_times", "main"]
 
-PROVIDERS = ("rfattn", "sdpa")
+PROVIDERS = ("rfattn", "rfattn-hybrid", "sdpa")
+#: the hybrid provider's exact part: sinks and window
+HYBRID = dict(window=64, sinks=4)
 
 
 def build(impl: str, kv_heads: int, device, num_features: int, positions: int, seed: int = 0):
@@ -59,8 +63,10 @@ def build(impl: str, kv_heads: int, device, num_features: int, positions: int, s
                                    num_key_value_heads=kv_heads,
                                    max_position_embeddings=positions + 64)  # fmt: skip
     model = transformers.LlamaForCausalLM(cfg).eval()
-    if impl == "rfattn":
-        rfattn.hf.attach_random_features(model, num_features=num_features, seed=seed)
+    if impl.startswith("rfattn"):
+        kw = HYBRID if impl == "rfattn-hybrid" else {}
+        rfattn.hf.attach_random_features(model, num_features=num_features, seed=seed, **kw)
+        impl = "rfattn"
     model.set_attn_implementation(impl)
     return model.to(device)
 
@@ -70,7 +76,9 @@ def _cache(impl: str, config):
 
     import rfattn.hf
 
-    return rfattn.hf.RFCache() if impl == "rfattn" else transformers.DynamicCache(config=config)
+    if impl.startswith("rfattn"):
+        return rfattn.hf.RFCache()
+    return transformers.DynamicCache(config=config)
 
 
 @torch.no_grad()
@@ -225,7 +233,7 @@ def main(argv=None) -> int:
         for r in rows:
             print(f"  {r['first']:>6}-{r['last']:<6} {r['ms_median']:8.3f}")
         print("  cache bytes:", ", ".join(f"{k}: {v}" for k, v in sizes.items()))
-    rf, sd = (doc["results"][n]["buckets"] for n in PROVIDERS)
+    rf, sd = (doc["results"][n]["buckets"] for n in ("rfattn", "sdpa"))
     faster = [a["ms_median"] < b["ms_median"] for a, b in zip(rf, sd, strict=True)]
     # the first bucket from which rfattn stays faster (None: never)
     start = next((i for i in range(len(faster)) if all(faster[i:])), None)

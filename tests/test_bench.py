@@ -339,8 +339,9 @@ def test_host_quick_run(tmp_path):
 
 
 def test_generate_loop_keeps_rfattn_cache_bytes_flat(tmp_path):
-    """bench.generate --loop at a tiny size: the JSON has both providers at both contexts, and
-    rfattn's cache bytes are the same after either context and after decoding while sdpa's grow
+    """bench.generate --loop at a tiny size: the JSON has every provider at both contexts, and
+    rfattn's cache bytes (the hybrid's too, window and sinks included) are the same after either
+    context and after decoding while sdpa's grow
     (what the committed result reports, measured rather than assumed)."""
     from bench import generate
 
@@ -352,6 +353,10 @@ def test_generate_loop_keeps_rfattn_cache_bytes_flat(tmp_path):
     sizes = {r[k] for r in rf.values() for k in ("cache_bytes_after_context",
                                                    "cache_bytes_after_decoding")}  # fmt: skip
     assert len(sizes) == 1 and sizes.pop() > 0
+    hy = doc["results"]["rfattn-hybrid"]["contexts"]  # the state keeps the window and sinks too
+    hybrid_sizes = {r[k] for r in hy.values() for k in ("cache_bytes_after_context",
+                                                         "cache_bytes_after_decoding")}  # fmt: skip
+    assert len(hybrid_sizes) == 1 and hybrid_sizes.pop() > rf["8"]["cache_bytes_after_context"]
     assert sd["8"]["cache_bytes_after_context"] < sd["24"]["cache_bytes_after_context"] < \
         sd["24"]["cache_bytes_after_decoding"]  # fmt: skip
     assert all(r["ms_median"] > 0 for r in (*rf.values(), *sd.values()))
