@@ -60,7 +60,7 @@ from typing import NamedTuple
 
 import torch
 
-from rfattn.features.base import compute_dtype, prescale
+from rfattn.features.base import compute_dtype, prescale, symbolic
 from rfattn.reference import attention_ratio
 
 __all__ = ["HybridState", "hybrid_attention", "hybrid_reference", "key_state", "local_sets",
@@ -224,13 +224,59 @@ class Extended(NamedTuple):
     sink_present: torch.Tensor  # [B, 2 S] bool
 
 
+class _Layout(NamedTuple):
+    """What :func:`extend` derives for a first call without padding: it depends on the sizes
+    only."""
+
+    new: torch.Tensor  # [B, T] int8: the first S tokens sinks, the rest window keys
+    kinds: torch.Tensor  # [B, W + T] int8: W positions of nothing, then ``new``
+    sink_pos: torch.Tensor  # [B, S]: the sinks' extended positions
+    present: torch.Tensor  # [B, S] bool: the slots a token fills (T < S leaves some empty)
+
+
+#: :class:`_Layout` per (B, T, sinks, window, device), made once (never written to: every user
+#: reads them or copies)
+_LAYOUTS: dict = {}
+
+
+def _first_layout(B: int, T: int, sinks: int, window: int, device) -> _Layout:
+    key = (B, T, sinks, window, device)
+    traced = torch.compiler.is_compiling()
+    layout = None if traced else _LAYOUTS.get(key)
+    if layout is None:
+        pos = torch.arange(T, device=device)
+        new = torch.where(pos < sinks, SINK, WINDOW).to(torch.int8).expand(B, T)
+        slots = torch.arange(sinks, device=device)
+        layout = _Layout(*(x.contiguous() for x in (
+            new, torch.nn.functional.pad(new, (window, 0)),
+            (slots.clamp(max=max(T - 1, 0)) + window).expand(B, sinks),
+            (slots < T).expand(B, sinks))))  # fmt: skip
+        if not traced:
+            if len(_LAYOUTS) >= 256:  # ever new sizes: start over rather than grow
+                _LAYOUTS.clear()
+            _LAYOUTS[key] = layout
+    return layout
+
+
 def extend(st: HybridState | None, k, v, key_padding_mask, sinks: int,
            window: int = 0) -> Extended:  # fmt: skip
     """The call's keys after the state ``st`` (:class:`Extended`): which are sinks (the first
     ``sinks`` valid keys of the whole sequence, counting the state's), which window keys.
     ``st`` None: a first call (``window`` positions of nothing before it, no sink slot but the
-    call's own S), without making the empty state."""
+    call's own S), without making the empty state; without padding too, its kinds and sink
+    slots depend on the sizes only and are made once (:func:`_first_layout`), its sinks are
+    the first S keys (a view)."""
     B, T, dev = k.shape[0], k.shape[2], k.device
+    if st is None and key_padding_mask is None and not symbolic(T):
+        lay = _first_layout(B, T, sinks, window, dev)
+        pad = torch.nn.functional.pad
+        if T >= sinks:
+            sk, sv = k[:, :, :sinks], v[:, :, :sinks]
+        else:  # fewer tokens than slots: the rest absent (position 0 again, never read)
+            slot = lay.sink_pos - window
+            sk, sv = gather_positions(k, slot), gather_positions(v, slot)
+        return Extended(pad(k, (0, 0, window, 0)), pad(v, (0, 0, window, 0)), lay.kinds, lay.new,
+                        sk, sv, lay.sink_pos, lay.present)  # fmt: skip
     valid = torch.ones(B, T, dtype=torch.bool, device=dev)
     if key_padding_mask is not None:
         valid = ~key_padding_mask
@@ -263,9 +309,9 @@ def next_state(st: HybridState, ext: Extended, s, z, offset) -> HybridState:
     n = st.sinks_seen[:, None]
     r = torch.arange(S, device=n.device)[None, :]
     pick = (torch.where(r < n, r, S + r - n).clamp(max=2 * S - 1) if S else r).expand(B, S)
-    return HybridState(  # the window contiguous, as the decode step reads it
+    return HybridState(  # the window its own and contiguous, as the decode step reads it
         s, z, offset, ext.keys[:, :, T:].contiguous(), ext.values[:, :, T:].contiguous(),
-        ext.kinds[:, T:].contiguous(),
+        ext.kinds[:, T:].clone(memory_format=torch.contiguous_format),
         gather_positions(ext.sink_keys, pick), gather_positions(ext.sink_values, pick),
         torch.clamp(st.sinks_seen + (ext.new_kinds == SINK).sum(-1), max=S),
     )  # fmt: skip

@@ -357,3 +357,26 @@ def test_calibrating_a_hybrid_model_trains_its_maps():
     report = rfattn.calibrate(model, batches, params=("map",), steps=20, lr=0.02)
     assert report.after and all(report.after[n] < report.before[n] for n in report.before)
     assert report.before == pytest.approx(hybrid_errors, rel=1e-4)
+
+
+@pytest.mark.parametrize("T", [1, 3, 9])
+def test_a_first_call_without_padding_extends_as_one_with_a_mask(T):
+    """extend's first call without padding (its kinds and sink slots made once per size, its
+    sinks a view of the first keys) equals the general one's given a mask that pads nothing:
+    every field, the sink slots where present (fewer tokens than slots at T = 1)."""
+    from rfattn.hybrid import extend
+
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 2, T, 4, generator=g), torch.randn(2, 2, T, 3, generator=g)
+    fast = extend(None, k, v, None, 3, 5)
+    slow = extend(None, k, v, torch.zeros(2, T, dtype=torch.bool), 3, 5)
+    assert fast.kinds.is_contiguous() and torch.equal(fast.sink_present, slow.sink_present)
+    for name in ("keys", "values", "kinds", "new_kinds"):
+        assert torch.equal(getattr(fast, name), getattr(slow, name)), name
+    present = slow.sink_present
+    assert torch.equal(fast.sink_pos[present], slow.sink_pos[present])
+    for name in ("sink_keys", "sink_values"):
+        a, b = getattr(fast, name), getattr(slow, name)
+        assert torch.equal(a[present[:, None, :, None].expand_as(a)],
+                           b[present[:, None, :, None].expand_as(b)]), name  # fmt: skip
+    assert extend(None, k, v, None, 3, 5).kinds is fast.kinds  # made once
