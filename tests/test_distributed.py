@@ -421,7 +421,8 @@ def _training_worker(rank, world, init_file, out_dir, kv_heads, backend, hybrid)
 @pytest.mark.parametrize(
     "kv_heads,backend,hybrid",
     [(H, "torch", False), pytest.param(1, "torch", False, marks=pytest.mark.slow),  # ~7 s each
-     pytest.param(1, "triton", False, marks=pytest.mark.slow), (1, "torch", True),
+     pytest.param(1, "triton", False, marks=pytest.mark.slow),
+     pytest.param(1, "torch", True, marks=pytest.mark.slow),
      pytest.param(1, "triton", True, marks=pytest.mark.slow)],
     ids=["mha-torch", "gqa-torch", "gqa-triton", "hybrid-maps-gqa-torch",
          "hybrid-maps-gqa-triton"],

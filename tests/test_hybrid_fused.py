@@ -468,6 +468,7 @@ def test_a_decode_step_reads_what_a_row_reads():
     assert torch.equal(st.kinds[1, -1], torch.tensor(0, dtype=torch.int8))
 
 
+@pytest.mark.slow  # ~14 s under the interpreter (make test-slow)
 def test_compiled_hybrid_runs_the_operators():
     """``torch.compile(fullgraph=True)`` of a hybrid call on the fused path traces the hybrid's
     operators (the exact part, the output walk with the exact terms; the decode step for a

@@ -368,7 +368,7 @@ def test_packed_window_and_sinks_equal_separate_calls(feature, causal):
             assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
 def test_packed_window_and_sinks_with_states_equal_separate_calls(backend):
     """A packed row with window and sinks continuing one HybridState per sequence (after a
     prefix of its own; sinks left to fill in some) and returning them: outputs, every field of
