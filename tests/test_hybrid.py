@@ -380,3 +380,39 @@ def test_a_first_call_without_padding_extends_as_one_with_a_mask(T):
         assert torch.equal(a[present[:, None, :, None].expand_as(a)],
                            b[present[:, None, :, None].expand_as(b)]), name  # fmt: skip
     assert extend(None, k, v, None, 3, 5).kinds is fast.kinds  # made once
+
+
+def test_layers_take_window_and_sinks():
+    """RFAttention and RFMultiheadAttention with window and sinks run the hybrid: each layer's
+    output is its projections around ``rf_attention(..., window=, sinks=)`` on the same
+    weights (causal, padding, streaming state), and bad values are refused naming them."""
+    torch.manual_seed(0)
+    layer = rfattn.RFAttention(16, 2, num_features=8, causal=True, window=3, sinks=2).double()
+    mha = rfattn.RFMultiheadAttention(16, 2, batch_first=True, num_features=8, window=3,
+                                      sinks=2).double()  # fmt: skip
+    x = torch.randn(2, 11, 16, dtype=torch.float64)
+    mask = torch.zeros(2, 11, dtype=torch.bool)
+    mask[1, :2] = True
+
+    def heads(t):
+        return t.view(2, 11, 2, 8).transpose(1, 2)
+
+    q, k, v = (heads(p(x)) for p in (layer.q_proj, layer.k_proj, layer.v_proj))
+    ref = rfattn.rf_attention(q, k, v, layer.rf, causal=True, window=3, sinks=2,
+                              key_padding_mask=mask, query_padding_mask=mask)  # fmt: skip
+    want = layer.out_proj(ref.transpose(1, 2).reshape(2, 11, 16))
+    torch.testing.assert_close(layer(x, key_padding_mask=mask), want)
+    out, st = layer(x[:, :7], causal=True, return_state=True)
+    rest = layer(x[:, 7:], causal=True, initial_state=st)
+    torch.testing.assert_close(torch.cat([out, rest], 1), layer(x))
+    assert isinstance(st, rfattn.hybrid.HybridState)
+    w, b = mha.in_proj_weight.chunk(3), mha.in_proj_bias.chunk(3)
+    q, k, v = (heads(x @ wi.t() + bi) for wi, bi in zip(w, b, strict=True))
+    ref = rfattn.rf_attention(q, k, v, mha.rf, causal=True, window=3, sinks=2)
+    want = mha.out_proj(ref.transpose(1, 2).reshape(2, 11, 16))
+    torch.testing.assert_close(mha(x, x, x, is_causal=True, need_weights=False)[0], want)
+    for bad in (dict(window=-1), dict(sinks=1.5), dict(window=True)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            rfattn.RFAttention(16, 2, num_features=8, **bad)
+    with pytest.raises(ValueError, match="rpe"):
+        rfattn.RFAttention(16, 2, num_features=8, window=2, rpe=rfattn.FourierRPE(2, 8, 2))

@@ -147,13 +147,28 @@ class _RandomFeatureLayer(nn.Module):
             self.redraw_features()
         self.steps_since_redraw += 1
 
+    #: exact sinks and window inside the features (``rf_attention``'s ``window``, ``sinks``)
+    window: int = 0
+    sinks: int = 0
+
+    def _init_local(self, window, sinks) -> None:
+        """The layer's hybrid (:mod:`rfattn.hybrid`): ``window`` and ``sinks`` checked, kept."""
+        for name, value in (("window", window), ("sinks", sinks)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if (window or sinks) and self.rpe is not None:
+            raise ValueError("window and sinks take no rpe (FourierRPE) yet")
+        self.window, self.sinks = window, sinks
+
     def _attend(self, q, k, v, key_padding_mask, causal, positions, key_positions, center,
                 initial_state, return_state, self_attention=False):  # fmt: skip
         """rf_attention (through the RPE when set) on ``[B, H, T, D]`` views; self-attention
-        leaves its padded queries out of the statistics too."""
+        leaves its padded queries out of the statistics too; the layer's window and sinks."""
         from rfattn.attention import rf_attention
 
         kwargs = dict(causal=causal, key_padding_mask=key_padding_mask, backend=self.backend)
+        if self.window or self.sinks:
+            kwargs.update(window=self.window, sinks=self.sinks)
         if self.group is not None:
             kwargs["group"] = self.group
         if self_attention and key_padding_mask is not None and self.rpe is None:
@@ -210,6 +225,8 @@ class RFAttention(_RandomFeatureLayer):
             for the augmented head dim ``head_dim + 2R``. Pass the same module to several layers
             to share the masks between them (the paper's choice).
         backend: ``rf_attention``'s backend.
+        window, sinks: exact sinks and a sliding window inside the features
+            (``rf_attention``'s, :mod:`rfattn.hybrid`; 0: none); no ``rpe`` with them.
         device, dtype: of the parameters.
     """
 
@@ -232,6 +249,8 @@ class RFAttention(_RandomFeatureLayer):
         feature_redraw_interval: int | None = None,
         rpe: FourierRPE | None = None,
         backend: str = "auto",
+        window: int = 0,
+        sinks: int = 0,
         device=None,
         dtype=None,
         **feature_options,
@@ -254,6 +273,7 @@ class RFAttention(_RandomFeatureLayer):
         self._init_features(num_heads, embed_dim // num_heads, num_features, feature, weights,
                             seed, feature_redraw_interval, rpe, scale, backend, device,
                             feature_options)  # fmt: skip
+        self._init_local(window, sinks)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, T, E]`` -> ``[B, H, T, E/H]`` (a strided view)."""
@@ -352,8 +372,9 @@ class RFMultiheadAttention(_RandomFeatureLayer):
     ``in_proj_bias``, ``q/k/v_proj_weight``, ``out_proj``, ``bias_k``, ``bias_v``), so
     ``load_state_dict(mha.state_dict(), strict=False)`` or :meth:`from_torch` takes over a
     trained layer. Keyword-only extras configure the features: ``num_features``, ``feature``,
-    ``weights``, ``seed``, ``feature_redraw_interval``, ``rpe``, ``scale``, ``backend`` and the
-    feature options of :class:`RandomFeatures`.
+    ``weights``, ``seed``, ``feature_redraw_interval``, ``rpe``, ``scale``, ``backend``,
+    ``window`` and ``sinks`` (exact sinks and a sliding window inside the features,
+    :mod:`rfattn.hybrid`) and the feature options of :class:`RandomFeatures`.
 
     Differences, since no ``[Tq, Tk]`` attention matrix exists:
 
@@ -399,6 +420,8 @@ class RFMultiheadAttention(_RandomFeatureLayer):
         rpe: FourierRPE | None = None,
         scale: float | None = None,
         backend: str = "auto",
+        window: int = 0,
+        sinks: int = 0,
         **feature_options,
     ) -> None:
         super().__init__()
@@ -439,6 +462,7 @@ class RFMultiheadAttention(_RandomFeatureLayer):
         self._init_features(num_heads, embed_dim // num_heads, num_features, feature, weights,
                             seed, feature_redraw_interval, rpe, scale, backend, device,
                             feature_options)  # fmt: skip
+        self._init_local(window, sinks)
 
     def _reset_parameters(self) -> None:
         """torch's initialisation (xavier-uniform projections, zero biases)."""
