@@ -49,8 +49,8 @@ def rf_attention(
     query_padding_mask: torch.Tensor | None = None,
     group=None,
     *,
-    window: int = 0,
-    sinks: int = 0,
+    window: int | None = None,
+    sinks: int | None = None,
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_q: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
@@ -108,7 +108,9 @@ def rf_attention(
             keys at positions ``i - window < j <= i`` (non-causal: ``|i - j| < window``), and
             through the features to every other key, in one normaliser; ``initial_state`` /
             the returned state are then a :class:`rfattn.hybrid.HybridState` (constant size).
-            The torch path runs them.
+            None (default): ``rf``'s own (``RandomFeatures(window=, sinks=)``, 0 unless given);
+            0 turns it off for this call. Fused on the GPU where causal
+            (``docs/hybrid.md``), else the torch path.
         cu_seqlens: packed sequences (flash-attention's convention): q, k and v hold N
             sequences concatenated along T with batch size 1 (``[1, H, total, D]``), and
             ``cu_seqlens`` (int32 or int64, ``[N + 1]``, on q's device or the CPU) their offsets
@@ -140,6 +142,10 @@ def rf_attention(
                                 initial_state, return_state, query_padding_mask, group,
                                 window=window, sinks=sinks, cu_seqlens=cu_seqlens,
                                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)  # fmt: skip
+    if window is None:  # the module's own (RandomFeatures(window=, sinks=)), or none
+        window = getattr(rf, "window", 0)
+    if sinks is None:
+        sinks = getattr(rf, "sinks", 0)
     learned = learned_scale(scale) if torch.is_tensor(scale) else None
     if learned is not None:  # applied to q and k (below); checked without a host sync
         torch._assert_async((learned.detach() > 0) & learned.detach().isfinite(),

@@ -416,3 +416,21 @@ def test_layers_take_window_and_sinks():
             rfattn.RFAttention(16, 2, num_features=8, **bad)
     with pytest.raises(ValueError, match="rpe"):
         rfattn.RFAttention(16, 2, num_features=8, window=2, rpe=rfattn.FourierRPE(2, 8, 2))
+
+
+def test_random_features_carry_window_and_sinks():
+    """RandomFeatures(window=, sinks=) is every call's hybrid unless the call gives its own (0
+    turns it off); bad values are refused naming them."""
+    q, k, v = inputs(seed=21)
+    plain = features()
+    hyb = rfattn.RandomFeatures(8, 16, feature="posrf", weights="orf", seed=3, window=4,
+                                sinks=2).double()  # fmt: skip
+    assert "window=4, sinks=2" in repr(hyb)
+    torch.testing.assert_close(rfattn.rf_attention(q, k, v, hyb, causal=True),
+                               rfattn.rf_attention(q, k, v, plain, causal=True, window=4,
+                                                   sinks=2))  # fmt: skip
+    torch.testing.assert_close(rfattn.rf_attention(q, k, v, hyb, causal=True, window=0, sinks=0),
+                               rfattn.rf_attention(q, k, v, plain, causal=True))  # fmt: skip
+    for bad in (dict(window=-1), dict(sinks=2.0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            rfattn.RandomFeatures(8, 16, **bad)

@@ -49,6 +49,9 @@ class RandomFeatures(nn.Module):
             dtype. ``None`` draws a nondeterministic seed.
         head_maps: ``(query heads, key heads)`` to give the module learnable per-head linear maps
             of q and k (:meth:`add_head_maps`; what :func:`rfattn.calibrate` trains), or None.
+        window, sinks: exact sinks and a sliding window inside the features
+            (:mod:`rfattn.hybrid`) for every :func:`rfattn.rf_attention` call with this module
+            that does not give its own (default 0: none).
         **feature_options: options of the component function (validated by it).
 
     ``weight`` is a buffer (saved in ``state_dict``, moved by ``.to``), fp32 by default. For
@@ -78,10 +81,17 @@ class RandomFeatures(nn.Module):
         weights: str = "orf",
         seed: int | None = 0,
         head_maps: tuple[int, int] | None = None,
+        window: int = 0,
+        sinks: int = 0,
         **feature_options,
     ) -> None:
         super().__init__()
         head_dim, num_features, seed = map(python_scalar, (head_dim, num_features, seed))
+        for name, val in (("window", window), ("sinks", sinks)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {val!r}")
+        #: the hybrid's exact part (:mod:`rfattn.hybrid`) that ``rf_attention`` takes by default
+        self.window, self.sinks = window, sinks
         for name, val in (("head_dim", head_dim), ("num_features", num_features)):
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {val!r}")
@@ -223,6 +233,7 @@ class RandomFeatures(nn.Module):
             f"head_dim={self.head_dim}, num_features={self.num_features}, "
             f"feature={self.feature!r}, weights={self.weights!r}"
             + ("" if self.head_maps is None else f", head_maps={self.head_maps}")
+            + (f", window={self.window}, sinks={self.sinks}" if self.window or self.sinks else "")
         )
 
     @torch.no_grad()
