@@ -22,7 +22,6 @@ from rfattn.hybrid import HybridState
 from rfattn.weights import WEIGHTED_WEIGHTS
 
 __all__ = [
-    "state_rows",
     "BACKENDS",
     "INTERCEPTS",
     "Call",
@@ -30,6 +29,7 @@ __all__ = [
     "fused_kernel_available",
     "intercept_calls",
     "packed_offsets",
+    "state_rows",
     "validate",
 ]
 
@@ -78,8 +78,8 @@ def validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_stat
     """Raise naming the argument unless ``rf_attention``'s arguments are valid (``causal`` and
     ``scale`` already plain Python values; ``packed``: the offsets :func:`packed_offsets` read,
     or None)."""
-    for name, x in (("window", window), ("sinks", sinks)):
-        if type(x) is not int or x < 0:
+    for name, x in (("window", window), ("sinks", sinks)):  # (hybrid.check_local's check,
+        if type(x) is not int or x < 0:  # inline: a call enters few functions, issue 35)
             raise ValueError(f"{name} must be an int >= 0, got {x!r}")
     for name, x, dims in (
         ("q", q, "B, H, Tq, D"),

@@ -70,7 +70,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from rfattn.attention import RFState, rf_attention
 from rfattn.distributed import runs_causal
-from rfattn.hybrid import HybridState
+from rfattn.hybrid import HybridState, check_local
 from rfattn.modules import RandomFeatures, layer_seed
 
 try:
@@ -206,10 +206,7 @@ def attach_random_features(model: torch.nn.Module, **options) -> int:
     held the old one): a config a caller built several models from is left as it was, so the
     other models, and models built from it later, keep their own attention.
     """
-    for key in LOCAL_OPTIONS:
-        value = options.get(key, 0)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{key} must be an int >= 0, got {value!r}")
+    check_local(*(options.get(key, 0) for key in LOCAL_OPTIONS))
     config = _own_config(model)
     before = getattr(config, "rfattn", None)
     current = _options(config)

@@ -63,18 +63,23 @@ import torch
 from rfattn.features.base import compute_dtype, prescale, symbolic
 from rfattn.reference import attention_ratio
 
-__all__ = ["HybridState", "hybrid_attention", "hybrid_reference", "key_state", "local_sets",
-           "first_true", "gather_positions", "estimated_stream", "exact_terms",
+__all__ = ["HybridState", "check_local", "hybrid_attention", "hybrid_reference", "key_state",
+           "local_sets", "first_true", "gather_positions", "estimated_stream", "exact_terms",
            "finite_values", "extend", "next_state", "empty_state", "Extended", "sink_values"]
 
 #: query rows per block of the torch path
 BLOCK = 64
 
 
-def _check(q, k, v, window, sinks, key_padding_mask) -> None:
+def check_local(window, sinks) -> None:
+    """Raise naming it unless ``window`` and ``sinks`` are ints >= 0 (plain ints: no bool)."""
     for name, value in (("window", window), ("sinks", sinks)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        if type(value) is not int or value < 0:
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+
+
+def _check(q, k, v, window, sinks, key_padding_mask) -> None:
+    check_local(window, sinks)
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be [B, H, T, D] / [B, H, T, E]")
     if q.shape[-2] != k.shape[-2]:
@@ -272,7 +277,7 @@ def extend(st: HybridState | None, k, v, key_padding_mask, sinks: int,
         pad = torch.nn.functional.pad
         if T >= sinks:
             sk, sv = k[:, :, :sinks], v[:, :, :sinks]
-        else:  # fewer tokens than slots: the rest absent (position 0 again, never read)
+        else:  # fewer tokens than slots: the rest absent (the last token again, never read)
             slot = lay.sink_pos - window
             sk, sv = gather_positions(k, slot), gather_positions(v, slot)
         return Extended(pad(k, (0, 0, window, 0)), pad(v, (0, 0, window, 0)), lay.kinds, lay.new,

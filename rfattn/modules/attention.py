@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rfattn.features import python_scalar
+from rfattn.hybrid import check_local
 from rfattn.modules.features import RandomFeatures
 from rfattn.modules.flt import FourierRPE
 
@@ -153,9 +154,7 @@ class _RandomFeatureLayer(nn.Module):
 
     def _init_local(self, window, sinks) -> None:
         """The layer's hybrid (:mod:`rfattn.hybrid`): ``window`` and ``sinks`` checked, kept."""
-        for name, value in (("window", window), ("sinks", sinks)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        check_local(window, sinks)
         if (window or sinks) and self.rpe is not None:
             raise ValueError("window and sinks take no rpe (FourierRPE) yet")
         self.window, self.sinks = window, sinks

@@ -16,6 +16,7 @@ from rfattn.features import (
     python_scalar,
 )
 from rfattn.features.exponential import GERF_A_MAX
+from rfattn.hybrid import check_local
 from rfattn.stats import gerf_real_constants
 from rfattn.weights import (
     LEARNABLE_WEIGHTS,
@@ -87,9 +88,7 @@ class RandomFeatures(nn.Module):
     ) -> None:
         super().__init__()
         head_dim, num_features, seed = map(python_scalar, (head_dim, num_features, seed))
-        for name, val in (("window", window), ("sinks", sinks)):
-            if not isinstance(val, int) or isinstance(val, bool) or val < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {val!r}")
+        check_local(window, sinks)
         #: the hybrid's exact part (:mod:`rfattn.hybrid`) that ``rf_attention`` takes by default
         self.window, self.sinks = window, sinks
         for name, val in (("head_dim", head_dim), ("num_features", num_features)):
