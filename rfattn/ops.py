@@ -580,8 +580,14 @@ class _Chunk(torch.autograd.Function):
         grads = (dq, dk, dv, ds0, dz0, None, None, None, None, None, None, None)
         if wex is None:
             return grads
-        do = d_out.to(wex.dtype)
-        return (*grads, do * wex[..., None], -(do * out.to(wex.dtype)).sum(-1) * wex, None)
+        return (*grads, *_exact_cotangents(d_out, out, wex), None)
+
+
+def _exact_cotangents(d_out, out, wex) -> tuple:
+    """The cotangents ``(do * wex, -(do . out) wex)`` of the hybrid's exact numerator and
+    denominator, from the output's and the weights ``wex`` the output walk wrote."""
+    do = d_out.to(wex.dtype)
+    return do * wex[..., None], -(do * out.to(wex.dtype)).sum(-1) * wex
 
 
 def rf_chunk(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, initial_state=None,
@@ -725,8 +731,8 @@ def _chunk_hybrid_backward(ctx, d_out, d_s, d_z, *_rest):
     *saved, wex = ctx.saved_tensors
     grads = _chunk_grads(ctx, saved, d_out, d_s, d_z)
     out = saved[_SCALE + 3]
-    do = (torch.zeros_like(out) if d_out is None else d_out).to(wex.dtype)
-    return (*grads[:_EXACT], do * wex[..., None], -(do * out.to(wex.dtype)).sum(-1) * wex, None,
+    d_out = torch.zeros_like(out) if d_out is None else d_out
+    return (*grads[:_EXACT], *_exact_cotangents(d_out, out, wex), None,
             *grads[_EXACT:])  # fmt: skip
 
 
