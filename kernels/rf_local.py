@@ -386,9 +386,9 @@ def decode_shift(wk_base, wv_base, kind_base, nwk_base, nwv_base, nkind_base, sk
     slot ``seen`` if it is a sink; the kinds (per batch row: written by the program of the
     first key/value head, ``i_h`` 0). (Scalars enter masks as vectors: the interpreter makes a
     scalar bool and'ed with a vector an int32 mask.)"""
+    b_kn = tl.load(k_tok + o_d * stride_kd, mask=m_d, other=0.0)  # the token, as given
+    b_vn = tl.load(v_tok + o_e * stride_ve, mask=m_e, other=0.0)
     if HAS_WIN:
-        b_kn = tl.load(k_tok + o_d * stride_kd, mask=m_d, other=0.0)
-        b_vn = tl.load(v_tok + o_e * stride_ve, mask=m_e, other=0.0)
         for j0 in range(0, WIN, BK):
             o_j = j0 + tl.arange(0, BK)
             m_j = o_j < WIN
@@ -409,8 +409,6 @@ def decode_shift(wk_base, wv_base, kind_base, nwk_base, nwv_base, nkind_base, sk
         o_s = tl.arange(0, BS)
         m_s = o_s < NSK
         put = (o_s == seen) & (o_s * 0 + new_kind == 2)
-        b_kn = tl.load(k_tok + o_d * stride_kd, mask=m_d, other=0.0)
-        b_vn = tl.load(v_tok + o_e * stride_ve, mask=m_e, other=0.0)
         b_k = tl.load(sk_base + o_s[:, None] * D + o_d[None, :], mask=m_s[:, None] & m_d[None, :],
                       other=0.0)  # fmt: skip
         b_v = tl.load(sv_base + o_s[:, None] * E + o_e[None, :], mask=m_s[:, None] & m_e[None, :],

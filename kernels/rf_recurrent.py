@@ -110,6 +110,9 @@ def _recurrent_kernel(
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
     v_base = v_ptr + i_b * stride_vb + i_h * stride_vh
     b_r = load_offset(r0_ptr + i_in, PLAIN, HAS_INIT, ACC)
+    # the key joining the state: token t's, or (HYBRID) the window's slot 0
+    enter_k, enter_v = k_base, v_base
+    stride_et, stride_ed, stride_ev, stride_ee = stride_kt, stride_kd, stride_vt, stride_ve
     if HYBRID:
         # the token's kind: padding 0, a sink while a slot is free 2, else a window key 1
         # ([GP] alike: the interpreter makes a scalar bool and'ed with a vector an int32 mask)
@@ -119,10 +122,8 @@ def _recurrent_kernel(
             tok_ok = tl.load(pad_ptr + i_b * stride_pb + o_r * 0) == 0
         new_kinds = tl.where(tok_ok, tl.where(seen_r < NSK, 2, 1), 0)
         seen, new_kind = tl.max(seen_r, axis=0), tl.max(new_kinds, axis=0)
-        # the key joining the state: the window's slot 0, or the token without a window
+        # the window's slot 0, or the token itself without a window
         enter_kind = new_kinds
-        enter_k, enter_v = k_base, v_base
-        stride_et, stride_ed, stride_ev, stride_ee = stride_kt, stride_kd, stride_vt, stride_ve
         if HAS_WIN:
             enter_kind = tl.load(kind_ptr + i_b * WIN + o_r * 0).to(tl.int32)
             enter_k, enter_v = wk_ptr + i_bh * WIN * D, wv_ptr + i_bh * WIN * E
@@ -132,14 +133,11 @@ def _recurrent_kernel(
         m_row = o_r == 0
         if HYBRID:
             m_k = (enter_kind == 1) & m_row
-            b_k = load_mapped(enter_k, o_t, o_d, stride_et, stride_ed, m_k, m_d, kmap_ptr, i_h, D,
-                              GP, BD, HAS_MAP, PRECISION, ACC)  # fmt: skip
-            b_v = load_rows(enter_v, o_t, o_e, stride_ev, stride_ee, m_k, m_e, ACC)
         else:
             m_k = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD) & m_row
-            b_k = load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, kmap_ptr, i_h, D,
-                              GP, BD, HAS_MAP, PRECISION, ACC)  # fmt: skip
-            b_v = load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_k, m_e, ACC)  # [GP, BE]
+        b_k = load_mapped(enter_k, o_t, o_d, stride_et, stride_ed, m_k, m_d, kmap_ptr, i_h, D, GP,
+                          BD, HAS_MAP, PRECISION, ACC)  # fmt: skip
+        b_v = load_rows(enter_v, o_t, o_e, stride_ev, stride_ee, m_k, m_e, ACC)  # [GP, BE]
         # query row g: head h * G + g at token t
         b_q = load_mapped_heads(q_base + t * stride_qt, o_r, o_d, stride_qh, stride_qd, m_qr,
                                  m_d, qmap_ptr, i_h * G, G, D, GP, BD, HAS_MAP, PRECISION,
