@@ -730,19 +730,21 @@ def feature_tile(
     b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
     M: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, FEATURE: tl.constexpr,
     IS_KEY: tl.constexpr, HAS_LAM: tl.constexpr, PRECISION: tl.constexpr, TINY: tl.constexpr,
-    b_x=None, b_sc=None, SPLIT_X: tl.constexpr = False,
+    b_x=None, b_sc=None, SPLIT_X: tl.constexpr = False, b_nx=None,
 ):  # fmt: skip
     """(u, g, g1, g2) of one feature tile: phi = g exp(u - offset) [BT, BM] for inputs x~
     b_xs [BT, BD] (acc dtype) against rows b_w [BM, BD]. g1, g2 feed the backward: table form
     g1 = dg/dth; rmf g1 = c (-1)^parity, g2 = log|prod|. Scalars where a term is absent.
     With the rows b_x [BT, BD] and column scales b_sc [BD] of ``x~ = b_x * b_sc`` the
     projections are :func:`projection`'s (the half policy's split logits; SPLIT_X: b_x is not
-    exact in the half format), else ``tl.dot`` of b_xs at PRECISION."""
-    ACC = b_xs.dtype
+    exact in the half format), else ``tl.dot`` of b_xs at PRECISION. With b_x, b_sc and
+    ``b_nx`` = |x~|^2 [BT] (:func:`sq_norms`, made once for a loop over feature tiles) b_xs may
+    be None: no [BT, BD] tile of x~ then lives across the caller's loop."""
+    ACC = b_sc.dtype if b_xs is None else b_xs.dtype
     one = tl.full([], 1.0, dtype=ACC)
     # one return statement: compiled Triton checks every return's type, constexpr-dead or not
     if FEATURE == 2:  # rmf: plain features, u = 0
-        BT: tl.constexpr = b_xs.shape[0]
+        BT: tl.constexpr = b_x.shape[0] if b_xs is None else b_xs.shape[0]
         BR: tl.constexpr = _BR
         r0 = tl.load(xi_ptr + i_m * BM)
         r1 = tl.load(xi_ptr + tl.minimum(i_m * BM + BM, M))
@@ -766,7 +768,8 @@ def feature_tile(
         b_z = _project(b_xs, b_w, b_x, b_sc, PRECISION, ACC, SPLIT_X, FEATURE == 1)
         b_wf = b_w.to(ACC)
         b_nw = tl.sum(b_wf * b_wf, axis=1)  # [BM]
-        b_nx = tl.sum(b_xs * b_xs, axis=1)  # [BT]
+        if b_nx is None:
+            b_nx = sq_norms(b_xs)  # [BT]
         b_g2 = one
         if FEATURE == 0:  # real positive GERF: A |w|^2 + B w . x~ - |x~|^2 / 2 + log D
             b_u = b_ca * b_nw[None, :] + b_cb * b_z - 0.5 * b_nx[:, None] + b_cd
@@ -795,18 +798,27 @@ def feature_tile(
 
 
 @triton.jit
+def sq_norms(b_xs):
+    """|x~|^2 [BT] of inputs x~ [BT, BD] (acc dtype), as :func:`feature_tile` forms them."""
+    return tl.sum(b_xs * b_xs, axis=1)
+
+
+@triton.jit
 def feature_dx(
     b_du, b_dg, b_g1, b_g2, b_xs, b_w, o_f, m_f, o_d, m_d, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m,
     M: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, FEATURE: tl.constexpr,
     IS_KEY: tl.constexpr, PRECISION: tl.constexpr, TINY: tl.constexpr,
     b_x=None, b_sc=None,
 ):  # fmt: skip
-    """d(sum du u + dg g)/dx~ [BT, BD] of one feature tile (du, dg [BT, BM]; see feature_tile,
-    whose b_x, b_sc these are too)."""
+    """d(sum du u + dg g)/dx~ of one feature tile (du, dg [BT, BM]; see feature_tile, whose
+    b_x, b_sc these are too) in two parts, ``(dx [BT, BD], h [BT])`` with dx + h x~ the
+    derivative: through the projections, and the coefficient of x~ itself (the |x~|^2 term; 0
+    for rmf). A loop over feature tiles sums each and adds ``h x~`` once after it, so no tile
+    of x~ lives across the loop (b_xs may be None where b_x and b_sc are given)."""
     ACC = b_du.dtype
     if FEATURE == 2:  # rmf: dphi_f/dZ_r = c (-1)^parity sgn(Z_r) exp(log|prod| - log|Z_r|)
         BT: tl.constexpr = b_du.shape[0]
-        BD: tl.constexpr = b_xs.shape[1]
+        BD: tl.constexpr = b_x.shape[1] if b_xs is None else b_xs.shape[1]
         BR: tl.constexpr = _BR
         r0 = tl.load(xi_ptr + i_m * BM)
         r1 = tl.load(xi_ptr + tl.minimum(i_m * BM + BM, M))
@@ -822,17 +834,18 @@ def feature_dx(
             b_gz = tl.where(b_z < 0, -b_ar, b_ar) * tl.exp(b_lr - _log_abs(b_z, TINY))
             # [BT, BR] @ [BR, BD] -> [BT, BD]
             b_dx += product(b_gz, b_rho, PRECISION, ACC)
-        return b_dx
-    if FEATURE == 0:  # du/dx~ = B w - x~
-        b_dzc = b_cb * b_du
-        b_dh = -tl.sum(b_du, axis=1)
-    else:  # du/dx~ = cu w + 2 ch x~;  dg/dx~ = g1 ct w
-        b_dzc = (b_du * _tab(tab_ptr, 0, o_f, m_f, M, IS_KEY)[None, :]
-                 + b_dg * b_g1 * _tab(tab_ptr, 4, o_f, m_f, M, IS_KEY)[None, :])  # fmt: skip
-        b_dh = 2.0 * tl.sum(b_du * _tab(tab_ptr, 1, o_f, m_f, M, IS_KEY)[None, :], axis=1)
-    # [BT, BM] @ [BM, BD] -> [BT, BD]
-    b_dx = product(b_dzc, b_w, PRECISION, ACC)
-    return b_dx + b_dh[:, None] * b_xs
+        b_dh = tl.zeros([BT], dtype=ACC)
+    else:
+        if FEATURE == 0:  # du/dx~ = B w - x~
+            b_dzc = b_cb * b_du
+            b_dh = -tl.sum(b_du, axis=1)
+        else:  # du/dx~ = cu w + 2 ch x~;  dg/dx~ = g1 ct w
+            b_dzc = (b_du * _tab(tab_ptr, 0, o_f, m_f, M, IS_KEY)[None, :]
+                     + b_dg * b_g1 * _tab(tab_ptr, 4, o_f, m_f, M, IS_KEY)[None, :])  # fmt: skip
+            b_dh = 2.0 * tl.sum(b_du * _tab(tab_ptr, 1, o_f, m_f, M, IS_KEY)[None, :], axis=1)
+        # [BT, BM] @ [BM, BD] -> [BT, BD]
+        b_dx = product(b_dzc, b_w, PRECISION, ACC)
+    return b_dx, b_dh
 
 
 @triton.jit
@@ -890,6 +903,7 @@ def valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD: tl.constexpr
 def query_rows(
     do_base, o_base, olo_base, den_ptr, i_bh, o_t, o_e, T, m_t, m_e,
     stride_dot, stride_doe, stride_ot, stride_oe, ACC: tl.constexpr, OUT_LO: tl.constexpr,
+    DDT: tl.constexpr = None,
 ):  # fmt: skip
     """do [BT, BE] as given (exact in a half format: the half policy's products take it, not
     g = do / den, whose rounding would add to the gradients' error), den [BT] and
@@ -897,13 +911,14 @@ def query_rows(
     plus its rounding residual at ``olo_base`` (:func:`store_out`), in fp32: the rounded output
     alone made c the largest error of the half policy's gradients (dq 2.2-2.4x the torch
     path's at large norms, docs/numerics.md)."""
-    b_do = load_rows(do_base, o_t, o_e, stride_dot, stride_doe, m_t, m_e, ACC)
+    b_do = load_rows(do_base, o_t, o_e, stride_dot, stride_doe, m_t, m_e,
+                     ACC if DDT is None else DDT)  # fmt: skip
     b_o = load_rows(o_base, o_t, o_e, stride_ot, stride_oe, m_t, m_e, ACC)
     if OUT_LO:
         SH: tl.constexpr = 2048.0 if olo_base.dtype.element_ty == tl.float16 else 256.0
         b_o += load_rows(olo_base, o_t, o_e, stride_ot, stride_oe, m_t, m_e, ACC) / SH
     b_den = tl.load(den_ptr + i_bh * T + o_t, mask=m_t, other=1.0)
-    return b_do, b_den, -tl.sum(b_do * b_o, axis=1) / b_den
+    return b_do, b_den, -tl.sum(b_do.to(ACC) * b_o, axis=1) / b_den
 
 
 # ------------------------------------------------------------------------------------------------

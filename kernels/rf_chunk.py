@@ -144,7 +144,9 @@ from .common import (
     product,
     query_rows,
     ratio,
+    round_half,
     shape_plan,
+    sq_norms,
     store_offset,
     store_out,
     store_tile,
@@ -632,17 +634,19 @@ def _chunk_dstates_kernel(
 @triton.jit
 def _chunk_keys(k_base, v_base, pad_ptr, mk_ptr, i_b, i_bh, i_c, b_sck, b_rp, o_d, o_e, m_d, m_e,
                 T, stride_kt, stride_kd, stride_vt, stride_ve, stride_pb, stride_pt,
-                BT: tl.constexpr, HAS_PAD: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+                BT: tl.constexpr, HAS_PAD: tl.constexpr, ACC: tl.constexpr,
+                XDT: tl.constexpr):  # fmt: skip
     """Chunk c's tokens ``o_t``, row and key masks, keys [BT, BD] (unscaled: x~ = keys * b_sck),
-    values [BT, BE], the keys' max logits m_j [BT] as the forward saved them, and at R_{c-1} =
-    ``b_rp`` the rows' prefix factors w_i [BT] and the causal decay exp(m_j - r_i) [BT, BT] (0
-    off the mask)."""
+    values [BT, BE] (both in ``XDT``: the input dtype under the half policy, whose products
+    round their operands to it), the keys' max logits m_j [BT] as the forward saved them, and
+    at R_{c-1} = ``b_rp`` the rows' prefix factors w_i [BT] and the causal decay
+    exp(m_j - r_i) [BT, BT] (0 off the mask)."""
     o_t = (i_c * BT + tl.arange(0, BT)).to(tl.int64)
     m_q = o_t < T
     m_k = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
     m_tril = o_t[:, None] >= o_t[None, :]  # [BT(i), BT(j)]
-    b_xk = load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, ACC)
-    b_v = load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_k, m_e, ACC)  # [BT, BE]
+    b_xk = load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, XDT)
+    b_v = load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_k, m_e, XDT)  # [BT, BE]
     b_mk = tl.load(mk_ptr + i_bh * T + o_t, mask=m_q, other=NEG)
     b_ri = _row_offsets(b_rp, b_mk, m_tril)
     b_decay = tl.where(m_tril & m_k[None, :], _intra_decay(b_mk, b_ri), 0.0)
@@ -654,44 +658,48 @@ def _head_rows(q_ptr, o_ptr, olo_ptr, do_ptr, mq_ptr, den_ptr, i_b, i_h, i_bh, g
                o_e, m_q, m_d, m_e, m_tril, b_v, b_decay, b_scq, stride_qb, stride_qh, stride_qt,
                stride_qd, stride_ob, stride_oh, stride_ot, stride_oe, stride_dob, stride_doh,
                stride_dot, stride_doe, PRECISION: tl.constexpr, ACC: tl.constexpr,
-               OUT_LO: tl.constexpr):  # fmt: skip
+               OUT_LO: tl.constexpr, XDT: tl.constexpr):  # fmt: skip
     """Query head ``h * G + g``'s rows of the chunk: its index, queries [BT, BD] (unscaled), their
     max logits m_q [BT], the output's cotangent do [BT, BE] as given (the products take it,
-    exact in a half format, never do / den rounded), den [BT], c [BT] and dK [BT, BT], causal."""
+    exact in a half format, never do / den rounded), den [BT], c [BT] and dK [BT, BT], causal
+    (queries and do in ``XDT``; dK rounded to it too where that is the half format: it is only
+    ever a product's operand)."""
     i_hq = i_h * G + g
     q_base = q_ptr + i_b * stride_qb + i_hq * stride_qh
-    b_xq = load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, ACC)
+    b_xq = load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, XDT)
     b_mq = tl.load(mq_ptr + (i_bh * G + g) * T + o_t, mask=m_q, other=0.0)
     o_off = i_b * stride_ob + i_hq * stride_oh
     b_do, b_den, b_c = query_rows(do_ptr + i_b * stride_dob + i_hq * stride_doh, o_ptr + o_off,
                                   olo_ptr + o_off, den_ptr, i_bh * G + g, o_t, o_e, T, m_q, m_e,
                                   stride_dot, stride_doe, stride_ot, stride_oe, ACC,
-                                  OUT_LO)  # fmt: skip
+                                  OUT_LO, XDT)  # fmt: skip
     # dK_ij = (v_j . do_i / den_i + c_i) exp(m_j - r_i), causal: [BT, BE] @ [BE, BT]
     b_dK = product(b_do, tl.trans(b_v), PRECISION, ACC) / b_den[:, None]
-    return i_hq, b_xq, b_mq, b_do, b_den, b_c, tl.where(m_tril, (b_dK + b_c[:, None]) * b_decay,
-                                                        0.0)  # fmt: skip
+    b_dK = tl.where(m_tril, (b_dK + b_c[:, None]) * b_decay, 0.0)
+    if XDT != ACC:  # an operand only: held as the products round it
+        b_dK = round_half(b_dK, XDT)
+    return i_hq, b_xq, b_mq, b_do, b_den, b_c, b_dK
 
 
 @triton.jit
-def _tile_pair(b_xq, b_xk, b_scq, b_sck, b_mq, b_mk, m_q, m_k, w_ptr, i_m, o_d, m_d, b_ca, b_cb,
-               b_cd, tab_ptr, xr_ptr, xi_ptr, stride_wm, stride_wd, M: tl.constexpr,
+def _tile_pair(b_xq, b_xk, b_scq, b_sck, b_nq, b_nk, b_mq, b_mk, m_q, m_k, w_ptr, i_m, o_d, m_d,
+               b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, stride_wm, stride_wd, M: tl.constexpr,
                D: tl.constexpr, BM: tl.constexpr, FEATURE: tl.constexpr, HAS_LAM: tl.constexpr,
                PRECISION: tl.constexpr, TINY: tl.constexpr):  # fmt: skip
-    """Feature tile i_m of the chunk's rows and keys (x~ = rows * scales) at the forward's
-    offsets: ``(o_f, m_f, W [BM, BD], a = g_q e_q, e_q, the query side's feature_dx terms, key
-    logits u_k (NEG where not valid), g_k, e_k, the key side's feature_dx terms)``, each
-    ``[BT, BM]``."""
+    """Feature tile i_m of the chunk's rows and keys (x~ = rows * scales, |x~|^2 = ``b_nq``,
+    ``b_nk``; no tile of x~ formed) at the forward's offsets: ``(o_f, m_f, W [BM, BD],
+    a = g_q e_q, e_q, the query side's feature_dx terms, key logits u_k (NEG where not valid),
+    g_k, e_k, the key side's feature_dx terms)``, each ``[BT, BM]``."""
     o_f = i_m * BM + tl.arange(0, BM)
     m_f = o_f < M
     b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
     b_uq, b_gq, b_g1q, b_g2q = feature_tile(
-        b_xq * b_scq[None, :], b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr,
-        i_m, M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY, b_xq, b_scq)  # fmt: skip
+        None, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM,
+        FEATURE, False, HAS_LAM, PRECISION, TINY, b_xq, b_scq, False, b_nq)  # fmt: skip
     b_eq = tl.where(m_q[:, None] & m_f[None, :], tl.exp(b_uq - b_mq[:, None]), 0.0)
     b_uk, b_gk, b_g1k, b_g2k = feature_tile(
-        b_xk * b_sck[None, :], b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr,
-        i_m, M, D, BM, FEATURE, True, HAS_LAM, PRECISION, TINY, b_xk, b_sck)  # fmt: skip
+        None, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM,
+        FEATURE, True, HAS_LAM, PRECISION, TINY, b_xk, b_sck, False, b_nk)  # fmt: skip
     m_kf = m_k[:, None] & m_f[None, :]
     b_uk = tl.where(m_kf, b_uk, NEG)
     b_ek = tl.where(m_kf, tl.exp(b_uk - b_mk[:, None]), 0.0)
@@ -728,6 +736,8 @@ def _chunk_bwd_kernel(
     the later rows' cotangent D_c times exp(m_j - R_c); every factor <= 1."""
     i_w, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
+    HALF_IN: tl.constexpr = PRECISION == "bf16" or PRECISION == "fp16"
+    XDT: tl.constexpr = q_ptr.dtype.element_ty if HALF_IN else ACC
     NMT: tl.constexpr = (M + BM - 1) // BM
     NR: tl.constexpr = (M + RM - 1) // RM  # the states kernel's feature tiles (RM >= BM)
     o_d, o_e = tl.arange(0, BD), tl.arange(0, BE)
@@ -750,19 +760,23 @@ def _chunk_bwd_kernel(
             o_t, m_q, m_k, m_tril, b_xk, b_v, b_mk, b_wr, b_decay = _chunk_keys(
                 k_base, v_base, pad_ptr, mk_ptr, i_b, i_bh, i_c, b_sck, b_rp, o_d, o_e, m_d, m_e,
                 T, stride_kt, stride_kd, stride_vt, stride_ve, stride_pb, stride_pt, BT, HAS_PAD,
-                ACC)  # fmt: skip
+                ACC, XDT)  # fmt: skip
+            b_nk = sq_norms(b_xk.to(ACC) * b_sck[None, :])
             for g in range(0, G):
                 i_hq, b_xq, b_mq, b_do, b_den, b_c, b_dK = _head_rows(
                     q_ptr, o_ptr, olo_ptr, do_ptr, mq_ptr, den_ptr, i_b, i_h, i_bh, g, G, T, o_t,
                     o_d, o_e, m_q, m_d, m_e, m_tril, b_v, b_decay, b_scq, stride_qb, stride_qh,
                     stride_qt, stride_qd, stride_ob, stride_oh, stride_ot, stride_oe, stride_dob,
-                    stride_doh, stride_dot, stride_doe, PRECISION, ACC, OUT_LO)  # fmt: skip
+                    stride_doh, stride_dot, stride_doe, PRECISION, ACC, OUT_LO,
+                    XDT)  # fmt: skip
                 b_dxq = tl.zeros([BT, BD], dtype=ACC)
+                b_dhq = tl.zeros([BT], dtype=ACC)  # the coefficient of x~ in dq, summed
+                b_nq = sq_norms(b_xq.to(ACC) * b_scq[None, :])
                 for i_m in range(0, NMT):
                     o_f, m_f, b_w, b_a, b_eq, b_g1q, b_g2q, b_uk, b_gk, b_ek, b_g1k, b_g2k = \
-                        _tile_pair(b_xq, b_xk, b_scq, b_sck, b_mq, b_mk, m_q, m_k, w_ptr, i_m, o_d,
-                                   m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, stride_wm,
-                                   stride_wd, M, D, BM, FEATURE, HAS_LAM, PRECISION,
+                        _tile_pair(b_xq, b_xk, b_scq, b_sck, b_nq, b_nk, b_mq, b_mk, m_q, m_k,
+                                   w_ptr, i_m, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr,
+                                   stride_wm, stride_wd, M, D, BM, FEATURE, HAS_LAM, PRECISION,
                                    TINY)  # fmt: skip
                     m_kf = m_k[:, None] & m_f[None, :]
                     b_b = b_gk * b_ek  # [BT, BM]
@@ -778,10 +792,12 @@ def _chunk_bwd_kernel(
                     b_fr = b_wr * tl.exp(b_rm - b_rp)  # [BT] to R_{c-1}, then to r_i
                     b_da = (b_da + b_c[:, None] * b_z[None, :]) * b_fr[:, None]
                     b_da += product(b_dK, b_b, PRECISION, ACC, False, FEATURE != 0)
-                    b_dxq += feature_dx(b_a * b_da, b_eq * b_da, b_g1q, b_g2q,
-                                        b_xq * b_scq[None, :], b_w, o_f, m_f, o_d, m_d, b_cb,
-                                        tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM, FEATURE, False,
-                                        PRECISION, TINY, b_xq, b_scq)  # fmt: skip
+                    b_dx, b_dh = feature_dx(b_a * b_da, b_eq * b_da, b_g1q, b_g2q, None, b_w,
+                                            o_f, m_f, o_d, m_d, b_cb, tab_ptr, xr_ptr, xi_ptr,
+                                            i_m, M, D, BM, FEATURE, False, PRECISION, TINY,
+                                            b_xq, b_scq)  # fmt: skip
+                    b_dxq += b_dx
+                    b_dhq += b_dh
                     if g == G - 1:  # every head has read it: the chunk's keys into the tile
                         b_rn = tl.maximum(b_rm, tl.max(tl.max(b_uk, axis=1), axis=0))
                         b_p = tl.where(m_kf, b_gk * tl.exp(b_uk - b_rn), 0.0)  # [BT, BM]
@@ -793,6 +809,8 @@ def _chunk_bwd_kernel(
                         tl.store(gs_ptr + p_g * M * E + o_fe, b_s, mask=m_fe)
                         tl.store(gz_ptr + p_g * M + o_f, b_z, mask=m_f)
                         b_rt = tl.where(o_p == i_m, b_rn, b_rt)
+                if FEATURE != 2:  # (rmf: no x~ term)
+                    b_dxq += b_dhq[:, None] * b_scq[None, :] * b_xq.to(ACC)
                 store_tile(dq_ptr, i_b, i_hq, o_t, o_d, stride_dqb, stride_dqh, stride_dqt,
                            stride_dqd, b_dxq * b_scq[None, :], m_q, m_d)  # fmt: skip
             tl.debug_barrier()  # the state's stores before the next chunk's loads
@@ -803,23 +821,27 @@ def _chunk_bwd_kernel(
             o_t, m_q, m_k, m_tril, b_xk, b_v, b_mk, b_wr, b_decay = _chunk_keys(
                 k_base, v_base, pad_ptr, mk_ptr, i_b, i_bh, i_c, b_sck, b_rp, o_d, o_e, m_d, m_e,
                 T, stride_kt, stride_kd, stride_vt, stride_ve, stride_pb, stride_pt, BT, HAS_PAD,
-                ACC)  # fmt: skip
+                ACC, XDT)  # fmt: skip
+            b_nk = sq_norms(b_xk.to(ACC) * b_sck[None, :])
             b_rc = tl.maximum(b_rp, tl.max(b_mk, axis=0))  # R_c
             b_kf = tl.exp(b_mk - b_rc)  # [BT] exp(m_j - R_c)
             b_dxk = tl.zeros([BT, BD], dtype=ACC)
+            b_dhk = tl.zeros([BT], dtype=ACC)  # the coefficient of x~ in dk, summed
             b_dv = tl.zeros([BT, BE], dtype=ACC)
             for g in range(0, G):  # each query head: its share of dk, dv and of D_{c-1}
                 i_hq, b_xq, b_mq, b_do, b_den, b_c, b_dK = _head_rows(
                     q_ptr, o_ptr, olo_ptr, do_ptr, mq_ptr, den_ptr, i_b, i_h, i_bh, g, G, T, o_t,
                     o_d, o_e, m_q, m_d, m_e, m_tril, b_v, b_decay, b_scq, stride_qb, stride_qh,
                     stride_qt, stride_qd, stride_ob, stride_oh, stride_ot, stride_oe, stride_dob,
-                    stride_doh, stride_dot, stride_doe, PRECISION, ACC, OUT_LO)  # fmt: skip
+                    stride_doh, stride_dot, stride_doe, PRECISION, ACC, OUT_LO,
+                    XDT)  # fmt: skip
                 b_A = tl.zeros([BT, BT], dtype=ACC)
+                b_nq = sq_norms(b_xq.to(ACC) * b_scq[None, :])
                 for i_m in range(0, NMT):
                     o_f, m_f, b_w, b_a, b_eq, b_g1q, b_g2q, b_uk, b_gk, b_ek, b_g1k, b_g2k = \
-                        _tile_pair(b_xq, b_xk, b_scq, b_sck, b_mq, b_mk, m_q, m_k, w_ptr, i_m, o_d,
-                                   m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, stride_wm,
-                                   stride_wd, M, D, BM, FEATURE, HAS_LAM, PRECISION,
+                        _tile_pair(b_xq, b_xk, b_scq, b_sck, b_nq, b_nk, b_mq, b_mk, m_q, m_k,
+                                   w_ptr, i_m, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr,
+                                   stride_wm, stride_wd, M, D, BM, FEATURE, HAS_LAM, PRECISION,
                                    TINY)  # fmt: skip
                     b_b = b_gk * b_ek  # [BT, BM]
                     # db = dK^T a (+ kf (v D^T + dz) once per key, not once per query head)
@@ -843,16 +865,20 @@ def _chunk_bwd_kernel(
                     tl.debug_barrier()  # every thread's loads of the tile before its stores
                     tl.store(gd_ptr + p_g * M * E + o_fe, b_ds, mask=m_fe)
                     tl.store(gdz_ptr + p_g * M + o_f, b_dz, mask=m_f)
-                    b_dxk += feature_dx(b_b * b_db, b_ek * b_db, b_g1k, b_g2k,
-                                        b_xk * b_sck[None, :], b_w, o_f, m_f, o_d, m_d, b_cb,
-                                        tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM, FEATURE, True,
-                                        PRECISION, TINY, b_xk, b_sck)  # fmt: skip
+                    b_dx, b_dh = feature_dx(b_b * b_db, b_ek * b_db, b_g1k, b_g2k, None, b_w,
+                                            o_f, m_f, o_d, m_d, b_cb, tab_ptr, xr_ptr, xi_ptr,
+                                            i_m, M, D, BM, FEATURE, True, PRECISION, TINY,
+                                            b_xk, b_sck)  # fmt: skip
+                    b_dxk += b_dx
+                    b_dhk += b_dh
                     # intra dv needs A = a b^T over all features
                     b_A += product(b_a, tl.trans(b_b), PRECISION, ACC, FEATURE != 0, FEATURE != 0)
                 b_A = tl.where(m_tril & m_k[None, :], b_A * b_decay, 0.0)
                 b_dv += product(tl.trans(b_A / b_den[:, None]), b_do, PRECISION, ACC,
                                 FEATURE != 0)  # fmt: skip
                 tl.debug_barrier()  # the cotangent's stores before the next loads
+            if FEATURE != 2:
+                b_dxk += b_dhk[:, None] * b_sck[None, :] * b_xk.to(ACC)
             store_tile(dk_ptr, i_b, i_h, o_t, o_d, stride_dkb, stride_dkh, stride_dkt,
                        stride_dkd, b_dxk * b_sck[None, :], m_q, m_d)  # fmt: skip
             store_tile(dv_ptr, i_b, i_h, o_t, o_e, stride_dvb, stride_dvh, stride_dvt,

@@ -586,9 +586,10 @@ def _dq_tile(
             product(b_do, tl.trans(b_s), PRECISION, ACC, False, True) / b_den[:, None]
             + b_c[:, None] * b_z[None, :]
         )
-        b_dx += feature_dx(b_g * b_e * b_da, b_e * b_da, b_g1, b_g2, b_xs, b_w, o_f, m_f, o_d,
-                            m_d, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM, FEATURE, False,
-                            PRECISION, TINY, b_x, b_sc)  # fmt: skip
+        b_dxm, b_dh = feature_dx(b_g * b_e * b_da, b_e * b_da, b_g1, b_g2, b_xs, b_w, o_f, m_f,
+                                 o_d, m_d, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM, FEATURE,
+                                 False, PRECISION, TINY, b_x, b_sc)  # fmt: skip
+        b_dx += b_dxm if FEATURE == 2 else b_dxm + b_dh[:, None] * b_xs  # (rmf: no x~ term)
     store_tile(dq_ptr, i_b, i_h, o_t, o_d, stride_dqb, stride_dqh, stride_dqt, stride_dqd,
                 b_dx * b_sc[None, :], m_t, m_d)  # fmt: skip
 
@@ -639,9 +640,10 @@ def _dkv_tile(
         b_b = b_g * b_e
         # db = v dS^T + dz: [BT, BE] @ [BE, BM] -> [BT, BM]
         b_db = product(b_v, tl.trans(b_ds), PRECISION, ACC, False, True) + b_dz[None, :]
-        b_dx += feature_dx(b_b * b_db, b_e * b_db, b_g1, b_g2, b_xs, b_w, o_f, m_f, o_d, m_d,
-                            b_cb, tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM, FEATURE, True,
-                            PRECISION, TINY, b_x, b_sc)  # fmt: skip
+        b_dxm, b_dh = feature_dx(b_b * b_db, b_e * b_db, b_g1, b_g2, b_xs, b_w, o_f, m_f, o_d,
+                                 m_d, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM, FEATURE, True,
+                                 PRECISION, TINY, b_x, b_sc)  # fmt: skip
+        b_dx += b_dxm if FEATURE == 2 else b_dxm + b_dh[:, None] * b_xs  # (rmf: no x~ term)
         # [BT, BM] @ [BM, BE] -> [BT, BE]
         b_dv += product(b_b, b_ds, PRECISION, ACC, FEATURE != 0, FEATURE != 0)
     store_tile(dk_ptr, i_b, i_h, o_t, o_d, stride_dkb, stride_dkh, stride_dkt, stride_dkd,
