@@ -873,7 +873,11 @@ def _chunk_bwd_kernel(
                     b_dhk += b_dh
                     # intra dv needs A = a b^T over all features
                     b_A += product(b_a, tl.trans(b_b), PRECISION, ACC, FEATURE != 0, FEATURE != 0)
-                b_A = tl.where(m_tril & m_k[None, :], b_A * b_decay, 0.0)
+                # the causal decay made again from the keys' max logits read again (the same
+                # values): the one made before the loop is not kept across it
+                b_mj = tl.load(mk_ptr + i_bh * T + o_t, mask=m_q, other=NEG)
+                b_A = tl.where(m_tril & m_k[None, :],
+                               b_A * _intra_decay(b_mj, _row_offsets(b_rp, b_mj, m_tril)), 0.0)
                 b_dv += product(tl.trans(b_A / b_den[:, None]), b_do, PRECISION, ACC,
                                 FEATURE != 0)  # fmt: skip
                 tl.debug_barrier()  # the cotangent's stores before the next loads
