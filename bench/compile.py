@@ -573,7 +573,7 @@ _CAUSAL = ("gerf/orf", "hyprf/orf", "posrf/orf", "saderf/orf", "hrf/orf", "trigr
 #: the gradients' accuracy needs, docs/numerics.md: 32 bytes), and the decode step of hrf, rmf
 #: and grouped-query heads (16-336 stack bytes at 255 registers); in the causal kernels (32
 #: features a tile at 8 warps, ``kernels.common._chunk_tiles``) the whole backward walk
-#: (``_chunk_bwd``, 208-1224 bytes), and the output walk and reverse state walk of the signed
+#: (``_chunk_bwd``, 168-1184 bytes), and the output walk and reverse state walk of the signed
 #: tables, grouped-query heads and head maps (24-368 bytes), and rmf's (tf32x3: 8-2640 bytes).
 #: :func:`unexpected_spills` holds every other config to 0 and names one of these that no
 #: longer spills.

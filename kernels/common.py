@@ -1010,7 +1010,7 @@ def _chunk_tiles(big: int, itemsize: int, gpu_tiles: bool) -> tuple[int, int]:
     ``python -m bench.compile``), and for 16-bit inputs so that the walks keep their tiles in
     registers: 32-feature tiles at 8 warps (:data:`CHUNK_HALF_WARPS`), where 64-feature tiles
     at 4 warps spilled 232-2408 stack bytes per thread in ``_chunk_out`` and 1552-4048 in
-    ``_chunk_bwd`` (sm_90, D = 64, bf16; 0 and 208-2640 now: ``bench.compile --report``). The
+    ``_chunk_bwd`` (sm_90, D = 64, bf16; 0 and 168-2608 now: ``bench.compile --report``). The
     interpreter's: 16-token chunks (several chunks even on tiny test sequences) and 16-bit
     feature tiles.
     """
