@@ -654,16 +654,20 @@ def _chunk_keys(k_base, v_base, pad_ptr, mk_ptr, i_b, i_bh, i_c, b_sck, b_rp, o_
 
 
 @triton.jit
-def _head_rows(q_ptr, o_ptr, olo_ptr, do_ptr, mq_ptr, den_ptr, i_b, i_h, i_bh, g, G, T, o_t, o_d,
-               o_e, m_q, m_d, m_e, m_tril, b_v, b_decay, b_scq, stride_qb, stride_qh, stride_qt,
-               stride_qd, stride_ob, stride_oh, stride_ot, stride_oe, stride_dob, stride_doh,
-               stride_dot, stride_doe, PRECISION: tl.constexpr, ACC: tl.constexpr,
-               OUT_LO: tl.constexpr, XDT: tl.constexpr):  # fmt: skip
+def _head_rows(q_ptr, o_ptr, olo_ptr, do_ptr, mq_ptr, den_ptr, mk_ptr, i_b, i_h, i_bh, g, G, T,
+               o_t, o_d, o_e, m_q, m_k, m_d, m_e, m_tril, b_rp, b_v, b_decay, b_scq, stride_qb,
+               stride_qh, stride_qt, stride_qd, stride_ob, stride_oh, stride_ot, stride_oe,
+               stride_dob, stride_doh, stride_dot, stride_doe, PRECISION: tl.constexpr,
+               ACC: tl.constexpr, OUT_LO: tl.constexpr, XDT: tl.constexpr,
+               GROUPED: tl.constexpr):  # fmt: skip
     """Query head ``h * G + g``'s rows of the chunk: its index, queries [BT, BD] (unscaled), their
     max logits m_q [BT], the output's cotangent do [BT, BE] as given (the products take it,
     exact in a half format, never do / den rounded), den [BT], c [BT] and dK [BT, BT], causal
     (queries and do in ``XDT``; dK rounded to it too where that is the half format: it is only
-    ever a product's operand)."""
+    ever a product's operand). GROUPED (G > 1): the causal decay is made again for each head
+    from the keys' max logits read again (the same values), not ``b_decay`` kept across the
+    heads' loops (sm_90 bf16, G = 3: 1008 -> 928 stack bytes in ``_chunk_bwd``; with one head
+    a group the kept one spills less, 168 against 200)."""
     i_hq = i_h * G + g
     q_base = q_ptr + i_b * stride_qb + i_hq * stride_qh
     b_xq = load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, XDT)
@@ -675,6 +679,10 @@ def _head_rows(q_ptr, o_ptr, olo_ptr, do_ptr, mq_ptr, den_ptr, i_b, i_h, i_bh, g
                                   OUT_LO, XDT)  # fmt: skip
     # dK_ij = (v_j . do_i / den_i + c_i) exp(m_j - r_i), causal: [BT, BE] @ [BE, BT]
     b_dK = product(b_do, tl.trans(b_v), PRECISION, ACC) / b_den[:, None]
+    if GROUPED:
+        b_mj = tl.load(mk_ptr + i_bh * T + o_t, mask=m_q, other=NEG)
+        b_decay = tl.where(m_tril & m_k[None, :],
+                           _intra_decay(b_mj, _row_offsets(b_rp, b_mj, m_tril)), 0.0)
     b_dK = tl.where(m_tril, (b_dK + b_c[:, None]) * b_decay, 0.0)
     if XDT != ACC:  # an operand only: held as the products round it
         b_dK = round_half(b_dK, XDT)
@@ -725,7 +733,7 @@ def _chunk_bwd_kernel(
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr,
     BPW: tl.constexpr, RM: tl.constexpr, HAS_PAD: tl.constexpr, FEATURE: tl.constexpr,
     PRECISION: tl.constexpr, ACC: tl.constexpr, HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr,
-    HAS_LAM: tl.constexpr, TINY: tl.constexpr, OUT_LO: tl.constexpr,
+    HAS_LAM: tl.constexpr, TINY: tl.constexpr, OUT_LO: tl.constexpr, GROUPED: tl.constexpr,
 ):  # fmt: skip
     """Program (w, b*h), w < NS: the forward walk of segment w, its prefix state in the
     segment's carry slot (each M tile at its own offset): dq [BT, D] of each chunk for the G
@@ -764,11 +772,11 @@ def _chunk_bwd_kernel(
             b_nk = sq_norms(b_xk.to(ACC) * b_sck[None, :])
             for g in range(0, G):
                 i_hq, b_xq, b_mq, b_do, b_den, b_c, b_dK = _head_rows(
-                    q_ptr, o_ptr, olo_ptr, do_ptr, mq_ptr, den_ptr, i_b, i_h, i_bh, g, G, T, o_t,
-                    o_d, o_e, m_q, m_d, m_e, m_tril, b_v, b_decay, b_scq, stride_qb, stride_qh,
-                    stride_qt, stride_qd, stride_ob, stride_oh, stride_ot, stride_oe, stride_dob,
-                    stride_doh, stride_dot, stride_doe, PRECISION, ACC, OUT_LO,
-                    XDT)  # fmt: skip
+                    q_ptr, o_ptr, olo_ptr, do_ptr, mq_ptr, den_ptr, mk_ptr, i_b, i_h, i_bh, g, G,
+                    T, o_t, o_d, o_e, m_q, m_k, m_d, m_e, m_tril, b_rp, b_v, b_decay, b_scq,
+                    stride_qb, stride_qh, stride_qt, stride_qd, stride_ob, stride_oh, stride_ot,
+                    stride_oe, stride_dob, stride_doh, stride_dot, stride_doe, PRECISION, ACC,
+                    OUT_LO, XDT, GROUPED)  # fmt: skip
                 b_dxq = tl.zeros([BT, BD], dtype=ACC)
                 b_dhq = tl.zeros([BT], dtype=ACC)  # the coefficient of x~ in dq, summed
                 b_nq = sq_norms(b_xq.to(ACC) * b_scq[None, :])
@@ -830,11 +838,11 @@ def _chunk_bwd_kernel(
             b_dv = tl.zeros([BT, BE], dtype=ACC)
             for g in range(0, G):  # each query head: its share of dk, dv and of D_{c-1}
                 i_hq, b_xq, b_mq, b_do, b_den, b_c, b_dK = _head_rows(
-                    q_ptr, o_ptr, olo_ptr, do_ptr, mq_ptr, den_ptr, i_b, i_h, i_bh, g, G, T, o_t,
-                    o_d, o_e, m_q, m_d, m_e, m_tril, b_v, b_decay, b_scq, stride_qb, stride_qh,
-                    stride_qt, stride_qd, stride_ob, stride_oh, stride_ot, stride_oe, stride_dob,
-                    stride_doh, stride_dot, stride_doe, PRECISION, ACC, OUT_LO,
-                    XDT)  # fmt: skip
+                    q_ptr, o_ptr, olo_ptr, do_ptr, mq_ptr, den_ptr, mk_ptr, i_b, i_h, i_bh, g, G,
+                    T, o_t, o_d, o_e, m_q, m_k, m_d, m_e, m_tril, b_rp, b_v, b_decay, b_scq,
+                    stride_qb, stride_qh, stride_qt, stride_qd, stride_ob, stride_oh, stride_ot,
+                    stride_oe, stride_dob, stride_doh, stride_dot, stride_doe, PRECISION, ACC,
+                    OUT_LO, XDT, GROUPED)  # fmt: skip
                 b_A = tl.zeros([BT, BT], dtype=ACC)
                 b_nq = sq_norms(b_xq.to(ACC) * b_scq[None, :])
                 for i_m in range(0, NMT):
@@ -993,7 +1001,7 @@ def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, backward
                        HAS_INIT=has_init, OUT_LO=has_lo, **meta),
         dstates_ints=(*walk, *q.stride(), *c.w.stride()),
         bwd=Launch(_chunk_bwd_kernel, (2 * NS, BH), BPW=next_pow2(cdiv(M, 16)), RM=c.BM,
-                   HAS_PAD=c.has_pad, OUT_LO=has_lo, **meta),
+                   HAS_PAD=c.has_pad, OUT_LO=has_lo, GROUPED=G > 1, **meta),
         bwd_ints=(*walk, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), *pad),
     )  # fmt: skip
 
