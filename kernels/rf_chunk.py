@@ -654,6 +654,16 @@ def _chunk_keys(k_base, v_base, pad_ptr, mk_ptr, i_b, i_bh, i_c, b_sck, b_rp, o_
 
 
 @triton.jit
+def _decay_again(mk_ptr, i_bh, T, o_t, m_q, b_rp, m_tril):
+    """The causal decay exp(m_j - r_i) [BT, BT] of :func:`_chunk_keys` (not masked), made again
+    from the keys' max logits read again (the same values): a walk that makes it where it is
+    used keeps no [BT, BT] tile across its feature loops (a load is not merged with the first
+    one, as a recomputation from the same values would be, and kept live)."""
+    b_mj = tl.load(mk_ptr + i_bh * T + o_t, mask=m_q, other=NEG)
+    return _intra_decay(b_mj, _row_offsets(b_rp, b_mj, m_tril))
+
+
+@triton.jit
 def _head_rows(q_ptr, o_ptr, olo_ptr, do_ptr, mq_ptr, den_ptr, mk_ptr, i_b, i_h, i_bh, g, G, T,
                o_t, o_d, o_e, m_q, m_k, m_d, m_e, m_tril, b_rp, b_v, b_decay, b_scq, stride_qb,
                stride_qh, stride_qt, stride_qd, stride_ob, stride_oh, stride_ot, stride_oe,
@@ -680,9 +690,8 @@ def _head_rows(q_ptr, o_ptr, olo_ptr, do_ptr, mq_ptr, den_ptr, mk_ptr, i_b, i_h,
     # dK_ij = (v_j . do_i / den_i + c_i) exp(m_j - r_i), causal: [BT, BE] @ [BE, BT]
     b_dK = product(b_do, tl.trans(b_v), PRECISION, ACC) / b_den[:, None]
     if GROUPED:
-        b_mj = tl.load(mk_ptr + i_bh * T + o_t, mask=m_q, other=NEG)
         b_decay = tl.where(m_tril & m_k[None, :],
-                           _intra_decay(b_mj, _row_offsets(b_rp, b_mj, m_tril)), 0.0)
+                           _decay_again(mk_ptr, i_bh, T, o_t, m_q, b_rp, m_tril), 0.0)
     b_dK = tl.where(m_tril, (b_dK + b_c[:, None]) * b_decay, 0.0)
     if XDT != ACC:  # an operand only: held as the products round it
         b_dK = round_half(b_dK, XDT)
@@ -881,11 +890,9 @@ def _chunk_bwd_kernel(
                     b_dhk += b_dh
                     # intra dv needs A = a b^T over all features
                     b_A += product(b_a, tl.trans(b_b), PRECISION, ACC, FEATURE != 0, FEATURE != 0)
-                # the causal decay made again from the keys' max logits read again (the same
-                # values): the one made before the loop is not kept across it
-                b_mj = tl.load(mk_ptr + i_bh * T + o_t, mask=m_q, other=NEG)
+                # the causal decay made again: the one made before the loop is not kept
                 b_A = tl.where(m_tril & m_k[None, :],
-                               b_A * _intra_decay(b_mj, _row_offsets(b_rp, b_mj, m_tril)), 0.0)
+                               b_A * _decay_again(mk_ptr, i_bh, T, o_t, m_q, b_rp, m_tril), 0.0)
                 b_dv += product(tl.trans(b_A / b_den[:, None]), b_do, PRECISION, ACC,
                                 FEATURE != 0)  # fmt: skip
                 tl.debug_barrier()  # the cotangent's stores before the next loads
