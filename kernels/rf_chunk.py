@@ -743,6 +743,7 @@ def _chunk_bwd_kernel(
     BPW: tl.constexpr, RM: tl.constexpr, HAS_PAD: tl.constexpr, FEATURE: tl.constexpr,
     PRECISION: tl.constexpr, ACC: tl.constexpr, HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr,
     HAS_LAM: tl.constexpr, TINY: tl.constexpr, OUT_LO: tl.constexpr, GROUPED: tl.constexpr,
+    HAS_EX: tl.constexpr,
 ):  # fmt: skip
     """Program (w, b*h), w < NS: the forward walk of segment w, its prefix state in the
     segment's carry slot (each M tile at its own offset): dq [BT, D] of each chunk for the G
@@ -757,6 +758,12 @@ def _chunk_bwd_kernel(
     XDT: tl.constexpr = q_ptr.dtype.element_ty if HALF_IN else ACC
     NMT: tl.constexpr = (M + BM - 1) // BM
     NR: tl.constexpr = (M + RM - 1) // RM  # the states kernel's feature tiles (RM >= BM)
+    # dq's term in x~ itself (the |x~|^2 coefficients): none for rmf; zero in exact arithmetic
+    # for the GERF family, whose -|x~_i|^2 / 2 is one factor of every feature of row i that
+    # the ratio cancels (sum_f phi_if da_if = do_i . out_i + c_i den_i = 0), unless the
+    # hybrid's exact terms joined the ratio (HAS_EX); adding the rounding of that zero kept a
+    # [BT, BD] tile of x~ across the feature loop (sm_90 bf16 posrf: 168 -> 136 stack bytes)
+    QX: tl.constexpr = FEATURE == 1 or (FEATURE == 0 and HAS_EX)
     o_d, o_e = tl.arange(0, BD), tl.arange(0, BE)
     m_d, m_e = o_d < D, o_e < E
     b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
@@ -826,7 +833,7 @@ def _chunk_bwd_kernel(
                         tl.store(gs_ptr + p_g * M * E + o_fe, b_s, mask=m_fe)
                         tl.store(gz_ptr + p_g * M + o_f, b_z, mask=m_f)
                         b_rt = tl.where(o_p == i_m, b_rn, b_rt)
-                if FEATURE != 2:  # (rmf: no x~ term)
+                if QX:
                     b_dxq += b_dhq[:, None] * b_scq[None, :] * b_xq.to(ACC)
                 store_tile(dq_ptr, i_b, i_hq, o_t, o_d, stride_dqb, stride_dqh, stride_dqt,
                            stride_dqd, b_dxq * b_scq[None, :], m_q, m_d)  # fmt: skip
@@ -944,10 +951,12 @@ _BWD_PLANS = plan_cache()
 
 
 def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, backward: bool,
-          has_init: bool, has_dfinal: bool, has_lo: bool, *_layout):  # fmt: skip
+          has_init: bool, has_dfinal: bool, has_lo: bool, has_ex: bool = False,
+          *_layout):  # fmt: skip
     """What a causal launcher of one shape derives once (``backward``: the backward's plan, else
     the forward's; ``has_init``: an initial state given; ``has_dfinal``: the backward gets the
     final state's cotangent; ``has_lo``: the backward reads the output's rounding residual;
+    ``has_ex``: the backward of the hybrid's forward (exact terms in the ratio);
     ``_layout``: the backward's out and do, in the key only): the
     setup's sizes and constexprs, the segments, the scratch (the carries, and the backward's
     walk offsets and cotangents: written and read by the call's own launches) and the bound
@@ -1008,7 +1017,7 @@ def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, backward
                        HAS_INIT=has_init, OUT_LO=has_lo, **meta),
         dstates_ints=(*walk, *q.stride(), *c.w.stride()),
         bwd=Launch(_chunk_bwd_kernel, (2 * NS, BH), BPW=next_pow2(cdiv(M, 16)), RM=c.BM,
-                   HAS_PAD=c.has_pad, OUT_LO=has_lo, GROUPED=G > 1, **meta),
+                   HAS_PAD=c.has_pad, OUT_LO=has_lo, GROUPED=G > 1, HAS_EX=has_ex, **meta),
         bwd_ints=(*walk, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), *pad),
     )  # fmt: skip
 
@@ -1027,7 +1036,7 @@ def plans(q, k, v, form, scale: float, key_padding_mask=None, precision=None, gp
     fwd = _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, False, has_init,
                 False, False)  # fmt: skip
     bwd = _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, True, has_init,
-                False, fwd.lo, do.stride(), do.stride(), 0, 0)  # fmt: skip
+                False, fwd.lo, False, do.stride(), do.stride(), 0, 0)  # fmt: skip
     return fwd, bwd
 
 
@@ -1176,6 +1185,7 @@ def rf_chunk_bwd(
     precision: str | None = None,
     gpu_tiles: bool | None = None,
     plan=None,
+    exact: bool = False,
 ):
     """Backward of :func:`rf_chunk_fwd` (chunk states recomputed).
 
@@ -1188,6 +1198,8 @@ def rf_chunk_bwd(
         plan: what the forward of these inputs returned with ``backward_plan`` (its plan and
             the form's arguments): the backward's plan is then the forward plan's, by the
             cotangents' layout, looked up by nothing else.
+        exact: the forward joined the hybrid's exact terms to the ratio (its ``exact``): the
+            queries' |x~|^2 term of dq does not cancel then (``_chunk_bwd_kernel``'s HAS_EX).
 
     Returns:
         ``(dq, dk, dv, dS0, dz0)``; the last two are None without ``initial_state``.
@@ -1195,12 +1207,12 @@ def rf_chunk_bwd(
     has_init = initial_state is not None
     if plan is not None:  # the forward's plan holds the backward's, by the cotangents' layout
         fwd, fargs = plan
-        layout = (dstate is not None, do.stride(), do.data_ptr() % 16)
+        layout = (dstate is not None, exact, do.stride(), do.data_ptr() % 16)
         p = fwd.bwd.get(layout)
         if p is None:
             p = fwd.bwd[layout] = _plan(q, k, v, form, scale, key_padding_mask, precision,
                                         gpu_tiles, True, fwd.has_init, dstate is not None,
-                                        fwd.lo)  # fmt: skip
+                                        fwd.lo, exact)  # fmt: skip
         kept, olo = aux
         olo = olo if fwd.lo else None
     else:
@@ -1209,7 +1221,7 @@ def rf_chunk_bwd(
         # the strides and alignment of out and do are the plan's too (Triton specialises;
         # out_lo is made as out is)
         p = shape_plan(_BWD_PLANS, _plan, q, k, v, form, scale, key_padding_mask, precision,
-                       gpu_tiles, True, has_init, dstate is not None, olo is not None,
+                       gpu_tiles, True, has_init, dstate is not None, olo is not None, exact,
                        out.stride(), do.stride(), out.data_ptr() % 16,
                        do.data_ptr() % 16)  # fmt: skip
         fargs = None

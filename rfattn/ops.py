@@ -432,14 +432,15 @@ def _chunk_fake(q, k, v, *args):
 
 
 _CHUNK_BWD = f"Tensor do, Tensor? ds, Tensor? dz, {_QKV}, {_FORM}, {_CALL}, {_STATE}, " \
-    f"Tensor out, Tensor mq, Tensor den, Tensor mk, Tensor out_lo, {_OPTS}"  # fmt: skip
+    f"Tensor out, Tensor mq, Tensor den, Tensor mk, Tensor out_lo, bool exact, {_OPTS}"  # fmt: skip
 
 
 def _chunk_bwd_body(do, ds, dz, q, k, v, *args):
-    form, (scale, mask, s0, z0, off0, out, mq, den, mk, olo, precision, gpu_tiles) = _form(args)
+    form, (scale, mask, s0, z0, off0, out, mq, den, mk, olo, exact, precision,
+           gpu_tiles) = _form(args)  # fmt: skip
     dq, dk, dv, ds0, dz0 = rf_chunk_kernels.rf_chunk_bwd(
         do, None if ds is None else (ds, dz), q, k, v, form, scale, out, (mq, den, mk, olo), mask,
-        _state(s0, z0, off0), precision, gpu_tiles=gpu_tiles,
+        _state(s0, z0, off0), precision, gpu_tiles=gpu_tiles, exact=exact,
     )  # fmt: skip
     if ds0 is None:
         return dq, dk, dv, q.new_empty(0), q.new_empty(0)
@@ -497,8 +498,9 @@ def _chunk_backward(ctx, d_out, d_s, d_z, *_rest):
     return _chunk_grads(ctx, ctx.saved_tensors, d_out, d_s, d_z)
 
 
-def _chunk_grads(ctx, saved, d_out, d_s, d_z) -> tuple:
-    """The gradients of ``rfattn::chunk``'s inputs from its ``saved`` tensors."""
+def _chunk_grads(ctx, saved, d_out, d_s, d_z, exact: bool = False) -> tuple:
+    """The gradients of ``rfattn::chunk``'s inputs from its ``saved`` tensors (``exact``: the
+    hybrid's, whose exact terms joined the ratio)."""
     q, k, v, *form, mask, s0, z0, off0, out, mq, den, mk, olo = saved
     d_out, d_s, d_z = _chunk_cotangents(q, v, form[0], out, d_out, d_s, d_z)
     init = s0 is not None
@@ -508,7 +510,7 @@ def _chunk_grads(ctx, saved, d_out, d_s, d_z) -> tuple:
         return dq, dk, dv, *([None] * (_NFORM + 2)), ds0, dz0, None, None, None
     dq, dk, dv, ds0, dz0 = _chunk_bwd(
         d_out, d_s, d_z, q, k, v, ctx.kind, *form, ctx.scale, mask, s0, z0, off0, out, mq, den,
-        mk, olo, *ctx.opts,
+        mk, olo, exact, *ctx.opts,
     )  # fmt: skip
     return (dq, dk, dv, *([None] * (_NFORM + 2)), (ds0 if init else None),
             (dz0 if init else None),
@@ -573,7 +575,7 @@ class _Chunk(torch.autograd.Function):
             dq, dk, dv, ds0, dz0 = rf_chunk_kernels.rf_chunk_bwd(
                 d_out, None if d_s is None else (d_s, d_z), q, k, v, ctx.form, ctx.scale, out,
                 aux, mask, _state(s0, z0, off0), ctx.opts[0], gpu_tiles=ctx.opts[1],
-                plan=ctx.plan,
+                plan=ctx.plan, exact=wex is not None,
             )  # fmt: skip
             if init:
                 ds0, dz0 = ds0.to(s0.dtype), dz0.to(z0.dtype)
@@ -729,7 +731,7 @@ def _chunk_hybrid_setup(ctx, inputs, output):
 @no_autocast
 def _chunk_hybrid_backward(ctx, d_out, d_s, d_z, *_rest):
     *saved, wex = ctx.saved_tensors
-    grads = _chunk_grads(ctx, saved, d_out, d_s, d_z)
+    grads = _chunk_grads(ctx, saved, d_out, d_s, d_z, exact=True)
     out = saved[_SCALE + 3]
     d_out = torch.zeros_like(out) if d_out is None else d_out
     return (*grads[:_EXACT], *_exact_cotangents(d_out, out, wex), None,
