@@ -125,7 +125,11 @@ def rf_attention(
             sequence runs as a call of its own on views of the row, on the backend chosen as
             for any call (sequences of similar length batched, zero-padded and masked). With
             ``window`` / ``sinks`` each sequence has its own sinks and window (no
-            initial_state or return_state then). No group.
+            initial_state or return_state then). With ``group`` (causal only, for now without
+            window or sinks): the offsets are the whole row's,
+            the same on every rank, and q, k, v each rank's contiguous shard of the row (in
+            rank order, any lengths); a sequence may straddle ranks
+            (:func:`rfattn.distributed.packed_sharded`).
         cu_seqlens_q, cu_seqlens_k: non-causal cross-attention of packed sequences: the
             offsets of the queries and of the keys/values, ``[N + 1]`` each, in place of
             ``cu_seqlens``.
@@ -156,19 +160,25 @@ def rf_attention(
     if scale is not None and type(scale) is not float:
         scale = python_scalar(scale)
     packed = None
-    if cu_seqlens is not None or cu_seqlens_q is not None or cu_seqlens_k is not None:
-        packed = packed_offsets(q, k, causal, cu_seqlens, cu_seqlens_q, cu_seqlens_k)
+    is_packed = cu_seqlens is not None or cu_seqlens_q is not None or cu_seqlens_k is not None
     checked = (q, k, v, rf, causal, key_padding_mask, scale, backend, initial_state,
                return_state, query_padding_mask, window, sinks, group)  # fmt: skip
     if group is None:
+        if is_packed:
+            packed = packed_offsets(q, k, causal, cu_seqlens, cu_seqlens_q, cu_seqlens_k)
         validate(*checked, packed=packed)
     else:  # every rank's call checked against the others' before any other collective
         from rfattn import distributed
 
+        def checks():  # (the packing too: a rank raising alone would leave the others waiting)
+            offsets = None if not is_packed else packed_offsets(
+                q, k, causal, cu_seqlens, cu_seqlens_q, cu_seqlens_k, group=group)
+            validate(*checked, packed=offsets)
+            return offsets
+
         distributed.check_group(group)
-        distributed.check_calls_agree(group, lambda: validate(*checked, packed=packed), q, k, v,
-                                      rf, causal, backend, initial_state, window,
-                                      sinks)  # fmt: skip
+        packed = distributed.check_calls_agree(group, checks, q, k, v, rf, causal, backend,
+                                               initial_state, window, sinks)  # fmt: skip
     if query_padding_mask is None and causal:
         query_padding_mask = key_padding_mask
     if learned is not None:  # scale (q kᵀ) = (√scale q)(√scale k)ᵀ, on every path
@@ -214,6 +224,10 @@ def run(call: Call):
     (:meth:`RandomFeatures.map_tensors`) applied where q and k are read, then the backend; a
     packed call one sequence at a time (:func:`_packed`)."""
     if call.packed is not None:
+        if call.group is not None:
+            from rfattn import distributed
+
+            return distributed.packed_sharded(call, run)
         return _packed(call)
     qpm = call.query_padding_mask
     q = call.q if qpm is None else padded_rows(call.q, qpm)

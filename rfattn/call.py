@@ -135,9 +135,12 @@ def validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_stat
     if (initial_state is not None or return_state) and not causal:
         raise ValueError("initial_state and return_state need causal=True")
     if packed is not None:
-        if group is not None:
-            raise NotImplementedError("packed sequences (cu_seqlens) have no process group yet: "
-                                      "one call per sequence")  # fmt: skip
+        if group is not None and not causal:
+            raise NotImplementedError("packed sequences (cu_seqlens) over a process group: "
+                                      "causal calls only")  # fmt: skip
+        if group is not None and (window or sinks):
+            raise NotImplementedError("packed sequences (cu_seqlens) over a process group: no "
+                                      "window or sinks yet")  # fmt: skip
         n = len(packed[0]) - 1
         if (window or sinks) and initial_state is not None and (
                 not isinstance(initial_state, HybridState) or initial_state.s.shape[0] != n):
@@ -159,9 +162,10 @@ def validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_stat
         check_mask("query_padding_mask", query_padding_mask, (qs[0], qs[2]), q.device)
 
 
-def _offsets(name: str, cu, total: int, device) -> tuple[int, ...]:
+def _offsets(name: str, cu, total: int | None, device) -> tuple[int, ...]:
     """The N + 1 offsets of ``cu`` read on the host (one device-to-host copy where ``cu`` lies
-    on a GPU, none on the CPU), or raise naming ``name``."""
+    on a GPU, none on the CPU), or raise naming ``name`` (``total`` None: the last offset is
+    checked later, against the shards' lengths over a process group)."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of N + 1 offsets, got {type(cu).__name__}")
     if cu.dtype not in (torch.int32, torch.int64):
@@ -178,17 +182,20 @@ def _offsets(name: str, cu, total: int, device) -> tuple[int, ...]:
         if offsets[i] < offsets[i - 1]:
             raise ValueError(f"{name} must not decrease, got {offsets[i - 1]} then {offsets[i]} "
                              f"at index {i}")  # fmt: skip
-    if offsets[-1] != total:
+    if total is not None and offsets[-1] != total:
         raise ValueError(f"{name} must end at the packed length {total}, got {offsets[-1]}")
     return offsets
 
 
 def packed_offsets(q, k, causal: bool, cu_seqlens=None, cu_seqlens_q=None,
-                   cu_seqlens_k=None) -> tuple | None:  # fmt: skip
+                   cu_seqlens_k=None, group=None) -> tuple | None:  # fmt: skip
     """``(query offsets, key offsets)``, each N + 1 ints read on the host, of a packed call, or
     None for an unpacked one; raise naming the argument where the packing is not valid (q, k
     checked first). ``cu_seqlens`` gives both sides (self-attention, causal or not);
-    ``cu_seqlens_q`` and ``cu_seqlens_k`` differ (non-causal cross-attention)."""
+    ``cu_seqlens_q`` and ``cu_seqlens_k`` differ (non-causal cross-attention). With a process
+    ``group`` the offsets are the whole row's (every rank's the same) and q, k this rank's shard
+    of it: their last offset is checked against the shards' lengths once those are gathered
+    (:func:`rfattn.distributed.packed_sharded`)."""
     if cu_seqlens is None and cu_seqlens_q is None and cu_seqlens_k is None:
         return None
     _check_tensor("q", q, 4, "B, H, Tq, D")
@@ -210,7 +217,8 @@ def packed_offsets(q, k, causal: bool, cu_seqlens=None, cu_seqlens_q=None,
             raise ValueError(f"cu_seqlens packs q and k alike and needs Tq == Tk, got Tq="
                              f"{q.shape[2]}, Tk={k.shape[2]} (cross-attention: cu_seqlens_q "
                              "and cu_seqlens_k)")  # fmt: skip
-        offsets = _offsets("cu_seqlens", cu_seqlens, q.shape[2], q.device)
+        offsets = _offsets("cu_seqlens", cu_seqlens, None if group is not None else q.shape[2],
+                           q.device)  # fmt: skip
         return offsets, offsets
     oq = _offsets("cu_seqlens_q", cu_seqlens_q, q.shape[2], q.device)
     ok = _offsets("cu_seqlens_k", cu_seqlens_k, k.shape[2], q.device)

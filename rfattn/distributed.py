@@ -24,7 +24,7 @@ whatever the shard's length.
   between its key and query passes, the state cotangents summed between its backward passes.
 
 Before any other collective, every sharded call checks that the ranks' calls agree
-(:func:`check_calls_agree`: one ``all_gather`` of a fixed-size signature, 16 int64 per rank):
+(:func:`check_calls_agree`: one ``all_gather`` of a fixed-size signature, 18 int64 per rank):
 calls that would run different collectives (causal or not, dtype, feature, num_features, F, D,
 E, B, H, key/value heads, an initial state given or not, statistics reduced or not, the
 non-causal fused kernel or the torch path, window and sinks) or a call its own checks reject
@@ -40,6 +40,12 @@ naming the field and each rank's value, instead of hanging or aborting inside th
   from the ranks before it, sums the earlier ones of those tails into its state with theirs,
   and runs the hybrid on its shard from there (:func:`hybrid_sharded`).
 
+* packed sequences (``cu_seqlens``, causal): the offsets are the whole row's and each rank
+  holds its contiguous shard of the row, so a sequence may straddle ranks; each rank gathers
+  the shards' lengths and the state of every rank's last sequence's tokens, starts the sequence
+  it begins inside from the states of the ranks before it that end in it, and runs its other
+  sequences as one process's packed call (:func:`packed_sharded`).
+
 Backward: each collective's gradient takes the mirror collective (an all-gather's gradients are
 summed over the ranks and each rank keeps its own state's; an all-reduce's are all-reduced), so
 every gradient equals the single-process one; every rank must run the backward. Offsets are
@@ -49,6 +55,7 @@ stabilisers (detached). gloo on CPU, NCCL on GPU; the group is any ``ProcessGrou
 
 from __future__ import annotations
 
+import bisect
 import zlib
 
 import torch
@@ -56,7 +63,7 @@ import torch.distributed as dist
 
 from rfattn import backends
 from rfattn.blocked import no_autocast
-from rfattn.call import Call, RFState, no_kernel_reason, query_rows, runs_fused
+from rfattn.call import Call, RFState, no_kernel_reason, query_rows, runs_fused, state_rows
 from rfattn.features import FEATURES, compute_dtype, prescale
 from rfattn.fused import kernel_form
 from rfattn.reference import linear_attention
@@ -68,6 +75,7 @@ __all__ = [
     "check_group",
     "combine_states",
     "hybrid_sharded",
+    "packed_sharded",
     "runs_causal",
     "sharded_attention",
 ]
@@ -122,13 +130,16 @@ _SIGNATURE = (
     ("non-causal fused kernel", _BOOL),
     ("window", None),
     ("sinks", None),
+    ("packed sequences (cu_seqlens: N)", None),
+    ("packed offsets (cu_seqlens, CRC-32)", None),
 )
 
 
 def _signature(q, k, v, rf, causal: bool, backend: str, initial_state, window: int = 0,
-               sinks: int = 0) -> list[int]:  # fmt: skip
+               sinks: int = 0, packed=None) -> list[int]:  # fmt: skip
     """What a validated call's collectives depend on (see :data:`_SIGNATURE`). ``return_state``
-    is not part of it: it adds no collective."""
+    is not part of it: it adds no collective. ``packed``: the offsets of packed sequences (the
+    whole row's; -1 for both fields where the call is not packed)."""
     fm = rf.feature_map
     stats = int(bool(getattr(fm, "uses_batch_moments", None) and fm.uses_batch_moments(causal)))
     if not causal and getattr(fm, "stats_grad", False):
@@ -136,7 +147,9 @@ def _signature(q, k, v, rf, causal: bool, backend: str, initial_state, window: i
     fused = int(not causal and _fused_noncausal(q, rf, backend))
     return [0, int(causal), _code(str(q.dtype)), _code(rf.feature), rf.num_features,
             fm.width(rf.num_features), q.shape[3], v.shape[3], q.shape[0], q.shape[1],
-            k.shape[1], int(initial_state is not None), stats, fused, window, sinks]  # fmt: skip
+            k.shape[1], int(initial_state is not None), stats, fused, window, sinks,
+            -1 if packed is None else len(packed[0]) - 1,
+            -1 if packed is None else zlib.crc32(repr(packed).encode())]  # fmt: skip
 
 
 def _signature_device(group, like) -> torch.device:
@@ -152,7 +165,8 @@ def _signature_device(group, like) -> torch.device:
 def check_calls_agree(group, validate, q, k, v, rf, causal, backend, initial_state, window=0,
                       sinks=0) -> None:  # fmt: skip
     """Run this rank's checks of an ``rf_attention(..., group=group)`` call (``validate()``,
-    raising on bad arguments) and check that every rank's call agrees with it, before any
+    raising on bad arguments, returning the offsets of packed sequences or None, which this
+    returns) and check that every rank's call agrees with it, before any
     other collective of the call: one ``all_gather`` of a fixed-size int64 signature
     (:data:`_SIGNATURE`), the same size whatever the calls, so the check itself cannot hang or
     abort when they differ. A rank whose own checks failed raises its error; every other rank
@@ -164,8 +178,9 @@ def check_calls_agree(group, validate, q, k, v, rf, causal, backend, initial_sta
     result is the one host synchronisation (it waits for the GPU work queued before it). Cost
     on gloo: see the README (``python -m bench.context_parallel --check``)."""
     try:
-        validate()
-        signature = _signature(q, k, v, rf, causal, backend, initial_state, window, sinks)
+        packed = validate()
+        signature = _signature(q, k, v, rf, causal, backend, initial_state, window, sinks,
+                               packed)  # fmt: skip
         rejected = None
     except Exception as exc:  # still gathered: the other ranks must not wait for this one
         signature, rejected = [1] + [0] * (len(_SIGNATURE) - 1), exc
@@ -192,6 +207,7 @@ def check_calls_agree(group, validate, q, k, v, rf, causal, backend, initial_sta
             "rf_attention(group=...): the ranks' calls disagree, so their collectives would not "
             "match (every rank raises this): " + "; ".join(differ)
         )
+    return packed
 
 
 def combine_states(states, plain: bool = False) -> RFState | None:
@@ -317,21 +333,124 @@ def _causal_shard(call: Call):
     local = _shard_state(q, k, v, rf, key_padding_mask, scale, call.query_padding_mask)
     states = _all_gather_states(local, group)
     before = [] if initial_state is None else [initial_state]
-    # the later ranks' states enter as empty ones, selected (not multiplied) away: every rank's
-    # output then depends on the gathered tensor, so every rank runs its backward collective
-    # (one rank skipping it would leave the others waiting), and a NaN on a later rank stays
-    # there; exponential features' empty states have offset -inf (no later key sets the prefix's
-    # offset), plain ones keep 0
     exp = rf.feature_map.exponential
-    later = [RFState(torch.where(_FALSE, st.s, 0.0), torch.where(_FALSE, st.z, 0.0),
-                     torch.full_like(st.offset, float("-inf")) if exp else st.offset)
-             for st in states[rank:]]  # fmt: skip
-    prefix = combine_states(before + states[:rank] + later, plain=not exp)
+    prefix = combine_states(before + _selected(states, [r < rank for r in range(len(states))],
+                                               exp), plain=not exp)  # fmt: skip
     # the local pass: q and k are already mapped (head maps)
     out = backends.attend(call.replace(initial_state=prefix, return_state=False, group=None))
     if not call.return_state:
         return out
     return out, combine_states(before + states, plain=not exp)
+
+
+def _selected(states: list[RFState], keep: list[bool], exponential: bool) -> list[RFState]:
+    """The gathered ``states`` with those not kept as empty ones, selected (not multiplied)
+    away: every rank's output then depends on the gathered tensor, so every rank runs its
+    backward collective (one rank skipping it would leave the others waiting), and a NaN in a
+    state not kept stays out; exponential features' empty states have offset -inf (they set no
+    offset of a combination), plain ones keep theirs (:func:`combine_states` keeps the first)."""
+    return [st if k else RFState(torch.where(_FALSE, st.s, 0.0), torch.where(_FALSE, st.z, 0.0),
+                                 torch.full_like(st.offset, float("-inf")) if exponential
+                                 else st.offset)
+            for st, k in zip(states, keep, strict=True)]  # fmt: skip
+
+
+def packed_sharded(call: Call, run):
+    """``rf_attention(..., cu_seqlens=c, group=g)``, causal: this rank's shard of a packed row
+    (the offsets ``c`` the whole row's, the same on every rank; q, k, v this rank's contiguous
+    shard, shards in rank order, any lengths, empty ones included), each sequence attended on
+    its own over the whole row, so a sequence may straddle ranks; ``run`` is
+    :func:`rfattn.attention.run` (a call of one process). ``initial_state`` ``[N, Hkv, ...]``
+    (every rank's the same) enters each sequence before its first token; with
+    ``return_state`` every rank returns each sequence's state after it.
+
+    One ``all_gather`` of the shards' lengths places each shard in the row (the offsets must
+    end at their total: every rank raises alike where not); one of each rank's state of its
+    last sequence's tokens (``F E + F + 1`` numbers per head, however long the shard) gives
+    the prefix of the sequence this shard begins inside: the states of the ranks before whose
+    shards end in that sequence, combined in order. This shard's first sequence then runs
+    from that prefix, its others as a packed call of one process; each sequence's final state
+    comes from the rank holding its last token (one ``all_reduce`` of ``[N, Hkv, F, E + 1]``
+    where only that rank's row is not zero, and one of the offsets). Running statistics in
+    training are read as they stand and moved once by the whole row's moments, as one
+    process's packed call moves them. Every rank must run it (and its backward)."""
+    return _moving_statistics(call, lambda c: _packed_shard(c, run),
+                              call.rf.map_tensors(call.q, call.k))  # fmt: skip
+
+
+def _packed_shard(call: Call, run):
+    q, k, v, rf, group = call.q, call.k, call.v, call.rf, call.group
+    offsets, T, rank = call.packed[0], q.shape[2], dist.get_rank(group)
+    init, N = call.initial_state, len(offsets) - 1
+    lengths = _gather_ints(torch.tensor([T], device=q.device), group)[:, 0].tolist()
+    if offsets[-1] != sum(lengths):
+        raise ValueError(f"cu_seqlens must end at the packed row's length over the ranks, "
+                         f"{sum(lengths)} (the shards' lengths in rank order: {lengths}), got "
+                         f"{offsets[-1]}")  # fmt: skip
+    ends = [sum(lengths[: r + 1]) for r in range(len(lengths))]
+    start, end = ends[rank] - T, ends[rank]
+
+    def sequence_of(t: int) -> int:  # the (non-empty) sequence holding token t of the row
+        return bisect.bisect_right(offsets, t) - 1
+
+    # the sequence each rank's shard ends in (-1: an empty shard); this shard's first and last
+    last = [sequence_of(e - 1) if L else -1 for e, L in zip(ends, lengths, strict=True)]
+    first = sequence_of(start) if T else -1
+    cut = min(offsets[first + 1], end) - start if T else 0  # the first sequence's tokens here
+
+    def piece(a: int, b: int, **changes) -> Call:
+        def rows(x):
+            return None if x is None else x[..., a:b] if x.dim() == 2 else x[:, :, a:b]
+
+        return call.replace(q=rows(q), k=rows(k), v=rows(v),
+                            key_padding_mask=rows(call.key_padding_mask),
+                            query_padding_mask=rows(call.query_padding_mask), group=None,
+                            **changes)  # fmt: skip
+
+    # this shard's last sequence's own state (its keys only; head maps applied), gathered
+    tail = piece(offsets[last[rank]] - start, T) if cut < T else piece(0, T)
+    tail = tail.replace(maps=rf.map_tensors(tail.q, tail.k)).with_maps_applied()
+    states = _all_gather_states(_shard_state(tail.q, tail.k, tail.v, rf, tail.key_padding_mask,
+                                             call.scale, tail.query_padding_mask), group)
+    exp = rf.feature_map.exponential
+    keep = [r < rank and last[r] == first for r in range(len(states))]
+    before = [] if init is None or not T else [state_rows(init, slice(first, first + 1))]
+    prefix = combine_states(before + _selected(states, keep, exp), plain=not exp)
+    # the first sequence (or an empty shard) from the prefix, the others that begin here as one
+    # packed call of one process (empty ones between them included)
+    ret = call.return_state
+    res = [run(piece(0, cut, initial_state=prefix, packed=None))]
+    if cut < T:
+        ids = range(first + 1, last[rank] + 1)
+        inner = tuple(offsets[i] - offsets[first + 1] for i in ids) + (end - offsets[first + 1],)
+        res.append(run(piece(cut, T, packed=(inner, inner),
+                             initial_state=None if init is None else
+                             state_rows(init, slice(first + 1, last[rank] + 1)))))  # fmt: skip
+    if not ret:
+        return torch.cat(res, dim=2)
+    out = torch.cat([r[0] for r in res], dim=2)
+    # each sequence's final state from the rank that holds its last token (an empty sequence's,
+    # its initial one, from rank 0): one all-reduce of [N, ...] where only the owner's row is
+    # not zero, so the sum selects it (the offsets: a max, -inf where not owned)
+    rows = [(first, res[0][1])] if T else []
+    if cut < T:
+        rows += [(i, state_rows(res[1][1], slice(j, j + 1)))
+                 for j, i in enumerate(range(first + 1, last[rank] + 1))]  # fmt: skip
+    owned = {i: st for i, st in rows if offsets[i + 1] <= end}
+    empty = _selected([res[0][1]], [False], True)[0]  # zeros, offset -inf (shapes [1, ...])
+    if rank == 0:  # sequences without tokens: their initial state, or the one before any key
+        none = empty if exp else empty._replace(offset=torch.zeros_like(empty.offset))
+        for i in range(N):
+            if offsets[i + 1] == offsets[i]:
+                owned[i] = none if init is None else state_rows(init, slice(i, i + 1))
+    final = [empty if owned.get(i) is None else owned[i] for i in range(N)]
+    acc = empty.s.dtype
+    sz = _AllReduce.apply(torch.cat([_pack(st.s.to(acc), st.z.to(acc)) for st in final]), group)
+    off = torch.cat([st.offset.detach().to(acc) for st in final])
+    dist.all_reduce(off, op=dist.ReduceOp.MAX, group=group)
+    # every rank's output depends on the reduced tensor, so every rank runs its backward
+    out = out + torch.where(_FALSE, sz.sum(), 0.0).to(out.dtype)
+    return out, RFState(*_unpack(sz), off)
 
 
 def _global_moments(xq, xk, key_padding_mask, query_padding_mask, group) -> Moments:

@@ -599,3 +599,187 @@ def test_disagreeing_ranks_all_raise(world, in_step):
             assert field in msg, (name, r, msg)
             assert f"rank {world - 1}: {value}" in msg or name == "rejected", (name, r, msg)
             assert "rank 0" in msg and f"rank {world - 1}" in msg, (name, r, msg)
+
+
+# ------------------------------------------------------------------------------------------------
+# packed sequences (cu_seqlens) over a process group (issue 39)
+
+#: the packed row: sequence lengths (an empty one; sequence 2 straddles three ranks at world 3)
+PACKED_LENGTHS = [5, 0, 30, 1, 9, 13]
+PACKED_T = sum(PACKED_LENGTHS)
+#: contiguous shards of the row: world 2 cuts sequence 2; world 3 has it begin on rank 0, fill
+#: rank 1 and end on rank 2, and an empty rank
+PACKED_SHARDS = {2: [slice(0, 20), slice(20, PACKED_T)],
+                 3: [slice(0, 10), slice(10, 25), slice(25, PACKED_T)]}
+PACKED_SHARDS_EMPTY = [slice(0, 10), slice(10, 10), slice(10, 36), slice(36, PACKED_T)]
+PACKED_CASES = {
+    "posrf": dict(feature="posrf"),
+    "rmf": dict(feature="rmf", opts=dict(weights="rademacher")),
+    "trigrf-gqa-padded": dict(feature="trigrf", kv_heads=1, pad=(12, 17)),
+    "posrf-maps-gqa": dict(feature="posrf", kv_heads=1, maps=True),
+    "oprf-training": dict(feature="oprf", train=True),
+    # a state before each sequence and each one's state after it (gradients of both)
+    "posrf-states": dict(feature="posrf", state=True),
+    "rmf-states": dict(feature="rmf", opts=dict(weights="rademacher"), state=True),
+    "rmf-returns": dict(feature="rmf", opts=dict(weights="rademacher"), state="return"),
+    "trigrf-gqa-padded-states": dict(feature="trigrf", kv_heads=1, pad=(12, 17), state=True),
+}  # fmt: skip
+
+
+def _packed_inputs(case):
+    hk = case.get("kv_heads", H)
+    x = dict(q=rand(1, H, PACKED_T, D, seed=31), k=rand(1, hk, PACKED_T, D, seed=32),
+             v=rand(1, hk, PACKED_T, E, seed=33), do=rand(1, H, PACKED_T, E, seed=34))
+    x["mask"] = torch.zeros(1, PACKED_T, dtype=torch.bool)
+    if "pad" in case:  # padded positions hold junk: it must reach nothing
+        a, b = case["pad"]
+        x["mask"][:, a:b] = True
+        for n in ("q", "k", "v"):
+            x[n][:, :, a:b] = float("nan")
+    return x
+
+
+def _packed_calls(case, sl=slice(None), group=None, backend="torch", rank=0):
+    """Outputs, gradients (q, k, v; the initial states') and the statistics' buffers of two
+    packed causal calls (the second after the first moved running statistics, in training) on
+    shard ``sl`` of the row; with ``state``, from a state before each sequence, returning the
+    states after them (their cotangent in the loss of rank 0 only)."""
+    rf = make_rf(case).double().train(case.get("train", False))
+    x = _packed_inputs(case)
+    cu = torch.tensor([0, *torch.tensor(PACKED_LENGTHS).cumsum(0).tolist()])
+    leaves = [x[n][:, :, sl].clone().requires_grad_() for n in ("q", "k", "v")]
+    kw = dict(causal=True, cu_seqlens=cu, group=group, key_padding_mask=x["mask"][:, sl],
+              backend=backend)  # fmt: skip
+    if case.get("state"):
+        n, hk, F = len(PACKED_LENGTHS), case.get("kv_heads", H), rf.feature_map.width(16)
+        kw.update(return_state=True)
+        cs, cz = rand(n, hk, F, E, seed=37), rand(n, hk, F, seed=38)
+    if case.get("state") is True:  # (else only the states after)
+        leaves += [rand(n, hk, F, E, seed=35).abs().requires_grad_(),
+                   rand(n, hk, F, seed=36).abs().requires_grad_()]  # fmt: skip
+        off0 = torch.full((n, hk), 0.5, dtype=f64)
+        off0[2] = float("-inf")  # (no key before sequence 2: S and z must be 0 there)
+        with torch.no_grad():
+            leaves[3][2], leaves[4][2] = 0.0, 0.0
+        kw.update(initial_state=rfattn.RFState(leaves[3], leaves[4], off0))
+    outs, grads, states = [], [], []
+    for _ in range(2):
+        res = rfattn.rf_attention(*leaves[:3], rf, **kw)
+        out = res[0] if case.get("state") else res
+        loss = (out * x["do"][:, :, sl]).sum()
+        if case.get("state"):
+            states.append([t.detach() for t in res[1]])
+            if rank == 0:
+                loss = loss + (res[1].s * cs).sum() + (res[1].z * cz).sum()
+        g = torch.autograd.grad(loss, leaves, allow_unused=True)
+        outs.append(out.detach())
+        grads.append([torch.zeros_like(t) if d is None else d
+                      for t, d in zip(leaves, g, strict=True)])  # fmt: skip
+    buffers = {n: b.clone() for n, b in rf.feature_map.named_buffers()}
+    return dict(outs=outs, grads=grads, buffers=buffers, states=states)
+
+
+def _packed_errors(world, group) -> dict:
+    """Each bad packed call's error on this rank (type name and message)."""
+    rank, rf = dist.get_rank(group), rfattn.RandomFeatures(D, 16, "posrf", seed=0).double()
+    q, k, v = (rand(1, H, 4, d) for d in (D, D, E))
+    calls = {
+        "disagree": dict(cu_seqlens=torch.tensor([0, 2 + (rank == world - 1), 4 * world])),
+        "total": dict(cu_seqlens=torch.tensor([0, 3, 4 * world + 1])),
+        "noncausal": dict(cu_seqlens=torch.tensor([0, 4 * world]), causal=False),
+        "window": dict(cu_seqlens=torch.tensor([0, 4 * world]), window=2),
+    }
+    errors = {}
+    for name, kw in calls.items():
+        try:
+            rfattn.rf_attention(q, k, v, rf, **dict(dict(causal=True, group=group), **kw))
+            errors[name] = None
+        except Exception as exc:
+            errors[name] = (type(exc).__name__, str(exc))
+    rfattn.rf_attention(q, k, v, rf, causal=True, group=group,
+                        cu_seqlens=torch.tensor([0, 1, 4 * world]))  # still in step: it runs
+    return errors
+
+
+def _packed_worker(rank, world, init_file, out_dir, shards, cases, backend):
+    _init(rank, world, init_file, seconds=120)
+    try:
+        res = {name: _packed_calls(PACKED_CASES[name], shards[rank], dist.group.WORLD, backend,
+                                   rank)
+               for name in cases}  # fmt: skip
+        res["errors"] = _packed_errors(world, dist.group.WORLD)
+        _finish(res, out_dir, rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_packed(tmp_path, shards, cases, backend="torch"):
+    world = len(shards)
+    _spawn(_packed_worker, (world, str(tmp_path / "init"), str(tmp_path), shards, cases,
+                            backend), world)  # fmt: skip
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for name in cases:
+        full = _packed_calls(PACKED_CASES[name], backend=backend)
+        for i in range(2):
+            got = torch.cat([r[name]["outs"][i] for r in ranks], dim=2)
+            torch.testing.assert_close(got, full["outs"][i], rtol=RTOL, atol=1e-12,
+                                       msg=f"{name}: call {i}")  # fmt: skip
+            for j, n in enumerate("qkv"):
+                got = torch.cat([r[name]["grads"][i][j] for r in ranks], dim=2)
+                torch.testing.assert_close(got, full["grads"][i][j], rtol=RTOL, atol=1e-12,
+                                           msg=f"{name}: call {i} d{n}")  # fmt: skip
+            for j, n in enumerate(("s0", "z0"), start=3):  # every rank's share, summed
+                if j < len(full["grads"][i]):
+                    got = sum(r[name]["grads"][i][j] for r in ranks)
+                    torch.testing.assert_close(got, full["grads"][i][j], rtol=RTOL, atol=1e-12,
+                                               msg=f"{name}: call {i} d{n}")  # fmt: skip
+            for r, res in enumerate(ranks):  # the states after every sequence, on every rank
+                for got, want in zip(res[name]["states"][i] if full["states"] else (),
+                                     full["states"][i] if full["states"] else (), strict=True):
+                    torch.testing.assert_close(got, want, rtol=RTOL, atol=1e-12,
+                                               msg=f"{name}: call {i} state on rank {r}")
+        for r in ranks:
+            for b, value in full["buffers"].items():
+                torch.testing.assert_close(r[name]["buffers"][b], value, rtol=RTOL, atol=1e-12,
+                                           msg=f"{name}: {b}")  # fmt: skip
+    return ranks
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_packed_row_sharded_equals_one_process(world, tmp_path):
+    """A packed row (an empty sequence, one of a single token, one straddling every rank at
+    world 3) split over the ranks: outputs and gradients of q, k, v equal one process's packed
+    call in float64, for exponential and plain features, grouped-query heads with junk (NaN) in
+    padded positions, head maps, and oprf's running statistics in training (moved once by the
+    whole row, two calls), and from a state before each sequence (one of them empty) returning
+    each one's state after it on every rank (gradients of the initial states: the ranks'
+    shares summed). Bad packings raise on every rank, naming the cause: offsets that differ
+    between ranks, offsets that do not end at the shards' total, a non-causal call, a window;
+    the group then runs the next call."""
+    ranks = _check_packed(tmp_path, PACKED_SHARDS[world], list(PACKED_CASES))
+    for r, res in enumerate(ranks):
+        errors = res["errors"]
+        kind, msg = errors["disagree"]
+        assert kind == "ValueError" and "packed offsets" in msg and f"rank {world - 1}" in msg, \
+            (r, msg)  # fmt: skip
+        kind, msg = errors["total"]
+        assert kind == "ValueError" and "cu_seqlens must end" in msg and \
+            str(4 * world) in msg, (r, msg)  # fmt: skip
+        for name in ("noncausal", "window"):
+            kind, msg = errors[name]
+            assert kind == "NotImplementedError" and "process group" in msg, (r, name, msg)
+
+
+@pytest.mark.slow  # ~20 s (four processes)
+def test_packed_row_with_an_empty_shard(tmp_path):
+    """Four ranks, one holding no token, a sequence straddling it (states before and after
+    each sequence too): equal to one process."""
+    _check_packed(tmp_path, PACKED_SHARDS_EMPTY, ["posrf", "trigrf-gqa-padded-states"])
+
+
+@pytest.mark.slow  # the interpreter in three processes
+def test_packed_row_sharded_on_the_fused_kernels(tmp_path):
+    """The same on the fused kernels (the Triton interpreter), states too: equal to one
+    process's."""
+    _check_packed(tmp_path, PACKED_SHARDS[3], ["posrf-states", "trigrf-gqa-padded"],
+                  backend="triton")  # fmt: skip
