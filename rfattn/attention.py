@@ -125,8 +125,8 @@ def rf_attention(
             sequence runs as a call of its own on views of the row, on the backend chosen as
             for any call (sequences of similar length batched, zero-padded and masked). With
             ``window`` / ``sinks`` each sequence has its own sinks and window (no
-            initial_state or return_state then). With ``group`` (causal only, for now without
-            window or sinks): the offsets are the whole row's,
+            initial_state or return_state then). With ``group`` (for now without window or
+            sinks): the offsets are the whole row's,
             the same on every rank, and q, k, v each rank's contiguous shard of the row (in
             rank order, any lengths); a sequence may straddle ranks
             (:func:`rfattn.distributed.packed_sharded`).
@@ -303,7 +303,7 @@ def _packed(call: Call):
                 states[i] = state_rows(res[1], slice(j, j + 1))
     if heads:
         torch_path.move_statistics(call)
-    out = _packed_output(call, parts)
+    out = call.packed_output(parts)
     if not call.return_state:
         return out
     return out, type(states[0])(*(torch.cat(p, dim=0) for p in zip(*states, strict=True)))
@@ -340,23 +340,3 @@ def buckets(lengths: list[tuple[int, int]]) -> list[list[int]]:
     if group:
         groups.append(group)
     return groups
-
-
-def _packed_output(call: Call, parts: list) -> torch.Tensor:
-    """The packed row's output ``[1, H, total, E]`` from its parts: a batch's rows (its query
-    slots and their positions in the row, :meth:`Call.batch_of`) or one sequence's output."""
-    oq = call.packed[0]
-    q, v = call.q, call.v
-    if len(parts) == 1 and parts[0][0] is None:  # one sequence: its output is the row's
-        return parts[0][2]
-    pieces, positions = [], []
-    for slots, pos, out in parts:
-        if slots is None:  # sequence pos: [1, H, its queries, E]
-            pieces.append(out[0])
-            positions.append(torch.arange(oq[pos], oq[pos + 1], device=q.device))
-        else:  # [n, H, Lq, E]: the rows' token slots
-            pieces.append(out.transpose(0, 1).flatten(1, 2).index_select(1, slots))
-            positions.append(pos)
-    values, where = torch.cat(pieces, dim=1), torch.cat(positions)
-    row = values.new_zeros(q.shape[1], q.shape[2], v.shape[3])
-    return row.index_copy(1, where, values)[None]

@@ -135,9 +135,6 @@ def validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_stat
     if (initial_state is not None or return_state) and not causal:
         raise ValueError("initial_state and return_state need causal=True")
     if packed is not None:
-        if group is not None and not causal:
-            raise NotImplementedError("packed sequences (cu_seqlens) over a process group: "
-                                      "causal calls only")  # fmt: skip
         if group is not None and (window or sinks):
             raise NotImplementedError("packed sequences (cu_seqlens) over a process group: no "
                                       "window or sinks yet")  # fmt: skip
@@ -220,8 +217,9 @@ def packed_offsets(q, k, causal: bool, cu_seqlens=None, cu_seqlens_q=None,
         offsets = _offsets("cu_seqlens", cu_seqlens, None if group is not None else q.shape[2],
                            q.device)  # fmt: skip
         return offsets, offsets
-    oq = _offsets("cu_seqlens_q", cu_seqlens_q, q.shape[2], q.device)
-    ok = _offsets("cu_seqlens_k", cu_seqlens_k, k.shape[2], q.device)
+    sharded = group is not None
+    oq = _offsets("cu_seqlens_q", cu_seqlens_q, None if sharded else q.shape[2], q.device)
+    ok = _offsets("cu_seqlens_k", cu_seqlens_k, None if sharded else k.shape[2], q.device)
     if len(oq) != len(ok):
         raise ValueError(f"cu_seqlens_q has {len(oq) - 1} sequences, cu_seqlens_k "
                          f"{len(ok) - 1}")  # fmt: skip
@@ -540,6 +538,26 @@ class Call:
             initial_state=st, packed=None, update_stats=False,
         )  # fmt: skip
         return call, sq, pq
+
+    def packed_output(self, parts: list) -> torch.Tensor:
+        """A packed call's output ``[1, H, total, E]`` from its parts ``(slots, pos, out)``: a
+        batch's rows (its query slots and their positions in the row, :meth:`batch_of`) or,
+        with ``slots`` None, sequence ``pos``'s own output."""
+        oq = self.packed[0]
+        q, v = self.q, self.v
+        if len(parts) == 1 and parts[0][0] is None:  # one sequence: its output is the row's
+            return parts[0][2]
+        pieces, positions = [], []
+        for slots, pos, out in parts:
+            if slots is None:  # sequence pos: [1, H, its queries, E]
+                pieces.append(out[0])
+                positions.append(torch.arange(oq[pos], oq[pos + 1], device=q.device))
+            else:  # [n, H, Lq, E]: the rows' token slots
+                pieces.append(out.transpose(0, 1).flatten(1, 2).index_select(1, slots))
+                positions.append(pos)
+        values, where = torch.cat(pieces, dim=1), torch.cat(positions)
+        row = values.new_zeros(q.shape[1], q.shape[2], v.shape[3])
+        return row.index_copy(1, where, values)[None]
 
     def with_maps_applied(self) -> Call:
         """This call with its head maps applied to q and k here (padded keys zeroed first), for

@@ -40,11 +40,13 @@ naming the field and each rank's value, instead of hanging or aborting inside th
   from the ranks before it, sums the earlier ones of those tails into its state with theirs,
   and runs the hybrid on its shard from there (:func:`hybrid_sharded`).
 
-* packed sequences (``cu_seqlens``, causal): the offsets are the whole row's and each rank
+* packed sequences (``cu_seqlens``): the offsets are the whole row's and each rank
   holds its contiguous shard of the row, so a sequence may straddle ranks; each rank gathers
   the shards' lengths and the state of every rank's last sequence's tokens, starts the sequence
   it begins inside from the states of the ranks before it that end in it, and runs its other
-  sequences as one process's packed call (:func:`packed_sharded`).
+  sequences as one process's packed call; non-causal, each rank runs its pieces of every
+  sequence as one padded batch of N rows through the sharded non-causal path
+  (:func:`packed_sharded`).
 
 Backward: each collective's gradient takes the mirror collective (an all-gather's gradients are
 summed over the ranks and each rank keeps its own state's; an all-reduce's are all-reduced), so
@@ -300,12 +302,14 @@ def _all_gather_states(state: RFState, group) -> list[RFState]:
 
 
 def _moving_statistics(call: Call, run, maps=None):
-    """``run(call)`` of a causal sharded call; with running statistics in training (oprf,
-    saderf), every rank reads them as they stand and then moves them by the whole sequence's
-    moments, as one process's causal call does (a shard's own would set each rank's apart).
-    ``maps``: the features' head maps, where q and k are not mapped yet (the hybrid)."""
+    """``run(call)`` of a sharded call; with running statistics in training (oprf, saderf;
+    causal, or a packed non-causal call, whose sequences read them as they stand), every rank
+    reads them as they stand and then moves them by the whole sequence's (row's) moments, as
+    one process's call does (a shard's own would set each rank's apart). ``maps``: the
+    features' head maps, where q and k are not mapped yet."""
     fm = call.rf.feature_map
-    if not (getattr(fm, "uses_batch_moments", None) and fm.uses_batch_moments(True)):
+    if not (getattr(fm, "uses_batch_moments", None) and fm.uses_batch_moments(call.causal)
+            and (call.causal or fm.mode(False) == "running")):  # fmt: skip
         return run(call)
     qmap, kmap = (None, None) if maps is None else maps
     mask = call.key_padding_mask
@@ -356,7 +360,7 @@ def _selected(states: list[RFState], keep: list[bool], exponential: bool) -> lis
 
 
 def packed_sharded(call: Call, run):
-    """``rf_attention(..., cu_seqlens=c, group=g)``, causal: this rank's shard of a packed row
+    """``rf_attention(..., cu_seqlens=c, group=g)``: this rank's shard of a packed row
     (the offsets ``c`` the whole row's, the same on every rank; q, k, v this rank's contiguous
     shard, shards in rank order, any lengths, empty ones included), each sequence attended on
     its own over the whole row, so a sequence may straddle ranks; ``run`` is
@@ -373,20 +377,50 @@ def packed_sharded(call: Call, run):
     comes from the rank holding its last token (one ``all_reduce`` of ``[N, Hkv, F, E + 1]``
     where only that rank's row is not zero, and one of the offsets). Running statistics in
     training are read as they stand and moved once by the whole row's moments, as one
-    process's packed call moves them. Every rank must run it (and its backward)."""
-    return _moving_statistics(call, lambda c: _packed_shard(c, run),
-                              call.rf.map_tensors(call.q, call.k))  # fmt: skip
+    process's packed call moves them. Non-causal calls (``cu_seqlens``, or ``cu_seqlens_q``
+    and ``cu_seqlens_k`` with queries and keys sharded apart): :func:`_packed_noncausal`.
+    Every rank must run it (and its backward)."""
+    shard = _packed_shard if call.causal else _packed_noncausal
+    return _moving_statistics(call, lambda c: shard(c, run), call.rf.map_tensors(call.q, call.k))
+
+
+def _shard_lengths(call: Call) -> list[list[int]]:
+    """``[query lengths, key lengths]`` of every rank's shard of a packed call, in rank order
+    (one all_gather); raise on every rank where the offsets do not end at their totals."""
+    q, k = call.q, call.k
+    lengths = _gather_ints(torch.tensor([q.shape[2], k.shape[2]], device=q.device),
+                           call.group).t().tolist()  # fmt: skip
+    names = ("cu_seqlens",) * 2 if call.packed[0] is call.packed[1] else \
+        ("cu_seqlens_q", "cu_seqlens_k")  # fmt: skip
+    for name, offsets, ls in zip(names, call.packed, lengths, strict=True):
+        if offsets[-1] != sum(ls):
+            raise ValueError(f"{name} must end at the packed row's length over the ranks, "
+                             f"{sum(ls)} (the shards' lengths in rank order: {ls}), got "
+                             f"{offsets[-1]}")  # fmt: skip
+    return lengths
+
+
+def _packed_noncausal(call: Call, run):
+    """A non-causal packed call's shard: every sequence's piece on this rank (queries and
+    keys each by its own offsets; absent ones empty) as one batch of N rows, padded and masked
+    (:meth:`Call.batch_of`), run as a sharded non-causal call (one all_reduce of the key
+    offsets, one of S and z per row: per sequence; its global statistics per sequence too),
+    the rows back in the shard's order."""
+    rank = dist.get_rank(call.group)
+    local = []
+    for offsets, ls in zip(call.packed, _shard_lengths(call), strict=True):
+        start, T = sum(ls[:rank]), ls[rank]
+        local.append(tuple(min(max(o - start, 0), T) for o in offsets))
+    mine = call.replace(packed=tuple(local), group=None)
+    batch, slots, pos = mine.batch_of(list(range(len(local[0]) - 1)))
+    return mine.packed_output([(slots, pos, run(batch.replace(group=call.group)))])
 
 
 def _packed_shard(call: Call, run):
     q, k, v, rf, group = call.q, call.k, call.v, call.rf, call.group
     offsets, T, rank = call.packed[0], q.shape[2], dist.get_rank(group)
     init, N = call.initial_state, len(offsets) - 1
-    lengths = _gather_ints(torch.tensor([T], device=q.device), group)[:, 0].tolist()
-    if offsets[-1] != sum(lengths):
-        raise ValueError(f"cu_seqlens must end at the packed row's length over the ranks, "
-                         f"{sum(lengths)} (the shards' lengths in rank order: {lengths}), got "
-                         f"{offsets[-1]}")  # fmt: skip
+    lengths = _shard_lengths(call)[0]
     ends = [sum(lengths[: r + 1]) for r in range(len(lengths))]
     start, end = ends[rank] - T, ends[rank]
 

@@ -612,6 +612,12 @@ PACKED_T = sum(PACKED_LENGTHS)
 PACKED_SHARDS = {2: [slice(0, 20), slice(20, PACKED_T)],
                  3: [slice(0, 10), slice(10, 25), slice(25, PACKED_T)]}
 PACKED_SHARDS_EMPTY = [slice(0, 10), slice(10, 10), slice(10, 36), slice(36, PACKED_T)]
+#: cross-attention's queries: other lengths (an empty sequence where the keys have tokens, and
+#: the reverse), sharded apart from the keys
+PACKED_Q_LENGTHS = [3, 2, 20, 0, 9, 4]
+PACKED_TQ = sum(PACKED_Q_LENGTHS)
+PACKED_Q_SHARDS = {2: [slice(0, 11), slice(11, PACKED_TQ)],
+                   3: [slice(0, 4), slice(4, 4), slice(4, PACKED_TQ)]}
 PACKED_CASES = {
     "posrf": dict(feature="posrf"),
     "rmf": dict(feature="rmf", opts=dict(weights="rademacher")),
@@ -623,13 +629,21 @@ PACKED_CASES = {
     "rmf-states": dict(feature="rmf", opts=dict(weights="rademacher"), state=True),
     "rmf-returns": dict(feature="rmf", opts=dict(weights="rademacher"), state="return"),
     "trigrf-gqa-padded-states": dict(feature="trigrf", kv_heads=1, pad=(12, 17), state=True),
+    # non-causal: each sequence's queries read all its keys, on every rank
+    "noncausal-posrf-maps": dict(feature="posrf", causal=False, maps=True),
+    "noncausal-trigrf-gqa-padded": dict(feature="trigrf", causal=False, kv_heads=1,
+                                        pad=(12, 17)),
+    "noncausal-oprf-global": dict(feature="oprf", causal=False, train=True),  # per sequence
+    "noncausal-oprf-running": dict(feature="oprf", causal=False, train=True,
+                                   opts=dict(stats="running")),
+    "cross-saderf": dict(feature="saderf", causal=False, cross=True),
 }  # fmt: skip
 
 
 def _packed_inputs(case):
-    hk = case.get("kv_heads", H)
-    x = dict(q=rand(1, H, PACKED_T, D, seed=31), k=rand(1, hk, PACKED_T, D, seed=32),
-             v=rand(1, hk, PACKED_T, E, seed=33), do=rand(1, H, PACKED_T, E, seed=34))
+    hk, tq = case.get("kv_heads", H), PACKED_TQ if case.get("cross") else PACKED_T
+    x = dict(q=rand(1, H, tq, D, seed=31), k=rand(1, hk, PACKED_T, D, seed=32),
+             v=rand(1, hk, PACKED_T, E, seed=33), do=rand(1, H, tq, E, seed=34))
     x["mask"] = torch.zeros(1, PACKED_T, dtype=torch.bool)
     if "pad" in case:  # padded positions hold junk: it must reach nothing
         a, b = case["pad"]
@@ -639,17 +653,29 @@ def _packed_inputs(case):
     return x
 
 
-def _packed_calls(case, sl=slice(None), group=None, backend="torch", rank=0):
+def _cu(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+
+
+def _packed_calls(case, sl=slice(None), group=None, backend="torch", rank=0, slq=None):
     """Outputs, gradients (q, k, v; the initial states') and the statistics' buffers of two
-    packed causal calls (the second after the first moved running statistics, in training) on
-    shard ``sl`` of the row; with ``state``, from a state before each sequence, returning the
-    states after them (their cotangent in the loss of rank 0 only)."""
+    packed calls (causal unless the case says not; the second after the first moved running
+    statistics, in training) on shard ``sl`` of the row (``slq`` of cross-attention's
+    queries); with ``state``, from a state before each sequence, returning the states after
+    them (their cotangent in the loss of rank 0 only)."""
     rf = make_rf(case).double().train(case.get("train", False))
     x = _packed_inputs(case)
-    cu = torch.tensor([0, *torch.tensor(PACKED_LENGTHS).cumsum(0).tolist()])
-    leaves = [x[n][:, :, sl].clone().requires_grad_() for n in ("q", "k", "v")]
-    kw = dict(causal=True, cu_seqlens=cu, group=group, key_padding_mask=x["mask"][:, sl],
+    slq = sl if slq is None or not case.get("cross") else slq
+    leaves = [x["q"][:, :, slq].clone().requires_grad_(),
+              *(x[n][:, :, sl].clone().requires_grad_() for n in ("k", "v"))]  # fmt: skip
+    kw = dict(causal=case.get("causal", True), group=group, key_padding_mask=x["mask"][:, sl],
               backend=backend)  # fmt: skip
+    if not kw["causal"] and "pad" in case:  # (causal: the keys' mask pads the queries too)
+        kw.update(query_padding_mask=x["mask"][:, slq])
+    if case.get("cross"):
+        kw.update(cu_seqlens_q=_cu(PACKED_Q_LENGTHS), cu_seqlens_k=_cu(PACKED_LENGTHS))
+    else:
+        kw.update(cu_seqlens=_cu(PACKED_LENGTHS))
     if case.get("state"):
         n, hk, F = len(PACKED_LENGTHS), case.get("kv_heads", H), rf.feature_map.width(16)
         kw.update(return_state=True)
@@ -666,7 +692,7 @@ def _packed_calls(case, sl=slice(None), group=None, backend="torch", rank=0):
     for _ in range(2):
         res = rfattn.rf_attention(*leaves[:3], rf, **kw)
         out = res[0] if case.get("state") else res
-        loss = (out * x["do"][:, :, sl]).sum()
+        loss = (out * x["do"][:, :, slq]).sum()
         if case.get("state"):
             states.append([t.detach() for t in res[1]])
             if rank == 0:
@@ -686,7 +712,6 @@ def _packed_errors(world, group) -> dict:
     calls = {
         "disagree": dict(cu_seqlens=torch.tensor([0, 2 + (rank == world - 1), 4 * world])),
         "total": dict(cu_seqlens=torch.tensor([0, 3, 4 * world + 1])),
-        "noncausal": dict(cu_seqlens=torch.tensor([0, 4 * world]), causal=False),
         "window": dict(cu_seqlens=torch.tensor([0, 4 * world]), window=2),
     }
     errors = {}
@@ -704,8 +729,9 @@ def _packed_errors(world, group) -> dict:
 def _packed_worker(rank, world, init_file, out_dir, shards, cases, backend):
     _init(rank, world, init_file, seconds=120)
     try:
+        qshards = PACKED_Q_SHARDS.get(world, [None] * world)
         res = {name: _packed_calls(PACKED_CASES[name], shards[rank], dist.group.WORLD, backend,
-                                   rank)
+                                   rank, qshards[rank])
                for name in cases}  # fmt: skip
         res["errors"] = _packed_errors(world, dist.group.WORLD)
         _finish(res, out_dir, rank)
@@ -753,9 +779,11 @@ def test_packed_row_sharded_equals_one_process(world, tmp_path):
     padded positions, head maps, and oprf's running statistics in training (moved once by the
     whole row, two calls), and from a state before each sequence (one of them empty) returning
     each one's state after it on every rank (gradients of the initial states: the ranks'
-    shares summed). Bad packings raise on every rank, naming the cause: offsets that differ
-    between ranks, offsets that do not end at the shards' total, a non-causal call, a window;
-    the group then runs the next call."""
+    shares summed). Non-causal too: head maps, grouped heads with junk, oprf's global
+    statistics per sequence and its running ones moved once, cross-attention with queries
+    packed and sharded apart from the keys. Bad packings raise on every rank, naming the
+    cause: offsets that differ between ranks, offsets that do not end at the shards' total, a
+    window; the group then runs the next call."""
     ranks = _check_packed(tmp_path, PACKED_SHARDS[world], list(PACKED_CASES))
     for r, res in enumerate(ranks):
         errors = res["errors"]
@@ -765,21 +793,22 @@ def test_packed_row_sharded_equals_one_process(world, tmp_path):
         kind, msg = errors["total"]
         assert kind == "ValueError" and "cu_seqlens must end" in msg and \
             str(4 * world) in msg, (r, msg)  # fmt: skip
-        for name in ("noncausal", "window"):
-            kind, msg = errors[name]
-            assert kind == "NotImplementedError" and "process group" in msg, (r, name, msg)
+        kind, msg = errors["window"]
+        assert kind == "NotImplementedError" and "process group" in msg, (r, msg)
 
 
 @pytest.mark.slow  # ~20 s (four processes)
 def test_packed_row_with_an_empty_shard(tmp_path):
     """Four ranks, one holding no token, a sequence straddling it (states before and after
     each sequence too): equal to one process."""
-    _check_packed(tmp_path, PACKED_SHARDS_EMPTY, ["posrf", "trigrf-gqa-padded-states"])
+    _check_packed(tmp_path, PACKED_SHARDS_EMPTY, ["posrf", "trigrf-gqa-padded-states",
+                                                  "noncausal-trigrf-gqa-padded"])
 
 
 @pytest.mark.slow  # the interpreter in three processes
 def test_packed_row_sharded_on_the_fused_kernels(tmp_path):
     """The same on the fused kernels (the Triton interpreter), states too: equal to one
     process's."""
-    _check_packed(tmp_path, PACKED_SHARDS[3], ["posrf-states", "trigrf-gqa-padded"],
+    _check_packed(tmp_path, PACKED_SHARDS[3], ["posrf-states", "trigrf-gqa-padded",
+                                               "noncausal-posrf-maps", "cross-saderf"],
                   backend="triton")  # fmt: skip

@@ -435,9 +435,9 @@ def test_packed_without_heads_runs_nothing():
 
 
 def test_packed_over_a_one_process_group(tmp_path):
-    """A sharded call (``group=``) of one process takes causal packing and equals the call
-    without a group (more ranks: tests/test_distributed.py); non-causal packing over a group
-    raises on every rank's check."""
+    """A sharded call (``group=``) of one process takes packing, causal or not, and equals
+    the call without a group (more ranks: tests/test_distributed.py); window and sinks over a
+    group raise."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0,
@@ -445,12 +445,13 @@ def test_packed_over_a_one_process_group(tmp_path):
     try:
         rf = rfattn.RandomFeatures(D, M, "posrf", seed=0).double()
         q, k, v = (x.detach() for x in leaves((3, 4)))
-        got = rfattn.rf_attention(q, k, v, rf, causal=True, cu_seqlens=offsets((3, 4)),
-                                  group=dist.group.WORLD)  # fmt: skip
-        want = rfattn.rf_attention(q, k, v, rf, causal=True, cu_seqlens=offsets((3, 4)))
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-        with pytest.raises(NotImplementedError, match="packed sequences .* causal calls only"):
-            rfattn.rf_attention(q, k, v, rf, cu_seqlens=offsets((3, 4)),
+        for causal in (True, False):
+            got = rfattn.rf_attention(q, k, v, rf, causal=causal, cu_seqlens=offsets((3, 4)),
+                                      group=dist.group.WORLD)  # fmt: skip
+            want = rfattn.rf_attention(q, k, v, rf, causal=causal, cu_seqlens=offsets((3, 4)))
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        with pytest.raises(NotImplementedError, match="packed sequences .* window or sinks"):
+            rfattn.rf_attention(q, k, v, rf, causal=True, cu_seqlens=offsets((3, 4)), window=2,
                                 group=dist.group.WORLD)  # fmt: skip
     finally:
         dist.destroy_process_group()
