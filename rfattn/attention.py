@@ -54,6 +54,7 @@ def rf_attention(
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_q: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
 ):
     """Random-feature linear attention, a drop-in for softmax attention in SDPA's layout.
 
@@ -133,6 +134,13 @@ def rf_attention(
         cu_seqlens_q, cu_seqlens_k: non-causal cross-attention of packed sequences: the
             offsets of the queries and of the keys/values, ``[N + 1]`` each, in place of
             ``cu_seqlens``.
+        max_seqlen: with packed sequences, at least the longest one's length (queries and
+            keys; flash-attention's hint): the offsets are then never read on the host (their
+            values are checked on the device, ``torch._assert_async``) and the sequences run as
+            one batch of N rows padded to ``max_seqlen`` (no host synchronisation, nothing
+            shaped by the offsets' values: ``torch.compile`` traces it without a graph break;
+            the padding is its cost where lengths differ widely). Not with ``group``, nor with
+            ``window``/``sinks`` and a state.
 
     Returns:
         ``out`` ``[B, H, Tq, E]`` in the input dtype, or ``(out, state)`` with ``return_state``.
@@ -164,16 +172,17 @@ def rf_attention(
     checked = (q, k, v, rf, causal, key_padding_mask, scale, backend, initial_state,
                return_state, query_padding_mask, window, sinks, group)  # fmt: skip
     if group is None:
-        if is_packed:
-            packed = packed_offsets(q, k, causal, cu_seqlens, cu_seqlens_q, cu_seqlens_k)
-        validate(*checked, packed=packed)
+        if is_packed or max_seqlen is not None:
+            packed = packed_offsets(q, k, causal, cu_seqlens, cu_seqlens_q, cu_seqlens_k,
+                                    max_seqlen=max_seqlen)  # fmt: skip
+        validate(*checked, packed=packed, max_seqlen=max_seqlen)
     else:  # every rank's call checked against the others' before any other collective
         from rfattn import distributed
 
         def checks():  # (the packing too: a rank raising alone would leave the others waiting)
-            offsets = None if not is_packed else packed_offsets(
-                q, k, causal, cu_seqlens, cu_seqlens_q, cu_seqlens_k, group=group)
-            validate(*checked, packed=offsets)
+            offsets = None if not is_packed and max_seqlen is None else packed_offsets(
+                q, k, causal, cu_seqlens, cu_seqlens_q, cu_seqlens_k, group, max_seqlen)
+            validate(*checked, packed=offsets, max_seqlen=max_seqlen)
             return offsets
 
         distributed.check_group(group)
@@ -199,7 +208,8 @@ def rf_attention(
     call = Call(q, k, v, rf, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
                 backend=backend, query_padding_mask=query_padding_mask,
                 initial_state=initial_state, return_state=return_state, group=group,
-                window=window, sinks=sinks, packed=packed)  # fmt: skip
+                window=window, sinks=sinks, packed=packed,
+                max_seqlen=max_seqlen)  # fmt: skip
     if packed is None and 0 in (q.shape[0], q.shape[1], k.shape[1]):  # nothing to run
         res = torch_path.empty_result(call)
     elif INTERCEPTS:  # rfattn.calibrate records calls
@@ -228,6 +238,8 @@ def run(call: Call):
             from rfattn import distributed
 
             return distributed.packed_sharded(call, run)
+        if call.max_seqlen is not None:
+            return _packed_padded(call)
         return _packed(call)
     qpm = call.query_padding_mask
     q = call.q if qpm is None else padded_rows(call.q, qpm)
@@ -307,6 +319,18 @@ def _packed(call: Call):
     if not call.return_state:
         return out
     return out, type(states[0])(*(torch.cat(p, dim=0) for p in zip(*states, strict=True)))
+
+
+def _packed_padded(call: Call):
+    """A packed call with ``max_seqlen``: its sequences as one batch of N rows padded to
+    ``max_seqlen`` (:meth:`Call.padded_batch`, indices made on the device), one call, the rows
+    back in the row's order; states along the batch (a row of padding only passes its initial
+    state on). Running statistics then move once, from the whole row."""
+    batch, slots = call.padded_batch()
+    res = run(batch)
+    torch_path.move_statistics(call)
+    out = call.padded_output(slots, res[0] if call.return_state else res)
+    return (out, res[1]) if call.return_state else out
 
 
 #: the most padding a batch of packed sequences carries (:func:`buckets`): a quarter of its

@@ -74,10 +74,10 @@ def _check_tensor(name: str, x, rank: int, dims: str) -> None:
 
 def validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_state, return_state,
              query_padding_mask=None, window=0, sinks=0, group=None,
-             packed=None) -> None:  # fmt: skip
+             packed=None, max_seqlen=None) -> None:  # fmt: skip
     """Raise naming the argument unless ``rf_attention``'s arguments are valid (``causal`` and
     ``scale`` already plain Python values; ``packed``: the offsets :func:`packed_offsets` read,
-    or None)."""
+    or None; ``max_seqlen``: the call's)."""
     for name, x in (("window", window), ("sinks", sinks)):  # (hybrid.check_local's check,
         if type(x) is not int or x < 0:  # inline: a call enters few functions, issue 35)
             raise ValueError(f"{name} must be an int >= 0, got {x!r}")
@@ -139,11 +139,17 @@ def validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_stat
             raise NotImplementedError("packed sequences (cu_seqlens) over a process group: no "
                                       "window or sinks yet")  # fmt: skip
         n = len(packed[0]) - 1
+        if max_seqlen is not None and (window or sinks) and (initial_state is not None or
+                                                              return_state):  # fmt: skip
+            raise NotImplementedError("max_seqlen with window or sinks and a state: each "
+                                      "sequence's window would end in its row's padding; "
+                                      "leave max_seqlen out")  # fmt: skip
         if (window or sinks) and initial_state is not None and (
                 not isinstance(initial_state, HybridState) or initial_state.s.shape[0] != n):
             raise ValueError(f"initial_state of packed sequences with window or sinks must be a "
                              f"HybridState of {n} rows, one per sequence")  # fmt: skip
-        if (window or sinks) and packed[0] != packed[1]:
+        if (window or sinks) and packed[0] is not packed[1] and (
+                isinstance(packed[0], torch.Tensor) or packed[0] != packed[1]):  # fmt: skip
             raise ValueError("window and sinks need each packed sequence's queries and keys to "
                              "be the same tokens: cu_seqlens (or cu_seqlens_q == "
                              "cu_seqlens_k)")  # fmt: skip
@@ -159,10 +165,12 @@ def validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_stat
         check_mask("query_padding_mask", query_padding_mask, (qs[0], qs[2]), q.device)
 
 
-def _offsets(name: str, cu, total: int | None, device) -> tuple[int, ...]:
+def _offsets(name: str, cu, total: int | None, device, max_seqlen=None):
     """The N + 1 offsets of ``cu`` read on the host (one device-to-host copy where ``cu`` lies
     on a GPU, none on the CPU), or raise naming ``name`` (``total`` None: the last offset is
-    checked later, against the shards' lengths over a process group)."""
+    checked later, against the shards' lengths over a process group). With ``max_seqlen``
+    they stay on the device: ``cu`` as int64 on ``device``, its values checked there
+    (``torch._assert_async``: an error raised where the device runs it, no host read)."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of N + 1 offsets, got {type(cu).__name__}")
     if cu.dtype not in (torch.int32, torch.int64):
@@ -172,6 +180,15 @@ def _offsets(name: str, cu, total: int | None, device) -> tuple[int, ...]:
                          f"{tuple(cu.shape)}")  # fmt: skip
     if cu.device != device and cu.device.type != "cpu":
         raise ValueError(f"{name} is on device {cu.device}, expected {device} or the CPU")
+    if max_seqlen is not None:
+        cu = cu.to(device=device, dtype=torch.int64)
+        lens = cu[1:] - cu[:-1]
+        torch._assert_async(cu[0] == 0, f"{name} must start at 0")
+        torch._assert_async((lens >= 0).all(), f"{name} must not decrease")
+        torch._assert_async(cu[-1] == total, f"{name} must end at the packed length {total}")
+        torch._assert_async((lens <= max_seqlen).all(),
+                            f"{name} has a sequence longer than max_seqlen={max_seqlen}")
+        return cu
     offsets = tuple(cu.tolist())
     if offsets[0] != 0:
         raise ValueError(f"{name} must start at 0, got {offsets[0]}")
@@ -185,16 +202,28 @@ def _offsets(name: str, cu, total: int | None, device) -> tuple[int, ...]:
 
 
 def packed_offsets(q, k, causal: bool, cu_seqlens=None, cu_seqlens_q=None,
-                   cu_seqlens_k=None, group=None) -> tuple | None:  # fmt: skip
+                   cu_seqlens_k=None, group=None, max_seqlen=None) -> tuple | None:  # fmt: skip
     """``(query offsets, key offsets)``, each N + 1 ints read on the host, of a packed call, or
     None for an unpacked one; raise naming the argument where the packing is not valid (q, k
     checked first). ``cu_seqlens`` gives both sides (self-attention, causal or not);
     ``cu_seqlens_q`` and ``cu_seqlens_k`` differ (non-causal cross-attention). With a process
     ``group`` the offsets are the whole row's (every rank's the same) and q, k this rank's shard
     of it: their last offset is checked against the shards' lengths once those are gathered
-    (:func:`rfattn.distributed.packed_sharded`)."""
+    (:func:`rfattn.distributed.packed_sharded`). With ``max_seqlen`` the offsets stay on the
+    device, int64 tensors checked there (:func:`_offsets`)."""
     if cu_seqlens is None and cu_seqlens_q is None and cu_seqlens_k is None:
+        if max_seqlen is not None:
+            raise ValueError("max_seqlen goes with packed sequences (cu_seqlens)")
         return None
+    if max_seqlen is not None:
+        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+            raise TypeError(f"max_seqlen must be an int (the longest sequence's length), got "
+                            f"{type(max_seqlen).__name__} {max_seqlen!r}")  # fmt: skip
+        if max_seqlen < 0:
+            raise ValueError(f"max_seqlen must be >= 0, got {max_seqlen}")
+        if group is not None:
+            raise NotImplementedError("max_seqlen over a process group: the sharded path reads "
+                                      "the offsets on the host; leave max_seqlen out")  # fmt: skip
     _check_tensor("q", q, 4, "B, H, Tq, D")
     _check_tensor("k", k, 4, "B, H, Tk, D")
     if cu_seqlens is not None and (cu_seqlens_q is not None or cu_seqlens_k is not None):
@@ -215,11 +244,13 @@ def packed_offsets(q, k, causal: bool, cu_seqlens=None, cu_seqlens_q=None,
                              f"{q.shape[2]}, Tk={k.shape[2]} (cross-attention: cu_seqlens_q "
                              "and cu_seqlens_k)")  # fmt: skip
         offsets = _offsets("cu_seqlens", cu_seqlens, None if group is not None else q.shape[2],
-                           q.device)  # fmt: skip
+                           q.device, max_seqlen)  # fmt: skip
         return offsets, offsets
     sharded = group is not None
-    oq = _offsets("cu_seqlens_q", cu_seqlens_q, None if sharded else q.shape[2], q.device)
-    ok = _offsets("cu_seqlens_k", cu_seqlens_k, None if sharded else k.shape[2], q.device)
+    oq = _offsets("cu_seqlens_q", cu_seqlens_q, None if sharded else q.shape[2], q.device,
+                  max_seqlen)  # fmt: skip
+    ok = _offsets("cu_seqlens_k", cu_seqlens_k, None if sharded else k.shape[2], q.device,
+                  max_seqlen)  # fmt: skip
     if len(oq) != len(ok):
         raise ValueError(f"cu_seqlens_q has {len(oq) - 1} sequences, cu_seqlens_k "
                          f"{len(ok) - 1}")  # fmt: skip
@@ -420,7 +451,10 @@ class Call:
         window, sinks: exact local attention inside the random features (:mod:`rfattn.hybrid`;
             0 and 0: none).
         packed: packed sequences (``cu_seqlens``): ``(query offsets, key offsets)``, each the
-            N + 1 ints of :func:`packed_offsets` (B is 1), or None for an unpacked call.
+            N + 1 ints of :func:`packed_offsets` (B is 1), or, with ``max_seqlen``, the offsets
+            as int64 tensors on q's device (never read on the host); None for an unpacked call.
+        max_seqlen: with ``packed``, the longest sequence's length: the sequences run as one
+            batch padded to it (:meth:`padded_batch`); None: the offsets are the host's.
         update_stats: the call may move running statistics (in training); False for the
             sequences of a packed call, whose statistics move once, from the whole row.
     """
@@ -442,18 +476,19 @@ class Call:
     sinks: int = 0
     packed: tuple | None = None
     update_stats: bool = True
+    max_seqlen: int | None = None
 
     def __init__(self, q, k, v, rf, causal=False, scale=1.0, key_padding_mask=None,
                  query_padding_mask=None, backend="auto", initial_state=None,
                  return_state=False, group=None, maps=None, window=0, sinks=0, packed=None,
-                 update_stats=True):  # fmt: skip
+                 update_stats=True, max_seqlen=None):  # fmt: skip
         # the fields straight into the instance's dict: a frozen dataclass's own __init__ sets
         # each through object.__setattr__ (~2 µs more per call, bench.host)
         self.__dict__.update(
             q=q, k=k, v=v, rf=rf, causal=causal, scale=scale, key_padding_mask=key_padding_mask,
             query_padding_mask=query_padding_mask, backend=backend, initial_state=initial_state,
             return_state=return_state, group=group, maps=maps, window=window, sinks=sinks,
-            packed=packed, update_stats=update_stats,
+            packed=packed, update_stats=update_stats, max_seqlen=max_seqlen,
         )  # fmt: skip
 
     @property
@@ -538,6 +573,50 @@ class Call:
             initial_state=st, packed=None, update_stats=False,
         )  # fmt: skip
         return call, sq, pq
+
+    def padded_batch(self) -> tuple[Call, torch.Tensor]:
+        """A packed call with ``max_seqlen`` as one call of N rows of ``max_seqlen`` tokens:
+        row i holds sequence i's tokens first, then zeros, key- and query-padded (as
+        :meth:`batch_of` pads), every index made on the device from the offsets (no host read,
+        no shape that depends on them). Returns ``(call, slots)``: each row slot's position in
+        the packed row (``[N * max_seqlen]``; slots past a sequence's end: the row's length,
+        one past its last token), for :meth:`padded_output`."""
+        L, (cq, ck), dev = self.max_seqlen, self.packed, self.q.device
+        t = torch.arange(L, device=dev)
+
+        def layout(cu, total):  # (slot positions [N * L], padding [N, L])
+            starts, lens = cu[:-1], cu[1:] - cu[:-1]
+            pad = t[None, :] >= lens[:, None]
+            return torch.where(pad, total, starts[:, None] + t[None, :]).reshape(-1), pad
+
+        sq, pq = layout(cq, self.q.shape[2])
+        sk, pk = (sq, pq) if ck is cq else layout(ck, self.k.shape[2])
+        n = cq.shape[0] - 1
+
+        def rows(x, slots):  # [1, H, T, D] -> [N, H, L, D]: a zero token at T for the padding
+            x = torch.cat((x[0], x.new_zeros(x.shape[1], 1, x.shape[3])), dim=1)
+            return x.index_select(1, slots).unflatten(1, (n, L)).transpose(0, 1)
+
+        def padding(mask, slots, pad):  # [1, T] -> [N, L], True = padding
+            if mask is None:
+                return pad
+            mask = torch.cat((mask[0], mask.new_ones(1)))
+            return pad | mask.index_select(0, slots).view(n, L)
+
+        call = self.replace(
+            q=rows(self.q, sq), k=rows(self.k, sk), v=rows(self.v, sk),
+            key_padding_mask=padding(self.key_padding_mask, sk, pk),
+            query_padding_mask=padding(self.query_padding_mask, sq, pq),
+            packed=None, max_seqlen=None, update_stats=False,
+        )  # fmt: skip
+        return call, sq
+
+    def padded_output(self, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The packed row's output ``[1, H, total, E]`` from :meth:`padded_batch`'s rows ``out``
+        ``[N, H, L, E]`` and ``slots`` (the padding's slot, one past the row, dropped)."""
+        flat = out.transpose(0, 1).flatten(1, 2)  # [H, N * L, E]
+        row = flat.new_zeros(flat.shape[0], self.q.shape[2] + 1, flat.shape[2])
+        return row.index_copy(1, slots, flat)[:, : self.q.shape[2]][None]
 
     def packed_output(self, parts: list) -> torch.Tensor:
         """A packed call's output ``[1, H, total, E]`` from its parts ``(slots, pos, out)``: a

@@ -238,3 +238,34 @@ def test_dynamic_lengths_gradients_torch_path():
         for a, b in zip(args, ref_args, strict=True):
             torch.testing.assert_close(a.grad, b.grad)
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_max_seqlen_compiles_once(backend, causal):
+    """Packed sequences with ``max_seqlen``: no host read of the offsets, so one graph
+    (``fullgraph``, static shapes) serves offsets of other values, outputs and gradients equal
+    to the eager host-offsets call's (without max_seqlen the offsets' ``tolist`` breaks the
+    graph)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    rf = rfattn.RandomFeatures(64, 32, feature="posrf", seed=0).double()
+
+    def f(q, k, v, cu, max_seqlen=None):
+        return rfattn.rf_attention(q, k, v, rf, causal=causal, backend=backend, cu_seqlens=cu,
+                                   max_seqlen=max_seqlen)  # fmt: skip
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda *a: f(*a, max_seqlen=24), fullgraph=True, backend=counter)
+    for lengths in ((5, 0, 24, 11), (24, 1, 1, 14), (10, 10, 10, 10)):
+        cu = torch.tensor([0, *lengths]).cumsum(0)
+        args = _qkv(40, torch.float64, kv_heads=1, grad=True)
+        ref_args = [x.detach().clone().requires_grad_() for x in args]
+        out, ref = compiled(*args, cu), f(*ref_args, cu)
+        torch.testing.assert_close(out, ref)
+        out.square().sum().backward()
+        ref.square().sum().backward()
+        for a, b in zip(args, ref_args, strict=True):
+            torch.testing.assert_close(a.grad, b.grad)
+    assert counter.frame_count == 1

@@ -90,6 +90,32 @@ def test_fused_calls_copy_nothing_from_the_host_and_never_sync(feature, training
         assert not bad, f"{feature} {name}: copies from the host or syncs: {bad}"
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_packed_max_seqlen_reads_nothing_on_the_host(causal, no_launches):
+    """Packed sequences with ``max_seqlen``, forward and backward on the fused kernels: no copy
+    from the host and no sync (the offsets' values are checked on the device), where the
+    host-offsets path reads them (the counter sees it: the test can fail)."""
+    rf = rfattn.RandomFeatures(16, 32, "posrf", seed=0)
+    g = torch.Generator().manual_seed(0)
+    lengths = [0, 7, 1, 19, 13]
+    q, k, v = (torch.randn(1, 4, sum(lengths), 16, generator=g) for _ in range(3))
+    cu = torch.tensor([0, *lengths]).cumsum(0)
+
+    def call(**kw):
+        xs = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = rfattn.rf_attention(*xs, rf, causal=causal, cu_seqlens=cu, backend="triton", **kw)
+        out.backward(torch.ones_like(out))
+
+    for kw, expect_syncs in ((dict(), True), (dict(max_seqlen=19), False)):
+        call(**kw)  # first call: caches
+        no_launches[0] = 0
+        with _Count() as mode:
+            call(**kw)
+        assert no_launches[0] > 0
+        bad = {op: n for op, n in mode.ops.items() if op in COPIES | SYNCS}
+        assert bool(bad) == expect_syncs, (kw, bad)
+
+
 def test_the_counter_sees_copies_and_syncs(no_launches):
     """The counter can fail: a tensor from host data, .item(), bool() and a data-sized
     repeat_interleave are all seen, inside an operator's body too."""

@@ -248,12 +248,13 @@ def test_junk_in_one_sequence_reaches_no_other(backend, causal, kernel_device):
 
 
 # the causal case (~9 s under the interpreter) in make test-slow, with the fused junk case
+@pytest.mark.parametrize("max_seqlen", [None, 17], ids=["host-offsets", "max_seqlen"])
 @pytest.mark.parametrize("causal", [False, pytest.param(True, marks=pytest.mark.slow)],
                          ids=["noncausal", "causal"])  # fmt: skip
-def test_packed_equals_separate_calls_fused(causal, kernel_device):
-    """The fused backend (a fused call per batch of sequences): outputs, gradients and states equal
-    separate fused calls, grouped heads, with initial states when causal (tiny shapes: the
-    interpreter)."""
+def test_packed_equals_separate_calls_fused(causal, max_seqlen, kernel_device):
+    """The fused backend (a fused call per batch of sequences; with ``max_seqlen`` one call of
+    the padded batch): outputs, gradients and states equal separate fused calls, grouped heads,
+    with initial states when causal (tiny shapes: the interpreter)."""
     rf = rfattn.RandomFeatures(D, M, "posrf", seed=0).double().to(kernel_device).eval()
     lengths = (0, 1, 5, 17, 6, 16)  # 5 and 6, 16 and 17: batches of two
     q, k, v = (x.detach().to(kernel_device).requires_grad_() for x in leaves(lengths))
@@ -264,7 +265,8 @@ def test_packed_equals_separate_calls_fused(causal, kernel_device):
                               for x in states(len(lengths), rf)))  # fmt: skip
     kw = dict(backend="triton")
     packed = rfattn.rf_attention(q, k, v, rf, causal=causal, initial_state=st,
-                                 return_state=causal, cu_seqlens=cu, **kw)  # fmt: skip
+                                 return_state=causal, cu_seqlens=cu, max_seqlen=max_seqlen,
+                                 **kw)  # fmt: skip
     sep = separate(q, k, v, rf, cu.tolist(), cu.tolist(), causal, st, **kw)
     assert_same(packed, sep, (q, k, v) + ((st.s, st.z) if causal else ()))
 
@@ -486,3 +488,72 @@ def test_calibration_records_each_packed_sequence():
                for packed in (True, False)]  # fmt: skip
     assert reports[0].before == pytest.approx(reports[1].before, rel=1e-12)
     assert reports[0].after == pytest.approx(reports[1].after, rel=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------
+# max_seqlen: the offsets never read on the host, the sequences one padded batch
+
+
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("kv_heads", [HQ, HK], ids=["mha", "gqa"])
+@pytest.mark.parametrize("feature", ["posrf", "trigrf"])
+def test_max_seqlen_equals_separate_calls_torch(feature, kv_heads, causal):
+    """With ``max_seqlen`` (a bound above the longest sequence): outputs, gradients and, causal,
+    initial and returned states equal the host-offsets path's (itself equal to separate calls,
+    above) in float64, with key and query masks and NaN in their padded positions."""
+    rf = rfattn.RandomFeatures(D, M, feature, seed=0).double()
+    q, k, v = leaves(LENGTHS, kv_heads=kv_heads)
+    mask = torch.zeros(1, sum(LENGTHS), dtype=torch.bool)
+    mask[:, 10:14] = True
+    with torch.no_grad():
+        for x in (q, k, v):
+            x[:, :, 10:14] = float("nan")
+    cu = offsets(LENGTHS)
+    st = states(len(LENGTHS), rf, kv_heads=kv_heads) if causal else None
+    kw = dict(causal=causal, initial_state=st, return_state=causal, backend="torch",
+              key_padding_mask=mask, query_padding_mask=mask)  # fmt: skip
+    packed = rfattn.rf_attention(q, k, v, rf, cu_seqlens=cu, max_seqlen=40, **kw)
+    ref = rfattn.rf_attention(q, k, v, rf, cu_seqlens=cu, **kw)  # the host-offsets path
+    assert_same(packed, ref, (q, k, v) + ((st.s, st.z) if causal else ()))
+
+
+def test_max_seqlen_cross_attention_and_statistics_torch():
+    """Cross-attention (``cu_seqlens_q`` / ``cu_seqlens_k``, other lengths, an empty query
+    sequence) and oprf's running statistics in training (moved once, from the whole row, as
+    the host-offsets path moves them): equal to the host-offsets path."""
+    qlen = (3, 0, 5, 9, 2, 6, 1, 4, 7)
+    rf = rfattn.RandomFeatures(D, M, "oprf", seed=0, stats="running").double()
+    rfattn.rf_attention(*leaves((40,), seed=20), rf, causal=False, backend="torch")
+    ref_rf = copy.deepcopy(rf)
+    q, k, v = leaves(qlen, kv_lengths=LENGTHS)
+    kw = dict(cu_seqlens_q=offsets(qlen), cu_seqlens_k=offsets(LENGTHS), backend="torch")
+    got = rfattn.rf_attention(q, k, v, rf, max_seqlen=33, **kw)
+    want = rfattn.rf_attention(q, k, v, ref_rf, **kw)
+    assert_same(got, want, (q, k, v))
+    for (name, a), (_, b) in zip(rf.feature_map.named_buffers(),
+                                 ref_rf.feature_map.named_buffers(), strict=True):  # fmt: skip
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
+
+
+BAD_MAX = [
+    ("decreasing", torch.tensor([0, 5, 3, 7]), 8, RuntimeError, "cu_seqlens must not decrease"),
+    ("first-not-0", torch.tensor([1, 3, 7]), 8, RuntimeError, "cu_seqlens must start at 0"),
+    ("last-not-total", torch.tensor([0, 3, 6]), 8, RuntimeError,
+     "cu_seqlens must end at the packed length 7"),
+    ("too-long", torch.tensor([0, 2, 7]), 4, RuntimeError,
+     "cu_seqlens has a sequence longer than max_seqlen=4"),
+    ("float", torch.tensor([0, 3, 7]), 4.0, TypeError, "max_seqlen must be an int"),
+    ("negative", torch.tensor([0, 3, 7]), -1, ValueError, "max_seqlen must be >= 0"),
+    ("no-offsets", None, 4, ValueError, "max_seqlen goes with packed sequences"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case,cu,max_seqlen,error,match", BAD_MAX, ids=[b[0] for b in BAD_MAX])
+def test_max_seqlen_bad_offsets_raise_naming_them(case, cu, max_seqlen, error, match):
+    """The offsets' values are checked on the device (``torch._assert_async``: on the CPU it
+    raises at once), each error naming what is wrong."""
+    rf = rfattn.RandomFeatures(D, M, "posrf", seed=0).double()
+    q, k, v = (x.detach() for x in leaves((7,)))
+    with pytest.raises(error, match=match):
+        rfattn.rf_attention(q, k, v, rf, causal=True, cu_seqlens=cu, max_seqlen=max_seqlen,
+                            backend="torch")  # fmt: skip
