@@ -82,7 +82,8 @@ def _recurrent_kernel(
     HAS_INIT), written to (S, z, R): the first token reads S0, the later ones S (the two may be
     the same tensors: in place). The G query heads that read it are the rows of one [GP, .]
     tile (GP >= 16, as tl.dot needs). HAS_IDX: the initial states are rows ``idx[b]`` of a pool
-    (S0 ``[P, H, M, E]``, ...), and with POOL_OUT so are the written ones (in place).
+    (S0 ``[P, H, M, E]``, ...; the hybrid's window, sinks and counts too), and with POOL_OUT so
+    are the written ones (in place; not the hybrid's, whose new state is ``[B, ...]``).
 
     HYBRID (one token, ``rfattn.hybrid``'s decode step): the key that joins the state is the one
     leaving the window, slot 0 of the state's WIN window keys ``wk`` (the token itself without
@@ -94,8 +95,10 @@ def _recurrent_kernel(
     i_bh = tl.program_id(0).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     i_in = i_bh  # the (b, h) row of the initial state, and of the written one
+    i_rb = i_b  # the batch row of the initial state (the hybrid's kinds and sink counts)
     if HAS_IDX:
-        i_in = tl.load(idx_ptr + i_b).to(tl.int64) * H + i_h
+        i_rb = tl.load(idx_ptr + i_b).to(tl.int64)
+        i_in = i_rb * H + i_h
     i_out = i_in if POOL_OUT else i_bh
     NMT: tl.constexpr = (M + BM - 1) // BM
     o_d, o_e = tl.arange(0, BD), tl.arange(0, BE)
@@ -116,7 +119,7 @@ def _recurrent_kernel(
     if HYBRID:
         # the token's kind: padding 0, a sink while a slot is free 2, else a window key 1
         # ([GP] alike: the interpreter makes a scalar bool and'ed with a vector an int32 mask)
-        seen_r = tl.load(seen_ptr + i_b + o_r * 0)
+        seen_r = tl.load(seen_ptr + i_rb + o_r * 0)
         tok_ok = seen_r >= 0
         if HAS_PAD:
             tok_ok = tl.load(pad_ptr + i_b * stride_pb + o_r * 0) == 0
@@ -125,8 +128,8 @@ def _recurrent_kernel(
         # the window's slot 0, or the token itself without a window
         enter_kind = new_kinds
         if HAS_WIN:
-            enter_kind = tl.load(kind_ptr + i_b * WIN + o_r * 0).to(tl.int32)
-            enter_k, enter_v = wk_ptr + i_bh * WIN * D, wv_ptr + i_bh * WIN * E
+            enter_kind = tl.load(kind_ptr + i_rb * WIN + o_r * 0).to(tl.int32)
+            enter_k, enter_v = wk_ptr + i_in * WIN * D, wv_ptr + i_in * WIN * E
             stride_et, stride_ed, stride_ev, stride_ee = D, 1, E, 1
     for t in range(0, T):
         o_t = t + o_r * 0  # [GP], all rows point at token t
@@ -208,9 +211,9 @@ def _recurrent_kernel(
                 new_exact = (new_kinds == 2) & m_qr
             b_num, b_den = decode_exact(
                 b_qx, b_num, b_den, b_mx + b_rn, k_base + t * stride_kt, v_base + t * stride_vt,
-                stride_kd, stride_ve, new_exact, wk_ptr + i_bh * WIN * D,
-                wv_ptr + i_bh * WIN * E, kind_ptr + i_b * WIN, sk_ptr + i_bh * NSK * D,
-                sv_ptr + i_bh * NSK * E, seen, WIN, lscale, o_r, m_qr, o_d, m_d, o_e, m_e, D, E,
+                stride_kd, stride_ve, new_exact, wk_ptr + i_in * WIN * D,
+                wv_ptr + i_in * WIN * E, kind_ptr + i_rb * WIN, sk_ptr + i_in * NSK * D,
+                sv_ptr + i_in * NSK * E, seen, WIN, lscale, o_r, m_qr, o_d, m_d, o_e, m_e, D, E,
                 BK, BS, HAS_WIN, HAS_SINK, PRECISION, ACC,
             )  # fmt: skip
         b_o, b_den = ratio(b_num, b_den, TINY)
@@ -220,9 +223,9 @@ def _recurrent_kernel(
         b_r = b_rn
     store_offset(r_ptr + i_out, b_r)
     if HYBRID:
-        decode_shift(wk_ptr + i_bh * WIN * D, wv_ptr + i_bh * WIN * E, kind_ptr + i_b * WIN,
+        decode_shift(wk_ptr + i_in * WIN * D, wv_ptr + i_in * WIN * E, kind_ptr + i_rb * WIN,
                      nwk_ptr + i_bh * WIN * D, nwv_ptr + i_bh * WIN * E, nkind_ptr + i_b * WIN,
-                     sk_ptr + i_bh * NSK * D, sv_ptr + i_bh * NSK * E, nsk_ptr + i_bh * NSK * D,
+                     sk_ptr + i_in * NSK * D, sv_ptr + i_in * NSK * E, nsk_ptr + i_bh * NSK * D,
                      nsv_ptr + i_bh * NSK * E, k_base, v_base, stride_kd, stride_ve, new_kind,
                      seen, i_h, WIN, NSK, o_d, m_d, o_e, m_e, D, E, BK, BS, HAS_WIN,
                      HAS_SINK)  # fmt: skip
@@ -346,7 +349,8 @@ def rf_recurrent_fwd(
 
 def rf_hybrid_step(q, k, v, form, scale: float, key_padding_mask, state: tuple, window: int,
                    sinks: int, inv_n: float, precision: str | None = None,
-                   gpu_tiles: bool | None = None):  # fmt: skip
+                   gpu_tiles: bool | None = None,
+                   state_index: torch.Tensor | None = None):  # fmt: skip
     """The hybrid's decode step (``rfattn.hybrid``: exact sinks and window inside the features,
     one normaliser) for one token, in one launch (no gradient).
 
@@ -358,9 +362,15 @@ def rf_hybrid_step(q, k, v, form, scale: float, key_padding_mask, state: tuple, 
             contiguous where they are not).
         window, sinks: the state's W and S.
         inv_n: 1 / the feature map's sample count (the state's units).
+        state_index: ``state`` is a pool of P hybrid states (every field ``[P, ...]``), a
+            server's for requests of different ages, and batch row b continues state
+            ``state_index[b]`` (``[B]`` integers on q's device, checked as
+            :func:`rf_recurrent_fwd` checks its own; repeats allowed: nothing is written in
+            place).
 
     Returns:
-        ``(out [B, H * G, 1, E], the HybridState's fields one token on)``, new tensors.
+        ``(out [B, H * G, 1, E], the HybridState's fields one token on)``, new ``[B, ...]``
+        tensors.
     """
     if q.shape[2] != 1 or k.shape[2] != 1:
         raise ValueError(f"the hybrid's decode step takes one token, got {q.shape[2]}")
@@ -370,19 +380,23 @@ def rf_hybrid_step(q, k, v, form, scale: float, key_padding_mask, state: tuple, 
         for x, dtype in zip(state, (acc, acc, acc, q.dtype, q.dtype, torch.int8, q.dtype,
                                     q.dtype, torch.int64), strict=True)
     )  # fmt: skip
+    idx = None
+    if state_index is not None:
+        idx = pool_index(state_index, q.shape[0], s0.shape[0], q.device, distinct=False)
     align = tuple(x.data_ptr() % 16 for x in (s0, z0, r0))
     p = shape_plan(_PLANS, _plan, q, k, v, form, scale, key_padding_mask, precision, gpu_tiles,
-                   True, False, False, (window, sinks), *align)  # fmt: skip
+                   True, idx is not None, False, (window, sinks), *align)  # fmt: skip
     B, H, G, M, E, dev = p.B, p.H, p.G, p.M, p.E, q.device
     w, *ptrs = form_args(form, B, H * G, H, acc, dev)
     new = (torch.empty(B, H, M, E, device=dev, dtype=acc),
            torch.empty(B, H, M, device=dev, dtype=acc), torch.empty(B, H, device=dev, dtype=acc),
-           *(torch.empty_like(x) for x in (wk, wv, kinds, sk, sv, seen)))  # fmt: skip
+           *(x.new_empty(B, *x.shape[1:]) for x in (wk, wv, kinds, sk, sv, seen)))  # fmt: skip
     out = torch.empty(B, H * G, 1, E, device=dev, dtype=q.dtype)
     if B * H:
         pad = mask_rows(key_padding_mask) if p.has_pad else w
-        p.launch(q, k, v, w, pad, p.root, *ptrs, s0, z0, r0, *new[:3], out, w, wk, wv, kinds, sk,
-                 sv, seen, *new[3:], scale, inv_n, *p.ints)  # fmt: skip
+        p.launch(q, k, v, w, pad, p.root, *ptrs, s0, z0, r0, *new[:3], out,
+                 w if idx is None else idx, wk, wv, kinds, sk, sv, seen, *new[3:], scale, inv_n,
+                 *p.ints)  # fmt: skip
     return out, new
 
 

@@ -88,6 +88,7 @@ _CALL = "float scale, Tensor? key_padding_mask"
 _STATE = "Tensor? s0, Tensor? z0, Tensor? off0"
 _OPTS = "str? precision, bool? gpu_tiles"
 _QKV = "Tensor q, Tensor k, Tensor v"
+_INDEX = "Tensor? state_index"  # a batch's rows of a pool of states (the decode steps)
 _NFORM = 9  # arguments of _FORM
 _SCALE = 3 + _NFORM  # the position of scale among an operator's inputs (after q, k, v, the form)
 
@@ -798,35 +799,40 @@ def rf_chunk_hybrid(q, k, v, form: KernelForm, scale: float, key_padding_mask, e
 
 def rf_hybrid_decode(q, k, v, form: KernelForm, scale: float, key_padding_mask, state: tuple,
                      window: int, sinks: int, inv_n: float, precision=None,
-                     gpu_tiles=None):  # fmt: skip
+                     gpu_tiles=None, state_index=None):  # fmt: skip
     """The hybrid's decode step for one token in one launch (eager, Triton or its interpreter;
     no gradient): ``(out, the HybridState's fields one token on)`` of ``state`` (the fields of
     ``rfattn.hybrid.HybridState``, window ``window``, ``sinks`` sink slots; ``inv_n`` 1 / the
-    feature map's sample count), as ``rfattn.kernels.rf_recurrent.rf_hybrid_step``."""
+    feature map's sample count), as ``rfattn.kernels.rf_recurrent.rf_hybrid_step``.
+    ``state_index`` (``[B]`` integers on q's device): ``state`` is a pool of P hybrid states and
+    batch row b continues ``state_index[b]`` (as :func:`rf_decode`'s; the new states are
+    ``[B, ...]``, not written into the pool)."""
     if on_torch(q):
         raise NotImplementedError("the hybrid's decode step runs on Triton (a GPU or the "
                                   "interpreter); use backend='torch'")  # fmt: skip
     if torch.compiler.is_compiling():
         out, *new = _hybrid_decode(q, k, v, *flat_form(form), scale, key_padding_mask, *state,
-                                   window, sinks, inv_n, precision, gpu_tiles)  # fmt: skip
+                                   state_index, window, sinks, inv_n, precision,
+                                   gpu_tiles)  # fmt: skip
         return out, tuple(new)
     return rf_recurrent_kernels.rf_hybrid_step(q, k, v, form, scale, key_padding_mask, state,
-                                               window, sinks, inv_n, precision,
-                                               gpu_tiles)  # fmt: skip
+                                               window, sinks, inv_n, precision, gpu_tiles,
+                                               state_index)  # fmt: skip
 
 
 def _hybrid_decode_body(q, k, v, *args):
-    form, (scale, mask, *state, window, sinks, inv_n, precision, gpu_tiles) = _form(args)
+    form, (scale, mask, *state, index, window, sinks, inv_n, precision, gpu_tiles) = _form(args)
     out, new = rf_recurrent_kernels.rf_hybrid_step(q, k, v, form, scale, mask, tuple(state),
-                                                   window, sinks, inv_n, precision,
-                                                   gpu_tiles)  # fmt: skip
+                                                   window, sinks, inv_n, precision, gpu_tiles,
+                                                   index)  # fmt: skip
     return out, *new
 
 
 _hybrid_decode = _op(
     "hybrid_decode", f"{_QKV}, {_FORM}, {_CALL}, Tensor s0, Tensor z0, Tensor off0, Tensor keys, "
     "Tensor values, Tensor kinds, Tensor sink_keys, Tensor sink_values, Tensor sinks_seen, "
-    f"int window, int sinks, float inv_n, {_OPTS}", "(" + ", ".join(["Tensor"] * 10) + ")",
+    f"{_INDEX}, int window, int sinks, float inv_n, {_OPTS}",
+    "(" + ", ".join(["Tensor"] * 10) + ")",
 )(_hybrid_decode_body)  # fmt: skip
 
 
@@ -836,7 +842,8 @@ def _(q, k, v, *args):
     acc, dt = compute_dtype(q.dtype), q.dtype
     dtypes = (acc, acc, acc, dt, dt, torch.int8, dt, dt, torch.int64)
     return (q.new_empty(*q.shape[:3], v.shape[3]),
-            *(x.new_empty(x.shape, dtype=d) for x, d in zip(state, dtypes, strict=True)))
+            *(x.new_empty((q.shape[0], *x.shape[1:]), dtype=d)
+              for x, d in zip(state, dtypes, strict=True)))  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------
@@ -872,7 +879,6 @@ def _decode_run(q, k, v, form, scale, mask, state, precision, gpu_tiles, inplace
     return out if inplace else (out, *new)
 
 
-_INDEX = "Tensor? state_index"
 
 
 def _decode_body(q, k, v, *args):

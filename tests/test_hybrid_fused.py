@@ -516,3 +516,41 @@ def test_compiled_hybrid_runs_the_operators():
             keep = (want_st.kinds != 0)[:, None, :, None]
             a, b = a.masked_fill(~keep, 0.0), b.masked_fill(~keep, 0.0)
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13, msg=name)
+
+
+@pytest.mark.parametrize("window,sinks", [(5, 3), (0, 2), (6, 0)], ids=["both", "sinks", "window"])
+def test_decode_from_a_pool_of_hybrid_states(window, sinks):
+    """The hybrid's decode step from a pool of P states (``state_index``: a server's requests of
+    different ages, one repeated; grouped-query heads; sinks still filling in some): outputs
+    and every field of the new ``[B, ...]`` states equal the step from those states gathered
+    (the same kernel on copies), bit for bit, and the pool is left as it was."""
+    from rfattn import ops
+    from rfattn.call import state_rows
+    from rfattn.fused import kernel_form
+
+    rf = features().eval()
+    P, T = 4, 9
+    q, k, v = inputs(B=P, T=T + 1, seed=6)
+    mask = torch.zeros(P, T, dtype=torch.bool)  # requests of different ages (sinks filling)
+    for row, n in enumerate((8, 6, 0, 3)):
+        mask[row, :n] = True
+    _, pool = rfattn.rf_attention(q[:, :, :T], k[:, :, :T], v[:, :, :T], rf, causal=True,
+                                  key_padding_mask=mask, window=window, sinks=sinks,
+                                  return_state=True, backend="torch")  # fmt: skip
+    index = torch.tensor([3, 0, 3])  # (no row its own: a kernel reading row b fails)
+    step = (q[index, :, T:], k[index, :, T:], v[index, :, T:])
+    form = kernel_form(rf, *step[:2], None, 8**-0.5, True)
+    inv_n = 1.0 / float(rf.feature_map.num_samples(rf.weight))
+    before = tuple(x.clone() for x in pool)
+    out, new = ops.rf_hybrid_decode(*step, form, 8**-0.5, None, pool, window, sinks, inv_n,
+                                    state_index=index)  # fmt: skip
+    ref, ref_new = ops.rf_hybrid_decode(*step, form, 8**-0.5, None, state_rows(pool, index),
+                                        window, sinks, inv_n)  # fmt: skip
+    assert torch.equal(out, ref)
+    for name, a, b, x, x0 in zip(HybridState._fields, new, ref_new, pool, before, strict=True):
+        assert a.shape == b.shape and a.shape[0] == 3, name
+        assert torch.equal(a, b), name
+        assert torch.equal(x, x0), name  # the pool untouched
+    with pytest.raises(RuntimeError, match="state_index must lie in"):
+        ops.rf_hybrid_decode(*step, form, 8**-0.5, None, pool, window, sinks, inv_n,
+                             state_index=torch.tensor([2, 4, 0]))  # fmt: skip

@@ -273,5 +273,10 @@ def test_opcheck_hybrid(kernel_device):
                                 window=window, sinks=sinks, return_state=True,
                                 backend="triton")  # fmt: skip
     one = (q[:, :, 4:], k[:, :, 4:], v[:, :, 4:])
-    args = (*one, *flat_form(form), scale, None, *st, window, sinks, 1.0 / M, None, None)
+    args = (*one, *flat_form(form), scale, None, *st, None, window, sinks, 1.0 / M, None, None)
+    torch.library.opcheck(torch.ops.rfattn.hybrid_decode.default, args, test_utils=CHECKS)
+    pooled = [x.repeat_interleave(2, dim=0) for x in st]  # a pool of 2 B states, rows by index
+    index = torch.arange(q.shape[0], device=q.device) * 2 + 1
+    args = (*one, *flat_form(form), scale, None, *pooled, index, window, sinks, 1.0 / M, None,
+            None)  # fmt: skip
     torch.library.opcheck(torch.ops.rfattn.hybrid_decode.default, args, test_utils=CHECKS)
