@@ -187,7 +187,8 @@ def rf_attention(
 
         distributed.check_group(group)
         packed = distributed.check_calls_agree(group, checks, q, k, v, rf, causal, backend,
-                                               initial_state, window, sinks)  # fmt: skip
+                                               initial_state, window, sinks,
+                                               return_state)  # fmt: skip
     if query_padding_mask is None and causal:
         query_padding_mask = key_padding_mask
     if learned is not None:  # scale (q kᵀ) = (√scale q)(√scale k)ᵀ, on every path

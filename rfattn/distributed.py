@@ -24,7 +24,7 @@ whatever the shard's length.
   between its key and query passes, the state cotangents summed between its backward passes.
 
 Before any other collective, every sharded call checks that the ranks' calls agree
-(:func:`check_calls_agree`: one ``all_gather`` of a fixed-size signature, 18 int64 per rank):
+(:func:`check_calls_agree`: one ``all_gather`` of a fixed-size signature, 19 int64 per rank):
 calls that would run different collectives (causal or not, dtype, feature, num_features, F, D,
 E, B, H, key/value heads, an initial state given or not, statistics reduced or not, the
 non-causal fused kernel or the torch path, window and sinks) or a call its own checks reject
@@ -134,14 +134,16 @@ _SIGNATURE = (
     ("sinks", None),
     ("packed sequences (cu_seqlens: N)", None),
     ("packed offsets (cu_seqlens, CRC-32)", None),
+    ("return_state of packed sequences", _BOOL),
 )
 
 
 def _signature(q, k, v, rf, causal: bool, backend: str, initial_state, window: int = 0,
-               sinks: int = 0, packed=None) -> list[int]:  # fmt: skip
-    """What a validated call's collectives depend on (see :data:`_SIGNATURE`). ``return_state``
-    is not part of it: it adds no collective. ``packed``: the offsets of packed sequences (the
-    whole row's; -1 for both fields where the call is not packed)."""
+               sinks: int = 0, packed=None, return_state: bool = False) -> list[int]:  # fmt: skip
+    """What a validated call's collectives depend on (see :data:`_SIGNATURE`). ``packed``: the
+    offsets of packed sequences (the whole row's; -1 for both fields where the call is not
+    packed). ``return_state`` counts for packed calls only (their final states take one more
+    all_reduce; an unpacked call's take no collective)."""
     fm = rf.feature_map
     stats = int(bool(getattr(fm, "uses_batch_moments", None) and fm.uses_batch_moments(causal)))
     if not causal and getattr(fm, "stats_grad", False):
@@ -151,7 +153,8 @@ def _signature(q, k, v, rf, causal: bool, backend: str, initial_state, window: i
             fm.width(rf.num_features), q.shape[3], v.shape[3], q.shape[0], q.shape[1],
             k.shape[1], int(initial_state is not None), stats, fused, window, sinks,
             -1 if packed is None else len(packed[0]) - 1,
-            -1 if packed is None else zlib.crc32(repr(packed).encode())]  # fmt: skip
+            -1 if packed is None else zlib.crc32(repr(packed).encode()),
+            int(packed is not None and bool(return_state))]  # fmt: skip
 
 
 def _signature_device(group, like) -> torch.device:
@@ -165,7 +168,7 @@ def _signature_device(group, like) -> torch.device:
 
 
 def check_calls_agree(group, validate, q, k, v, rf, causal, backend, initial_state, window=0,
-                      sinks=0) -> None:  # fmt: skip
+                      sinks=0, return_state=False):  # fmt: skip
     """Run this rank's checks of an ``rf_attention(..., group=group)`` call (``validate()``,
     raising on bad arguments, returning the offsets of packed sequences or None, which this
     returns) and check that every rank's call agrees with it, before any
@@ -182,7 +185,7 @@ def check_calls_agree(group, validate, q, k, v, rf, causal, backend, initial_sta
     try:
         packed = validate()
         signature = _signature(q, k, v, rf, causal, backend, initial_state, window, sinks,
-                               packed)  # fmt: skip
+                               packed, return_state)  # fmt: skip
         rejected = None
     except Exception as exc:  # still gathered: the other ranks must not wait for this one
         signature, rejected = [1] + [0] * (len(_SIGNATURE) - 1), exc

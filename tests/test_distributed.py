@@ -713,6 +713,9 @@ def _packed_errors(world, group) -> dict:
         "disagree": dict(cu_seqlens=torch.tensor([0, 2 + (rank == world - 1), 4 * world])),
         "total": dict(cu_seqlens=torch.tensor([0, 3, 4 * world + 1])),
         "window": dict(cu_seqlens=torch.tensor([0, 4 * world]), window=2),
+        # the last rank alone returns states: its call would run two more collectives
+        "return_state": dict(cu_seqlens=torch.tensor([0, 4 * world]),
+                             return_state=rank == world - 1),
     }
     errors = {}
     for name, kw in calls.items():
@@ -783,7 +786,8 @@ def test_packed_row_sharded_equals_one_process(world, tmp_path):
     statistics per sequence and its running ones moved once, cross-attention with queries
     packed and sharded apart from the keys. Bad packings raise on every rank, naming the
     cause: offsets that differ between ranks, offsets that do not end at the shards' total, a
-    window; the group then runs the next call."""
+    window, one rank returning states (more collectives); the group then runs the next
+    call."""
     ranks = _check_packed(tmp_path, PACKED_SHARDS[world], list(PACKED_CASES))
     for r, res in enumerate(ranks):
         errors = res["errors"]
@@ -795,6 +799,8 @@ def test_packed_row_sharded_equals_one_process(world, tmp_path):
             str(4 * world) in msg, (r, msg)  # fmt: skip
         kind, msg = errors["window"]
         assert kind == "NotImplementedError" and "process group" in msg, (r, msg)
+        kind, msg = errors["return_state"]
+        assert kind == "ValueError" and "return_state of packed sequences" in msg, (r, msg)
 
 
 @pytest.mark.slow  # ~20 s (four processes)
