@@ -121,12 +121,14 @@ def rf_attention(
             ``initial_state`` and returned state (``[N, Hkv, ...]``, row i sequence i). A
             training call with running statistics reads them as they stand for every sequence
             and moves them once, from the valid tokens of the whole row (as an unpacked call on
-            the row would). The masks, if given, are ``[1, total]``. The offsets are read on the
-            host once per call (one device-to-host copy when they lie on the GPU): each
+            the row would). The masks, if given, are ``[1, total]``. Without ``max_seqlen``
+            the offsets are read on the host once per call (one device-to-host copy when they
+            lie on the GPU): each
             sequence runs as a call of its own on views of the row, on the backend chosen as
             for any call (sequences of similar length batched, zero-padded and masked). With
-            ``window`` / ``sinks`` each sequence has its own sinks and window (no
-            initial_state or return_state then). With ``group`` (for now without window or
+            ``window`` / ``sinks`` each sequence has its own sinks and window (with
+            ``initial_state``, a HybridState of N rows, or ``return_state`` each sequence runs
+            alone). With ``group`` (for now without window or
             sinks): the offsets are the whole row's,
             the same on every rank, and q, k, v each rank's contiguous shard of the row (in
             rank order, any lengths); a sequence may straddle ranks
