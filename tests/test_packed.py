@@ -463,15 +463,16 @@ class _Documents(torch.nn.Module):
     """Causal self-attention of x ``[1, H, total, D]`` (q = k = v = x) on its own features:
     packed with ``cu_seqlens``, or one document at a time."""
 
-    def __init__(self, lengths, packed: bool):
+    def __init__(self, lengths, packed: bool, max_seqlen=None):
         super().__init__()
         self.rf = rfattn.RandomFeatures(D, M, "posrf", seed=0).double()
-        self.lengths, self.packed = lengths, packed
+        self.lengths, self.packed, self.max_seqlen = lengths, packed, max_seqlen
 
     def forward(self, x):
         cu = offsets(self.lengths)
         if self.packed:
-            return rfattn.rf_attention(x, x, x, self.rf, causal=True, cu_seqlens=cu)
+            return rfattn.rf_attention(x, x, x, self.rf, causal=True, cu_seqlens=cu,
+                                       max_seqlen=self.max_seqlen)  # fmt: skip
         outs = []
         for i in range(len(self.lengths)):
             doc = x[:, :, cu[i] : cu[i + 1]]
@@ -479,13 +480,14 @@ class _Documents(torch.nn.Module):
         return torch.cat(outs, dim=2)
 
 
-def test_calibration_records_each_packed_sequence():
+@pytest.mark.parametrize("max_seqlen", [None, 40], ids=["host-offsets", "max_seqlen"])
+def test_calibration_records_each_packed_sequence(max_seqlen):
     """rfattn.calibrate on a packed call records each sequence with its own softmax target:
     the same errors as the documents called one by one (before: one target over the row,
-    across the documents)."""
+    across the documents); with ``max_seqlen`` too (the recorder reads its offsets)."""
     x = rand(1, 2, sum(LENGTHS), D, seed=4)
-    reports = [rfattn.calibrate(_Documents(LENGTHS, packed), [x], steps=0, progress=False)
-               for packed in (True, False)]  # fmt: skip
+    reports = [rfattn.calibrate(_Documents(LENGTHS, packed, max_seqlen), [x], steps=0,
+                                progress=False) for packed in (True, False)]  # fmt: skip
     assert reports[0].before == pytest.approx(reports[1].before, rel=1e-12)
     assert reports[0].after == pytest.approx(reports[1].after, rel=1e-12)
 
