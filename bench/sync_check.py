@@ -22,8 +22,8 @@ import rfattn
 def cases(dev, only: list[str] | None = None) -> list[tuple[str, object]]:
     """(name, call) of each fused form on ``dev``: posrf, oprf (its statistics pass), hrf and
     rmf non-causal and causal forward+backward and a decode step; GQA, a key padding mask and
-    packed sequences with posrf. bf16, B2 H4 T200 D64 M256. ``only``: names containing one of
-    these."""
+    packed sequences with posrf (host offsets, and ``max_seqlen``). bf16, B2 H4 T200 D64
+    M256. ``only``: names containing one of these."""
     B, H, T, D = 2, 4, 200, 64
     # inputs drawn on the device: a host tensor copied in would itself trip the debug mode
     g = torch.Generator(device=dev).manual_seed(0)
@@ -82,12 +82,14 @@ def cases(dev, only: list[str] | None = None) -> list[tuple[str, object]]:
 
     cu = torch.tensor([0, 50, 50, 137, T], dtype=torch.int32, device=dev)
 
-    def packed():
+    def packed(max_seqlen=None):
         q, k, v = qkv(b=1)
-        out = rfattn.rf_attention(q, k, v, rf, causal=True, cu_seqlens=cu)
+        out = rfattn.rf_attention(q, k, v, rf, causal=True, cu_seqlens=cu, max_seqlen=max_seqlen)
         out.float().sum().backward()
 
     found.append(("posrf packed causal fwd+bwd", packed))
+    # the offsets kept on the device (one padded batch): expected to copy and sync nothing
+    found.append(("posrf packed max_seqlen causal fwd+bwd", lambda: packed(87)))
     return [c for c in found if not only or any(s in c[0] for s in only)]
 
 
