@@ -879,8 +879,6 @@ def _decode_run(q, k, v, form, scale, mask, state, precision, gpu_tiles, inplace
     return out if inplace else (out, *new)
 
 
-
-
 def _decode_body(q, k, v, *args):
     form, (scale, mask, s0, z0, off0, index, precision, gpu_tiles) = _form(args)
     return _decode_run(q, k, v, form, scale, mask, _state(s0, z0, off0), precision, gpu_tiles,
