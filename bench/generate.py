@@ -44,7 +44,7 @@ import torch
 
 from bench.env import environment, write_json
 
-__all__ = ["build", "decode_times", "loop_times", "main"]
+__all__ = ["build", "compiled_decode", "decode_times", "loop_times", "main"]
 
 PROVIDERS = ("rfattn", "rfattn-hybrid", "sdpa")
 #: the hybrid provider's exact part: sinks and window
@@ -112,6 +112,45 @@ def _timed_step(model, tok, cache, device):
     if device.type == "cuda":
         torch.cuda.synchronize()
     return out, tok, time.perf_counter() - t0
+
+
+@torch.no_grad()
+def compiled_decode(model, steps: int = 16, prompt: int = 16, **compile_kw) -> dict:
+    """One cached decoding step (the hand-written loop's forward on an ``RFCache``) run eagerly
+    and through ``torch.compile(step, fullgraph=True, **compile_kw)`` (``mode="reduce-overhead"``:
+    CUDA graphs on a GPU), ``steps`` greedy tokens each after the same prompt: the largest
+    relative error of the compiled logits, whether the tokens agree, how many steps kept the
+    state tensors' addresses, and inductor's count of CUDA-graph skips (0: every compiled step
+    replayed a graph)."""
+    from torch._dynamo.utils import counters
+
+    import rfattn.hf
+
+    device = next(model.parameters()).device
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt),
+                        generator=torch.Generator().manual_seed(0)).to(device)  # fmt: skip
+
+    def step(tok, cache):
+        return model(tok, use_cache=True, **{rfattn.hf.CACHE_KWARG: cache}).logits
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, fullgraph=True, **compile_kw)
+    runs = []
+    for run in (step, compiled):
+        cache = rfattn.hf.RFCache()
+        logits = [step(ids, cache)[:, -1]]
+        where = [[x.data_ptr() for x in layer.state] for layer in cache.layers]
+        kept = 0
+        for _ in range(steps):
+            logits.append(run(logits[-1].argmax(-1, keepdim=True), cache)[:, -1].clone())
+            kept += where == [[x.data_ptr() for x in layer.state] for layer in cache.layers]
+        runs.append((torch.stack(logits[1:], 1).float(), kept))
+    (eager, _), (got, kept) = runs
+    err = ((got - eager).norm() / eager.norm()).item()
+    return dict(steps=steps, rel_error=err, tokens_equal=bool(torch.equal(got.argmax(-1),
+                eager.argmax(-1))), steps_at_fixed_addresses=kept,
+                cudagraph_skips=int(counters["inductor"]["cudagraph_skips"]))  # fmt: skip
 
 
 @torch.no_grad()

@@ -776,9 +776,13 @@ class RFCacheLayer(CacheLayerMixin):
     one where that is the start of a forward, else that state advanced over the forward's first
     tokens (the same sums in another order: equal to rounding). Without recording, ``crop(-n)``
     raises: a sum cannot forget its last terms.
-    """
 
-    is_compileable = False
+    Fixed addresses (as transformers' linear-attention layers keep theirs): once it holds a
+    state the layer copies every later state into the same tensors, marked static for
+    ``torch.compile`` (:meth:`keep`), so a compiled decode step reads and writes the same memory
+    each position, as CUDA graphs need. While recording for :meth:`crop` it holds each new state
+    as given instead (the recorded forwards keep the earlier ones) and is not compileable.
+    """
 
     def __init__(self, **kwargs):
         super().__init__()
@@ -788,6 +792,30 @@ class RFCacheLayer(CacheLayerMixin):
         self.record_past = False
         self.packed = False  # handed a packed batch: no state (refuse_further_tokens)
         self.past: list[_Recorded] = []  # the forwards since recording began or the last crop
+
+    @property
+    def is_compileable(self) -> bool:
+        """Whether a compiled step may run on this layer: its state keeps its address (it does
+        unless recording for :meth:`crop`). ``generate()`` compiles its decoding steps by itself
+        on such a cache where transformers compiles (a GPU, or ``compile_config`` asking)."""
+        return not self.record_past
+
+    def keep(self, state: RFState | HybridState | None) -> None:
+        """Hold ``state`` as this layer's state: copied into the tensors the layer holds where
+        they have its fields' shapes, dtypes and devices (the addresses stay), else held as
+        given and, outside tracing, marked static for ``torch.compile``. While recording (see
+        :meth:`crop`) always held as given: the recorded forwards keep the earlier states."""
+        old = self.state
+        if (not self.record_past and state is not None and type(old) is type(state)
+                and all(a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+                        for a, b in zip(old, state, strict=True))):  # fmt: skip
+            for a, b in zip(old, state, strict=True):
+                a.copy_(b)
+            return
+        self.state = state
+        if state is not None and not self.record_past and not torch.compiler.is_compiling():
+            for x in state:
+                torch._dynamo.mark_static_address(x)
 
     @property
     def is_croppable(self) -> bool:
@@ -845,7 +873,7 @@ class RFCacheLayer(CacheLayerMixin):
                 return x if x is None else fn(x)
             return type(x)(*(fn(t) for t in x))
 
-        self.state = each(self.state)
+        self.keep(each(self.state))
         self.past = [step._replace(state=each(step.state), key=fn(step.key), value=fn(step.value),
                                    pad=each(step.pad)) for step in self.past]  # fmt: skip
 
@@ -941,6 +969,14 @@ class RFCache(Cache):
         layer.record_past = self._record_past
         return layer
 
+    @property
+    def is_compileable(self) -> bool:
+        """Whether every layer, and every layer it adds later, keeps its state's address (see
+        :class:`RFCacheLayer`): true unless recording for :meth:`crop`. ``generate()`` decides
+        before its first forward whether to compile its decoding steps, so this holds for a
+        cache whose layers do not exist yet."""
+        return not self._record_past and all(layer.is_compileable for layer in self.layers)
+
     def activate_past_recording(self) -> None:
         """Let :meth:`crop` undo the forwards from now on, in this cache's layers and those it
         adds later."""
@@ -960,25 +996,27 @@ class RFCache(Cache):
         return cache_nbytes(self)
 
     def state_dict(self) -> dict:
-        """The states and token counts as a dict of tensors (``torch.save`` it)."""
+        """The states and token counts as a dict of tensors (``torch.save`` it): copies, as
+        decoding on goes on writing into the layers' own."""
         out = {}
         for i, layer in enumerate(self.layers):
             out[f"{i}.seen"] = torch.tensor(layer.seen)
             if layer.state is not None:
                 fields = zip(type(layer.state)._fields, layer.state, strict=True)
-                out.update({f"{i}.{name}": x for name, x in fields})
+                out.update({f"{i}.{name}": x.clone() for name, x in fields})
         return out
 
     @classmethod
     def from_state_dict(cls, state: dict) -> RFCache:
-        """The cache saved by :meth:`state_dict`."""
+        """The cache saved by :meth:`state_dict` (its tensors copied: decoding writes into the
+        cache's states)."""
         n = 1 + max((int(k.split(".")[0]) for k in state), default=-1)
         cache = cls(num_layers=n)
         for i, layer in enumerate(cache.layers):
             layer.seen = int(state[f"{i}.seen"])
             if f"{i}.s" in state:
                 kind = HybridState if f"{i}.kinds" in state else RFState
-                layer.state = kind(*(state[f"{i}.{n}"] for n in kind._fields))
+                layer.keep(kind(*(state[f"{i}.{n}"].clone() for n in kind._fields)))
                 layer.dtype, layer.device = layer.state.s.dtype, layer.state.s.device
                 layer.is_initialized = True
         return cache
@@ -1066,7 +1104,8 @@ def _cached_attention(layer, rf, query, key, value, attention_mask, scaling, sli
     if layer.record_past:
         layer.past.append(_Recorded(layer.seen, layer.state, key, value, pad, rf, scaling, local,
                                     query.shape[1]))  # fmt: skip
-    out, layer.state = _run_on_state(rf, query, key, value, pad, layer.state, scaling, *local)
+    out, state = _run_on_state(rf, query, key, value, pad, layer.state, scaling, *local)
+    layer.keep(state)
     layer.seen += tq
     return out
 

@@ -123,6 +123,64 @@ def test_cache_to_state_dict_reset_and_crop(tmp_path):
     assert cache.get_seq_length() == 0 and cache.nbytes() == 0
 
 
+def _addresses(cache):
+    return [[x.data_ptr() for x in layer.state] for layer in cache.layers]
+
+
+@pytest.mark.parametrize("local", [{}, dict(window=4, sinks=2)], ids=["plain", "hybrid"])
+def test_decoding_writes_the_states_in_place(local):
+    """From the first forward on, every later forward and a beam reorder write each layer's
+    state into the same tensors, marked static for torch.compile (the addresses CUDA graphs
+    need); the logits stay those of recomputing; a snapshot (state_dict) stays as taken; while
+    recording for crop each forward's state is new and the cache is not compileable."""
+    model = _llama(2, num_features=16)
+    rfhf.attach_random_features(model, **local)
+    ids = _ids(2, 8, seed=3)
+    with torch.no_grad():
+        cache = getattr(model(ids, use_cache=True, **{CACHE: rfhf.RFCache()}), CACHE)
+    assert cache.is_compileable
+    first = _addresses(cache)
+    assert all(hasattr(x, "_dynamo_static_input_type") for layer in cache.layers
+               for x in layer.state)  # fmt: skip
+    snap = cache.state_dict()
+    toks, logits, cache = _loop(model, ids[:, -1:].clone().fill_(5), 4, cache=cache)
+    assert _addresses(cache) == first
+    assert not all(torch.equal(v, cache.state_dict()[k]) for k, v in snap.items())
+    cache.reorder_cache(torch.tensor([1, 0]))
+    assert _addresses(cache) == first
+    with torch.no_grad():
+        full = model(torch.cat([ids, ids[:, -1:].clone().fill_(5), toks], 1)).logits[:, -1]
+    torch.testing.assert_close(logits[:, -1], full, rtol=1e-10, atol=1e-12)
+    cache.activate_past_recording()
+    assert not cache.is_compileable
+    kept = _states(cache)
+    _loop(model, toks[:, -1:], 0, cache=cache)
+    assert [[x.data_ptr() for x in s] for s in kept] == first  # the recorded one untouched
+    assert _addresses(cache) != first
+
+
+@pytest.mark.skipif(tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 24),
+                    reason="before 5.24 the state layer reaches the attention function through "
+                    "a weak dictionary, where dynamo breaks the graph")  # fmt: skip
+def test_generate_compiles_its_decoding_steps_on_an_rfcache():
+    """An RFCache is compileable, so generate() compiles its decoding steps by itself where
+    transformers compiles (here asked to on the CPU through compile_config): whole graphs
+    (fullgraph), and the greedy tokens of recomputing the whole sequence each step (fp64)."""
+    from transformers import CompileConfig
+
+    model = _llama(2, num_features=16)
+    ids = _ids(1, 8, seed=11)
+    want = _gen(model, ids, max_new_tokens=12, use_cache=False)
+    torch._dynamo.reset()
+    config = CompileConfig(fullgraph=True, backend="eager")
+    config._compile_all_devices = True
+    cache = rfhf.RFCache()
+    assert cache.is_compileable
+    got = _gen(model, ids, max_new_tokens=12, compile_config=config, **{CACHE: cache})
+    assert hasattr(model, "_compiled_call")  # the decoding steps ran compiled
+    assert torch.equal(got, want)
+
+
 def test_a_preallocated_cache_is_refused():
     """transformers' StaticCache holds keys past the last query (unfilled slots): the attention
     function cannot place the queries there, so generation says so (before: wrong tokens from
