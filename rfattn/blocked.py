@@ -119,9 +119,9 @@ def _key_values(v, mask, width: int, dtype, pad: int = 0) -> torch.Tensor:
         vh = nnf.pad(v.to(dtype), (0, width - E, 0, pad))
     else:
         vh[..., :T, :E] = v
-        vh[..., :T, E + 1 :] = 0.0
-        vh[..., T:, :] = 0.0
-    vh[..., :T, E] = 1.0
+        vh[..., :T, E + 1 :].zero_()  # (fill_ on views: an item assignment of a number copies
+        vh[..., T:, :].zero_()  # it from the host)
+    vh[..., :T, E].fill_(1.0)
     if mask is not None:
         vh[..., :T, :].masked_fill_(mask[:, None, :, None], 0.0)
     return vh

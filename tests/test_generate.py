@@ -159,6 +159,28 @@ def test_decoding_writes_the_states_in_place(local):
     assert _addresses(cache) != first
 
 
+@pytest.mark.parametrize("local", [{}, dict(window=4, sinks=2)], ids=["plain", "hybrid"])
+def test_an_eager_decoding_step_copies_nothing_from_the_host_and_never_syncs(local):
+    """One cached forward of a token without an attention mask, eager (the torch path here),
+    counted through a dispatch mode: no tensor made from host data, nothing read on the host
+    (before: the blocked path's kept value buffer was filled by item assignments of numbers, a
+    copy from the host each). With a padding mask eager mode reads once whether any key is
+    padding, as transformers' own SDPA mask does; a compiled step does not (the fullgraph
+    test)."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # bench/ at the root
+    from bench.opcount import OpCounter
+
+    model = _llama(2, num_features=16)
+    rfhf.attach_random_features(model, **local)
+    _, _, cache = _loop(model, _ids(2, 8, seed=2), 1)
+    with torch.no_grad(), OpCounter() as counter:
+        model(_ids(2, 1, seed=3), use_cache=True, **{CACHE: cache})
+    assert counter.of_kind("copy", "sync") == {}
+
+
 @pytest.mark.skipif(tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 24),
                     reason="before 5.24 the state layer reaches the attention function through "
                     "a weak dictionary, where dynamo breaks the graph")  # fmt: skip
