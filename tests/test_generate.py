@@ -159,6 +159,27 @@ def test_decoding_writes_the_states_in_place(local):
     assert _addresses(cache) != first
 
 
+def test_a_text_generation_pipeline_decodes_on_the_states(monkeypatch):
+    """transformers.pipeline("text-generation") over an rfattn model (a word-level tokenizer
+    made here): every forward keeps a fixed-size state in each layer (one per layer per token
+    generated), and the tokens are those of greedy full recomputes."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    model = _llama(2, num_features=16)
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(V)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0",
+                                                     pad_token="w0")  # fmt: skip
+    kept, keep = [], rfhf.RFCacheLayer.keep
+    monkeypatch.setattr(rfhf.RFCacheLayer, "keep",
+                        lambda layer, state: kept.append(type(state)) or keep(layer, state))
+    pipe = transformers.pipeline("text-generation", model=model, tokenizer=tokenizer)
+    got = pipe("w3 w5 w7 w9", max_new_tokens=8, do_sample=False, return_tensors=True)
+    want = _gen(model, torch.tensor([[3, 5, 7, 9]]), max_new_tokens=8, use_cache=False)
+    assert got[0]["generated_token_ids"] == want[0].tolist()
+    assert kept == [rfhf.RFState] * 2 * 8
+
+
 @pytest.mark.parametrize("local", [{}, dict(window=4, sinks=2)], ids=["plain", "hybrid"])
 def test_an_eager_decoding_step_copies_nothing_from_the_host_and_never_syncs(local):
     """One cached forward of a token without an attention mask, eager (the torch path here),
