@@ -774,7 +774,8 @@ def _check_packed(tmp_path, shards, cases, backend="torch"):
     return ranks
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
 def test_packed_row_sharded_equals_one_process(world, tmp_path):
     """A packed row (an empty sequence, one of a single token, one straddling every rank at
     world 3) split over the ranks: outputs and gradients of q, k, v equal one process's packed

@@ -523,6 +523,7 @@ def test_a_hybrid_generates_on_a_constant_size_cache():
     assert restored.nbytes() == cache.nbytes()
 
 
+@pytest.mark.slow
 def test_a_hybrid_model_on_the_fused_kernels_is_the_torch_paths(monkeypatch):
     """What a GPU runs (backend 'auto' on the fused kernels; here Triton's interpreter, in
     float64): a hybrid model's logits and gradients, and generation on an RFCache (prefill,

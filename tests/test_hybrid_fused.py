@@ -67,7 +67,7 @@ def check(feature, window, sinks, T=37, H=4, Hk=2, seed=0, **options):
 
 @pytest.mark.parametrize("window,sinks", [
     (1, 0), pytest.param(0, 2, marks=pytest.mark.slow), (5, 2),
-    pytest.param(16, 1, marks=pytest.mark.slow), (40, 3),
+    pytest.param(16, 1, marks=pytest.mark.slow), pytest.param(40, 3, marks=pytest.mark.slow),
 ])  # fmt: skip
 def test_posrf_matches_the_reference(window, sinks):
     """Windows of one token, none, below, at and past a chunk (and past the sequence: softmax
@@ -212,6 +212,7 @@ def test_exact_part_kernels_equal_the_torch_exact_terms(window, sinks, before):
         torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-11, msg=name)
 
 
+@pytest.mark.slow
 def test_half_inputs_stay_close_to_float64():
     """bf16 and fp16 inputs (the half policy's products) err at most 1.5x (outputs) and 2.5x
     (gradients) the torch path's own error in the same dtype, against float64 on the same
@@ -245,7 +246,8 @@ def _leaf_state(state):
                          i != 2 else x for i, x in enumerate(state)))  # fmt: skip
 
 
-@pytest.mark.parametrize("feature", ["posrf", pytest.param("trigrf", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("feature", ["posrf", "trigrf"])
 def test_split_resume_and_states_equal_the_torch_path(feature):
     """A call split in three (the last cut token by token) equals one call, on the fused kernels
     and on the torch path alike; the states, and the gradients of q, k, v and of every tensor

@@ -354,7 +354,7 @@ def test_deterministic_and_empty(kernel_device):
     assert torch.isinf(st.offset).all()
 
 
-@pytest.mark.parametrize("dtype", [f32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [f32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)])
 def test_the_gpu_tiles_compute_what_the_interpreters_tiles_do(dtype):
     """The causal launchers at a GPU's tiles (64-token chunks, 32 features a tile: for 16-bit
     inputs at 8 warps, ``kernels.common._chunk_tiles``), run by the interpreter: fp32 equal to
