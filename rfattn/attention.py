@@ -155,7 +155,8 @@ def rf_attention(
             return rf_attention(q, k, v, rf, causal, key_padding_mask, scale, backend,
                                 initial_state, return_state, query_padding_mask, group,
                                 window=window, sinks=sinks, cu_seqlens=cu_seqlens,
-                                cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)  # fmt: skip
+                                cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                max_seqlen=max_seqlen)  # fmt: skip
     if window is None:  # the module's own (RandomFeatures(window=, sinks=)), or none
         window = getattr(rf, "window", 0)
     if sinks is None:

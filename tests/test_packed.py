@@ -559,3 +559,15 @@ def test_max_seqlen_bad_offsets_raise_naming_them(case, cu, max_seqlen, error, m
     with pytest.raises(error, match=match):
         rfattn.rf_attention(q, k, v, rf, causal=True, cu_seqlens=cu, max_seqlen=max_seqlen,
                             backend="torch")  # fmt: skip
+
+
+def test_max_seqlen_goes_along_under_autocast():
+    """Under torch.autocast rf_attention calls itself again with the cast inputs: max_seqlen goes
+    with them (before: dropped there, so the offsets were read on the host and a hint shorter
+    than a sequence passed unnoticed)."""
+    rf = rfattn.RandomFeatures(D, M, "posrf", seed=0)
+    q, k, v = (x.detach().float() for x in leaves((7,)))
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            pytest.raises(RuntimeError, match="longer than max_seqlen=4"):  # fmt: skip
+        rfattn.rf_attention(q, k, v, rf, causal=True, cu_seqlens=torch.tensor([0, 2, 7]),
+                            max_seqlen=4, backend="torch")  # fmt: skip
