@@ -381,10 +381,13 @@ def rfattn_mask(
         device=device,
         **kwargs,
     )
-    if _plain_where_it_counts(mask, valid, q_offset, q_length, kv_offset, kv_length, window):
+    if not torch.compiler.is_compiling() and \
+            _plain_where_it_counts(mask, valid, q_offset, q_length, kv_offset, kv_length, window):
         return _padding_view(keep, batch_size, q_length)
     # another pattern (packed sequences, whose offsets the attention function reads, with or
-    # without the window; a custom mask, which it refuses): handed on
+    # without the window; a custom mask, which it refuses), or any pattern under tracing (which
+    # cannot ask the host which one it is: the attention function checks it on the device,
+    # :func:`_require`): handed on
     return mask
 
 
@@ -482,13 +485,23 @@ def _window_error(local_size: int, span: int, config) -> NotImplementedError:
     )
 
 
+def _require(ok: torch.Tensor, message: str, error: type[Exception] = NotImplementedError):
+    """Raise ``error(message)`` unless the bool tensor ``ok`` holds, read on the host; under
+    tracing (``torch.compile``) checked on the device instead (``torch._assert_async``: no host
+    read, no graph break; a failure raises RuntimeError when the step runs, on the GPU
+    asynchronously)."""
+    if torch.compiler.is_compiling():
+        torch._assert_async(ok, f"rfattn: {message}")
+    elif not bool(ok):
+        raise error(f"rfattn: {message}")
+
+
 def _keep(mask: torch.Tensor) -> torch.Tensor:
     """True = attend, from a bool mask or an additive float one (0 keep, very negative block)."""
     if mask.dtype == torch.bool:
         return mask
     blocked = mask <= torch.finfo(mask.dtype).min / 2
-    if bool(((mask != 0) & ~blocked).any()):
-        raise NotImplementedError("rfattn: additive attention biases have no random-feature form")
+    _require(((mask == 0) | blocked).all(), "additive attention biases have no random-feature form")
     return ~blocked
 
 
@@ -499,8 +512,8 @@ def _split_mask(mask: torch.Tensor, causal: bool, tq: int, tk: int):
             f"rfattn: attention masks must be [B, 1, Tq, Tk], got {mask.shape}"
         )
     keep = _keep(mask)
-    if keep.shape[1] > 1 and not bool((keep == keep[:, :1]).all()):
-        raise NotImplementedError("rfattn: per-head attention masks are not supported")
+    if keep.shape[1] > 1:
+        _require((keep == keep[:, :1]).all(), "per-head attention masks are not supported")
     keep = keep[:, 0]
     pad = ~keep[:, -1, :]  # the last query sees every non-padded key in both forms
     # rfattn_mask's key-padding view (rows identical by construction), or one query, whose one
@@ -510,14 +523,20 @@ def _split_mask(mask: torch.Tensor, causal: bool, tq: int, tk: int):
         return pad, causal
     i = torch.arange(tq, device=keep.device)[:, None] + (tk - tq)
     tri = torch.arange(tk, device=keep.device)[None, :] <= i
+    refused = ("this attention-mask pattern (sliding window, packed sequences or a custom mask) "
+               "is not causal/bidirectional plus key padding, so it has no linear-attention "
+               "form")  # fmt: skip
+    if torch.compiler.is_compiling():  # the layer's own pattern, checked on the device
+        expected = ~pad[:, None, :] & (tri if causal else torch.ones_like(tri))
+        _require((expected == keep).all(), refused + " (under torch.compile packed sequences "
+                 "need flash-attention's offsets: DataCollatorWithFlattening("
+                 "return_flash_attn_kwargs=True))")  # fmt: skip
+        return pad, causal
     for c in (causal, not causal):
         expected = ~pad[:, None, :] & (tri if c else torch.ones_like(tri))
         if bool((expected == keep).all()):
             return pad, c
-    raise NotImplementedError(
-        "rfattn: this attention-mask pattern (sliding window, packed sequences or a custom mask) "
-        "is not causal/bidirectional plus key padding, so it has no linear-attention form"
-    )
+    raise NotImplementedError(f"rfattn: {refused}")
 
 
 _WARNED: set[str] = set()
@@ -563,8 +582,8 @@ def rfattn_attention_forward(
             "inspect softmax weights"
         )
     layer = kwargs.pop(_LAYER_KWARG, None)  # the RFCacheLayer these keys went to, or None
-    if layer is None and len(_PENDING):
-        layer = _PENDING.pop(key, None)
+    if layer is None and _PENDING_HELD:
+        layer = _pending_layer(key)
     rf = _layer_features(module, query.shape[-1], query.device)
     sliding = kwargs.get("sliding_window")  # the layer's own window: the hybrid's exact part
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -588,8 +607,9 @@ def rfattn_attention_forward(
 
 def _packing(query, key, attention_mask, causal: bool, kwargs: dict, cached: bool,
              sliding: int | None = None):  # fmt: skip
-    """``(cu_q, cu_k)``, the offsets of a padding-free batch (one row of concatenated
-    sequences), or None for any other batch.
+    """``(cu_q, cu_k, max_seqlen)``: the offsets of a padding-free batch (one row of
+    concatenated sequences) and, under tracing, a bound on its sequences' lengths (None in
+    eager mode, which reads the offsets); or None for any other batch.
 
     From flash-attention's keyword arguments ``cu_seq_lens_q`` / ``cu_seq_lens_k``
     (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``); else from ``position_ids``
@@ -598,39 +618,49 @@ def _packing(query, key, attention_mask, causal: bool, kwargs: dict, cached: boo
     the whole row, and so does this; nothing is looked for, so a decode step reads nothing on
     the host) and where its mask keeps each sequence apart. A mask given beside the offsets must
     be theirs (within the layer's ``sliding`` window, where it has one), else
-    NotImplementedError. Reads the offsets on the host."""
+    NotImplementedError. Reads the offsets on the host in eager mode.
+
+    Under tracing (``torch.compile``) nothing is read on the host: the offsets and the mask are
+    checked on the device (:func:`_require`), the bound is transformers' ``max_length_q/k``
+    (the whole row where it gives none) and ``position_ids`` alone are not looked into (where
+    they restart, the layer's plain mask check fails on the device, naming the offsets)."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    tracing = torch.compiler.is_compiling()
     if cu_q is None and cu_k is None:
         pos = kwargs.get("position_ids")
         if cached or attention_mask is None or pos is None or query.shape[0] != 1 or \
-                pos.shape[-1] != query.shape[2] or query.shape[2] != key.shape[2]:  # fmt: skip
+                pos.shape[-1] != query.shape[2] or query.shape[2] != key.shape[2] or \
+                tracing:  # fmt: skip
             return None
         pos = pos.reshape(-1)
         starts = torch.nonzero(pos[1:] != pos[:-1] + 1).reshape(-1) + 1
         if starts.numel() == 0:  # one sequence: a mask of its own (padding) applies
             return None
         cu_q = cu_k = torch.cat((starts.new_zeros(1), starts, starts.new_full((1,), pos.numel())))
-        if not _keeps_sequences_apart(attention_mask, cu_q, cu_k, causal, sliding):
+        if not bool(_keeps_sequences_apart(attention_mask, cu_q, cu_k, causal, sliding)):
             return None
     elif cu_q is None or cu_k is None:
         raise ValueError("rfattn: cu_seq_lens_q and cu_seq_lens_k go together")
-    elif attention_mask is not None and not _keeps_sequences_apart(attention_mask, cu_q, cu_k,
-                                                                   causal, sliding):  # fmt: skip
-        raise NotImplementedError("rfattn: cu_seq_lens_q/k with an attention mask that is not "
-                                  "their sequences'")  # fmt: skip
-    return cu_q, cu_k
+    elif attention_mask is not None:
+        _require(_keeps_sequences_apart(attention_mask, cu_q, cu_k, causal, sliding),
+                 "cu_seq_lens_q/k with an attention mask that is not their sequences'")
+    if not tracing:
+        return cu_q, cu_k, None
+    bound = (kwargs.get("max_length_q"), kwargs.get("max_length_k"))
+    return cu_q, cu_k, max(bound) if None not in bound else max(query.shape[2], key.shape[2])
 
 
 def _keeps_sequences_apart(mask: torch.Tensor, cu_q, cu_k, causal: bool,
                           sliding: int | None = None) -> bool:  # fmt: skip
-    """Whether the 4-D mask transformers built is exactly that of the packed sequences: each
-    query attends to the keys of its own sequence (causally where ``causal``; within the
-    layer's ``sliding`` window where it has one: transformers' causal ``j > i - W``,
-    bidirectional ``|i - j| <= W``)."""
+    """Whether the 4-D mask transformers built is exactly that of the packed sequences (a bool
+    tensor, for the host or the device to read): each query attends to the keys of its own
+    sequence (causally where ``causal``; within the layer's ``sliding`` window where it has
+    one: transformers' causal ``j > i - W``, bidirectional ``|i - j| <= W``)."""
     tq, tk = mask.shape[-2:]
-    if mask.dim() != 4 or mask.shape[0] != 1 or mask.stride(-2) == 0 or cu_q[-1] != tq or \
-            cu_k[-1] != tk:  # (a stride-0 view: rfattn_mask's key padding, rows alike)
-        return False
+    if mask.dim() != 4 or mask.shape[0] != 1 or mask.stride(-2) == 0:
+        # (a stride-0 view: rfattn_mask's key padding, rows alike)
+        return torch.zeros((), dtype=torch.bool, device=mask.device)
+    ends = (cu_q[-1] == tq) & (cu_k[-1] == tk)
     keep = _keep(mask)[0]  # [heads or 1, Tq, Tk]
     seq_q = torch.bucketize(torch.arange(tq, device=mask.device), cu_q.to(mask.device)[1:],
                             right=True)  # fmt: skip
@@ -643,24 +673,29 @@ def _keeps_sequences_apart(mask: torch.Tensor, cu_q, cu_k, causal: bool,
         i = torch.arange(tq, device=mask.device)[:, None] + (tk - tq)
         j = torch.arange(tk, device=mask.device)[None, :]
         expected &= (j > i - sliding) if causal else ((i - j).abs() <= sliding)
-    return bool((keep == expected).all())
+    return ends.to(mask.device) & (keep == expected).all()
 
 
 def _packed_attention(module, rf, query, key, value, causal: bool, scaling, sliding, cu_q,
-                      cu_k):  # fmt: skip
+                      cu_k, max_seqlen):  # fmt: skip
     """The attention ``[1, H, T, E]`` of a padding-free batch: each packed sequence on its own
-    (:func:`rf_attention`'s ``cu_seqlens``), causal with one set of offsets for q and k."""
+    (:func:`rf_attention`'s ``cu_seqlens``, and ``max_seqlen`` where not None: no host read),
+    causal with one set of offsets for q and k."""
     group = getattr(module, "rfattn_group", None)
     window, sinks = local_attention_of(module.config, sliding, causal)
     if group is not None:
         raise NotImplementedError("rfattn: packed sequences (cu_seq_lens, position_ids) have "
                                   "no process group yet")  # fmt: skip
-    local = dict(window=window, sinks=sinks)  # a hybrid layer: exact sinks and window
+    # a hybrid layer: exact sinks and window
+    local = dict(window=window, sinks=sinks, max_seqlen=max_seqlen)
     if not causal:
         return rf_attention(query, key, value, rf, scale=scaling, cu_seqlens_q=cu_q,
                             cu_seqlens_k=cu_k, **local)  # fmt: skip
-    if cu_q is not cu_k and not torch.equal(cu_q, cu_k.to(cu_q.device)):
-        raise ValueError("rfattn: causal packed sequences need cu_seq_lens_q == cu_seq_lens_k")
+    if cu_q is not cu_k:
+        same = "causal packed sequences need cu_seq_lens_q == cu_seq_lens_k"
+        if cu_q.shape != cu_k.shape:
+            raise ValueError(f"rfattn: {same}")
+        _require((cu_q == cu_k.to(cu_q.device)).all(), same, ValueError)
     return rf_attention(query, key, value, rf, causal=True, scale=scaling, cu_seqlens=cu_q,
                         **local)  # fmt: skip
 
@@ -743,6 +778,18 @@ _LAYER_KWARG = "rfattn_cache_layer"
 #: where an attention layer gives ``update`` no such dict (older transformers): keys returned by
 #: RFCacheLayer.update -> the layer, read (and dropped) by the attention function
 _PENDING = WeakIdKeyDictionary()
+#: _PENDING's length when last written or read (an entry whose keys died unread stays counted
+#: until the next read): the attention function looks there only while it is not 0, so a
+#: forward without such a hand-over asks the weak dictionary nothing, which dynamo cannot trace
+_PENDING_HELD = 0
+
+
+def _pending_layer(key: torch.Tensor):
+    """The :class:`RFCacheLayer` that ``key`` went to through :data:`_PENDING`, or None."""
+    global _PENDING_HELD
+    layer = _PENDING.pop(key, None)
+    _PENDING_HELD = len(_PENDING)
+    return layer
 
 
 class _Recorded(NamedTuple):
@@ -850,7 +897,9 @@ class RFCacheLayer(CacheLayerMixin):
         if isinstance(shared, dict):
             shared[_LAYER_KWARG] = self
         else:
+            global _PENDING_HELD
             _PENDING[key_states] = self
+            _PENDING_HELD = len(_PENDING)
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

@@ -684,6 +684,78 @@ def test_packed_offsets_that_disagree_with_the_mask_raise():
         model(**batch, use_cache=False)
 
 
+def _training_step(model, forward, batch):
+    """(logits, every parameter's gradient) of ``forward(**batch)`` and the backward of a
+    weighted sum of its logits."""
+    model.zero_grad()
+    out = forward(**batch)
+    (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum().backward()
+    return out, [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("how", ["plain", "padded", "flash_kwargs"])
+def test_a_training_forward_compiles_whole(how):
+    """torch.compile(fullgraph=True) of a Llama's training forward and backward on "rfattn":
+    no graph break (before: 11 for a plain batch, whose mask transformers builds as a packing
+    pattern from the position ids and rfattn compared on the host; 8 with a padding mask, from
+    the weak dictionary of older transformers' cache hand-over; 28 for a padding-free batch),
+    with logits and gradients equal to eager (float64): a plain batch, a left-padded one and a
+    padding-free one with flash-attention's offsets (checked against the mask on the device,
+    run with transformers' max_length as the bound, no host read)."""
+    model = _llama().double().train()
+    rfhf.attach_random_features(model, num_features=16, seed=0)
+    model.set_attn_implementation("rfattn")
+    if how == "flash_kwargs":
+        docs = [list(range(3, 8)), [9], list(range(1, 10)), [4, 2, 7]]
+        batch = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
+            [{"input_ids": d} for d in docs])
+        batch.pop("labels")
+    else:
+        batch = dict(input_ids=_ids(5))
+        if how == "padded":
+            batch["attention_mask"] = torch.ones(2, T, dtype=torch.long)
+            batch["attention_mask"][1, :5] = 0
+    torch._dynamo.reset()
+
+    def forward(**b):
+        return model(**b, use_cache=False).logits
+
+    want = _training_step(model, forward, batch)
+    got = _training_step(model, torch.compile(forward, fullgraph=True, backend="aot_eager"),
+                         batch)  # fmt: skip
+    assert len(got[1]) == len(want[1]) > 0
+    for a, b in zip(got[1], want[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    if how == "padded":  # the padded queries' rows are junk either way
+        got, want = (x[0][batch["attention_mask"].bool()] for x in (got, want))
+    else:
+        got, want = got[0], want[0]
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_compiled_packing_that_rfattn_cannot_see_raises_on_the_device():
+    """Under torch.compile nothing is read on the host, so what eager mode decides by reading
+    is checked on the device instead and raises when the step runs: a batch packed by its
+    position ids alone (no offsets to attend by: the message names the collator's flash
+    keyword arguments), and offsets that are not the sequences of the mask."""
+    model = _llama().double().eval()
+    rfhf.attach_random_features(model, num_features=16, seed=0)
+    model.set_attn_implementation("rfattn")
+    docs = [list(range(5)), list(range(7))]
+    step = torch.compile(lambda **b: model(**b, use_cache=False).logits, fullgraph=True,
+                         backend="aot_eager")  # fmt: skip
+    by_position = transformers.DataCollatorWithFlattening()([{"input_ids": d} for d in docs])
+    by_position.pop("labels")
+    with torch.no_grad(), pytest.raises(RuntimeError, match="return_flash_attn_kwargs=True"):
+        step(**by_position)
+    batch = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
+        [{"input_ids": d} for d in docs])
+    batch.pop("labels")
+    batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.tensor([0, 6, 12], dtype=torch.int32)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="not their sequences'"):
+        step(**batch)
+
+
 def test_the_conversion_benchmarks_lora_stage():
     """bench.convert's LoRA stage on a tiny hybrid Llama: the adapters leave the model as it was
     (B = 0), the fine-tune moves them and none of the model's weights, and removing them puts
