@@ -78,7 +78,9 @@ __all__ = [
     "combine_states",
     "hybrid_sharded",
     "packed_sharded",
+    "raise_together",
     "runs_causal",
+    "shard_offsets",
     "sharded_attention",
 ]
 
@@ -605,6 +607,32 @@ def sharded_attention(call: Call):
     applied, grouped queries as rows of their key/value head in non-causal calls): ``out``, or
     ``(out, state)`` with ``return_state``."""
     return _causal(call) if call.causal else _noncausal(call)
+
+
+def raise_together(group, error: Exception | None) -> None:
+    """Raise on every rank of ``group`` where any rank has an ``error``: its own where it has
+    one, on the others ValueError naming the ranks that raised; nothing where none has. One
+    ``all_gather`` of a flag, so a refusal that one rank makes from what only it sees (its
+    shard's mask, say) cannot leave the others waiting in the call's next collective. Every
+    rank must call it."""
+    flags = _gather_ints(torch.tensor([int(error is not None)]), group).reshape(-1).tolist()
+    if error is not None:
+        raise error
+    if any(flags):
+        raised = ", ".join(str(r) for r, f in enumerate(flags) if f)
+        raise ValueError(f"rfattn: rank(s) {raised} of the process group refused this call (see "
+                         "their error); every rank raises")  # fmt: skip
+
+
+def shard_offsets(group, lengths: tuple[int, ...], offsets: tuple) -> tuple:
+    """Packed-row offsets (each the whole row's, the same on every rank) as offsets into this
+    rank's shard: ``offsets[i]`` clipped to the shard's tokens of row ``i`` (its length
+    ``lengths[i]`` here; shards contiguous, in rank order) and counted from its first, so
+    sequences outside the shard are empty. One ``all_gather`` of the shards' lengths; every
+    rank must call it."""
+    every = _gather_ints(torch.tensor(lengths, dtype=torch.int64), group)
+    starts = every[: dist.get_rank(group)].sum(0).tolist()
+    return tuple((o - a).clamp(0, n) for o, a, n in zip(offsets, starts, lengths, strict=True))
 
 
 def _gather_ints(x: torch.Tensor, group) -> torch.Tensor:

@@ -587,8 +587,13 @@ def rfattn_attention_forward(
     rf = _layer_features(module, query.shape[-1], query.device)
     sliding = kwargs.get("sliding_window")  # the layer's own window: the hybrid's exact part
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    packed = _packing(query, key, attention_mask, bool(causal), kwargs, layer is not None,
-                      sliding)  # fmt: skip
+    group = getattr(module, "rfattn_group", None)
+    if group is None:
+        packed = _packing(query, key, attention_mask, bool(causal), kwargs, layer is not None,
+                          sliding)  # fmt: skip
+    else:
+        packed = _sharded_packing(query, key, attention_mask, bool(causal), kwargs, sliding,
+                                  group)  # fmt: skip
     if packed is not None:
         if layer is not None:  # an eval forward's cache: its states could not be per sequence
             layer.refuse_further_tokens()
@@ -650,6 +655,41 @@ def _packing(query, key, attention_mask, causal: bool, kwargs: dict, cached: boo
     return cu_q, cu_k, max(bound) if None not in bound else max(query.shape[2], key.shape[2])
 
 
+def _sharded_packing(query, key, attention_mask, causal: bool, kwargs: dict, sliding, group):
+    """:func:`_packing` of a rank's shard of a sequence split over ``group``: ``(cu_q, cu_k,
+    None)``, the whole row's offsets from flash-attention's keyword arguments (the same on every
+    rank; :func:`rf_attention` checks that over the ranks), or None. What one rank could refuse
+    from what only it sees raises on every rank together
+    (:func:`rfattn.distributed.raise_together`), before the attention's own collectives: offsets
+    on one side only; with offsets, a mask that is not their pieces of this shard (found from
+    one all_gather of the shards' lengths); without, a mask that is not the layer's plain
+    pattern plus key padding (a batch packed by ``position_ids`` alone: a shard cannot tell
+    where the row's sequences lie from its own). One all_gather more per layer than the
+    attention's own."""
+    from rfattn import distributed
+
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    tq, tk = query.shape[2], key.shape[2]
+    error = None
+    try:
+        if (cu_q is None) != (cu_k is None):
+            raise ValueError("rfattn: cu_seq_lens_q and cu_seq_lens_k go together")
+        if cu_q is None and attention_mask is not None and attention_mask.stride(-2) != 0:
+            _split_mask(attention_mask, causal, tq, tk)  # (a packing pattern fails it)
+    except Exception as exc:  # raised on every rank together
+        error = exc
+    distributed.raise_together(group, error)
+    if cu_q is None:
+        return None
+    if attention_mask is not None:
+        pieces = distributed.shard_offsets(group, (tq, tk), (cu_q, cu_k))
+        ok = bool(_keeps_sequences_apart(attention_mask, *pieces, causal, sliding))
+        distributed.raise_together(group, None if ok else NotImplementedError(
+            "rfattn: cu_seq_lens_q/k with an attention mask that is not their sequences' "
+            "(over a process group: the whole row's offsets, the mask of this rank's shard)"))
+    return cu_q, cu_k, None
+
+
 def _keeps_sequences_apart(mask: torch.Tensor, cu_q, cu_k, causal: bool,
                           sliding: int | None = None) -> bool:  # fmt: skip
     """Whether the 4-D mask transformers built is exactly that of the packed sequences (a bool
@@ -683,11 +723,8 @@ def _packed_attention(module, rf, query, key, value, causal: bool, scaling, slid
     causal with one set of offsets for q and k."""
     group = getattr(module, "rfattn_group", None)
     window, sinks = local_attention_of(module.config, sliding, causal)
-    if group is not None:
-        raise NotImplementedError("rfattn: packed sequences (cu_seq_lens, position_ids) have "
-                                  "no process group yet")  # fmt: skip
-    # a hybrid layer: exact sinks and window
-    local = dict(window=window, sinks=sinks, max_seqlen=max_seqlen)
+    # a hybrid layer: exact sinks and window; a process group: this rank's shard of the row
+    local = dict(window=window, sinks=sinks, max_seqlen=max_seqlen, group=group)
     if not causal:
         return rf_attention(query, key, value, rf, scale=scaling, cu_seqlens_q=cu_q,
                             cu_seqlens_k=cu_k, **local)  # fmt: skip

@@ -819,3 +819,91 @@ def test_packed_row_sharded_on_the_fused_kernels(tmp_path):
     _check_packed(tmp_path, PACKED_SHARDS[3], ["posrf-states", "trigrf-gqa-padded",
                                                "noncausal-posrf-maps", "cross-saderf"],
                   backend="triton")  # fmt: skip
+
+
+def _packed_llama_batch():
+    """A padding-free batch of four documents (flash-attention's keyword arguments), labels
+    dropped."""
+    transformers = pytest.importorskip("transformers")
+    docs = [list(range(3, 9)), [7], list(range(1, 10)), [4, 2, 7, 5]]
+    batch = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
+        [{"input_ids": d} for d in docs])
+    batch.pop("labels")
+    return batch
+
+
+def _packed_llama_outputs(model, batch, sl=slice(None)):
+    """Logits and parameter gradients of a training forward of the row's tokens ``sl`` (the
+    whole row's offsets) and the backward of a weighted sum of their logits."""
+    shard = dict(batch, input_ids=batch["input_ids"][:, sl],
+                 position_ids=batch["position_ids"][:, sl])  # fmt: skip
+    model.train().zero_grad()
+    logits = model(**shard, use_cache=False).logits
+    w = rand(*batch["input_ids"].shape, logits.shape[-1], seed=70)[:, sl]
+    (logits * w).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return dict(logits=logits.detach(), grads=grads)
+
+
+def _packed_llama_worker(rank, world, init_file, out_dir, shards):
+    _init(rank, world, init_file, seconds=120)
+    try:
+        import rfattn.hf as rfhf
+
+        _, model = _layer_and_model()
+        rfhf.set_context_parallel_group(model, dist.group.WORLD)
+        batch = _packed_llama_batch()
+        res = _packed_llama_outputs(model, batch, shards[rank])
+        errors = {}
+        bad = {  # offsets that are not the mask's (on one rank's shard only); position ids alone
+            "offsets": dict(batch, cu_seq_lens_q=torch.tensor([0, 6, 7, 20], dtype=torch.int32),
+                            cu_seq_lens_k=torch.tensor([0, 6, 7, 20], dtype=torch.int32)),
+            "position_ids": {k: batch[k] for k in ("input_ids", "position_ids")},
+            "one_side": {k: v for k, v in batch.items() if k != "cu_seq_lens_k"},
+        }  # fmt: skip
+        plain = [slice(0, 16), slice(16, 20)]  # rank 1's shard inside one document: no restart
+        for name, b in bad.items():
+            try:
+                _packed_llama_outputs(model, b, (plain if name == "position_ids" else shards)[rank])
+                errors[name] = None
+            except Exception as exc:
+                errors[name] = (type(exc).__name__, str(exc))
+        res["errors"] = errors
+        res["after"] = _packed_llama_outputs(model, batch, shards[rank])["logits"]  # in step
+        _finish(res, out_dir, rank)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two processes, ~10 s
+def test_a_padding_free_llama_batch_over_a_process_group(tmp_path):
+    """A Llama on "rfattn" with set_context_parallel_group, fed each rank's contiguous shard of
+    a padding-free row (DataCollatorWithFlattening's flash-attention offsets, the whole row's on
+    every rank; a document straddling the ranks): logits equal one process's packed forward
+    (which equals the documents one by one) and the parameters' gradients summed over the ranks
+    equal its gradients (float64). Offsets that are not the mask of one rank's shard, a batch
+    packed by position ids alone and offsets on one side raise on every rank (the rank that
+    sees it its own error, the other naming it), and the group stays in step."""
+    world, T = 2, 20
+    shards = [slice(0, 9), slice(9, T)]  # the third document (tokens 7..15) straddles
+    _spawn(_packed_llama_worker, (world, str(tmp_path / "init"), str(tmp_path), shards), world)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    batch = _packed_llama_batch()
+    assert batch["input_ids"].shape[1] == T
+    full = _packed_llama_outputs(_layer_and_model()[1], batch)
+    got = torch.cat([r["logits"] for r in ranks], dim=1)
+    torch.testing.assert_close(got, full["logits"], rtol=RTOL, atol=1e-12)
+    for r, sl in zip(ranks, shards, strict=True):
+        torch.testing.assert_close(r["after"], got[:, sl], rtol=0, atol=0)
+    for name, g in full["grads"].items():
+        torch.testing.assert_close(sum(r["grads"][name] for r in ranks), g, rtol=RTOL,
+                                   atol=1e-12, msg=name)  # fmt: skip
+    for name in ("offsets", "position_ids", "one_side"):
+        errors = [r["errors"][name] for r in ranks]
+        assert all(e is not None for e in errors), (name, errors)
+    assert any("not their sequences'" in e[1] for e in (r["errors"]["offsets"] for r in ranks))
+    assert any("refused this call" in e[1] for e in (r["errors"]["offsets"] for r in ranks))
+    # position ids alone: rank 0's shard restarts, rank 1's (one document) does not
+    assert "packed sequences" in ranks[0]["errors"]["position_ids"][1]
+    assert "rank(s) 0 of the process group refused" in ranks[1]["errors"]["position_ids"][1]
+    assert all("go together" in r["errors"]["one_side"][1] for r in ranks)
