@@ -135,9 +135,12 @@ def validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_stat
     if (initial_state is not None or return_state) and not causal:
         raise ValueError("initial_state and return_state need causal=True")
     if packed is not None:
-        if group is not None and (window or sinks):
-            raise NotImplementedError("packed sequences (cu_seqlens) over a process group: no "
-                                      "window or sinks yet")  # fmt: skip
+        if group is not None and (window or sinks) and (initial_state is not None or
+                                                        return_state):  # fmt: skip
+            raise NotImplementedError("packed sequences with window or sinks over a process "
+                                      "group: no initial_state or return_state yet (each "
+                                      "sequence runs as a row padded around its piece, and a "
+                                      "state's window would slide over that padding)")  # fmt: skip
         n = len(packed[0]) - 1
         if max_seqlen is not None and (window or sinks) and (initial_state is not None or
                                                               return_state):  # fmt: skip
@@ -525,14 +528,16 @@ class Call:
             packed=None, update_stats=False,
         )  # fmt: skip
 
-    def batch_of(self, indices: list[int]) -> tuple[Call, torch.Tensor, torch.Tensor]:
+    def batch_of(self, indices: list[int], last: list[bool] | None = None
+                 ) -> tuple[Call, torch.Tensor, torch.Tensor]:  # fmt: skip
         """Sequences ``indices`` of a packed call as one call of a batch: row j holds sequence
-        ``indices[j]``, its tokens first and zeros after them up to the longest of them, the
-        zeros key- and query-padded (so they reach no output, statistic or gradient) besides
-        the packed call's own masks; its rows of the initial states; running statistics left
-        where they are (as :meth:`sequence`). Returns ``(call, slots, tokens)``: the batch's
-        query slots (``[n * Lq]``, flat over rows) that hold tokens and those tokens' positions
-        in the packed row, for the output's way back."""
+        ``indices[j]``, its tokens first and zeros after them up to the longest of them (where
+        ``last[j]``: its tokens last, the zeros before them), the zeros key- and query-padded
+        (so they reach no output, statistic or gradient) besides the packed call's own masks;
+        its rows of the initial states; running statistics left where they are (as
+        :meth:`sequence`). Returns ``(call, slots, tokens)``: the batch's query slots
+        (``[n * Lq]``, flat over rows) that hold tokens and those tokens' positions in the
+        packed row, for the output's way back."""
         oq, ok = self.packed
         dev = self.q.device
 
@@ -544,8 +549,10 @@ class Call:
             L = int(lens.max())
             first = torch.repeat_interleave(lens.cumsum(0) - lens, lens)  # per token, on CPU
             t = torch.arange(len(first)) - first  # the token's place in its sequence
+            if last is not None:  # those rows' tokens after their zeros
+                t = t + torch.repeat_interleave(torch.tensor(last) * (L - lens), lens)
             slots = torch.repeat_interleave(torch.arange(n) * L, lens) + t
-            pos = torch.repeat_interleave(starts, lens) + t
+            pos = torch.repeat_interleave(starts, lens) + torch.arange(len(first)) - first
             return slots.to(dev), pos.to(dev), L
 
         # (causal: q and k share one list of offsets, one layout)

@@ -385,7 +385,8 @@ def packed_sharded(call: Call, run):
     process's packed call moves them. Non-causal calls (``cu_seqlens``, or ``cu_seqlens_q``
     and ``cu_seqlens_k`` with queries and keys sharded apart): :func:`_packed_noncausal`.
     Every rank must run it (and its backward)."""
-    shard = _packed_shard if call.causal else _packed_noncausal
+    shard = _packed_noncausal if not call.causal else \
+        _packed_hybrid if call.window or call.sinks else _packed_shard  # fmt: skip
     return _moving_statistics(call, lambda c: shard(c, run), call.rf.map_tensors(call.q, call.k))
 
 
@@ -419,6 +420,29 @@ def _packed_noncausal(call: Call, run):
     mine = call.replace(packed=tuple(local), group=None)
     batch, slots, pos = mine.batch_of(list(range(len(local[0]) - 1)))
     return mine.packed_output([(slots, pos, run(batch.replace(group=call.group)))])
+
+
+def _packed_hybrid(call: Call, run):
+    """A causal packed call with ``window``/``sinks``'s shard: every sequence's piece on this
+    rank as one batch of N rows run as one sharded hybrid call (:func:`hybrid_sharded`: row i
+    is sequence i over the ranks, its initial and final HybridState row i). A piece whose
+    sequence goes on past this shard ends its row, the others begin theirs, so a row's padding
+    lies only before its sequence's first token or after its last (a piece in the middle of a
+    sequence is the whole shard, which then holds no other: no padding), where no window or
+    sink of the hybrid's outputs sees it. A state's window would slide over it (an initial
+    state's before the first token, the returned one's after the last): refused, validation.
+    The padding is the cost (N times the longest local piece)."""
+    rank = dist.get_rank(call.group)
+    offsets, (lengths, _) = call.packed[0], _shard_lengths(call)
+    start, T = sum(lengths[:rank]), lengths[rank]
+    local = tuple(min(max(o - start, 0), T) for o in offsets)
+    mine = call.replace(packed=(local, local), group=None)
+    on = [offsets[i + 1] > start + T for i in range(len(offsets) - 1)]
+    batch, slots, pos = mine.batch_of(list(range(len(offsets) - 1)), last=on)
+    res = run(batch.replace(group=call.group))
+    if not call.return_state:
+        return mine.packed_output([(slots, pos, res)])
+    return mine.packed_output([(slots, pos, res[0])]), res[1]
 
 
 def _packed_shard(call: Call, run):

@@ -611,6 +611,10 @@ PACKED_T = sum(PACKED_LENGTHS)
 #: rank 1 and end on rank 2, and an empty rank
 PACKED_SHARDS = {2: [slice(0, 20), slice(20, PACKED_T)],
                  3: [slice(0, 10), slice(10, 25), slice(25, PACKED_T)]}
+#: pieces of a sequence that goes on past their rank shorter than another piece there (rank 0:
+#: sequence 2's first 3 tokens beside sequence 0's 5; rank 1: sequence 4's first 2 beside
+#: sequence 2's last 27), so the hybrid's rows place them after their padding
+PACKED_SHARDS_HYBRID = [slice(0, 8), slice(8, 38), slice(38, PACKED_T)]
 PACKED_SHARDS_EMPTY = [slice(0, 10), slice(10, 10), slice(10, 36), slice(36, PACKED_T)]
 #: cross-attention's queries: other lengths (an empty sequence where the keys have tokens, and
 #: the reverse), sharded apart from the keys
@@ -637,6 +641,11 @@ PACKED_CASES = {
     "noncausal-oprf-running": dict(feature="oprf", causal=False, train=True,
                                    opts=dict(stats="running")),
     "cross-saderf": dict(feature="saderf", causal=False, cross=True),
+    # exact sinks and window inside the features, each sequence its own (rfattn.hybrid)
+    "posrf-hybrid": dict(feature="posrf", local=dict(window=3, sinks=2)),
+    "oprf-hybrid-training-gqa-padded": dict(feature="oprf", train=True, kv_heads=1,
+                                            pad=(12, 17), local=dict(window=2, sinks=1)),
+    "trigrf-hybrid-maps": dict(feature="trigrf", maps=True, local=dict(window=4, sinks=3)),
 }  # fmt: skip
 
 
@@ -669,7 +678,7 @@ def _packed_calls(case, sl=slice(None), group=None, backend="torch", rank=0, slq
     leaves = [x["q"][:, :, slq].clone().requires_grad_(),
               *(x[n][:, :, sl].clone().requires_grad_() for n in ("k", "v"))]  # fmt: skip
     kw = dict(causal=case.get("causal", True), group=group, key_padding_mask=x["mask"][:, sl],
-              backend=backend)  # fmt: skip
+              backend=backend, **case.get("local", {}))  # fmt: skip
     if not kw["causal"] and "pad" in case:  # (causal: the keys' mask pads the queries too)
         kw.update(query_padding_mask=x["mask"][:, slq])
     if case.get("cross"):
@@ -712,7 +721,9 @@ def _packed_errors(world, group) -> dict:
     calls = {
         "disagree": dict(cu_seqlens=torch.tensor([0, 2 + (rank == world - 1), 4 * world])),
         "total": dict(cu_seqlens=torch.tensor([0, 3, 4 * world + 1])),
-        "window": dict(cu_seqlens=torch.tensor([0, 4 * world]), window=2),
+        # window and sinks with a state: not yet over a group
+        "hybrid_state": dict(cu_seqlens=torch.tensor([0, 4 * world]), window=2,
+                             return_state=True),
         # the last rank alone returns states: its call would run two more collectives
         "return_state": dict(cu_seqlens=torch.tensor([0, 4 * world]),
                              return_state=rank == world - 1),
@@ -785,10 +796,12 @@ def test_packed_row_sharded_equals_one_process(world, tmp_path):
     each one's state after it on every rank (gradients of the initial states: the ranks'
     shares summed). Non-causal too: head maps, grouped heads with junk, oprf's global
     statistics per sequence and its running ones moved once, cross-attention with queries
-    packed and sharded apart from the keys. Bad packings raise on every rank, naming the
-    cause: offsets that differ between ranks, offsets that do not end at the shards' total, a
-    window, one rank returning states (more collectives); the group then runs the next
-    call."""
+    packed and sharded apart from the keys. With exact sinks and a window (each sequence its
+    own, a sequence's window and sinks reaching into earlier ranks): plain, grouped heads with
+    junk and oprf's running statistics, head maps. Bad packings raise on every rank, naming the
+    cause: offsets that differ between ranks, offsets that do not end at the shards' total,
+    window and sinks with a state (not yet), one rank returning states (more collectives); the
+    group then runs the next call."""
     ranks = _check_packed(tmp_path, PACKED_SHARDS[world], list(PACKED_CASES))
     for r, res in enumerate(ranks):
         errors = res["errors"]
@@ -798,10 +811,21 @@ def test_packed_row_sharded_equals_one_process(world, tmp_path):
         kind, msg = errors["total"]
         assert kind == "ValueError" and "cu_seqlens must end" in msg and \
             str(4 * world) in msg, (r, msg)  # fmt: skip
-        kind, msg = errors["window"]
-        assert kind == "NotImplementedError" and "process group" in msg, (r, msg)
+        kind, msg = errors["hybrid_state"]
+        assert kind == "NotImplementedError" and "no initial_state or return_state" in msg, \
+            (r, msg)  # fmt: skip
         kind, msg = errors["return_state"]
         assert kind == "ValueError" and "return_state of packed sequences" in msg, (r, msg)
+
+
+@pytest.mark.slow  # three processes
+def test_packed_hybrid_pieces_that_go_on_end_their_rows(tmp_path):
+    """Window and sinks over three ranks where a sequence's piece that goes on to the next rank
+    is shorter than another piece on its rank: equal to one process (outputs, gradients,
+    running statistics). Placed before its padding instead, a window would see padding
+    positions inside the sequence (checked by mutation)."""
+    _check_packed(tmp_path, PACKED_SHARDS_HYBRID, ["posrf-hybrid",
+                                                   "oprf-hybrid-training-gqa-padded"])
 
 
 @pytest.mark.slow  # ~20 s (four processes)
