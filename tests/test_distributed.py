@@ -931,3 +931,53 @@ def test_a_padding_free_llama_batch_over_a_process_group(tmp_path):
     assert "packed sequences" in ranks[0]["errors"]["position_ids"][1]
     assert "rank(s) 0 of the process group refused" in ranks[1]["errors"]["position_ids"][1]
     assert all("go together" in r["errors"]["one_side"][1] for r in ranks)
+
+
+def _windowed_model(kind):
+    """The tiny Llama with exact sinks and window in its features (``hybrid``), or a Mistral
+    whose own sliding window is that exact part (``mistral``), on "rfattn"."""
+    transformers = pytest.importorskip("transformers")
+    import rfattn.hf as rfhf
+
+    if kind == "hybrid":
+        model = _layer_and_model()[1]
+        rfhf.attach_random_features(model, window=3, sinks=1)
+        return model
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(vocab_size=40, hidden_size=16, intermediate_size=32,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, max_position_embeddings=64,
+                                     sliding_window=3)  # fmt: skip
+    model = transformers.MistralForCausalLM(cfg).double()
+    rfhf.attach_random_features(model, num_features=16, seed=0)
+    model.set_attn_implementation("rfattn")
+    return model
+
+
+def _windowed_packed_worker(rank, world, init_file, out_dir, shards, kind):
+    _init(rank, world, init_file, seconds=120)
+    try:
+        import rfattn.hf as rfhf
+
+        model = _windowed_model(kind)
+        rfhf.set_context_parallel_group(model, dist.group.WORLD)
+        _finish(_packed_llama_outputs(model, _packed_llama_batch(), shards[rank]), out_dir, rank)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two processes a case
+@pytest.mark.parametrize("kind", ["hybrid", "mistral"])
+def test_a_padding_free_windowed_model_over_a_process_group(kind, tmp_path):
+    """Hybrid layers (attach_random_features' window and sinks, or a Mistral's own sliding
+    window) train padding-free over 2 ranks, a document straddling them: logits and summed
+    gradients equal one process's packed forward (float64)."""
+    shards = [slice(0, 9), slice(9, 20)]
+    _spawn(_windowed_packed_worker, (2, str(tmp_path / "init"), str(tmp_path), shards, kind), 2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    full = _packed_llama_outputs(_windowed_model(kind), _packed_llama_batch())
+    torch.testing.assert_close(torch.cat([r["logits"] for r in ranks], dim=1), full["logits"],
+                               rtol=RTOL, atol=1e-12)  # fmt: skip
+    for name, g in full["grads"].items():
+        torch.testing.assert_close(sum(r["grads"][name] for r in ranks), g, rtol=RTOL,
+                                   atol=1e-12, msg=name)  # fmt: skip
