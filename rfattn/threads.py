@@ -165,9 +165,14 @@ os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _one_thread(barrier) -> None:
-    # torch sets a thread's counts on its first parallel op, from the count last passed to
-    # torch.set_num_threads anywhere: run one first, or that would undo the count set here
-    torch.ones(1 << 16).sum()
+    # torch sets a thread's counts once, lazily, from the count last passed to
+    # torch.set_num_threads anywhere: have it do so first (reading the count does, and opens
+    # no parallel region), or that would undo the count set here. A parallel op in its place
+    # (as before) opened a region of the full count, giving this worker an OpenMP team of its
+    # own, whose idle threads then stalled every parallel region of the caller's thread for as
+    # long as the pool lived (after any call split over the heads, small products of the whole
+    # process, the model's own layers included, ran 5-8x slower on 2 cores: measured)
+    torch.get_num_threads()
     torch.set_num_threads(1)  # this worker's OpenMP and MKL counts (thread-local)
     barrier.wait()  # every worker starts (and sets its count) before the pool is used
 

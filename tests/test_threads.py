@@ -2,6 +2,8 @@
 cores than it runs threads, and put them back. The clocks are replaced by counters here, so each
 case sets exactly the wall and CPU time a window measures."""
 
+import os
+
 import pytest
 import torch
 
@@ -153,3 +155,30 @@ def test_adaptation_is_opt_in():
     assert subprocess.run(run, env=env, capture_output=True, text=True).stdout.strip() == "False"
     env["RFATTN_ADAPTIVE_THREADS"] = "1"
     assert subprocess.run(run, env=env, capture_output=True, text=True).stdout.strip() == "True"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts Linux's threads")
+def test_worker_threads_start_no_thread_team_of_their_own():
+    """The pool of head workers, its workers running parallel ops, starts the workers and no
+    other thread: no OpenMP team of a worker's own, whose idle threads stalled every parallel
+    region of the caller's thread while the pool lived (small products 5-8x slower after any
+    call split over the heads, a decoding step after a long prompt 2x; before: team threads
+    for every worker). Counted as the process's OS threads against its Python threads, around
+    a pool made anew (a thread count the pool was not made for)."""
+    import threading
+
+    def counts():
+        return len(os.listdir("/proc/self/task")), threading.active_count()
+
+    full = torch.get_num_threads()
+    try:
+        torch.set_num_threads(full + 1)  # (which starts threads of its own: before counting)
+        torch.ones(1 << 16).sum()  # the caller's own team exists before counting
+        before = counts()
+        threads.over_heads(lambda h0, h1: torch.ones(1 << 20).exp().sum(),  # a parallel op
+                           [(h, h + 1) for h in range(full + 1)])  # fmt: skip
+        after = counts()
+    finally:
+        torch.set_num_threads(full)
+    assert after[1] > before[1]  # a new pool (its workers are Python threads)
+    assert after[0] - before[0] == after[1] - before[1]
