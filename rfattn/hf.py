@@ -255,21 +255,29 @@ def set_context_parallel_group(model: torch.nn.Module, group) -> int:
     for module in layers:
         module.rfattn_group = group
     # the mask builder's sliding-window check looks at the whole sequence (every rank alike)
+    global _CONTEXT_PARALLEL_HELD
     config = _own_config(model)
     if group is None:
         _CONTEXT_PARALLEL.pop(config, None)
     else:
         _CONTEXT_PARALLEL[config] = group
+    _CONTEXT_PARALLEL_HELD = len(_CONTEXT_PARALLEL)
     return len(layers)
 
 
 #: config of a model set by :func:`set_context_parallel_group` -> its process group
 _CONTEXT_PARALLEL = WeakIdKeyDictionary()
+#: its length when last set (a model dropped since stays counted): the mask builder looks there
+#: only while it is not 0, so a traced forward of a process that never set a group asks the weak
+#: dictionary nothing, which dynamo cannot trace
+_CONTEXT_PARALLEL_HELD = 0
 
 
 def _group_of(config):
     """The process group of the model with ``config`` (a mask builder's), or None."""
-    return None if config is None else _CONTEXT_PARALLEL.get(config)
+    if config is None or not _CONTEXT_PARALLEL_HELD:
+        return None
+    return _CONTEXT_PARALLEL.get(config)
 
 
 def _attach(model: torch.nn.Module, device) -> int:
@@ -359,15 +367,19 @@ def rfattn_mask(
     span, window = -1, None
     if local_size is not None:
         config = kwargs.get("config")
-        span, dropped = _window_span(valid, q_offset, q_length, kv_offset, config)
         # a sliding window is the hybrid's exact part (the attention function reads the
         # layer's sliding_window); chunked attention has no form, judged on a sharded
         # sequence's whole span (every rank alike). Keys a sliding-window cache dropped
-        # (a DynamicCache filled under another attention) are gone for the features too
+        # (a DynamicCache filled under another attention) are gone for the features too:
+        # none can be where no key precedes the mask's (kv_offset 0), which a traced forward
+        # takes as the answer, reading nothing on the host
         chunked = _window_name(local_size, config) != "sliding_window"
         window = None if chunked else local_size
-        if dropped or (span >= local_size and chunked):
-            raise _window_error(local_size, span, config)
+        if chunked or kv_offset != 0 or not torch.compiler.is_compiling() or \
+                _group_of(config) is not None:  # fmt: skip
+            span, dropped = _window_span(valid, q_offset, q_length, kv_offset, config)
+            if dropped or (span >= local_size and chunked):
+                raise _window_error(local_size, span, config)
     kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
     mask = sdpa_mask(
         batch_size,
@@ -505,8 +517,11 @@ def _keep(mask: torch.Tensor) -> torch.Tensor:
     return ~blocked
 
 
-def _split_mask(mask: torch.Tensor, causal: bool, tq: int, tk: int):
-    """(key_padding_mask [B, Tk] True = padding, causal) from a 4-D mask, or raise."""
+def _split_mask(mask: torch.Tensor, causal: bool, tq: int, tk: int, sliding: int | None = None):
+    """(key_padding_mask [B, Tk] True = padding, causal) from a 4-D mask, or raise. Under
+    tracing the mask is checked on the device against the layer's own pattern, within its
+    ``sliding`` window where it has one (transformers' causal ``j > i - W``, bidirectional
+    ``|i - j| <= W``; eager mode gets such masks as rfattn_mask's key-padding view)."""
     if mask.dim() != 4 or tuple(mask.shape[-2:]) != (tq, tk):
         raise NotImplementedError(
             f"rfattn: attention masks must be [B, 1, Tq, Tk], got {mask.shape}"
@@ -527,6 +542,14 @@ def _split_mask(mask: torch.Tensor, causal: bool, tq: int, tk: int):
                "is not causal/bidirectional plus key padding, so it has no linear-attention "
                "form")  # fmt: skip
     if torch.compiler.is_compiling():  # the layer's own pattern, checked on the device
+        if sliding is not None:  # the last query's row holds its window's keys only: each key's
+            if tq != tk:  # own row (the diagonal) says whether it is one
+                raise NotImplementedError(
+                    "rfattn: under torch.compile a sliding-window layer's mask over keys before "
+                    "its queries (a key/value cache) has no form; use rfattn's state cache")
+            pad = ~keep.diagonal(dim1=-2, dim2=-1)
+            j = torch.arange(tk, device=keep.device)[None, :]
+            tri = tri & ((j > i - sliding) if causal else ((i - j).abs() <= sliding))
         expected = ~pad[:, None, :] & (tri if causal else torch.ones_like(tri))
         _require((expected == keep).all(), refused + " (under torch.compile packed sequences "
                  "need flash-attention's offsets: DataCollatorWithFlattening("
@@ -756,7 +779,7 @@ def _mask_attention(module, rf, query, key, value, attention_mask, scaling, is_c
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     pad = None
     if attention_mask is not None:
-        pad, causal = _split_mask(attention_mask, bool(causal), tq, tk)
+        pad, causal = _split_mask(attention_mask, bool(causal), tq, tk, sliding)
     group = getattr(module, "rfattn_group", None)
     window, sinks = local_attention_of(module.config, sliding, bool(causal))
     if window or sinks:

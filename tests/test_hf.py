@@ -693,18 +693,27 @@ def _training_step(model, forward, batch):
     return out, [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
-@pytest.mark.parametrize("how", ["plain", "padded", "flash_kwargs"])
-def test_a_training_forward_compiles_whole(how):
+@pytest.mark.parametrize("arch,how", [
+    ("llama", "plain"), ("llama", "padded"), ("llama", "flash_kwargs"), ("mistral", "plain"),
+    pytest.param("mistral", "padded", marks=pytest.mark.slow),
+    pytest.param("mistral", "flash_kwargs", marks=pytest.mark.slow),
+])  # fmt: skip
+def test_a_training_forward_compiles_whole(arch, how):
     """torch.compile(fullgraph=True) of a Llama's training forward and backward on "rfattn":
     no graph break (before: 11 for a plain batch, whose mask transformers builds as a packing
     pattern from the position ids and rfattn compared on the host; 8 with a padding mask, from
     the weak dictionary of older transformers' cache hand-over; 28 for a padding-free batch),
     with logits and gradients equal to eager (float64): a plain batch, a left-padded one and a
     padding-free one with flash-attention's offsets (checked against the mask on the device,
-    run with transformers' max_length as the bound, no host read)."""
-    model = _llama().double().train()
-    rfhf.attach_random_features(model, num_features=16, seed=0)
-    model.set_attn_implementation("rfattn")
+    run with transformers' max_length as the bound, no host read); and a Mistral whose own
+    sliding window is the hybrid's exact part (its mask checked on the device against the
+    window's pattern; before: host reads of the window's span and a dictionary of groups)."""
+    if arch == "mistral":
+        model = _windowed(sliding_window=4).double().train()
+    else:
+        model = _llama().double().train()
+        rfhf.attach_random_features(model, num_features=16, seed=0)
+        model.set_attn_implementation("rfattn")
     if how == "flash_kwargs":
         docs = [list(range(3, 8)), [9], list(range(1, 10)), [4, 2, 7]]
         batch = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
