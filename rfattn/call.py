@@ -135,12 +135,6 @@ def validate(q, k, v, rf, causal, key_padding_mask, scale, backend, initial_stat
     if (initial_state is not None or return_state) and not causal:
         raise ValueError("initial_state and return_state need causal=True")
     if packed is not None:
-        if group is not None and (window or sinks) and (initial_state is not None or
-                                                        return_state):  # fmt: skip
-            raise NotImplementedError("packed sequences with window or sinks over a process "
-                                      "group: no initial_state or return_state yet (each "
-                                      "sequence runs as a row padded around its piece, and a "
-                                      "state's window would slide over that padding)")  # fmt: skip
         n = len(packed[0]) - 1
         if max_seqlen is not None and (window or sinks) and (initial_state is not None or
                                                               return_state):  # fmt: skip

@@ -429,14 +429,23 @@ def _packed_hybrid(call: Call, run):
     sequence goes on past this shard ends its row, the others begin theirs, so a row's padding
     lies only before its sequence's first token or after its last (a piece in the middle of a
     sequence is the whole shard, which then holds no other: no padding), where no window or
-    sink of the hybrid's outputs sees it. A state's window would slide over it (an initial
-    state's before the first token, the returned one's after the last): refused, validation.
-    The padding is the cost (N times the longest local piece)."""
+    sink of the hybrid's outputs sees it. The padding is the cost (N times the longest local
+    piece). A state's window would slide over it (an initial state's before the first token,
+    the returned one's after the last), so with ``initial_state`` or ``return_state`` each
+    sequence runs as a sharded hybrid call of its own instead, every rank with its piece (an
+    empty one where it holds none): no padding, N rounds of the hybrid's collectives."""
     rank = dist.get_rank(call.group)
     offsets, (lengths, _) = call.packed[0], _shard_lengths(call)
     start, T = sum(lengths[:rank]), lengths[rank]
     local = tuple(min(max(o - start, 0), T) for o in offsets)
     mine = call.replace(packed=(local, local), group=None)
+    if call.initial_state is not None or call.return_state:
+        res = [run(mine.sequence(i).replace(group=call.group)) for i in range(len(local) - 1)]
+        if not call.return_state:
+            return torch.cat(res, dim=2)
+        states = [r[1] for r in res]
+        return torch.cat([r[0] for r in res], dim=2), \
+            type(states[0])(*(torch.cat(f, dim=0) for f in zip(*states, strict=True)))
     on = [offsets[i + 1] > start + T for i in range(len(offsets) - 1)]
     batch, slots, pos = mine.batch_of(list(range(len(offsets) - 1)), last=on)
     res = run(batch.replace(group=call.group))
@@ -752,6 +761,8 @@ def _hybrid_shard(call: Call):
 
     # the local pass: this shard from that state, fused where the backend runs the kernels
     out = backends.hybrid(call.replace(initial_state=after(rank), return_state=False, group=None))
+    if T == 0:  # (an empty shard's output reads no state: tie it to the gathered tensor too)
+        out = out + anchor.to(out.dtype)
     if not call.return_state:
         return out
     return out, after(dist.get_world_size(group))

@@ -210,7 +210,10 @@ def first_true(flags: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def gather_positions(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``x [B, H, L, C]`` at positions ``index [B, n]`` -> ``[B, H, n, C]``."""
+    """``x [B, H, L, C]`` at positions ``index [B, n]`` -> ``[B, H, n, C]`` (zeros where x has
+    no position: ``first_true``'s absent entries point at 0)."""
+    if x.shape[2] == 0:
+        return x.new_zeros(*x.shape[:2], index.shape[-1], x.shape[-1])
     return x.gather(2, index[:, None, :, None].expand(*x.shape[:2], index.shape[-1], x.shape[-1]))
 
 

@@ -219,6 +219,13 @@ CASES = {
         shards={2: [slice(0, 3), slice(3, T)],
                 4: [slice(0, 2), slice(2, 4), slice(4, 14), slice(14, T)]},
     ),
+    # the hybrid with an empty shard (its output reads no state: tied to the gather all the
+    # same, or the other ranks would wait in the backward's collective; before: a hang)
+    "hybrid-state-empty-rank": dict(
+        feature="posrf", causal=True, hybrid=(5, 3), state=True,
+        shards={2: [slice(0, T), slice(T, T)],
+                4: [slice(0, 7), slice(7, 7), slice(7, 20), slice(20, T)]},
+    ),
     "noncausal-maps": dict(feature="posrf", causal=False, maps=True),
     "noncausal-oprf-global": dict(feature="oprf", causal=False),
     "noncausal-saderf-cross": dict(feature="saderf", causal=False, tq=17),
@@ -646,6 +653,10 @@ PACKED_CASES = {
     "oprf-hybrid-training-gqa-padded": dict(feature="oprf", train=True, kv_heads=1,
                                             pad=(12, 17), local=dict(window=2, sinks=1)),
     "trigrf-hybrid-maps": dict(feature="trigrf", maps=True, local=dict(window=4, sinks=3)),
+    # with states: one sharded hybrid call per sequence (no row padding for a window to cross)
+    "posrf-hybrid-states": dict(feature="posrf", state=True, local=dict(window=3, sinks=2)),
+    "trigrf-hybrid-gqa-returns": dict(feature="trigrf", kv_heads=1, pad=(12, 17),
+                                      state="return", local=dict(window=4, sinks=3)),
 }  # fmt: skip
 
 
@@ -689,7 +700,16 @@ def _packed_calls(case, sl=slice(None), group=None, backend="torch", rank=0, slq
         n, hk, F = len(PACKED_LENGTHS), case.get("kv_heads", H), rf.feature_map.width(16)
         kw.update(return_state=True)
         cs, cz = rand(n, hk, F, E, seed=37), rand(n, hk, F, seed=38)
-    if case.get("state") is True:  # (else only the states after)
+    if case.get("state") is True and "local" in case:  # a HybridState per sequence: a prefix's
+        pre = _cu([3, 0, 5, 1, 2, 4])  # (sequence 1 without a token before it)
+        with torch.no_grad():
+            _, init = rfattn.rf_attention(*(rand(1, case.get("kv_heads", H) if n != "q" else H,
+                                                 int(pre[-1]), E if n == "v" else D, seed=s)
+                                            for n, s in (("q", 80), ("k", 81), ("v", 82))),
+                                          rf, causal=True, cu_seqlens=pre, return_state=True,
+                                          **case["local"])  # fmt: skip
+        kw.update(initial_state=init)
+    elif case.get("state") is True:  # (else only the states after)
         leaves += [rand(n, hk, F, E, seed=35).abs().requires_grad_(),
                    rand(n, hk, F, seed=36).abs().requires_grad_()]  # fmt: skip
         off0 = torch.full((n, hk), 0.5, dtype=f64)
@@ -721,9 +741,6 @@ def _packed_errors(world, group) -> dict:
     calls = {
         "disagree": dict(cu_seqlens=torch.tensor([0, 2 + (rank == world - 1), 4 * world])),
         "total": dict(cu_seqlens=torch.tensor([0, 3, 4 * world + 1])),
-        # window and sinks with a state: not yet over a group
-        "hybrid_state": dict(cu_seqlens=torch.tensor([0, 4 * world]), window=2,
-                             return_state=True),
         # the last rank alone returns states: its call would run two more collectives
         "return_state": dict(cu_seqlens=torch.tensor([0, 4 * world]),
                              return_state=rank == world - 1),
@@ -753,6 +770,18 @@ def _packed_worker(rank, world, init_file, out_dir, shards, cases, backend):
         dist.destroy_process_group()
 
 
+def _unjunked(state: list) -> list:
+    """A state's fields with a HybridState's junk zeroed (window slots that hold nothing, sink
+    slots past the sinks seen: never read, so any value)."""
+    if len(state) != 9:
+        return state
+    s, z, off, keys, values, kinds, sk, sv, seen = state
+    empty = (kinds == 0)[:, None, :, None]
+    absent = (torch.arange(sk.shape[2]) >= seen[:, None])[:, None, :, None]
+    return [s, z, off, keys.masked_fill(empty, 0), values.masked_fill(empty, 0), kinds,
+            sk.masked_fill(absent, 0), sv.masked_fill(absent, 0), seen]
+
+
 def _check_packed(tmp_path, shards, cases, backend="torch"):
     world = len(shards)
     _spawn(_packed_worker, (world, str(tmp_path / "init"), str(tmp_path), shards, cases,
@@ -774,8 +803,9 @@ def _check_packed(tmp_path, shards, cases, backend="torch"):
                     torch.testing.assert_close(got, full["grads"][i][j], rtol=RTOL, atol=1e-12,
                                                msg=f"{name}: call {i} d{n}")  # fmt: skip
             for r, res in enumerate(ranks):  # the states after every sequence, on every rank
-                for got, want in zip(res[name]["states"][i] if full["states"] else (),
-                                     full["states"][i] if full["states"] else (), strict=True):
+                for got, want in zip(_unjunked(res[name]["states"][i]) if full["states"] else (),
+                                     _unjunked(full["states"][i]) if full["states"] else (),
+                                     strict=True):  # fmt: skip
                     torch.testing.assert_close(got, want, rtol=RTOL, atol=1e-12,
                                                msg=f"{name}: call {i} state on rank {r}")
         for r in ranks:
@@ -798,10 +828,10 @@ def test_packed_row_sharded_equals_one_process(world, tmp_path):
     statistics per sequence and its running ones moved once, cross-attention with queries
     packed and sharded apart from the keys. With exact sinks and a window (each sequence its
     own, a sequence's window and sinks reaching into earlier ranks): plain, grouped heads with
-    junk and oprf's running statistics, head maps. Bad packings raise on every rank, naming the
-    cause: offsets that differ between ranks, offsets that do not end at the shards' total,
-    window and sinks with a state (not yet), one rank returning states (more collectives); the
-    group then runs the next call."""
+    junk and oprf's running statistics, head maps, from a HybridState per sequence and
+    returning each one's. Bad packings raise on every rank, naming the cause: offsets that
+    differ between ranks, offsets that do not end at the shards' total, one rank returning
+    states (more collectives); the group then runs the next call."""
     ranks = _check_packed(tmp_path, PACKED_SHARDS[world], list(PACKED_CASES))
     for r, res in enumerate(ranks):
         errors = res["errors"]
@@ -811,9 +841,6 @@ def test_packed_row_sharded_equals_one_process(world, tmp_path):
         kind, msg = errors["total"]
         assert kind == "ValueError" and "cu_seqlens must end" in msg and \
             str(4 * world) in msg, (r, msg)  # fmt: skip
-        kind, msg = errors["hybrid_state"]
-        assert kind == "NotImplementedError" and "no initial_state or return_state" in msg, \
-            (r, msg)  # fmt: skip
         kind, msg = errors["return_state"]
         assert kind == "ValueError" and "return_state of packed sequences" in msg, (r, msg)
 
@@ -825,7 +852,8 @@ def test_packed_hybrid_pieces_that_go_on_end_their_rows(tmp_path):
     running statistics). Placed before its padding instead, a window would see padding
     positions inside the sequence (checked by mutation)."""
     _check_packed(tmp_path, PACKED_SHARDS_HYBRID, ["posrf-hybrid",
-                                                   "oprf-hybrid-training-gqa-padded"])
+                                                   "oprf-hybrid-training-gqa-padded",
+                                                   "posrf-hybrid-states"])
 
 
 @pytest.mark.slow  # ~20 s (four processes)

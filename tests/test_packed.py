@@ -438,8 +438,8 @@ def test_packed_without_heads_runs_nothing():
 
 def test_packed_over_a_one_process_group(tmp_path):
     """A sharded call (``group=``) of one process takes packing, causal or not, and equals
-    the call without a group (more ranks: tests/test_distributed.py), window and sinks too;
-    window and sinks with a returned state over a group raise (not yet)."""
+    the call without a group (more ranks: tests/test_distributed.py), window and sinks too,
+    with the returned states."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0,
@@ -456,8 +456,11 @@ def test_packed_over_a_one_process_group(tmp_path):
         got = rfattn.rf_attention(q, k, v, rf, group=dist.group.WORLD, **local)
         torch.testing.assert_close(got, rfattn.rf_attention(q, k, v, rf, **local), rtol=1e-12,
                                    atol=1e-12)  # fmt: skip
-        with pytest.raises(NotImplementedError, match="packed sequences with window or sinks"):
-            rfattn.rf_attention(q, k, v, rf, group=dist.group.WORLD, return_state=True, **local)
+        got = rfattn.rf_attention(q, k, v, rf, group=dist.group.WORLD, return_state=True,
+                                  **local)  # fmt: skip
+        want = rfattn.rf_attention(q, k, v, rf, return_state=True, **local)
+        for a, b in zip((got[0], *got[1]), (want[0], *want[1]), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, equal_nan=True)
     finally:
         dist.destroy_process_group()
 
