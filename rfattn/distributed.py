@@ -413,10 +413,8 @@ def _packed_noncausal(call: Call, run):
     offsets, one of S and z per row: per sequence; its global statistics per sequence too),
     the rows back in the shard's order."""
     rank = dist.get_rank(call.group)
-    local = []
-    for offsets, ls in zip(call.packed, _shard_lengths(call), strict=True):
-        start, T = sum(ls[:rank]), ls[rank]
-        local.append(tuple(min(max(o - start, 0), T) for o in offsets))
+    local = [_clipped(offsets, sum(ls[:rank]), ls[rank])
+             for offsets, ls in zip(call.packed, _shard_lengths(call), strict=True)]
     mine = call.replace(packed=tuple(local), group=None)
     batch, slots, pos = mine.batch_of(list(range(len(local[0]) - 1)))
     return mine.packed_output([(slots, pos, run(batch.replace(group=call.group)))])
@@ -437,7 +435,7 @@ def _packed_hybrid(call: Call, run):
     rank = dist.get_rank(call.group)
     offsets, (lengths, _) = call.packed[0], _shard_lengths(call)
     start, T = sum(lengths[:rank]), lengths[rank]
-    local = tuple(min(max(o - start, 0), T) for o in offsets)
+    local = _clipped(offsets, start, T)
     mine = call.replace(packed=(local, local), group=None)
     if call.initial_state is not None or call.return_state:
         res = [run(mine.sequence(i).replace(group=call.group)) for i in range(len(local) - 1)]
@@ -665,7 +663,16 @@ def shard_offsets(group, lengths: tuple[int, ...], offsets: tuple) -> tuple:
     rank must call it."""
     every = _gather_ints(torch.tensor(lengths, dtype=torch.int64), group)
     starts = every[: dist.get_rank(group)].sum(0).tolist()
-    return tuple((o - a).clamp(0, n) for o, a, n in zip(offsets, starts, lengths, strict=True))
+    return tuple(_clipped(o, a, n) for o, a, n in zip(offsets, starts, lengths, strict=True))
+
+
+def _clipped(offsets, start: int, length: int):
+    """A packed row's ``offsets`` (a tuple of ints, or a tensor) as offsets into the shard of
+    its tokens ``start .. start + length``: clipped to the shard and counted from its first, so
+    a sequence outside it is empty there."""
+    if isinstance(offsets, torch.Tensor):
+        return (offsets - start).clamp(0, length)
+    return tuple(min(max(o - start, 0), length) for o in offsets)
 
 
 def _gather_ints(x: torch.Tensor, group) -> torch.Tensor:
