@@ -123,17 +123,20 @@ def record(calls) -> list[dict]:
 
 
 def _fused(q, k, v, rf, causal, key_padding_mask=None, initial_state=None, return_state=False,
-           window=0, sinks=0):  # fmt: skip
+           window=0, sinks=0, packed=None):  # fmt: skip
     """``rf_attention(..., backend="triton")`` with the launchers picking a GPU's tiles and launch
     options (the interpreter runs any): the fused path's ``gpu_tiles`` parameter (head maps, if
-    ``rf`` has them, in the kernels; ``window``/``sinks``: the fused hybrid)."""
+    ``rf`` has them, in the kernels; ``window``/``sinks``: the fused hybrid; ``packed``: the
+    offsets of packed sequences, on the kernels with the offsets)."""
     from rfattn import fused
     from rfattn.call import Call
 
     call = Call(q, k, v, rf, causal=causal, scale=q.shape[-1] ** -0.5,
                 key_padding_mask=key_padding_mask, backend="triton", initial_state=initial_state,
                 return_state=return_state, maps=rf.map_tensors(q, k), window=window,
-                sinks=sinks)  # fmt: skip
+                sinks=sinks, packed=packed and (packed, packed))  # fmt: skip
+    if packed:
+        return fused.packed(call, gpu_tiles=True)
     if window or sinks:
         return fused.hybrid(call, gpu_tiles=True)
     return fused.attend(call, gpu_tiles=True)
@@ -156,10 +159,12 @@ def _call(
     maps=False,
     window=0,
     sinks=0,
+    packed=False,
     **options,
 ):
     """A closure running one fused call (+ backward) on CPU (``groups`` query heads per
-    key/value head; ``maps``: with calibrated head maps; ``window``, ``sinks``: the hybrid)."""
+    key/value head; ``maps``: with calibrated head maps; ``window``, ``sinks``: the hybrid;
+    ``packed``: T tokens as two packed sequences, on the kernels with the offsets)."""
     import torch
 
     import rfattn
@@ -176,6 +181,8 @@ def _call(
         if maps:
             rf.add_head_maps(H * groups, H)
         kw = dict(window=window, sinks=sinks) if window or sinks else {}
+        if packed:
+            kw["packed"] = (0, T // 3, T)
         if mask:
             kw["key_padding_mask"] = torch.arange(T).expand(B, T) < 3  # left padding
         if state:
@@ -246,6 +253,8 @@ def scenarios(quick: bool = False) -> list[tuple[str, object]]:
         base = ("posrf", "orf", dtype, D, D, M)
         out += [
             (f"posrf-{dt}-D{D}-mask", _call(*base, False, mask=True)),
+            # packed sequences on the kernels with the offsets (VARLEN)
+            (f"posrf-{dt}-D{D}-packed", _call(*base, False, mask=True, packed=True)),
             (f"posrf-{dt}-D{D}-causal-mask-state", _call(*base, True, mask=True, state=True)),
             (f"posrf-{dt}-D{D}-decode", _call(*base, True, grad=False, T=1, state=True)),
             (f"posrf-{dt}-D{D}-causal-gqa", _call(*base, True, groups=3)),

@@ -884,6 +884,41 @@ def load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d):
 
 
 @triton.jit
+def sequence(cu_ptr, i_bh, H, T, TR, VARLEN: tl.constexpr):
+    """Where the tokens of (b, h) ``i_bh`` lie (H heads): ``(row, first, length, rows)``, so
+    that its token t is token ``first + t`` of q/k/v's batch row ``row`` and its per-token
+    statistics (the query offsets and denominators the backward reads) lie at ``rows + t``.
+    Without VARLEN, row b of a batch of T tokens: ``(b, 0, T, i_bh T)``. With VARLEN, packed
+    sequence b of a row ``[1, H, TR, ...]`` whose N + 1 offsets (flash-attention's
+    ``cu_seqlens``) ``cu_ptr`` holds: ``(0, cu[b], cu[b + 1] - cu[b], h TR + cu[b])`` (T
+    unused: the grid's longest)."""
+    if VARLEN:
+        i_b = i_bh // H
+        first = tl.load(cu_ptr + i_b).to(tl.int64)
+        length = tl.load(cu_ptr + i_b + 1).to(tl.int64) - first
+        row = 0
+        rows = (i_bh % H) * TR + first
+    else:
+        first = 0
+        length = T
+        row = i_bh // H
+        rows = i_bh * T
+    return row, first, length, rows
+
+
+@triton.jit
+def span(t0, per, T, VARLEN: tl.constexpr):
+    """Tokens a program of a split reduction walks from its first ``t0``: its split's ``per``,
+    or with VARLEN (splits sized for the longest sequence) those of its sequence's T left
+    (0 past its end: its partial is the empty one)."""
+    if VARLEN:
+        n = tl.minimum(tl.maximum(T - t0, 0), per)
+    else:
+        n = per
+    return n
+
+
+@triton.jit
 def valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD: tl.constexpr):
     """[BT] bool: key rows inside T and not padded."""
     m_t = o_t < T

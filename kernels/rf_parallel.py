@@ -94,6 +94,11 @@ gradients; their contents are never used. A (b, h) without valid keys gives zero
 Reference: ``rfattn.reference.linear_attention`` on ``RandomFeatures.features`` (float64, same W).
 
 Layout: q, k ``[B, H, T, D]``, v ``[B, H, T, E]`` with arbitrary strides; w ``[F, D]``.
+Packed sequences (``VARLEN``, ``rf_parallel_fwd``'s ``packed``): q, k, v ``[1, H, total, .]``
+and b in every grid is sequence b, its tokens found by the offsets (``common.sequence``); the
+grids are those of N rows of the longest sequence, and a tile or split past b's end does
+nothing (a tile returns, a split walks no token: the empty partial, m = NEG, which the merge
+weighs exp(NEG - m_K) = 0, or the sequence's m_K = NEG when it has no key at all).
 Limits: inputs fp32/fp16/bf16/fp64, one dtype; w and the extra rows stay in the accumulation
 dtype. fp16/bf16 inputs run the half policy (``common.precision_policy``, docs/numerics.md): the
 logits as two (signed tables: three) half products of the exact rows against W split in the
@@ -142,7 +147,9 @@ from .common import (
     product,
     query_rows,
     ratio,
+    sequence,
     shape_plan,
+    span,
     split_counts,
     store_out,
     store_tile,
@@ -205,7 +212,7 @@ def _merge_state(
 def key_tile(
     i_m, i_s, i_bh, b_ca, b_cb, b_cd, b_sc,
     k_ptr, v_ptr, w_ptr, pad_ptr, tab_ptr, xr_ptr, xi_ptr, kmap_ptr,
-    sp_ptr, zp_ptr, mp_ptr, s_ptr, z_ptr, mk_ptr, cnt_ptr,
+    sp_ptr, zp_ptr, mp_ptr, s_ptr, z_ptr, mk_ptr, cnt_ptr, cu_ptr,
     T, H, NUM_SPLITS, t_per_split,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
@@ -213,26 +220,29 @@ def key_tile(
     D: tl.constexpr, M: tl.constexpr, E: tl.constexpr,
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
     HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
-    HAS_LAM: tl.constexpr, TINY: tl.constexpr, HAS_MAP: tl.constexpr,
+    HAS_LAM: tl.constexpr, TINY: tl.constexpr, HAS_MAP: tl.constexpr, VARLEN: tl.constexpr,
 ):  # fmt: skip
     """(m, S, z) of feature tile i_m over T split i_s of (b, h) i_bh, with the (b, h)'s
     (A, B, log D) and key input scale ``b_sc`` [BD]; the last split to finish merges the tile's
-    partials."""
+    partials. VARLEN: b is packed sequence b of the row, its keys by ``cu_ptr``
+    (:func:`common.sequence`)."""
     NMT: tl.constexpr = (M + BM - 1) // BM
-    i_b, i_h = i_bh // H, i_bh % H
+    i_h = i_bh % H
+    i_b, k0, T, _ = sequence(cu_ptr, i_bh, H, T, 0, VARLEN)
     o_d, o_e, o_f = tl.arange(0, BD), tl.arange(0, BE), i_m * BM + tl.arange(0, BM)
     m_d, m_e, m_f = o_d < D, o_e < E, o_f < M
     b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
-    k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
-    v_base = v_ptr + i_b * stride_vb + i_h * stride_vh
+    k_base = k_ptr + i_b * stride_kb + i_h * stride_kh + k0 * stride_kt
+    v_base = v_ptr + i_b * stride_vb + i_h * stride_vh + k0 * stride_vt
+    p_pad = pad_ptr + k0 * stride_pt
 
     b_s = tl.zeros([BM, BE], dtype=ACC)
     b_z = tl.zeros([BM], dtype=ACC)
     b_mx = tl.full([BM], NEG, dtype=ACC)  # per feature
     t0 = i_s.to(tl.int64) * t_per_split
-    for t in range(0, t_per_split, BT):
+    for t in range(0, span(t0, t_per_split, T, VARLEN), BT):
         o_t = t0 + t + tl.arange(0, BT)
-        m_t = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
+        m_t = valid_keys(p_pad, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
         b_x = load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, kmap_ptr, i_h, D, BT,
                            BD, HAS_MAP, PRECISION, ACC)  # fmt: skip
         b_u, b_g, b_g1, b_g2 = feature_tile(
@@ -268,7 +278,7 @@ def key_tile(
 @triton.jit
 def _fwd_kv_kernel(
     k_ptr, v_ptr, w_ptr, pad_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
-    kmap_ptr, sp_ptr, zp_ptr, mp_ptr, s_ptr, z_ptr, mk_ptr, cnt_ptr,
+    kmap_ptr, sp_ptr, zp_ptr, mp_ptr, s_ptr, z_ptr, mk_ptr, cnt_ptr, cu_ptr,
     T, H, NUM_SPLITS, t_per_split,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
@@ -277,7 +287,7 @@ def _fwd_kv_kernel(
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
     HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
-    HAS_MAP: tl.constexpr,
+    HAS_MAP: tl.constexpr, VARLEN: tl.constexpr,
 ):  # fmt: skip
     """(m, S, z) of one feature tile over one T split of one (b, h) (:func:`key_tile`)."""
     i_m, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
@@ -285,13 +295,13 @@ def _fwd_kv_kernel(
     b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
     b_sc = input_scale(scale, psi_ptr, i_bh, o_d, o_d < D, D, BD, HAS_PSI, True, ACC)  # [BD]
     key_tile(i_m, i_s, i_bh, b_ca, b_cb, b_cd, b_sc, k_ptr, v_ptr, w_ptr, pad_ptr, tab_ptr, xr_ptr,
-             xi_ptr, kmap_ptr, sp_ptr, zp_ptr, mp_ptr, s_ptr, z_ptr, mk_ptr, cnt_ptr,
+             xi_ptr, kmap_ptr, sp_ptr, zp_ptr, mp_ptr, s_ptr, z_ptr, mk_ptr, cnt_ptr, cu_ptr,
              T, H, NUM_SPLITS, t_per_split,
              stride_kb, stride_kh, stride_kt, stride_kd,
              stride_vb, stride_vh, stride_vt, stride_ve,
              stride_wm, stride_wd, stride_pb, stride_pt,
              D, M, E, BD, BM, BE, BT, HAS_PAD, FEATURE, PRECISION, ACC, HAS_LAM, TINY,
-             HAS_MAP)  # fmt: skip
+             HAS_MAP, VARLEN)  # fmt: skip
 
 
 @triton.autotune(configs=autotune_configs(), key=KEY + ["FORM"], prune_configs_by=PRUNE)
@@ -361,12 +371,12 @@ def _fwd_kv_stats_kernel(
         b_sc = tl.full([BD], scale, ACC) / b_psi  # keys: sqrt(scale) / psi
         key_tile(i_m, i_s, i_bh, b_ca, b_cb, b_cd, b_sc, k_ptr, v_ptr, w_ptr, pad_ptr, tab_ptr,
                  xr_ptr, xi_ptr, kmap_ptr, sp_ptr, zp_ptr, mp_ptr, s_ptr, z_ptr, mk_ptr, cnt_ptr,
-                 T, H, NUM_SPLITS, t_per_split,
+                 cnt_ptr, T, H, NUM_SPLITS, t_per_split,
                  stride_kb, stride_kh, stride_kt, stride_kd,
                  stride_vb, stride_vh, stride_vt, stride_ve,
                  stride_wm, stride_wd, stride_pb, stride_pt,
                  D, M, E, BD, BM, BE, BT, HAS_PAD, FEATURE, PRECISION, ACC, HAS_LAM, TINY,
-                 HAS_MAP)  # fmt: skip
+                 HAS_MAP, False)  # fmt: skip
     if last_to_arrive(p_ticket + 1, NSTAT + BH * NMT * NUM_SPLITS):  # the launch's last
         tl.store(p_ticket, 0)
         for i0 in range(0, BH, 1024):
@@ -389,8 +399,8 @@ _fwd_kv_running_kernel = triton.autotune(
 @triton.jit
 def _fwd_q_kernel(
     q_ptr, w_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr, qmap_ptr,
-    s_ptr, z_ptr, mk_ptr, o_ptr, olo_ptr, mq_ptr, den_ptr,
-    T, H,
+    s_ptr, z_ptr, mk_ptr, o_ptr, olo_ptr, mq_ptr, den_ptr, cu_ptr,
+    T, H, TR,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_wm, stride_wd,
     stride_ob, stride_oh, stride_ot, stride_oe,
@@ -398,19 +408,24 @@ def _fwd_q_kernel(
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
     FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
-    HAS_MAP: tl.constexpr, OUT_LO: tl.constexpr,
+    HAS_MAP: tl.constexpr, OUT_LO: tl.constexpr, VARLEN: tl.constexpr,
 ):  # fmt: skip
     """out [BT, E] of one query tile of one (b, h): online per-row max over feature tiles (with
-    OUT_LO, a half output's rounding residual at ``olo_ptr`` too, for the backward)."""
+    OUT_LO, a half output's rounding residual at ``olo_ptr`` too, for the backward). VARLEN: b
+    is packed sequence b, its queries by ``cu_ptr`` (a tile past its end returns at once)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    i_b, i_h = i_bh // H, i_bh % H
+    i_h = i_bh % H
+    i_b, q0, T, i_r = sequence(cu_ptr, i_bh, H, T, TR, VARLEN)
+    if VARLEN:
+        if i_t * BT >= T:
+            return
     NMT: tl.constexpr = (M + BM - 1) // BM
     o_t = i_t.to(tl.int64) * BT + tl.arange(0, BT)
     o_d, o_e = tl.arange(0, BD), tl.arange(0, BE)
     m_t, m_d, m_e = o_t < T, o_d < D, o_e < E
     b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
     b_sc = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)  # [BD]
-    q_base = q_ptr + i_b * stride_qb + i_h * stride_qh
+    q_base = q_ptr + i_b * stride_qb + i_h * stride_qh + q0 * stride_qt
     b_x = load_mapped(q_base, o_t, o_d, stride_qt, stride_qd, m_t, m_d, qmap_ptr, i_h, D, BT, BD,
                        HAS_MAP, PRECISION, ACC)  # fmt: skip
     b_xs = b_x * b_sc[None, :]
@@ -439,10 +454,10 @@ def _fwd_q_kernel(
         b_den = b_den * b_alpha + tl.sum(b_p * b_z[None, :], axis=1)
         b_mx = b_mx_new
     b_o, b_den = ratio(b_num, b_den, TINY)
-    store_out(o_ptr, olo_ptr, i_b, i_h, o_t, o_e, stride_ob, stride_oh, stride_ot, stride_oe,
-              b_o, m_t, m_e, OUT_LO)  # fmt: skip
-    tl.store(mq_ptr + i_bh * T + o_t, b_mx, mask=m_t)
-    tl.store(den_ptr + i_bh * T + o_t, b_den, mask=m_t)
+    store_out(o_ptr, olo_ptr, i_b, i_h, q0 + o_t, o_e, stride_ob, stride_oh, stride_ot,
+              stride_oe, b_o, m_t, m_e, OUT_LO)  # fmt: skip
+    tl.store(mq_ptr + i_r + o_t, b_mx, mask=m_t)
+    tl.store(den_ptr + i_r + o_t, b_den, mask=m_t)
 
 
 @triton.autotune(configs=autotune_configs(), key=KEY + ["W_GRAD"], prune_configs_by=PRUNE)
@@ -450,8 +465,8 @@ def _fwd_q_kernel(
 def _bwd_ds_kernel(
     q_ptr, w_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
     s_ptr, z_ptr, mk_ptr, o_ptr, olo_ptr, do_ptr, mq_ptr, den_ptr, dsp_ptr, dzp_ptr, dwp_ptr,
-    ds_ptr, dz_ptr, cnt_ptr,
-    T, H, NUM_SPLITS, t_per_split,
+    ds_ptr, dz_ptr, cnt_ptr, cu_ptr,
+    T, H, NUM_SPLITS, t_per_split, TR,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_wm, stride_wd,
     stride_ob, stride_oh, stride_ot, stride_oe,
@@ -460,12 +475,13 @@ def _bwd_ds_kernel(
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
     FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
-    W_GRAD: tl.constexpr, OUT_LO: tl.constexpr,
+    W_GRAD: tl.constexpr, OUT_LO: tl.constexpr, VARLEN: tl.constexpr,
 ):  # fmt: skip
     """dS [BM, E], dz [BM] over one Tq split (the last split to finish sums the tile's
-    partials), and the partial dW from queries [BM, D]."""
+    partials), and the partial dW from queries [BM, D]. VARLEN: as the query pass's."""
     i_m, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    i_b, i_h = i_bh // H, i_bh % H
+    i_h = i_bh % H
+    i_b, q0, T, i_r = sequence(cu_ptr, i_bh, H, T, TR, VARLEN)
     o_d, o_e, o_f = tl.arange(0, BD), tl.arange(0, BE), i_m * BM + tl.arange(0, BM)
     m_d, m_e, m_f = o_d < D, o_e < E, o_f < M
     b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
@@ -475,29 +491,29 @@ def _bwd_ds_kernel(
                   mask=m_f[:, None] & m_e[None, :], other=0.0)  # [BM, BE]  # fmt: skip
     b_z = tl.load(z_ptr + i_bh * M + o_f, mask=m_f, other=0.0)  # [BM]
     b_mk = tl.load(mk_ptr + i_bh * M + o_f, mask=m_f, other=0.0)  # [BM] key offsets
-    q_base = q_ptr + i_b * stride_qb + i_h * stride_qh
-    o_base = o_ptr + i_b * stride_ob + i_h * stride_oh
-    olo_base = olo_ptr + i_b * stride_ob + i_h * stride_oh
-    do_base = do_ptr + i_b * stride_dob + i_h * stride_doh
+    q_base = q_ptr + i_b * stride_qb + i_h * stride_qh + q0 * stride_qt
+    o_base = o_ptr + i_b * stride_ob + i_h * stride_oh + q0 * stride_ot
+    olo_base = olo_ptr + i_b * stride_ob + i_h * stride_oh + q0 * stride_ot
+    do_base = do_ptr + i_b * stride_dob + i_h * stride_doh + q0 * stride_dot
 
     b_ds = tl.zeros([BM, BE], dtype=ACC)
     b_dz = tl.zeros([BM], dtype=ACC)
     b_dw = tl.zeros([BM, BD], dtype=ACC)
     t0 = i_s.to(tl.int64) * t_per_split
-    for t in range(0, t_per_split, BT):
+    for t in range(0, span(t0, t_per_split, T, VARLEN), BT):
         o_t = t0 + t + tl.arange(0, BT)
         m_t = o_t < T
         b_x = load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_t, m_d, ACC)
         b_xs = b_x * b_sc[None, :]
-        b_mq = tl.load(mq_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
+        b_mq = tl.load(mq_ptr + i_r + o_t, mask=m_t, other=0.0)
         b_u, b_g, b_g1, b_g2 = feature_tile(
             b_xs, b_w, o_f, m_f, o_d, m_d, b_ca, b_cb, b_cd, tab_ptr, xr_ptr, xi_ptr, i_m,
             M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY, b_x, b_sc)  # [BT, BM]  # fmt: skip
         b_e = tl.where(m_t[:, None] & m_f[None, :],
                        tl.exp(b_u + b_mk[None, :] - b_mq[:, None]), 0.0)  # fmt: skip
         b_a = b_g * b_e
-        b_do, b_den, b_c = query_rows(do_base, o_base, olo_base, den_ptr, i_bh, o_t, o_e, T, m_t,
-                                      m_e, stride_dot, stride_doe, stride_ot, stride_oe, ACC,
+        b_do, b_den, b_c = query_rows(do_base, o_base, olo_base, den_ptr + i_r, 0, o_t, o_e, 0,
+                                      m_t, m_e, stride_dot, stride_doe, stride_ot, stride_oe, ACC,
                                       OUT_LO)  # fmt: skip
         # dS = a^T g = (a / den)^T do: [BM, BT] @ [BT, BE] -> [BM, BE]
         b_ds += product(tl.trans(b_a / b_den[:, None]), b_do, PRECISION, ACC, FEATURE != 0)
@@ -537,8 +553,8 @@ def _bwd_ds_kernel(
 @triton.jit
 def _dq_tile(
     i_t, i_bh, q_ptr, w_ptr, scale, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
-    s_ptr, z_ptr, mk_ptr, o_ptr, olo_ptr, do_ptr, mq_ptr, den_ptr, dq_ptr,
-    T, H,
+    s_ptr, z_ptr, mk_ptr, o_ptr, olo_ptr, do_ptr, mq_ptr, den_ptr, dq_ptr, cu_ptr,
+    T, H, TR,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_wm, stride_wd,
     stride_ob, stride_oh, stride_ot, stride_oe,
@@ -548,25 +564,30 @@ def _dq_tile(
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
     FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
-    OUT_LO: tl.constexpr,
+    OUT_LO: tl.constexpr, VARLEN: tl.constexpr,
 ):  # fmt: skip
-    """dq [BT, D] of query tile i_t: da = g S^T + c z, dq = sqrt(scale) psi dx~."""
-    i_b, i_h = i_bh // H, i_bh % H
+    """dq [BT, D] of query tile i_t: da = g S^T + c z, dq = sqrt(scale) psi dx~. VARLEN: as
+    the query pass's."""
+    i_h = i_bh % H
+    i_b, q0, T, i_r = sequence(cu_ptr, i_bh, H, T, TR, VARLEN)
+    if VARLEN:
+        if i_t * BT >= T:
+            return
     NMT: tl.constexpr = (M + BM - 1) // BM
     o_t = i_t.to(tl.int64) * BT + tl.arange(0, BT)
     o_d, o_e = tl.arange(0, BD), tl.arange(0, BE)
     m_t, m_d, m_e = o_t < T, o_d < D, o_e < E
     b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
     b_sc = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)  # [BD]
-    q_base = q_ptr + i_b * stride_qb + i_h * stride_qh
+    q_base = q_ptr + i_b * stride_qb + i_h * stride_qh + q0 * stride_qt
     b_x = load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_t, m_d, ACC)
     b_xs = b_x * b_sc[None, :]
-    b_mq = tl.load(mq_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
-    b_do, b_den, b_c = query_rows(do_ptr + i_b * stride_dob + i_h * stride_doh,
-                                  o_ptr + i_b * stride_ob + i_h * stride_oh,
-                                  olo_ptr + i_b * stride_ob + i_h * stride_oh, den_ptr, i_bh, o_t,
-                                  o_e, T, m_t, m_e, stride_dot, stride_doe, stride_ot, stride_oe,
-                                  ACC, OUT_LO)  # fmt: skip
+    b_mq = tl.load(mq_ptr + i_r + o_t, mask=m_t, other=0.0)
+    o_off = i_b * stride_ob + i_h * stride_oh + q0 * stride_ot
+    b_do, b_den, b_c = query_rows(do_ptr + i_b * stride_dob + i_h * stride_doh + q0 * stride_dot,
+                                  o_ptr + o_off, olo_ptr + o_off, den_ptr + i_r, 0, o_t, o_e, 0,
+                                  m_t, m_e, stride_dot, stride_doe, stride_ot, stride_oe, ACC,
+                                  OUT_LO)  # fmt: skip
     b_dx = tl.zeros([BT, BD], dtype=ACC)
     for i_m in range(0, NMT):
         o_f = i_m * BM + tl.arange(0, BM)
@@ -590,14 +611,14 @@ def _dq_tile(
                                  o_d, m_d, b_cb, tab_ptr, xr_ptr, xi_ptr, i_m, M, D, BM, FEATURE,
                                  False, PRECISION, TINY, b_x, b_sc)  # fmt: skip
         b_dx += b_dxm if FEATURE == 2 else b_dxm + b_dh[:, None] * b_xs  # (rmf: no x~ term)
-    store_tile(dq_ptr, i_b, i_h, o_t, o_d, stride_dqb, stride_dqh, stride_dqt, stride_dqd,
+    store_tile(dq_ptr, i_b, i_h, q0 + o_t, o_d, stride_dqb, stride_dqh, stride_dqt, stride_dqd,
                 b_dx * b_sc[None, :], m_t, m_d)  # fmt: skip
 
 
 @triton.jit
 def _dkv_tile(
     i_t, i_bh, k_ptr, v_ptr, w_ptr, pad_ptr, scale, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
-    ds_ptr, dz_ptr, mk_ptr, dk_ptr, dv_ptr,
+    ds_ptr, dz_ptr, mk_ptr, dk_ptr, dv_ptr, cu_ptr,
     T, H,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
@@ -608,21 +629,27 @@ def _dkv_tile(
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
     HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):  # fmt: skip
-    """dk [BT, D], dv [BT, E] of key tile i_t: db = v dS^T + dz, dv = b dS."""
-    i_b, i_h = i_bh // H, i_bh % H
+    """dk [BT, D], dv [BT, E] of key tile i_t: db = v dS^T + dz, dv = b dS. VARLEN: b is
+    packed sequence b, its keys by ``cu_ptr`` (a tile past its end returns at once)."""
+    i_h = i_bh % H
+    i_b, k0, T, _ = sequence(cu_ptr, i_bh, H, T, 0, VARLEN)
+    if VARLEN:
+        if i_t * BT >= T:
+            return
     NMT: tl.constexpr = (M + BM - 1) // BM
     o_t = i_t.to(tl.int64) * BT + tl.arange(0, BT)
     o_d, o_e = tl.arange(0, BD), tl.arange(0, BE)
     m_in, m_d, m_e = o_t < T, o_d < D, o_e < E
-    m_t = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
+    m_t = valid_keys(pad_ptr + k0 * stride_pt, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
     b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
     b_sc = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)  # [BD]
-    k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
+    k_base = k_ptr + i_b * stride_kb + i_h * stride_kh + k0 * stride_kt
     b_x = load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, ACC)
     b_xs = b_x * b_sc[None, :]
-    b_v = load_rows(v_ptr + i_b * stride_vb + i_h * stride_vh, o_t, o_e, stride_vt, stride_ve,
-                     m_t, m_e, ACC)  # [BT, BE]  # fmt: skip
+    b_v = load_rows(v_ptr + i_b * stride_vb + i_h * stride_vh + k0 * stride_vt, o_t, o_e,
+                     stride_vt, stride_ve, m_t, m_e, ACC)  # [BT, BE]  # fmt: skip
     b_dx = tl.zeros([BT, BD], dtype=ACC)
     b_dv = tl.zeros([BT, BE], dtype=ACC)
     for i_m in range(0, NMT):
@@ -646,9 +673,9 @@ def _dkv_tile(
         b_dx += b_dxm if FEATURE == 2 else b_dxm + b_dh[:, None] * b_xs  # (rmf: no x~ term)
         # [BT, BM] @ [BM, BE] -> [BT, BE]
         b_dv += product(b_b, b_ds, PRECISION, ACC, FEATURE != 0, FEATURE != 0)
-    store_tile(dk_ptr, i_b, i_h, o_t, o_d, stride_dkb, stride_dkh, stride_dkt, stride_dkd,
+    store_tile(dk_ptr, i_b, i_h, k0 + o_t, o_d, stride_dkb, stride_dkh, stride_dkt, stride_dkd,
                 b_dx * b_sc[None, :], m_in, m_d)  # fmt: skip
-    store_tile(dv_ptr, i_b, i_h, o_t, o_e, stride_dvb, stride_dvh, stride_dvt, stride_dve,
+    store_tile(dv_ptr, i_b, i_h, k0 + o_t, o_e, stride_dvb, stride_dvh, stride_dvt, stride_dve,
                 b_dv, m_in, m_e)  # fmt: skip
 
 
@@ -657,8 +684,8 @@ def _dkv_tile(
 def _bwd_dqkv_kernel(
     q_ptr, k_ptr, v_ptr, w_ptr, pad_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr,
     xi_ptr, s_ptr, z_ptr, mk_ptr, o_ptr, olo_ptr, do_ptr, mq_ptr, den_ptr, ds_ptr, dz_ptr,
-    dq_ptr, dk_ptr, dv_ptr,
-    Tq, Tk, H,
+    dq_ptr, dk_ptr, dv_ptr, cuq_ptr, cuk_ptr,
+    Tq, Tk, H, TR,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
@@ -672,38 +699,39 @@ def _bwd_dqkv_kernel(
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
     HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
-    OUT_LO: tl.constexpr,
+    OUT_LO: tl.constexpr, VARLEN: tl.constexpr,
 ):  # fmt: skip
     """dq of query tile i_t for the first cdiv(Tq, BT) programs of axis 0, dk and dv of key tile
-    i_t - cdiv(Tq, BT) for the rest: one launch for both."""
+    i_t - cdiv(Tq, BT) for the rest: one launch for both (VARLEN: Tq and Tk the longest
+    sequence's, the grid's)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     NQT = tl.cdiv(Tq, BT)
     if i_t < NQT:
         _dq_tile(i_t, i_bh, q_ptr, w_ptr, scale, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
-                 s_ptr, z_ptr, mk_ptr, o_ptr, olo_ptr, do_ptr, mq_ptr, den_ptr, dq_ptr, Tq, H,
-                 stride_qb, stride_qh, stride_qt, stride_qd, stride_wm, stride_wd,
+                 s_ptr, z_ptr, mk_ptr, o_ptr, olo_ptr, do_ptr, mq_ptr, den_ptr, dq_ptr, cuq_ptr,
+                 Tq, H, TR, stride_qb, stride_qh, stride_qt, stride_qd, stride_wm, stride_wd,
                  stride_ob, stride_oh, stride_ot, stride_oe,
                  stride_dob, stride_doh, stride_dot, stride_doe,
                  stride_dqb, stride_dqh, stride_dqt, stride_dqd,
                  D, M, E, BD, BM, BE, BT, FEATURE, PRECISION, ACC, HAS_AB, HAS_PSI, HAS_LAM,
-                 TINY, OUT_LO)  # fmt: skip
+                 TINY, OUT_LO, VARLEN)  # fmt: skip
     else:
         _dkv_tile(i_t - NQT, i_bh, k_ptr, v_ptr, w_ptr, pad_ptr, scale, ab_ptr, psi_ptr, tab_ptr,
-                  xr_ptr, xi_ptr, ds_ptr, dz_ptr, mk_ptr, dk_ptr, dv_ptr, Tk, H,
+                  xr_ptr, xi_ptr, ds_ptr, dz_ptr, mk_ptr, dk_ptr, dv_ptr, cuk_ptr, Tk, H,
                   stride_kb, stride_kh, stride_kt, stride_kd,
                   stride_vb, stride_vh, stride_vt, stride_ve,
                   stride_wm, stride_wd, stride_pb, stride_pt,
                   stride_dkb, stride_dkh, stride_dkt, stride_dkd,
                   stride_dvb, stride_dvh, stride_dvt, stride_dve,
                   D, M, E, BD, BM, BE, BT, HAS_PAD, FEATURE, PRECISION, ACC, HAS_AB, HAS_PSI,
-                  HAS_LAM, TINY)  # fmt: skip
+                  HAS_LAM, TINY, VARLEN)  # fmt: skip
 
 
 @triton.autotune(configs=autotune_configs(), key=KEY, prune_configs_by=PRUNE)
 @triton.jit
 def _bwd_dwk_kernel(
     k_ptr, v_ptr, w_ptr, pad_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
-    ds_ptr, dz_ptr, mk_ptr, dwp_ptr,
+    ds_ptr, dz_ptr, mk_ptr, dwp_ptr, cu_ptr,
     T, H, NUM_SPLITS, t_per_split,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
@@ -712,10 +740,12 @@ def _bwd_dwk_kernel(
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr,
     HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):  # fmt: skip
-    """Partial dW [BM, D] from the keys of one Tk split."""
+    """Partial dW [BM, D] from the keys of one Tk split (VARLEN: as the key pass's)."""
     i_m, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    i_b, i_h = i_bh // H, i_bh % H
+    i_h = i_bh % H
+    i_b, k0, T, _ = sequence(cu_ptr, i_bh, H, T, 0, VARLEN)
     o_d, o_e, o_f = tl.arange(0, BD), tl.arange(0, BE), i_m * BM + tl.arange(0, BM)
     m_d, m_e, m_f = o_d < D, o_e < E, o_f < M
     b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
@@ -725,13 +755,14 @@ def _bwd_dwk_kernel(
     b_ds = tl.load(ds_ptr + i_bh * M * E + o_f[:, None] * E + o_e[None, :],
                    mask=m_f[:, None] & m_e[None, :], other=0.0)  # [BM, BE]  # fmt: skip
     b_dz = tl.load(dz_ptr + i_bh * M + o_f, mask=m_f, other=0.0)  # [BM]
-    k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
-    v_base = v_ptr + i_b * stride_vb + i_h * stride_vh
+    k_base = k_ptr + i_b * stride_kb + i_h * stride_kh + k0 * stride_kt
+    v_base = v_ptr + i_b * stride_vb + i_h * stride_vh + k0 * stride_vt
+    p_pad = pad_ptr + k0 * stride_pt
     b_dw = tl.zeros([BM, BD], dtype=ACC)
     t0 = i_s.to(tl.int64) * t_per_split
-    for t in range(0, t_per_split, BT):
+    for t in range(0, span(t0, t_per_split, T, VARLEN), BT):
         o_t = t0 + t + tl.arange(0, BT)
-        m_t = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
+        m_t = valid_keys(p_pad, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
         b_x = load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, ACC)
         b_xs = b_x * b_sc[None, :]
         b_v = load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_t, m_e, ACC)
@@ -767,37 +798,46 @@ _BWD_PLANS = plan_cache()
 
 
 def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, num_splits, need_dw,
-          *_layout):  # fmt: skip
+          varlen, *_layout):  # fmt: skip
     """What a launcher of one shape derives once (``need_dw``: None for the forward, whether the
-    backward computes dW; ``_layout``: the backward's out and do, in the key only): the setup's
-    sizes and constexprs, the splits over T and the bound launches with their integer
-    arguments."""
+    backward computes dW; ``varlen``: None, or packed sequences' ``(N, longest queries, longest
+    keys, ...)``, :func:`_varlen_key`; ``_layout``: the backward's out and do, in the key only):
+    the setup's sizes and constexprs, the splits over T and the bound launches with their
+    integer arguments."""
     c = launch_setup(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles=gpu_tiles)
     _one_group(c)
     B, H, Tq, Tk, NMT, dev = c.B, c.H, c.Tq, c.Tk, c.NMT, q.device
+    # per (b, h), the rows of the query statistics the backward reads (m_q, den): [B*H, Tq];
+    # packed, [H, total queries] (a sequence's at its offset), and the grids and splits are
+    # those of a batch of N rows of the longest sequence's tokens, whose programs past their
+    # sequence's end return at once (the kernels' VARLEN)
+    TR, rows = Tq, B * H
+    if varlen is not None:
+        (B, Tq, Tk), rows = varlen[:3], H
     # a half output's rounding residual, kept for the backward (``common.store_out``)
     lo = keeps_out_residual(q.dtype)
     p = dict(B=B, H=H, Tq=Tq, Tk=Tk, M=c.M, D=c.D, E=c.E, NMT=NMT, acc=c.acc, root=c.form_ptrs[0],
-             has_pad=c.has_pad, lo=lo)  # fmt: skip
+             has_pad=c.has_pad, lo=lo, varlen=varlen)  # fmt: skip
     pad = c.pad[1:]  # the int32 mask's strides (contiguous), or placeholders
+    flags = dict(VARLEN=varlen is not None, **c.meta)
     if need_dw is None:  # the forward: a key pass split over Tk, a query pass
         splits, per = split_counts(Tk, max(B * H * NMT, 1), dev, num_splits)
         kv = Launch(_fwd_kv_kernel, (NMT, splits, B * H), HAS_PAD=c.has_pad, HAS_MAP=c.has_map,
-                    **c.meta)  # fmt: skip
+                    **flags)  # fmt: skip
         q_, q_lo = (Launch(_fwd_q_kernel, lambda meta: (cdiv(Tq, meta["BT"]), B * H),
-                           HAS_MAP=c.has_map, OUT_LO=x, **c.meta) for x in (False, lo))  # fmt: skip
-        out = (H * Tq * c.E, Tq * c.E, c.E, 1)  # contiguous, made by the launcher
+                           HAS_MAP=c.has_map, OUT_LO=x, **flags) for x in (False, lo))  # fmt: skip
+        out = (H * TR * c.E, TR * c.E, c.E, 1)  # contiguous, made by the launcher
         BH, M, E, n = B * H, c.M, c.E, B * H * splits
         # the splits' partials of S, z, m_K, merged by the last split of each tile
         parts = ((n, M, E), (n, M), (n, M)) if splits > 1 else ()
-        aux = ((BH, M, E), (BH, M), (BH, M), (BH, Tq), (BH, Tq))
+        aux = ((BH, M, E), (BH, M), (BH, M), (rows, TR), (rows, TR))
         return Plan(
             **p, splits=splits, bwd={}, stats={}, aux_shapes=aux, part_shapes=parts,
             aux=Scratch(c.acc, *aux, *parts), parts=Scratch(c.acc, *parts) if parts else None,
             outs=Scratch(c.acc, *aux),
             kv=kv, kv_ints=(Tk, H, splits, per if Tk else 0, *k.stride(), *v.stride(),
                             *c.w.stride(), *pad),
-            q=q_, q_lo=q_lo, q_ints=(Tq, H, *q.stride(), *c.w.stride(), *out),
+            q=q_, q_lo=q_lo, q_ints=(Tq, H, TR, *q.stride(), *c.w.stride(), *out),
         )  # fmt: skip
     check_forward_only(c)
     programs = max(B * H * NMT, 1)  # (no (b, h): the launcher returns before any launch)
@@ -810,13 +850,13 @@ def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, num_spli
         # (with dW: c from the rounded output, as before out_lo: the residual's tile spilled
         # the W_GRAD variant on sm_90, 254 registers -> 255 and 16 stack bytes)
         ds=Launch(_bwd_ds_kernel, (NMT, splits, B * H), W_GRAD=need_dw,
-                  OUT_LO=lo and not need_dw, **c.meta),
-        ds_ints=(Tq, H, splits, per if Tq else 0, *q.stride(), *c.w.stride()),
+                  OUT_LO=lo and not need_dw, **flags),
+        ds_ints=(Tq, H, splits, per if Tq else 0, TR, *q.stride(), *c.w.stride()),
         dqkv=Launch(_bwd_dqkv_kernel, lambda meta: (cdiv(Tq, meta["BT"]) + cdiv(Tk, meta["BT"]),
                                                     B * H), HAS_PAD=c.has_pad, OUT_LO=lo,
-                    **c.meta),
-        dqkv_ints=(Tq, Tk, H, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), *pad),
-        dwk=Launch(_bwd_dwk_kernel, (NMT, ksplits, B * H), HAS_PAD=c.has_pad, **c.meta),
+                    **flags),
+        dqkv_ints=(Tq, Tk, H, TR, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), *pad),
+        dwk=Launch(_bwd_dwk_kernel, (NMT, ksplits, B * H), HAS_PAD=c.has_pad, **flags),
         dwk_ints=(Tk, H, ksplits, kper, *k.stride(), *v.stride(), *c.w.stride(), *pad),
     )  # fmt: skip
 
@@ -835,6 +875,7 @@ def rf_parallel_fwd(
     combine=None,
     backward_plan: bool = False,
     stats=None,
+    packed=None,
 ):
     """Non-causal fused random-feature attention forward.
 
@@ -859,6 +900,14 @@ def rf_parallel_fwd(
             its key pass forms them first, in its launch, before the query pass reads them.
         backward_plan: with ``return_aux``, also return what :func:`rf_parallel_bwd` takes as
             ``plan`` for this call (its plans and the form's arguments, found once here).
+        packed: packed sequences, ``(cu_q, cu_k, max_q, max_k)``: q ``[1, H, total_q, D]``, k
+            and v ``[1, H, total_k, *]`` hold N sequences, sequence i the queries
+            ``cu_q[i] .. cu_q[i + 1]`` and keys ``cu_k[i] .. cu_k[i + 1]`` (int32/int64 tensors of
+            N + 1 offsets on q's device, flash-attention's ``cu_seqlens``, read by the kernels
+            only), each attended on its own; ``max_q``, ``max_k`` at least its longest's lengths
+            (they size the grids). The key padding mask is then ``[1, total_k]``; S, z, m_K are
+            per sequence and head (``[N*H, ...]``), m_q and den ``[H, total_q]``. No statistics
+            (``stats``) nor ``combine``.
 
     Returns:
         ``out [B, H, Tq, E]`` in the input dtype; with ``return_aux`` also
@@ -872,12 +921,13 @@ def rf_parallel_fwd(
     the call's shape (:func:`common.shape_plan`), made at its first call.
     """
     p = shape_plan(_FWD_PLANS, _plan, q, k, v, form, scale, key_padding_mask, precision,
-                   gpu_tiles, num_splits, None)  # fmt: skip
+                   gpu_tiles, num_splits, None, packed and _varlen_key(*packed))  # fmt: skip
     B, H, Tq, E, acc, dev = p.B, p.H, p.Tq, p.E, p.acc, q.device
     # a form made for this call (its statistics formed here) is converted, not kept
     fargs = form_args(form, B, H, H, acc, dev, keep=stats is None)
     w, *ptrs, qmap, kmap = fargs
-    out = torch.empty(B, H, Tq, E, device=dev, dtype=q.dtype)
+    out = torch.empty(*q.shape[:3], E, device=dev, dtype=q.dtype)
+    cu_q, cu_k = packed[:2] if packed else (w, w)  # (placeholders: not read)
     # for the backward only: a half output's rounding residual (``common.store_out``; empty for
     # fp32 / fp64), written by the query pass that OUT_LO compiles it into
     if return_aux:
@@ -914,15 +964,23 @@ def rf_parallel_fwd(
     pad = mask_rows(key_padding_mask) if p.has_pad else w
     kv_args = (k, v, w, pad, p.root, *ptrs, kmap, *parts, s, z, mk)
     if stats is None:
-        p.kv(*kv_args, arrival_counters(dev, B * H * p.NMT), *p.kv_ints)
+        p.kv(*kv_args, arrival_counters(dev, B * H * p.NMT), cu_k, *p.kv_ints)
     else:  # the stats roles first, then the key-pass roles
         counters = arrival_counters(dev, B * H * p.NMT + key_pass_counters(B * H))
         kp.kv(*kv_args, counters, *p.kv_ints, *key_pass_arguments(stats, kp.extra, q, *bufs))
     if combine is not None:
         s, z, mk = (aligned(x.contiguous()) for x in combine(s, z, mk))
     if Tq:
-        qpass(q, w, p.root, *ptrs, qmap, s, z, mk, out, lo_ptr, mq, den, *p.q_ints)
+        qpass(q, w, p.root, *ptrs, qmap, s, z, mk, out, lo_ptr, mq, den, cu_q, *p.q_ints)
     return _returned(out, (s, z, mk, mq, den, olo), kept, return_aux, backward_plan, p, fargs)
+
+
+def _varlen_key(cu_q, cu_k, max_q: int, max_k: int) -> tuple:
+    """What a plan of packed sequences (``rf_parallel_fwd``'s ``packed``) derives from and
+    Triton specialises on: ``(N, max_q, max_k)``, then the offsets' dtypes and 16-byte
+    alignment."""
+    return (cu_q.shape[0] - 1, max_q, max_k, cu_q.dtype, cu_k.dtype, cu_q.data_ptr() % 16,
+            cu_k.data_ptr() % 16)  # fmt: skip
 
 
 def _stats_plan(p, stats, q, k) -> Plan:
@@ -932,11 +990,14 @@ def _stats_plan(p, stats, q, k) -> Plan:
     key = key_pass_key(stats)
     sp = p.stats.get(key)
     if sp is None:
+        if p.varlen is not None:
+            raise NotImplementedError("packed sequences with statistics formed in the key pass")
         extra = key_pass_plan(stats, q, k, p.B, p.H, p.D, p.acc)
         kernel = _fwd_kv_running_kernel if stats.running is not None else _fwd_kv_stats_kernel
         n = extra["roles"] + p.NMT * p.splits * p.B * p.H
+        kw = {name: x for name, x in p.kv.kwargs.items() if name != "VARLEN"}
         sp = p.stats[key] = Plan(
-            kv=Launch(kernel, (n,), **p.kv.kwargs, **extra["meta"]), extra=extra,
+            kv=Launch(kernel, (n,), **kw, **extra["meta"]), extra=extra,
             aux=Scratch(p.acc, *p.aux_shapes, *p.part_shapes, *extra["buffers"]),
             parts=Scratch(p.acc, *p.part_shapes, *extra["buffers"]),
         )  # fmt: skip
@@ -969,6 +1030,7 @@ def rf_parallel_bwd(
     gpu_tiles: bool | None = None,
     reduce_ds=None,
     plan=None,
+    packed=None,
 ):
     """Backward of :func:`rf_parallel_fwd`: features recomputed, offsets from the forward.
 
@@ -983,6 +1045,7 @@ def rf_parallel_bwd(
             this process's share.
         plan: what the forward of these inputs returned with ``backward_plan`` (the out it
             made, num_splits as given to it): the plan is then found from there.
+        packed: as given to the forward.
 
     Returns:
         ``(dq, dk, dv, dw)``; ``dw`` is None unless ``need_dw`` (then ``[F, D]`` in w's dtype).
@@ -996,11 +1059,12 @@ def rf_parallel_bwd(
         p = fwd.bwd.get(layout)
         if p is None:
             p = fwd.bwd[layout] = _plan(q, k, v, form, scale, key_padding_mask, precision,
-                                        gpu_tiles, num_splits, need_dw)  # fmt: skip
+                                        gpu_tiles, num_splits, need_dw, fwd.varlen)  # fmt: skip
     else:  # the strides and alignment of out and do are the plan's too (Triton specialises)
         p = shape_plan(_BWD_PLANS, _plan, q, k, v, form, scale, key_padding_mask, precision,
-                       gpu_tiles, num_splits, need_dw, out.stride(), do.stride(),
-                       out.data_ptr() % 16, do.data_ptr() % 16)  # fmt: skip
+                       gpu_tiles, num_splits, need_dw, packed and _varlen_key(*packed),
+                       out.stride(), do.stride(), out.data_ptr() % 16,
+                       do.data_ptr() % 16)  # fmt: skip
         fargs = None
     B, H, Tq, Tk, M, D, acc, dev = p.B, p.H, p.Tq, p.Tk, p.M, p.D, p.acc, q.device
     addresses = p.ds.direct is not None and p.dqkv.direct is not None and \
@@ -1020,6 +1084,7 @@ def rf_parallel_bwd(
         return dq, dk, dv, (torch.zeros(M, D, device=dev, dtype=form.w.dtype) if need_dw else None)
     tails = backward_strides(p, out, do, dq, dk, dv)
     w, *ptrs, _, _ = fargs or form_args(form, B, H, H, acc, dev)
+    cu_q, cu_k = packed[:2] if packed else (w, w)  # (placeholders: not read)
     splits, ksplits = p.splits, p.ksplits
     # dS, dz and the splits' partials of them (summed by the last split of each tile): scratch,
     # or tensors for reduce_ds (ws: the scratch's allocation, held until the launches are issued)
@@ -1029,16 +1094,17 @@ def rf_parallel_bwd(
     dw_part = torch.empty(B * H * (splits + ksplits), M, D, device=dev, dtype=acc) \
         if need_dw else ds  # fmt: skip
     p.ds(q, w, p.root, *ptrs, s, z, mk, out, olo, do, mq, den, ds_part, dz_part, dw_part, ds, dz,
-         arrival_counters(dev, B * H * p.NMT), *p.ds_ints, *tails[0])  # fmt: skip
+         arrival_counters(dev, B * H * p.NMT), cu_q, *p.ds_ints, *tails[0])  # fmt: skip
     if reduce_ds is not None:
         ds, dz = (aligned(x.contiguous()) for x in reduce_ds(ds, dz))
     pad = mask_rows(key_padding_mask) if p.has_pad else w
     if Tq or Tk:
         p.dqkv(q, k, v, w, pad, p.root, *ptrs, s, z, mk, out, olo, do, mq, den, ds, dz, dq, dk, dv,
-               *p.dqkv_ints, *tails[1])  # fmt: skip
+               cu_q, cu_k, *p.dqkv_ints, *tails[1])  # fmt: skip
     if not need_dw:
         return dq, dk, dv, None
     if ksplits:
-        p.dwk(k, v, w, pad, p.root, *ptrs, ds, dz, mk, dw_part[B * H * splits :], *p.dwk_ints)
+        p.dwk(k, v, w, pad, p.root, *ptrs, ds, dz, mk, dw_part[B * H * splits :], cu_k,
+              *p.dwk_ints)  # fmt: skip
     # both sides' partials in one fixed-order torch sum (learnable W only)
     return dq, dk, dv, dw_part.sum(0).to(form.w.dtype)

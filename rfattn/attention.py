@@ -242,6 +242,8 @@ def run(call: Call):
             from rfattn import distributed
 
             return distributed.packed_sharded(call, run)
+        if runs_fused(call.q, call.rf, False, call.backend) and fused.packed_reason(call) is None:
+            return _packed_fused(call)
         if call.max_seqlen is not None:
             return _packed_padded(call)
         return _packed(call)
@@ -323,6 +325,17 @@ def _packed(call: Call):
     if not call.return_state:
         return out
     return out, type(states[0])(*(torch.cat(p, dim=0) for p in zip(*states, strict=True)))
+
+
+def _packed_fused(call: Call):
+    """A packed call on the kernels with its offsets (:func:`rfattn.fused.packed`): one launch
+    per pass for every sequence, no padding, no copy; padded queries read as 0 and given output
+    0 (as :func:`run` gives them); running statistics then move once, from the whole row."""
+    qpm = call.query_padding_mask
+    q = call.q if qpm is None else padded_rows(call.q, qpm)
+    out = fused.packed(dataclasses.replace(call, q=q, maps=call.rf.map_tensors(q, call.k)))
+    torch_path.move_statistics(call)
+    return out if qpm is None else padded_rows(out, qpm)
 
 
 def _packed_padded(call: Call):

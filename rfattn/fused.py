@@ -21,7 +21,7 @@ from rfattn.stats import Moments, running_moments
 from rfattn.weights import WEIGHTED_WEIGHTS
 
 __all__ = ["attend", "hybrid", "hybrid_in_torch", "hybrid_reason", "kernel_form", "constant_form",
-           "kept_form", "Kept"]
+           "kept_form", "Kept", "packed", "packed_reason"]
 
 
 def attend(call: Call, gpu_tiles=None):
@@ -90,6 +90,60 @@ def attend(call: Call, gpu_tiles=None):
                                       gpu_tiles=gpu_tiles,
                                       return_state=call.return_state)  # fmt: skip
     return (out, RFState(s, z, off)) if call.return_state else out
+
+
+def packed_reason(call: Call) -> str | None:
+    """Why a packed call (``cu_seqlens``) does not run on the kernels with its offsets
+    themselves (:func:`packed`), or None. Those that do not run as batches of sequences
+    (``rfattn.attention``)."""
+    from rfattn import ops
+
+    rf, q = call.rf, call.q
+    if call.causal or call.window or call.sinks or call.group is not None:
+        return "the offsets in the kernels: non-causal calls of one process so far"
+    if q.shape[1] != call.k.shape[1] or q.shape[1] == 0:
+        return "grouped-query heads (or none)"
+    if ops.on_torch(q) or torch.compiler.is_compiling():
+        return "eager calls on the Triton kernels only"
+    reason = no_kernel_reason(rf, False)
+    if reason is not None:
+        return reason
+    fm = rf.feature_map
+    if learns_gerf_a(rf) or getattr(fm, "uses_batch_moments", None) and \
+            fm.uses_batch_moments(False, False):  # fmt: skip
+        return "statistics per sequence, or a learnable gerf_A"
+    return None
+
+
+def packed(call: Call, gpu_tiles=None) -> torch.Tensor:
+    """The output of a packed non-causal call (:func:`packed_reason` None) on the kernels
+    with its offsets: every sequence in one launch of each pass, sequence i a batch row of the
+    kernels (its queries and keys found by the offsets, programs past its end returning at
+    once), no padding and no copy. Offsets read on the host (no ``max_seqlen``) go to the
+    device once for the kernels; with ``max_seqlen`` they are already there and it sizes the
+    grids. Head maps as :func:`attend` applies them; running statistics are read as they
+    stand (the caller moves them once, from the whole row)."""
+    from rfattn import ops
+
+    rf = call.rf
+    grad = False
+    if torch.is_grad_enabled():
+        for x in (call.q, call.k, call.v, rf.weight, *(call.maps or ())):
+            grad = grad or x is not None and x.requires_grad
+    if grad and call.maps is not None:
+        call = call.with_maps_applied()
+    q, k = call.q, call.k
+    form = kernel_form(rf, q, k, call.key_padding_mask, call.scale, False,
+                       call.query_padding_mask, maps=call.maps, update=False)  # fmt: skip
+    oq, ok = call.packed
+    if isinstance(oq, torch.Tensor):
+        cu_q, cu_k, lq, lk = oq, ok, call.max_seqlen, call.max_seqlen
+    else:
+        cu_q = torch.tensor(oq, device=q.device)
+        cu_k = cu_q if ok is oq else torch.tensor(ok, device=q.device)
+        lq, lk = (max(o[i + 1] - o[i] for i in range(len(o) - 1)) for o in (oq, ok))
+    return ops.rf_parallel(q, k, call.v, form, call.scale, call.key_padding_mask,
+                           gpu_tiles=gpu_tiles, packed=(cu_q, cu_k, lq, lk))  # fmt: skip
 
 
 def hybrid_reason(call: Call) -> str | None:

@@ -347,17 +347,18 @@ class _Parallel(torch.autograd.Function):
     ``return_aux``), so it looks nothing up by shape."""
 
     @staticmethod
-    def forward(ctx, q, k, v, w, form, scale, mask, precision, gpu_tiles, stats):
+    def forward(ctx, q, k, v, w, form, scale, mask, precision, gpu_tiles, stats, packed):
         if on_torch(q):
             out, *aux = _torch_parallel(q, k, v, form, scale, mask)
             bwd = None
         else:
             out, aux, bwd = rf_parallel_kernels.rf_parallel_fwd(
                 q, k, v, form, scale, mask, precision, return_aux=True, gpu_tiles=gpu_tiles,
-                backward_plan=True, stats=stats,
+                backward_plan=True, stats=stats, packed=packed,
             )  # fmt: skip
         ctx.save_for_backward(q, k, v, w, mask, out, *aux)
         ctx.form, ctx.scale, ctx.opts, ctx.plan = form, scale, (precision, gpu_tiles), bwd
+        ctx.packed = packed
         return out
 
     @staticmethod
@@ -377,17 +378,21 @@ class _Parallel(torch.autograd.Function):
         else:
             dq, dk, dv, dw = rf_parallel_kernels.rf_parallel_bwd(
                 d_out, q, k, v, form, ctx.scale, out, aux, mask, *ctx.opts[:1], need_dw=need_dw,
-                gpu_tiles=ctx.opts[1], plan=ctx.plan,
+                gpu_tiles=ctx.opts[1], plan=ctx.plan, packed=ctx.packed,
             )  # fmt: skip
-        return dq, dk, dv, dw, None, None, None, None, None, None
+        return dq, dk, dv, dw, None, None, None, None, None, None, None
 
 
 def rf_parallel(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, precision=None,
-                gpu_tiles=None, stats=None) -> torch.Tensor:  # fmt: skip
+                gpu_tiles=None, stats=None, packed=None) -> torch.Tensor:  # fmt: skip
     """Fused non-causal attention of the kernel form ``form`` (``rfattn::parallel``); see
     ``rfattn.kernels.rf_parallel.rf_parallel_fwd`` for the arguments (``stats``: the statistics
-    a form from ``rfattn.fused.kernel_form(..., defer=True)`` leaves to the key pass; eager
-    calls only). Gradients reach q, k, v and ``form.w``."""
+    a form from ``rfattn.fused.kernel_form(..., defer=True)`` leaves to the key pass;
+    ``packed``: packed sequences' offsets and longest lengths; both eager calls on the Triton
+    kernels only). Gradients reach q, k, v and ``form.w``."""
+    if packed is not None and (torch.compiler.is_compiling() or on_torch(q)):
+        raise NotImplementedError("packed sequences on the kernels themselves: eager calls on "
+                                  "the Triton kernels only")  # fmt: skip
     if torch.compiler.is_compiling():
         return _parallel(q, k, v, *flat_form(form), scale, key_padding_mask, precision,
                          gpu_tiles)[0]  # fmt: skip
@@ -395,11 +400,12 @@ def rf_parallel(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, 
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or
                                     w.requires_grad):  # fmt: skip
         return apply(_Parallel, q, k, v, w, form, scale, key_padding_mask, precision, gpu_tiles,
-                     stats)  # fmt: skip
+                     stats, packed)  # fmt: skip
     if on_torch(q):  # no gradient follows: the operator's body, on the form itself
         return _torch_parallel(q, k, v, form, scale, key_padding_mask)[0]
     return rf_parallel_kernels.rf_parallel_fwd(q, k, v, form, scale, key_padding_mask, precision,
-                                               gpu_tiles=gpu_tiles, stats=stats)  # fmt: skip
+                                               gpu_tiles=gpu_tiles, stats=stats,
+                                               packed=packed)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------

@@ -577,3 +577,140 @@ def test_max_seqlen_goes_along_under_autocast():
             pytest.raises(RuntimeError, match="longer than max_seqlen=4"):  # fmt: skip
         rfattn.rf_attention(q, k, v, rf, causal=True, cu_seqlens=torch.tensor([0, 2, 7]),
                             max_seqlen=4, backend="torch")  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------
+# the non-causal kernels with the offsets themselves (rfattn.fused.packed): every sequence in
+# one launch of each pass, no padding
+
+
+def _kernel_rf(feature, device):
+    """A RandomFeatures of ``feature`` on ``device`` in eval mode (oprf: running statistics that
+    have moved once, so its parameters are per head and not the defaults)."""
+    if feature == "oprf":
+        rf = rfattn.RandomFeatures(D, M, "oprf", seed=0, stats="running").double()
+        with torch.no_grad():
+            rfattn.rf_attention(*leaves((40,), heads=HK, seed=20), rf, backend="torch")
+        return rf.to(device).eval()
+    weights = {"weights": "rademacher"} if feature == "rmf" else {}
+    return rfattn.RandomFeatures(D, M, feature, seed=0, **weights).double().to(device).eval()
+
+
+def _spy_packed(monkeypatch) -> list:
+    """Record each call that runs on the kernels with its offsets."""
+    from rfattn import fused
+
+    calls, real = [], fused.packed
+    monkeypatch.setattr(fused, "packed", lambda call, *a: calls.append(call) or real(call, *a))
+    return calls
+
+
+#: every feature form with each way of giving the offsets; one of each form in make test (the
+#: interpreter: ~3 s a case), every pair in make test-slow
+KERNEL_CASES = [
+    pytest.param(f, o, id=f"{f}-{o}", marks=() if (f, o) in (
+        ("posrf", "host"), ("trigrf", "cross"), ("rmf", "max_seqlen"), ("oprf", "host"))
+        else pytest.mark.slow)
+    for f in ("posrf", "trigrf", "rmf", "oprf") for o in ("host", "max_seqlen", "cross")
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("feature,offsets_on", KERNEL_CASES)
+def test_kernel_offsets_equal_separate_calls(feature, offsets_on, kernel_device, monkeypatch):
+    """Non-causal packed calls on the kernels with the offsets (every fused feature form: the
+    GERF family, signed tables, rmf, oprf's per-head parameters; offsets read on the host, on
+    the device with ``max_seqlen``, and cross-attention with ``cu_seqlens_q/k``): outputs and
+    the gradients of q, k, v and W equal separate fused calls of each sequence (float64, to
+    rounding), empty sequences and sequences without keys included; one call of the kernels
+    takes the whole row."""
+    rf = _kernel_rf(feature, kernel_device)
+    ql = (0, 1, 5, 17, 6, 16)
+    kl = (3, 0, 7, 17, 1, 9) if offsets_on == "cross" else ql
+    q, k, v = (x.detach().to(kernel_device).requires_grad_()
+               for x in leaves(ql, heads=HK, kv_lengths=kl))  # fmt: skip
+    cq, ck = offsets(ql).to(kernel_device), offsets(kl, torch.int64).to(kernel_device)
+    kw = dict(cu_seqlens=cq) if offsets_on != "cross" else dict(cu_seqlens_q=cq, cu_seqlens_k=ck)
+    if offsets_on == "max_seqlen":
+        kw["max_seqlen"] = 20
+    calls = _spy_packed(monkeypatch)
+    packed = rfattn.rf_attention(q, k, v, rf, backend="triton", **kw)
+    assert len(calls) == 1
+    sep = separate(q, k, v, rf, cq.tolist(), ck.tolist(), False, backend="triton")
+    w = [rf.weight] if rf.weight.requires_grad and feature != "rmf" else []
+    assert_same(packed, sep, (q, k, v, *w))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [f64, torch.bfloat16])
+def test_kernel_offsets_awkward_lengths(dtype, kernel_device, monkeypatch):
+    """The kernels with the offsets at lengths {0, 1, 63, 64, 65, 257} (tiles and splits that
+    end inside and at a sequence's end), with a key padding mask, padded queries and head
+    maps: outputs and gradients equal separate fused calls (bfloat16 too: the half policy's
+    rounding is per token, so the packed row rounds as the separate calls do)."""
+    rf = rfattn.RandomFeatures(D, M, "posrf", seed=0).double().to(kernel_device).eval()
+    lengths = (64, 0, 1, 257, 63, 65)
+    q, k, v = (x.detach().to(kernel_device, dtype).requires_grad_()
+               for x in leaves(lengths, heads=HK))  # fmt: skip
+    cu = offsets(lengths).to(kernel_device)
+    T = sum(lengths)
+    kpm = (torch.arange(T) % 7 == 3)[None].to(kernel_device)
+    qpm = (torch.arange(T) % 5 == 1)[None].to(kernel_device)
+    calls = _spy_packed(monkeypatch)
+    packed = rfattn.rf_attention(q, k, v, rf, backend="triton", cu_seqlens=cu,
+                                 key_padding_mask=kpm, query_padding_mask=qpm)  # fmt: skip
+    assert len(calls) == 1
+    outs = []
+    for i in range(len(lengths)):
+        s = slice(int(cu[i]), int(cu[i + 1]))
+        outs.append(rfattn.rf_attention(q[:, :, s], k[:, :, s], v[:, :, s], rf, backend="triton",
+                                        key_padding_mask=kpm[:, s],
+                                        query_padding_mask=qpm[:, s]))  # fmt: skip
+    sep = torch.cat(outs, dim=2)
+    torch.testing.assert_close(packed, sep, rtol=0, atol=0)
+    for a, b in zip(grads(packed, (q, k, v)), grads(sep, (q, k, v)), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12 if dtype == f64 else 0, atol=1e-12)
+
+
+def test_kernel_offsets_junk_reaches_no_other_sequence(kernel_device, monkeypatch):
+    """NaN and 1e30 in one sequence's q, k and v on the kernels with the offsets: the other
+    sequences' outputs and gradients are those of the clean row, bit for bit."""
+    rf = rfattn.RandomFeatures(D, M, "posrf", seed=0).double().to(kernel_device).eval()
+    lengths = (6, 7, 5)
+    cu = offsets(lengths).to(kernel_device)
+    calls = _spy_packed(monkeypatch)
+    res = []
+    for junk in (None, float("nan"), 1e30):
+        q, k, v = (x.detach().to(kernel_device).requires_grad_()
+                   for x in leaves(lengths, heads=HK))  # fmt: skip
+        if junk is not None:
+            with torch.no_grad():
+                for x in (q, k, v):
+                    x[:, :, 6:13:2] = junk
+        out = rfattn.rf_attention(q, k, v, rf, cu_seqlens=cu, backend="triton")
+        res.append((out, grads(out, (q, k, v))))
+    assert len(calls) == 3
+    keep = torch.tensor([True] * 6 + [False] * 7 + [True] * 5, device=kernel_device)
+    for out, gs in res[1:]:
+        assert torch.equal(out[:, :, keep], res[0][0][:, :, keep])
+        for g, g0 in zip(gs, res[0][1], strict=True):
+            assert torch.equal(g[:, :, keep], g0[:, :, keep])
+
+
+def test_kernel_offsets_move_running_statistics_once(kernel_device, monkeypatch):
+    """oprf with running statistics in training on the kernels with the offsets: the sequences
+    read the buffers as they stand and the call moves them once, from the whole row's valid
+    tokens (as the torch path's packed call does)."""
+    rf = _kernel_rf("oprf", kernel_device).train()
+    ref = copy.deepcopy(rf).cpu()
+    lengths = (0, 3, 6, 4)
+    q, k, v = (x.detach() for x in leaves(lengths, heads=HK))
+    cu = offsets(lengths)
+    calls = _spy_packed(monkeypatch)
+    with torch.no_grad():
+        out = rfattn.rf_attention(*(x.to(kernel_device) for x in (q, k, v)), rf,
+                                  cu_seqlens=cu.to(kernel_device), backend="triton")  # fmt: skip
+        expect = rfattn.rf_attention(q, k, v, ref, cu_seqlens=cu, backend="torch")
+    assert len(calls) == 1
+    torch.testing.assert_close(out.cpu(), expect, rtol=1e-10, atol=1e-12)
+    for name, a in ref.feature_map.named_buffers():
+        torch.testing.assert_close(dict(rf.feature_map.named_buffers())[name].cpu(), a, msg=name)
