@@ -1354,6 +1354,14 @@ def shape_plan(plans: dict, build, q, k, v, form, scale: float, key_padding_mask
     return plan
 
 
+def varlen_key(cu_q, cu_k, max_q: int, max_k: int) -> tuple:
+    """What a launcher's plan for packed sequences (its ``packed``: ``(cu_q, cu_k, max_q,
+    max_k)``) derives from and Triton specialises on: ``(N, max_q, max_k)``, then the offsets'
+    dtypes and 16-byte alignment."""
+    return (cu_q.shape[0] - 1, max_q, max_k, cu_q.dtype, cu_k.dtype, cu_q.data_ptr() % 16,
+            cu_k.data_ptr() % 16)  # fmt: skip
+
+
 def mask_rows(key_padding_mask: torch.Tensor) -> torch.Tensor:
     """The key padding mask as the kernels read it: int32 ``[B, Tk]``, contiguous (a new tensor:
     aligned)."""

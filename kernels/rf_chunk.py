@@ -107,6 +107,16 @@ Limits as ``rf_parallel`` (fp32/fp16/bf16/fp64, any D, E, M, T); Tq == Tk; learn
 not supported here (``rf_attention`` routes it to the torch path). No chunk's state is kept
 in memory: the segments' carries take ``NS M E`` accumulator floats per (b, h), NS <= 8.
 Reference: ``rfattn.reference.linear_attention(causal=True)`` on ``RandomFeatures.features``.
+
+Packed sequences (``VARLEN``, ``rf_chunk_fwd``'s ``packed``): q, k, v ``[1, H, total, .]`` and
+b in every grid is sequence b (``_span``): its chunks start at its first token, so none crosses
+a boundary; the segments, the carries and the walk offsets ``r`` are laid out for the longest
+sequence (NC chunks), and a walk takes its segment's chunks before its sequence's end NC_b (a
+segment past it none: the empty sum, which the carries' log-sum-exp weighs 0); the offset at
+boundary NC_b is written by the segment it falls in (``_segment``: an empty one writes the
+empty offset, and the carry into it, read beside it, holds the sequence's) and every boundary
+read is clipped to NC_b, so nothing past the sequence is read or written. The rows m_q, den,
+m_j are ``[H * G, total]`` and ``[H, total]``, at the sequence's offset.
 """
 
 from __future__ import annotations
@@ -145,12 +155,14 @@ from .common import (
     query_rows,
     ratio,
     round_half,
+    sequence,
     shape_plan,
     sq_norms,
     store_offset,
     store_out,
     store_tile,
     valid_keys,
+    varlen_key,
 )
 from .stats import chunk_stats_arguments, running_params, running_update, stats_item, store_params
 
@@ -176,6 +188,23 @@ def _segment(i_c, NS, CPS):
 
 
 @triton.jit
+def _span(cu_ptr, i_bh, H, T, TR, NC, BT: tl.constexpr, VARLEN: tl.constexpr):
+    """Where (b, h) ``i_bh``'s tokens lie (``common.sequence``): ``(row, first, length, chunks,
+    index, stride)``, its per-token statistics (m_q, den, m_j) at ``(index G + g) stride +
+    first + t`` (G = 1 for a key head's). Without VARLEN ``(b, 0, T, NC, i_bh, T)``; with
+    VARLEN packed sequence b, its chunks ``cdiv(length, BT)`` (NC, the longest's, then sizes
+    the walks' arrays only) and its statistics in ``[heads, TR]`` at its offset."""
+    if VARLEN:
+        row, first, length, _ = sequence(cu_ptr, i_bh, H, T, TR, True)
+        nc = tl.cdiv(length, BT)
+        index = i_bh % H
+        stride = TR
+    else:
+        row, first, length, nc, index, stride = i_bh // H, 0, T, NC, i_bh, T
+    return row, first, length, nc, index, stride
+
+
+@triton.jit
 def _prefix_offset(r_ptr, gr_ptr, i_bh, i_c, NC, NS, CPS, NR: tl.constexpr, BP: tl.constexpr):
     """R_{c-1}, the offset at chunk boundary c (0 .. NC): the max over the states kernel's NR
     feature tiles of their own offsets there, each the larger of the carry into c's segment's
@@ -194,7 +223,7 @@ def _prefix_offset(r_ptr, gr_ptr, i_bh, i_c, NC, NS, CPS, NR: tl.constexpr, BP: 
 def _chunk_states_kernel(
     k_ptr, v_ptr, w_ptr, pad_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
     kmap_ptr, s0_ptr, z0_ptr, r0_ptr, r_ptr, gs_ptr, gz_ptr, gr_ptr, sT_ptr, zT_ptr, rT_ptr,
-    arrive_ptr,
+    arrive_ptr, cu_ptr,
     T, H, BH, NC, NS, CPS,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
@@ -210,7 +239,7 @@ def _chunk_states_kernel(
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
     HAS_MAP: tl.constexpr, HAS_INIT: tl.constexpr, PLAIN: tl.constexpr, FINAL: tl.constexpr,
     OFFSETS: tl.constexpr, STATS: tl.constexpr, HAS_QPAD: tl.constexpr, FORM: tl.constexpr,
-    BB: tl.constexpr, RACC: tl.constexpr,
+    BB: tl.constexpr, RACC: tl.constexpr, VARLEN: tl.constexpr,
 ):  # fmt: skip
     """Programs ``0 .. NSTAT - 1`` (STATS): stats roles, the running statistics' work items
     (``stats.stats_item``); the others: one feature tile's walk over one segment's chunks (in
@@ -255,11 +284,11 @@ def _chunk_states_kernel(
         _walk_sums(
             i_m, i_g, i_bh, b_ca, b_cb, b_cd, b_sc, k_ptr, v_ptr, w_ptr, pad_ptr, tab_ptr, xr_ptr,
             xi_ptr, kmap_ptr, s0_ptr, z0_ptr, r0_ptr, r_ptr, gs_ptr, gz_ptr, gr_ptr, sT_ptr,
-            zT_ptr, rT_ptr, arrive_ptr, T, H, BH, NC, NS, CPS,
+            zT_ptr, rT_ptr, arrive_ptr, cu_ptr, T, H, BH, NC, NS, CPS,
             stride_kb, stride_kh, stride_kt, stride_kd, stride_vb, stride_vh, stride_vt,
             stride_ve, stride_wm, stride_wd, stride_pb, stride_pt,
             D, M, E, BD, BM, BE, BT, BP, HAS_PAD, FEATURE, PRECISION, ACC, HAS_LAM, TINY,
-            HAS_MAP, HAS_INIT, PLAIN, FINAL, OFFSETS)  # fmt: skip
+            HAS_MAP, HAS_INIT, PLAIN, FINAL, OFFSETS, VARLEN)  # fmt: skip
     if STATS:
         if last_to_arrive(arrive_ptr + BH * (NMT + 2), NSTAT + NMT * NS * BH):  # the last
             running_update(mom_ptr, run_mean, run_sq, run_abs, run_min, nbt_ptr, BH, D, keep,
@@ -270,7 +299,7 @@ def _chunk_states_kernel(
 def _walk_sums(
     i_m, i_g, i_bh, b_ca, b_cb, b_cd, b_sc,
     k_ptr, v_ptr, w_ptr, pad_ptr, tab_ptr, xr_ptr, xi_ptr, kmap_ptr, s0_ptr, z0_ptr, r0_ptr,
-    r_ptr, gs_ptr, gz_ptr, gr_ptr, sT_ptr, zT_ptr, rT_ptr, arrive_ptr,
+    r_ptr, gs_ptr, gz_ptr, gr_ptr, sT_ptr, zT_ptr, rT_ptr, arrive_ptr, cu_ptr,
     T, H, BH, NC, NS, CPS,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_ve,
@@ -279,22 +308,26 @@ def _walk_sums(
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr,
     HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_LAM: tl.constexpr, TINY: tl.constexpr, HAS_MAP: tl.constexpr, HAS_INIT: tl.constexpr,
-    PLAIN: tl.constexpr, FINAL: tl.constexpr, OFFSETS: tl.constexpr,
+    PLAIN: tl.constexpr, FINAL: tl.constexpr, OFFSETS: tl.constexpr, VARLEN: tl.constexpr,
 ):  # fmt: skip
     """The walk of feature tile i_m over segment i_g of (b, h) i_bh with the (b, h)'s
     (A, B, log D) and key input scale ``b_sc`` [BD] (:func:`_chunk_states_kernel`): the
-    segment's sum, and with OFFSETS the walk's offset before each chunk (``r``)."""
-    i_b, i_h = i_bh // H, i_bh % H
+    segment's sum, and with OFFSETS the walk's offset before each chunk (``r``). VARLEN:
+    (b, h)'s sequence by :func:`_span`, the walk's chunks those of its segment before the
+    sequence's end (none past it: the empty sum)."""
+    i_h = i_bh % H
+    i_b, t0, T, NCn, _, _ = _span(cu_ptr, i_bh, H, T, 0, NC, BT, VARLEN)
     NMT: tl.constexpr = (M + BM - 1) // BM
     o_d, o_e, o_f = tl.arange(0, BD), tl.arange(0, BE), i_m * BM + tl.arange(0, BM)
     m_d, m_e, m_f = o_d < D, o_e < E, o_f < M
     m_fe = m_f[:, None] & m_e[None, :]
     o_fe = o_f[:, None] * E + o_e[None, :]
     b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
-    k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
-    v_base = v_ptr + i_b * stride_vb + i_h * stride_vh
+    k_base = k_ptr + i_b * stride_kb + i_h * stride_kh + t0 * stride_kt
+    v_base = v_ptr + i_b * stride_vb + i_h * stride_vh + t0 * stride_vt
+    p_pad = pad_ptr + t0 * stride_pt
     c0 = i_g * CPS
-    c1 = tl.minimum(c0 + CPS, NC)
+    c1 = tl.minimum(c0 + CPS, NCn)
     b_r = load_offset(r0_ptr, PLAIN, False, ACC)  # the empty state's
     b_s = tl.zeros([BM, BE], dtype=ACC)
     b_z = tl.zeros([BM], dtype=ACC)
@@ -303,7 +336,7 @@ def _walk_sums(
             tl.store(r_ptr + (i_bh * (NC + 1) + i_c) * NMT + i_m, b_r)
         # chunk c's keys: features of this tile [BT, BM], the offset raised to their max
         o_t = (i_c * BT + tl.arange(0, BT)).to(tl.int64)
-        m_t = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
+        m_t = valid_keys(p_pad, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
         b_v = load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_t, m_e, ACC)  # padded: unread
         b_x = load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_t, m_d, kmap_ptr, i_h, D, BT,
                           BD, HAS_MAP, PRECISION, ACC)  # fmt: skip
@@ -320,7 +353,10 @@ def _walk_sums(
         b_z = b_z * b_alpha + tl.sum(b_p, axis=0)
         b_r = b_rn
     if OFFSETS:
-        if c1 == NC:  # the boundary after the last chunk (others open the next segment)
+        if VARLEN:  # the boundary after the sequence's last chunk: its segment's (_segment)
+            if i_g == _segment(NCn, NS, CPS):
+                tl.store(r_ptr + (i_bh * (NC + 1) + NCn) * NMT + i_m, b_r)
+        elif c1 == NC:  # the boundary after the last chunk (others open the next segment)
             tl.store(r_ptr + (i_bh * (NC + 1) + NC) * NMT + i_m, b_r)
     # the segment's sum in its own slot, where its carry (the state before it) will be
     p_g = i_bh * NS + i_g
@@ -385,11 +421,12 @@ def _chunk_out_kernel(
     stride_vb, stride_vh, stride_vt, stride_ve,
     stride_wm, stride_wd, stride_pb, stride_pt,
     stride_ob, stride_oh, stride_ot, stride_oe,
+    cu_ptr, TR,
     D: tl.constexpr, M: tl.constexpr, E: tl.constexpr,
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr,
     HAS_PAD: tl.constexpr, FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
-    HAS_MAP: tl.constexpr, OUT_LO: tl.constexpr, HAS_EX: tl.constexpr,
+    HAS_MAP: tl.constexpr, OUT_LO: tl.constexpr, HAS_EX: tl.constexpr, VARLEN: tl.constexpr,
 ):  # fmt: skip
     """The walk of segment i_g of key/value head (b, h) over its chunks: out [BT, E] of each
     chunk for the G query heads from the state before it (the segment's carry slot, each
@@ -403,9 +440,10 @@ def _chunk_out_kernel(
     adds log N), both sides at the larger of ``eex`` and the row's mq_i + r_i; the saved den
     stays at mq_i + r_i (inf where the exact terms outweigh the features past fp range: their
     cotangents are then 0), and ``wex`` gets the exact terms' cotangent factor
-    exp(eex - c_i) / den_i."""
+    exp(eex - c_i) / den_i. VARLEN: (b, h)'s sequence by :func:`_span`."""
     i_g, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    i_b, i_h = i_bh // H, i_bh % H
+    i_h = i_bh % H
+    i_b, t0, T, NCn, i_rb, RS = _span(cu_ptr, i_bh, H, T, TR, NC, BT, VARLEN)
     NMT: tl.constexpr = (M + BM - 1) // BM
     # under the half policy the rows and values stay in the input dtype (exact: every product
     # rounds its operands to it), half the registers of fp32 tiles; mapped rows are fp32
@@ -417,15 +455,16 @@ def _chunk_out_kernel(
     b_ca, b_cb, b_cd = gerf_coeffs(ab_ptr, i_bh, HAS_AB, ACC)
     b_scq = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
     b_sck = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)
-    k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
-    v_base = v_ptr + i_b * stride_vb + i_h * stride_vh
+    k_base = k_ptr + i_b * stride_kb + i_h * stride_kh + t0 * stride_kt
+    v_base = v_ptr + i_b * stride_vb + i_h * stride_vh + t0 * stride_vt
+    p_pad = pad_ptr + t0 * stride_pt
     p_g = i_bh * NS + i_g  # the segment's carry: the walk's running state, in place
     b_rt = tl.load(gr_ptr + (i_bh * (NS + 1) + i_g) * NMT + o_p, mask=o_p < NMT,
                    other=NEG)  # [BP] the tiles' offsets  # fmt: skip
-    for i_c in range(i_g * CPS, tl.minimum(i_g * CPS + CPS, NC)):
+    for i_c in range(i_g * CPS, tl.minimum(i_g * CPS + CPS, NCn)):
         o_t = (i_c * BT + tl.arange(0, BT)).to(tl.int64)
         m_q = o_t < T
-        m_k = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
+        m_k = valid_keys(p_pad, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
         m_tril = o_t[:, None] >= o_t[None, :]  # [BT(i), BT(j)]
         b_xkr = load_mapped(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, kmap_ptr, i_h, D,
                             BT, BD, HAS_MAP, PRECISION, XDT)  # the rows, x~ = rows * scale
@@ -439,7 +478,7 @@ def _chunk_out_kernel(
         b_rp = tl.max(b_rt, axis=0)  # R_{c-1}: where the rows' offsets start
         for g in range(0, G):  # the query heads that read this key/value head
             i_hq = i_h * G + g
-            q_base = q_ptr + i_b * stride_qb + i_hq * stride_qh
+            q_base = q_ptr + i_b * stride_qb + i_hq * stride_qh + t0 * stride_qt
             b_xqr = load_mapped(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, qmap_ptr, i_hq,
                                 D, BT, BD, HAS_MAP, PRECISION, XDT)  # fmt: skip
             b_xq = b_xqr.to(ACC) * b_scq[None, :]
@@ -495,7 +534,7 @@ def _chunk_out_kernel(
                     tl.store(gz_ptr + p_g * M + o_f, b_z, mask=m_f)
                     b_rt = tl.where(o_p == i_m, b_rn, b_rt)
             if g == 0:
-                tl.store(mk_ptr + i_bh * T + o_t, b_mk, mask=m_q)
+                tl.store(mk_ptr + i_rb * RS + t0 + o_t, b_mk, mask=m_q)
             # rows at their own offsets r_i = max(R_{c-1}, m_j for j <= i): the prefix times
             # exp(R_{c-1} - r_i), key j <= i times exp(m_j - r_i) (both <= 1); later keys never
             # enter (selection, not a product with 0)
@@ -506,7 +545,7 @@ def _chunk_out_kernel(
             b_num += product(b_A, b_vc, PRECISION, ACC, FEATURE != 0)
             b_num = tl.where(b_poison, float("nan"), b_num)
             b_den += tl.sum(b_A, axis=1)
-            i_row = (i_bh * G + g) * T  # the query head's rows of m_q and den
+            i_row = (i_rb * G + g) * RS + t0  # the query head's rows of m_q and den
             if HAS_EX:  # the exact terms, both sides at the larger offset
                 b_ee = tl.load(eex_ptr + i_row + o_t, mask=m_q, other=float("-inf")).to(ACC)
                 b_ee = tl.where(b_ee == float("-inf"), NEG, b_ee)
@@ -522,7 +561,7 @@ def _chunk_out_kernel(
             if HAS_EX:
                 tl.store(wex_ptr + i_row + o_t, b_fe / b_den, mask=m_q)
                 b_den = b_den / b_fa  # at mq_i + r_i, as the backward reads it
-            store_out(o_ptr, olo_ptr, i_b, i_hq, o_t, o_e, stride_ob, stride_oh, stride_ot,
+            store_out(o_ptr, olo_ptr, i_b, i_hq, t0 + o_t, o_e, stride_ob, stride_oh, stride_ot,
                       stride_oe, b_o, m_q, m_e, OUT_LO)  # fmt: skip
             tl.store(mq_ptr + i_row + o_t, b_mx, mask=m_q)
             tl.store(den_ptr + i_row + o_t, b_den, mask=m_q)
@@ -533,8 +572,8 @@ def _chunk_out_kernel(
 def _chunk_dstates_kernel(
     q_ptr, w_ptr, scale: tl.float64, ab_ptr, psi_ptr, tab_ptr, xr_ptr, xi_ptr,
     o_ptr, olo_ptr, do_ptr, mq_ptr, den_ptr, mk_ptr, r_ptr, gr_ptr, dsT_ptr, dzT_ptr, gd_ptr,
-    gdz_ptr, ds0_ptr, dz0_ptr, arrive_ptr,
-    T, H, NC, G, NS, CPS,
+    gdz_ptr, ds0_ptr, dz0_ptr, arrive_ptr, cu_ptr,
+    T, H, NC, G, NS, CPS, TR,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_wm, stride_wd,
     stride_ob, stride_oh, stride_ot, stride_oe,
@@ -544,6 +583,7 @@ def _chunk_dstates_kernel(
     FEATURE: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
     HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr, HAS_LAM: tl.constexpr, TINY: tl.constexpr,
     HAS_DFINAL: tl.constexpr, HAS_INIT: tl.constexpr, OUT_LO: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):  # fmt: skip
     """The reverse walk of one feature tile over one segment's chunks: D_c [BM, E], dz_c [BM],
     the cotangent of the state after chunk c at R_c, D_c = L_{c+1} + exp(R_c - R_{c+1}) D_{c+1},
@@ -552,9 +592,11 @@ def _chunk_dstates_kernel(
     key/value head (b, h) together) formed on the way; the segment's share of the cotangent
     before it in ``gd``. The last of the tile's segments to finish turns those shares into the
     carries, from the final state's cotangent back: slot j the cotangent after segment j (at
-    its end offset), and the initial state's at R_{-1}, its own offset."""
+    its end offset), and the initial state's at R_{-1}, its own offset. VARLEN: (b, h)'s
+    sequence by :func:`_span`, chunk boundaries past its end read at its end."""
     i_m, i_g, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    i_b, i_h = i_bh // H, i_bh % H
+    i_h = i_bh % H
+    i_b, t0, T, NCn, i_rb, RS = _span(cu_ptr, i_bh, H, T, TR, NC, BT, VARLEN)
     NMT: tl.constexpr = (M + BM - 1) // BM
     o_d, o_e, o_f = tl.arange(0, BD), tl.arange(0, BE), i_m * BM + tl.arange(0, BM)
     m_d, m_e, m_f = o_d < D, o_e < E, o_f < M
@@ -564,7 +606,7 @@ def _chunk_dstates_kernel(
     b_sc = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, False, ACC)
     b_w = load_w(w_ptr, o_f, o_d, stride_wm, stride_wd, m_f, m_d)  # [BM, BD]
     c0 = i_g * CPS
-    c1 = tl.minimum(c0 + CPS, NC)
+    c1 = tl.minimum(c0 + CPS, NCn)
     b_ds = tl.zeros([BM, BE], dtype=ACC)
     b_dz = tl.zeros([BM], dtype=ACC)
     b_rc = _prefix_offset(r_ptr, gr_ptr, i_bh, c1, NC, NS, CPS, NMT, BP)  # R_c from c = c1 - 1
@@ -574,14 +616,14 @@ def _chunk_dstates_kernel(
         # chunk c's rows at their own offsets r_i: their share of the prefix state's cotangent
         o_t = (i_c * BT + tl.arange(0, BT)).to(tl.int64)
         m_q = o_t < T
-        b_mk = tl.load(mk_ptr + i_bh * T + o_t, mask=m_q, other=NEG)
+        b_mk = tl.load(mk_ptr + i_rb * RS + t0 + o_t, mask=m_q, other=NEG)
         b_wr = tl.exp(b_rp - _row_offsets(b_rp, b_mk, o_t[:, None] >= o_t[None, :]))  # [BT]
         b_L = tl.zeros([BM, BE], dtype=ACC)
         b_l = tl.zeros([BM], dtype=ACC)
         for g in range(0, G):
             i_hq = i_h * G + g
-            i_row = (i_bh * G + g) * T
-            q_base = q_ptr + i_b * stride_qb + i_hq * stride_qh
+            i_row = (i_rb * G + g) * RS + t0
+            q_base = q_ptr + i_b * stride_qb + i_hq * stride_qh + t0 * stride_qt
             b_xq = load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, ACC)
             b_mq = tl.load(mq_ptr + i_row + o_t, mask=m_q, other=0.0)
             b_u, b_g, b_g1, b_g2 = feature_tile(
@@ -589,11 +631,11 @@ def _chunk_dstates_kernel(
                 xi_ptr, i_m, M, D, BM, FEATURE, False, HAS_LAM, PRECISION, TINY, b_xq,
                 b_sc)  # fmt: skip
             b_a = b_g * tl.where(m_q[:, None] & m_f[None, :], tl.exp(b_u - b_mq[:, None]), 0.0)
-            o_off = i_b * stride_ob + i_hq * stride_oh
-            b_do, b_den, b_cq = query_rows(do_ptr + i_b * stride_dob + i_hq * stride_doh,
-                                           o_ptr + o_off, olo_ptr + o_off, den_ptr, i_bh * G + g,
-                                           o_t, o_e, T, m_q, m_e, stride_dot, stride_doe,
-                                           stride_ot, stride_oe, ACC, OUT_LO)  # fmt: skip
+            o_off = i_b * stride_ob + i_hq * stride_oh + t0 * stride_ot
+            b_do, b_den, b_cq = query_rows(
+                do_ptr + i_b * stride_dob + i_hq * stride_doh + t0 * stride_dot, o_ptr + o_off,
+                olo_ptr + o_off, den_ptr + t0, i_rb * G + g, o_t, o_e, RS, m_q, m_e, stride_dot,
+                stride_doe, stride_ot, stride_oe, ACC, OUT_LO)  # fmt: skip
             # [BM, BT] @ [BT, BE] -> [BM, BE]: sum_i (w_i a_i / den_i) do_i^T, do as given
             b_L += product(tl.trans(b_a * (b_wr / b_den)[:, None]), b_do, PRECISION, ACC,
                            FEATURE != 0)  # fmt: skip
@@ -612,8 +654,8 @@ def _chunk_dstates_kernel(
         else:
             b_ds = tl.zeros([BM, BE], dtype=ACC)
             b_dz = tl.zeros([BM], dtype=ACC)
-        for i_r in range(0, NS):  # the cotangent after segment j, from the last one back
-            j = NS - 1 - i_r
+        for i_j in range(0, NS):  # the cotangent after segment j, from the last one back
+            j = NS - 1 - i_j
             p_g = i_bh * NS + j
             b_ls = tl.load(gd_ptr + p_g * M * E + o_fe, mask=m_fe, other=0.0,
                            cache_modifier=".cg")  # fmt: skip
@@ -621,8 +663,12 @@ def _chunk_dstates_kernel(
             tl.debug_barrier()  # every thread's loads of the slot before its stores
             tl.store(gd_ptr + p_g * M * E + o_fe, b_ds, mask=m_fe)
             tl.store(gdz_ptr + p_g * M + o_f, b_dz, mask=m_f)
-            b_f = tl.exp(_prefix_offset(r_ptr, gr_ptr, i_bh, j * CPS, NC, NS, CPS, NMT, BP) -
-                         _prefix_offset(r_ptr, gr_ptr, i_bh, tl.minimum(j * CPS + CPS, NC), NC,
+            if VARLEN:  # (a segment past the sequence's end: 0 chunks, both at its end)
+                c_j = tl.minimum(j * CPS, NCn)
+            else:
+                c_j = j * CPS
+            b_f = tl.exp(_prefix_offset(r_ptr, gr_ptr, i_bh, c_j, NC, NS, CPS, NMT, BP) -
+                         _prefix_offset(r_ptr, gr_ptr, i_bh, tl.minimum(j * CPS + CPS, NCn), NC,
                                         NS, CPS, NMT, BP))  # fmt: skip
             b_ds = b_ls + b_f * b_ds
             b_dz = b_lz + b_f * b_dz
@@ -633,21 +679,22 @@ def _chunk_dstates_kernel(
 
 @triton.jit
 def _chunk_keys(k_base, v_base, pad_ptr, mk_ptr, i_b, i_bh, i_c, b_sck, b_rp, o_d, o_e, m_d, m_e,
-                T, stride_kt, stride_kd, stride_vt, stride_ve, stride_pb, stride_pt,
+                T, RS, stride_kt, stride_kd, stride_vt, stride_ve, stride_pb, stride_pt,
                 BT: tl.constexpr, HAS_PAD: tl.constexpr, ACC: tl.constexpr,
                 XDT: tl.constexpr):  # fmt: skip
     """Chunk c's tokens ``o_t``, row and key masks, keys [BT, BD] (unscaled: x~ = keys * b_sck),
     values [BT, BE] (both in ``XDT``: the input dtype under the half policy, whose products
     round their operands to it), the keys' max logits m_j [BT] as the forward saved them, and
     at R_{c-1} = ``b_rp`` the rows' prefix factors w_i [BT] and the causal decay
-    exp(m_j - r_i) [BT, BT] (0 off the mask)."""
+    exp(m_j - r_i) [BT, BT] (0 off the mask). The keys' m_j at ``mk_ptr + i_bh RS`` (a row of
+    stride RS), the tokens' mask by T."""
     o_t = (i_c * BT + tl.arange(0, BT)).to(tl.int64)
     m_q = o_t < T
     m_k = valid_keys(pad_ptr, stride_pb, stride_pt, i_b, o_t, T, HAS_PAD)
     m_tril = o_t[:, None] >= o_t[None, :]  # [BT(i), BT(j)]
     b_xk = load_rows(k_base, o_t, o_d, stride_kt, stride_kd, m_k, m_d, XDT)
     b_v = load_rows(v_base, o_t, o_e, stride_vt, stride_ve, m_k, m_e, XDT)  # [BT, BE]
-    b_mk = tl.load(mk_ptr + i_bh * T + o_t, mask=m_q, other=NEG)
+    b_mk = tl.load(mk_ptr + i_bh * RS + o_t, mask=m_q, other=NEG)
     b_ri = _row_offsets(b_rp, b_mk, m_tril)
     b_decay = tl.where(m_tril & m_k[None, :], _intra_decay(b_mk, b_ri), 0.0)
     return o_t, m_q, m_k, m_tril, b_xk, b_v, b_mk, tl.exp(b_rp - b_ri), b_decay
@@ -677,7 +724,8 @@ def _head_rows(q_ptr, o_ptr, olo_ptr, do_ptr, mq_ptr, den_ptr, mk_ptr, i_b, i_h,
     ever a product's operand). GROUPED (G > 1): the causal decay is made again for each head
     from the keys' max logits read again (the same values), not ``b_decay`` kept across the
     heads' loops (sm_90 bf16, G = 3: 1008 -> 928 stack bytes in ``_chunk_bwd``; with one head
-    a group the kept one spills less, 168 against 200)."""
+    a group the kept one spills less, 168 against 200). T: the rows' stride in m_q, den, m_k
+    (whose pointers, and q's, o's and do's, the caller gives at the sequence's first token)."""
     i_hq = i_h * G + g
     q_base = q_ptr + i_b * stride_qb + i_hq * stride_qh
     b_xq = load_rows(q_base, o_t, o_d, stride_qt, stride_qd, m_q, m_d, XDT)
@@ -738,12 +786,13 @@ def _chunk_bwd_kernel(
     stride_dqb, stride_dqh, stride_dqt, stride_dqd,
     stride_dkb, stride_dkh, stride_dkt, stride_dkd,
     stride_dvb, stride_dvh, stride_dvt, stride_dve,
+    cu_ptr, TR,
     D: tl.constexpr, M: tl.constexpr, E: tl.constexpr,
     BD: tl.constexpr, BM: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr,
     BPW: tl.constexpr, RM: tl.constexpr, HAS_PAD: tl.constexpr, FEATURE: tl.constexpr,
     PRECISION: tl.constexpr, ACC: tl.constexpr, HAS_AB: tl.constexpr, HAS_PSI: tl.constexpr,
     HAS_LAM: tl.constexpr, TINY: tl.constexpr, OUT_LO: tl.constexpr, GROUPED: tl.constexpr,
-    HAS_EX: tl.constexpr,
+    HAS_EX: tl.constexpr, VARLEN: tl.constexpr,
 ):  # fmt: skip
     """Program (w, b*h), w < NS: the forward walk of segment w, its prefix state in the
     segment's carry slot (each M tile at its own offset): dq [BT, D] of each chunk for the G
@@ -751,9 +800,11 @@ def _chunk_bwd_kernel(
     each chunk in the segment's cotangent slot (at R_c): dk [BT, D], dv [BT, E] of each chunk,
     summed over the heads. Every row and key at the forward's offsets: prefix S at R_{c-1} read
     by row i times w_i = exp(R_{c-1} - r_i), pair (i, j) times exp(m_j - r_i), key j's share of
-    the later rows' cotangent D_c times exp(m_j - R_c); every factor <= 1."""
+    the later rows' cotangent D_c times exp(m_j - R_c); every factor <= 1. VARLEN: (b, h)'s
+    sequence by :func:`_span`."""
     i_w, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    i_b, i_h = i_bh // H, i_bh % H
+    i_h = i_bh % H
+    i_b, t0, T, NCn, i_rb, RS = _span(cu_ptr, i_bh, H, T, TR, NC, BT, VARLEN)
     HALF_IN: tl.constexpr = PRECISION == "bf16" or PRECISION == "fp16"
     XDT: tl.constexpr = q_ptr.dtype.element_ty if HALF_IN else ACC
     NMT: tl.constexpr = (M + BM - 1) // BM
@@ -771,9 +822,17 @@ def _chunk_bwd_kernel(
     b_sck = input_scale(scale, psi_ptr, i_bh, o_d, m_d, D, BD, HAS_PSI, True, ACC)
     k_base = k_ptr + i_b * stride_kb + i_h * stride_kh
     v_base = v_ptr + i_b * stride_vb + i_h * stride_vh
+    p_pad, p_mq, p_den, p_mk = pad_ptr, mq_ptr, den_ptr, mk_ptr
+    p_q, p_o, p_olo, p_do = q_ptr, o_ptr, olo_ptr, do_ptr
+    if VARLEN:  # the sequence's rows: keys, values, pad, m_q, den, m_k, q, o, do from its first
+        k_base += t0 * stride_kt
+        v_base += t0 * stride_vt
+        p_pad, p_mq, p_den, p_mk = pad_ptr + t0 * stride_pt, mq_ptr + t0, den_ptr + t0, mk_ptr + t0
+        p_q, p_o = q_ptr + t0 * stride_qt, o_ptr + t0 * stride_ot
+        p_olo, p_do = olo_ptr + t0 * stride_ot, do_ptr + t0 * stride_dot
     i_s = i_w % NS
     c0 = i_s * CPS
-    c1 = tl.minimum(c0 + CPS, NC)
+    c1 = tl.minimum(c0 + CPS, NCn)
     p_g = i_bh * NS + i_s  # the segment's slot: prefix state (gs) or its cotangent (gd)
     if i_w < NS:  # dq: the forward walk
         o_p = tl.arange(0, BPW)  # the offsets of this kernel's M tiles, from the carry's
@@ -782,14 +841,14 @@ def _chunk_bwd_kernel(
         for i_c in range(c0, c1):
             b_rp = tl.max(b_rt, axis=0)  # R_{c-1}
             o_t, m_q, m_k, m_tril, b_xk, b_v, b_mk, b_wr, b_decay = _chunk_keys(
-                k_base, v_base, pad_ptr, mk_ptr, i_b, i_bh, i_c, b_sck, b_rp, o_d, o_e, m_d, m_e,
-                T, stride_kt, stride_kd, stride_vt, stride_ve, stride_pb, stride_pt, BT, HAS_PAD,
-                ACC, XDT)  # fmt: skip
+                k_base, v_base, p_pad, p_mk, i_b, i_rb, i_c, b_sck, b_rp, o_d, o_e, m_d, m_e,
+                T, RS, stride_kt, stride_kd, stride_vt, stride_ve, stride_pb, stride_pt, BT,
+                HAS_PAD, ACC, XDT)  # fmt: skip
             b_nk = sq_norms(b_xk.to(ACC) * b_sck[None, :])
             for g in range(0, G):
                 i_hq, b_xq, b_mq, b_do, b_den, b_c, b_dK = _head_rows(
-                    q_ptr, o_ptr, olo_ptr, do_ptr, mq_ptr, den_ptr, mk_ptr, i_b, i_h, i_bh, g, G,
-                    T, o_t, o_d, o_e, m_q, m_k, m_d, m_e, m_tril, b_rp, b_v, b_decay, b_scq,
+                    p_q, p_o, p_olo, p_do, p_mq, p_den, p_mk, i_b, i_h, i_rb, g, G,
+                    RS, o_t, o_d, o_e, m_q, m_k, m_d, m_e, m_tril, b_rp, b_v, b_decay, b_scq,
                     stride_qb, stride_qh, stride_qt, stride_qd, stride_ob, stride_oh, stride_ot,
                     stride_oe, stride_dob, stride_doh, stride_dot, stride_doe, PRECISION, ACC,
                     OUT_LO, XDT, GROUPED)  # fmt: skip
@@ -835,7 +894,7 @@ def _chunk_bwd_kernel(
                         b_rt = tl.where(o_p == i_m, b_rn, b_rt)
                 if QX:
                     b_dxq += b_dhq[:, None] * b_scq[None, :] * b_xq.to(ACC)
-                store_tile(dq_ptr, i_b, i_hq, o_t, o_d, stride_dqb, stride_dqh, stride_dqt,
+                store_tile(dq_ptr, i_b, i_hq, t0 + o_t, o_d, stride_dqb, stride_dqh, stride_dqt,
                            stride_dqd, b_dxq * b_scq[None, :], m_q, m_d)  # fmt: skip
             tl.debug_barrier()  # the state's stores before the next chunk's loads
     else:  # dk, dv: the reverse walk
@@ -843,9 +902,9 @@ def _chunk_bwd_kernel(
             i_c = c1 - 1 - i_r
             b_rp = _prefix_offset(r_ptr, gr_ptr, i_bh, i_c, NC, NS, CPS, NR, BP)  # R_{c-1}
             o_t, m_q, m_k, m_tril, b_xk, b_v, b_mk, b_wr, b_decay = _chunk_keys(
-                k_base, v_base, pad_ptr, mk_ptr, i_b, i_bh, i_c, b_sck, b_rp, o_d, o_e, m_d, m_e,
-                T, stride_kt, stride_kd, stride_vt, stride_ve, stride_pb, stride_pt, BT, HAS_PAD,
-                ACC, XDT)  # fmt: skip
+                k_base, v_base, p_pad, p_mk, i_b, i_rb, i_c, b_sck, b_rp, o_d, o_e, m_d, m_e,
+                T, RS, stride_kt, stride_kd, stride_vt, stride_ve, stride_pb, stride_pt, BT,
+                HAS_PAD, ACC, XDT)  # fmt: skip
             b_nk = sq_norms(b_xk.to(ACC) * b_sck[None, :])
             b_rc = tl.maximum(b_rp, tl.max(b_mk, axis=0))  # R_c
             b_kf = tl.exp(b_mk - b_rc)  # [BT] exp(m_j - R_c)
@@ -854,8 +913,8 @@ def _chunk_bwd_kernel(
             b_dv = tl.zeros([BT, BE], dtype=ACC)
             for g in range(0, G):  # each query head: its share of dk, dv and of D_{c-1}
                 i_hq, b_xq, b_mq, b_do, b_den, b_c, b_dK = _head_rows(
-                    q_ptr, o_ptr, olo_ptr, do_ptr, mq_ptr, den_ptr, mk_ptr, i_b, i_h, i_bh, g, G,
-                    T, o_t, o_d, o_e, m_q, m_k, m_d, m_e, m_tril, b_rp, b_v, b_decay, b_scq,
+                    p_q, p_o, p_olo, p_do, p_mq, p_den, p_mk, i_b, i_h, i_rb, g, G,
+                    RS, o_t, o_d, o_e, m_q, m_k, m_d, m_e, m_tril, b_rp, b_v, b_decay, b_scq,
                     stride_qb, stride_qh, stride_qt, stride_qd, stride_ob, stride_oh, stride_ot,
                     stride_oe, stride_dob, stride_doh, stride_dot, stride_doe, PRECISION, ACC,
                     OUT_LO, XDT, GROUPED)  # fmt: skip
@@ -899,15 +958,15 @@ def _chunk_bwd_kernel(
                     b_A += product(b_a, tl.trans(b_b), PRECISION, ACC, FEATURE != 0, FEATURE != 0)
                 # the causal decay made again: the one made before the loop is not kept
                 b_A = tl.where(m_tril & m_k[None, :],
-                               b_A * _decay_again(mk_ptr, i_bh, T, o_t, m_q, b_rp, m_tril), 0.0)
+                               b_A * _decay_again(p_mk, i_rb, RS, o_t, m_q, b_rp, m_tril), 0.0)
                 b_dv += product(tl.trans(b_A / b_den[:, None]), b_do, PRECISION, ACC,
                                 FEATURE != 0)  # fmt: skip
                 tl.debug_barrier()  # the cotangent's stores before the next loads
             if FEATURE != 2:
                 b_dxk += b_dhk[:, None] * b_sck[None, :] * b_xk.to(ACC)
-            store_tile(dk_ptr, i_b, i_h, o_t, o_d, stride_dkb, stride_dkh, stride_dkt,
+            store_tile(dk_ptr, i_b, i_h, t0 + o_t, o_d, stride_dkb, stride_dkh, stride_dkt,
                        stride_dkd, b_dxk * b_sck[None, :], m_q, m_d)  # fmt: skip
-            store_tile(dv_ptr, i_b, i_h, o_t, o_e, stride_dvb, stride_dvh, stride_dvt,
+            store_tile(dv_ptr, i_b, i_h, t0 + o_t, o_e, stride_dvb, stride_dvh, stride_dvt,
                        stride_dve, b_dv, m_q, m_e)  # fmt: skip
 
 
@@ -951,12 +1010,14 @@ _BWD_PLANS = plan_cache()
 
 
 def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, backward: bool,
-          has_init: bool, has_dfinal: bool, has_lo: bool, has_ex: bool = False,
+          has_init: bool, has_dfinal: bool, has_lo: bool, has_ex: bool = False, varlen=None,
           *_layout):  # fmt: skip
     """What a causal launcher of one shape derives once (``backward``: the backward's plan, else
     the forward's; ``has_init``: an initial state given; ``has_dfinal``: the backward gets the
     final state's cotangent; ``has_lo``: the backward reads the output's rounding residual;
-    ``has_ex``: the backward of the hybrid's forward (exact terms in the ratio);
+    ``has_ex``: the backward of the hybrid's forward (exact terms in the ratio); ``varlen``:
+    None, or packed sequences' ``(N, longest, longest, ...)``, :func:`common.varlen_key`: the
+    walks' segments and arrays are then those of N rows of the longest sequence's tokens;
     ``_layout``: the backward's out and do, in the key only): the
     setup's sizes and constexprs, the segments, the scratch (the carries, and the backward's
     walk offsets and cotangents: written and read by the call's own launches) and the bound
@@ -966,13 +1027,19 @@ def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, backward
     if backward:
         check_forward_only(c)
     B, H, G, T, M, E, NMT, acc = c.B, c.H, c.G, c.Tq, c.M, c.E, c.NMT, c.acc
+    # the rows of per-token statistics: [B*H*G, T] (queries), [B*H, T] (keys); packed, [H*G,
+    # total] and [H, total] at each sequence's offset
+    TR, heads = T, B * H
+    if varlen is not None:
+        B, T, heads = varlen[0], varlen[1], H
     BH = B * H
     NC = max(cdiv(T, c.BT), 1)
     NS, per = segments(NC, max(BH, 1), sm_count(k.device))  # (no (b, h): no launch)
     pad = c.pad[1:]  # the int32 mask's strides (contiguous), or placeholders
     warps = CHUNK_HALF_WARPS if c.itemsize <= 2 else None  # (the tiles': _chunk_tiles)
-    meta = dict(**c.launch_options(warps), BT=c.BT, BP=next_pow2(NMT), **c.meta)
-    walk = (T, H, NC, G, NS, per)
+    meta = dict(**c.launch_options(warps), BT=c.BT, BP=next_pow2(NMT), VARLEN=varlen is not None,
+                **c.meta)  # fmt: skip
+    walk = (T, H, NC, G, NS, per, TR)
     carries = ((BH, NS, M, E), (BH, NS, M), (BH, NS + 1, NMT))
     p = dict(
         B=B, H=H, G=G, T=T, M=M, E=E, D=c.D, NMT=NMT, NS=NS, acc=acc, root=c.form_ptrs[0],
@@ -981,12 +1048,14 @@ def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, backward
         states_meta=dict(HAS_PAD=c.has_pad, HAS_MAP=c.has_map, HAS_INIT=has_init,
                          PLAIN=c.plain, FINAL=not backward, OFFSETS=backward, **meta),
         states_ints=(T, H, BH, NC, NS, per, *k.stride(), *v.stride(), *c.w.stride(), *pad),
+        varlen=varlen, TR=TR,
     )  # fmt: skip
     no_stats = chunk_stats_arguments(None, q, k, B, H, G, c.D, acc)[2]
     states = Launch(_chunk_states_kernel, (NMT * NS * BH,), **p["states_meta"], **no_stats)
     if not backward:
-        out = (H * G * T * E, T * E, E, 1)  # contiguous, made by the launcher
-        rows, final = ((BH * G, T), (BH * G, T), (BH, T)), ((B, H, M, E), (B, H, M), (B, H))
+        out = (H * G * TR * E, TR * E, E, 1)  # contiguous, made by the launcher
+        rows = ((heads * G, TR), (heads * G, TR), (heads, TR))
+        final = ((B, H, M, E), (B, H, M), (B, H))
         # a half output keeps its rounding residual where a backward follows, whatever the
         # products (as the non-causal query pass does)
         lo = keeps_out_residual(q.dtype)
@@ -1007,7 +1076,7 @@ def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, backward
             kept=Scratch(acc, *rows), scratch_final=Scratch(acc, *carries, *final), bwd={},
             has_init=has_init,
             walks=walks, out=walks[False, False],
-            out_ints=(*walk, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), *pad, *out),
+            out_ints=(*walk[:-1], *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), *pad, *out),
         )  # fmt: skip
     return Plan(
         **p, states=states,
@@ -1018,7 +1087,7 @@ def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, backward
         dstates_ints=(*walk, *q.stride(), *c.w.stride()),
         bwd=Launch(_chunk_bwd_kernel, (2 * NS, BH), BPW=next_pow2(cdiv(M, 16)), RM=c.BM,
                    HAS_PAD=c.has_pad, OUT_LO=has_lo, GROUPED=G > 1, HAS_EX=has_ex, **meta),
-        bwd_ints=(*walk, *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), *pad),
+        bwd_ints=(*walk[:-1], *q.stride(), *k.stride(), *v.stride(), *c.w.stride(), *pad),
     )  # fmt: skip
 
 
@@ -1033,10 +1102,11 @@ def plans(q, k, v, form, scale: float, key_padding_mask=None, precision=None, gp
     (``gpu_tiles=True``)."""
     out = (q.shape[0], q.shape[1], q.shape[2], v.shape[3])
     do = torch.empty(out, dtype=q.dtype, device=q.device)
+    # (no packed sequences here: _plan's varlen None)
     fwd = _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, False, has_init,
                 False, False)  # fmt: skip
     bwd = _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, True, has_init,
-                False, fwd.lo, False, do.stride(), do.stride(), 0, 0)  # fmt: skip
+                False, fwd.lo, False, None, do.stride(), do.stride(), 0, 0)  # fmt: skip
     return fwd, bwd
 
 
@@ -1060,6 +1130,7 @@ def rf_chunk_fwd(
     return_state: bool = True,
     backward_plan: bool = False,
     exact: tuple | None = None,
+    packed=None,
 ):
     """Causal fused random-feature attention forward (chunkwise).
 
@@ -1086,6 +1157,12 @@ def rf_chunk_fwd(
             HAS_EX), and ``wex`` is written with their cotangent factor. The output, the saved
             den and the backward are then the hybrid's: :func:`rf_chunk_bwd` gives the
             features' gradients as they are, with the total denominator.
+        packed: packed sequences, ``(cu, cu, max_len, max_len)`` (``rf_parallel_fwd``'s, the
+            queries' and keys' offsets the same): q ``[1, H * G, total, D]``, k, v ``[1, H,
+            total, .]`` hold N sequences, each attended on its own (its chunks from its first
+            token, never across a boundary); states ``[N, H, ...]`` (initial and returned),
+            the rows ``[H * G, total]`` and ``[H, total]``. No statistics formed here
+            (``form.stats``) nor ``exact``.
 
     Returns:
         ``(out [B, H * G, T, E], (S, z, offset))`` with the final state ``[B, H, ...]`` in the
@@ -1104,12 +1181,14 @@ def rf_chunk_fwd(
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"causal attention needs Tq == Tk, got {q.shape[2]} and {k.shape[2]}")
     p = shape_plan(_FWD_PLANS, _plan, q, k, v, form, scale, key_padding_mask, precision,
-                   gpu_tiles, False, initial_state is not None, False, False)  # fmt: skip
+                   gpu_tiles, False, initial_state is not None, False, False, False,
+                   packed and varlen_key(*packed))  # fmt: skip
     B, H, G, T, E, acc, dev = p.B, p.H, p.G, p.T, p.E, p.acc, q.device
     stats = form.stats  # running statistics this launch forms and moves (or None)
     # a form made for this call (its statistics formed here) is converted, not kept
     w, *ptrs, qmap, kmap = form_args(form, B, H * G, H, acc, dev, keep=stats is None)
-    out = torch.empty(B, H * G, T, E, device=dev, dtype=q.dtype)
+    out = torch.empty(*q.shape[:3], E, device=dev, dtype=q.dtype)
+    cu = w if packed is None else packed[0]  # (a placeholder: not read)
     # for a backward: the half output's rounding residual, written by the output walk that
     # OUT_LO compiles it into
     olo = torch.empty_like(out) if return_aux and p.lo else None
@@ -1158,10 +1237,10 @@ def rf_chunk_fwd(
         (_state_in(x, acc, gs) for x in initial_state)  # fmt: skip
     pad = mask_rows(key_padding_mask) if p.has_pad else w
     states(k, v, w, pad, p.root, *ptrs, kmap, s0, z0, r0, gr, gs, gz, gr, sT, zT, rT,
-           arrival_counters(dev, p.counters), *p.states_ints, *stats_args)  # fmt: skip
+           arrival_counters(dev, p.counters), cu, *p.states_ints, *stats_args)  # fmt: skip
     if T:
         walk(q, k, v, w, pad, p.root, *ptrs, qmap, kmap, gs, gz, gr, out, lo_ptr, mq, den, mk,
-             *ex, *p.out_ints)  # fmt: skip
+             *ex, *p.out_ints, cu, p.TR)  # fmt: skip
     if not return_aux:
         return out, state
     lo = out.new_empty(0) if olo is None else olo
@@ -1186,6 +1265,7 @@ def rf_chunk_bwd(
     gpu_tiles: bool | None = None,
     plan=None,
     exact: bool = False,
+    packed=None,
 ):
     """Backward of :func:`rf_chunk_fwd` (chunk states recomputed).
 
@@ -1200,6 +1280,7 @@ def rf_chunk_bwd(
             cotangents' layout, looked up by nothing else.
         exact: the forward joined the hybrid's exact terms to the ratio (its ``exact``): the
             queries' |x~|^2 term of dq does not cancel then (``_chunk_bwd_kernel``'s HAS_EX).
+        packed: as given to the forward.
 
     Returns:
         ``(dq, dk, dv, dS0, dz0)``; the last two are None without ``initial_state``.
@@ -1212,7 +1293,7 @@ def rf_chunk_bwd(
         if p is None:
             p = fwd.bwd[layout] = _plan(q, k, v, form, scale, key_padding_mask, precision,
                                         gpu_tiles, True, fwd.has_init, dstate is not None,
-                                        fwd.lo, exact)  # fmt: skip
+                                        fwd.lo, exact, fwd.varlen)  # fmt: skip
         kept, olo = aux
         olo = olo if fwd.lo else None
     else:
@@ -1222,8 +1303,8 @@ def rf_chunk_bwd(
         # out_lo is made as out is)
         p = shape_plan(_BWD_PLANS, _plan, q, k, v, form, scale, key_padding_mask, precision,
                        gpu_tiles, True, has_init, dstate is not None, olo is not None, exact,
-                       out.stride(), do.stride(), out.data_ptr() % 16,
-                       do.data_ptr() % 16)  # fmt: skip
+                       packed and varlen_key(*packed), out.stride(), do.stride(),
+                       out.data_ptr() % 16, do.data_ptr() % 16)  # fmt: skip
         fargs = None
     B, H, G, M, E, T, acc, dev = p.B, p.H, p.G, p.M, p.E, p.T, p.acc, q.device
     olo = out if olo is None else olo
@@ -1233,6 +1314,7 @@ def rf_chunk_bwd(
     if B * H == 0:
         return dq, dk, dv, ds0, dz0
     w, *ptrs, _, _ = fargs or form_args(form, B, H * G, H, acc, dev)
+    cu = w if packed is None else packed[0]  # (a placeholder: not read)
     # the walks' offsets, the carries and the cotangents' carries: scratch, as device addresses
     # once the three launches replay
     addresses = p.states.direct is not None and p.dstates.direct is not None and \
@@ -1247,12 +1329,12 @@ def rf_chunk_bwd(
     tails = backward_strides(p, out, do, dq, dk, dv)
     # the parameters as the forward's first launch formed them (never its statistics again)
     p.states(k, v, w, pad, p.root, *ptrs, w, s0, z0, r0, r, gs, gz, gr, gs, gs, gs,
-             arrival_counters(dev, p.counters), *p.states_ints,
+             arrival_counters(dev, p.counters), cu, *p.states_ints,
              *chunk_stats_arguments(None, q, k, B, H, G, p.D, acc)[1])  # fmt: skip
     p.dstates(q, w, p.root, *ptrs, out, olo, do, mq, den, mk, r, gr, dsT, dzT, gd, gdz,
               ds0 if has_init else gd, dz0 if has_init else gdz,
-              arrival_counters(dev, B * H * p.NMT), *p.dstates_ints, *tails[0])  # fmt: skip
+              arrival_counters(dev, B * H * p.NMT), cu, *p.dstates_ints, *tails[0])  # fmt: skip
     if T:  # the forward walks (dq) and the reverse walks (dk, dv), one launch
         p.bwd(q, k, v, w, pad, p.root, *ptrs, r, gs, gz, gr, gd, gdz, out, olo, do, mq, den, mk,
-              dq, dk, dv, *p.bwd_ints, *tails[1])  # fmt: skip
+              dq, dk, dv, *p.bwd_ints, *tails[1], cu, p.TR)  # fmt: skip
     return dq, dk, dv, ds0, dz0

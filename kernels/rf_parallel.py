@@ -154,6 +154,7 @@ from .common import (
     store_out,
     store_tile,
     valid_keys,
+    varlen_key,
 )
 from .stats import (
     key_pass_arguments,
@@ -801,9 +802,9 @@ def _plan(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles, num_spli
           varlen, *_layout):  # fmt: skip
     """What a launcher of one shape derives once (``need_dw``: None for the forward, whether the
     backward computes dW; ``varlen``: None, or packed sequences' ``(N, longest queries, longest
-    keys, ...)``, :func:`_varlen_key`; ``_layout``: the backward's out and do, in the key only):
-    the setup's sizes and constexprs, the splits over T and the bound launches with their
-    integer arguments."""
+    keys, ...)``, :func:`common.varlen_key`; ``_layout``: the backward's out and do, in the key
+    only): the setup's sizes and constexprs, the splits over T and the bound launches with
+    their integer arguments."""
     c = launch_setup(q, k, v, form, scale, key_padding_mask, precision, gpu_tiles=gpu_tiles)
     _one_group(c)
     B, H, Tq, Tk, NMT, dev = c.B, c.H, c.Tq, c.Tk, c.NMT, q.device
@@ -921,7 +922,7 @@ def rf_parallel_fwd(
     the call's shape (:func:`common.shape_plan`), made at its first call.
     """
     p = shape_plan(_FWD_PLANS, _plan, q, k, v, form, scale, key_padding_mask, precision,
-                   gpu_tiles, num_splits, None, packed and _varlen_key(*packed))  # fmt: skip
+                   gpu_tiles, num_splits, None, packed and varlen_key(*packed))  # fmt: skip
     B, H, Tq, E, acc, dev = p.B, p.H, p.Tq, p.E, p.acc, q.device
     # a form made for this call (its statistics formed here) is converted, not kept
     fargs = form_args(form, B, H, H, acc, dev, keep=stats is None)
@@ -973,14 +974,6 @@ def rf_parallel_fwd(
     if Tq:
         qpass(q, w, p.root, *ptrs, qmap, s, z, mk, out, lo_ptr, mq, den, cu_q, *p.q_ints)
     return _returned(out, (s, z, mk, mq, den, olo), kept, return_aux, backward_plan, p, fargs)
-
-
-def _varlen_key(cu_q, cu_k, max_q: int, max_k: int) -> tuple:
-    """What a plan of packed sequences (``rf_parallel_fwd``'s ``packed``) derives from and
-    Triton specialises on: ``(N, max_q, max_k)``, then the offsets' dtypes and 16-byte
-    alignment."""
-    return (cu_q.shape[0] - 1, max_q, max_k, cu_q.dtype, cu_k.dtype, cu_q.data_ptr() % 16,
-            cu_k.data_ptr() % 16)  # fmt: skip
 
 
 def _stats_plan(p, stats, q, k) -> Plan:
@@ -1062,7 +1055,7 @@ def rf_parallel_bwd(
                                         gpu_tiles, num_splits, need_dw, fwd.varlen)  # fmt: skip
     else:  # the strides and alignment of out and do are the plan's too (Triton specialises)
         p = shape_plan(_BWD_PLANS, _plan, q, k, v, form, scale, key_padding_mask, precision,
-                       gpu_tiles, num_splits, need_dw, packed and _varlen_key(*packed),
+                       gpu_tiles, num_splits, need_dw, packed and varlen_key(*packed),
                        out.stride(), do.stride(), out.data_ptr() % 16,
                        do.data_ptr() % 16)  # fmt: skip
         fargs = None

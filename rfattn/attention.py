@@ -242,7 +242,8 @@ def run(call: Call):
             from rfattn import distributed
 
             return distributed.packed_sharded(call, run)
-        if runs_fused(call.q, call.rf, False, call.backend) and fused.packed_reason(call) is None:
+        if runs_fused(call.q, call.rf, call.causal, call.backend) and \
+                fused.packed_reason(call) is None:  # fmt: skip
             return _packed_fused(call)
         if call.max_seqlen is not None:
             return _packed_padded(call)
@@ -333,9 +334,11 @@ def _packed_fused(call: Call):
     0 (as :func:`run` gives them); running statistics then move once, from the whole row."""
     qpm = call.query_padding_mask
     q = call.q if qpm is None else padded_rows(call.q, qpm)
-    out = fused.packed(dataclasses.replace(call, q=q, maps=call.rf.map_tensors(q, call.k)))
+    res = fused.packed(dataclasses.replace(call, q=q, maps=call.rf.map_tensors(q, call.k)))
     torch_path.move_statistics(call)
-    return out if qpm is None else padded_rows(out, qpm)
+    if qpm is None:
+        return res
+    return (padded_rows(res[0], qpm), res[1]) if call.return_state else padded_rows(res, qpm)
 
 
 def _packed_padded(call: Call):

@@ -98,52 +98,88 @@ def packed_reason(call: Call) -> str | None:
     (``rfattn.attention``)."""
     from rfattn import ops
 
-    rf, q = call.rf, call.q
-    if call.causal or call.window or call.sinks or call.group is not None:
-        return "the offsets in the kernels: non-causal calls of one process so far"
-    if q.shape[1] != call.k.shape[1] or q.shape[1] == 0:
-        return "grouped-query heads (or none)"
+    rf, q, causal = call.rf, call.q, call.causal
+    if call.window or call.sinks or call.group is not None:
+        return "the offsets in the kernels: calls of one process without window or sinks"
+    if q.shape[1] == 0 or not causal and q.shape[1] != call.k.shape[1]:
+        return "no heads, or non-causal grouped-query heads"
     if ops.on_torch(q) or torch.compiler.is_compiling():
         return "eager calls on the Triton kernels only"
-    reason = no_kernel_reason(rf, False)
+    reason = no_kernel_reason(rf, causal)
     if reason is not None:
         return reason
     fm = rf.feature_map
     if learns_gerf_a(rf) or getattr(fm, "uses_batch_moments", None) and \
-            fm.uses_batch_moments(False, False):  # fmt: skip
+            fm.uses_batch_moments(causal, False):  # fmt: skip
         return "statistics per sequence, or a learnable gerf_A"
     return None
 
 
-def packed(call: Call, gpu_tiles=None) -> torch.Tensor:
-    """The output of a packed non-causal call (:func:`packed_reason` None) on the kernels
-    with its offsets: every sequence in one launch of each pass, sequence i a batch row of the
-    kernels (its queries and keys found by the offsets, programs past its end returning at
-    once), no padding and no copy. Offsets read on the host (no ``max_seqlen``) go to the
-    device once for the kernels; with ``max_seqlen`` they are already there and it sizes the
-    grids. Head maps as :func:`attend` applies them; running statistics are read as they
-    stand (the caller moves them once, from the whole row)."""
+def packed(call: Call, gpu_tiles=None):
+    """The output (causal with ``return_state``: ``(out, RFState)``, a state per sequence) of a
+    packed call (:func:`packed_reason` None) on the kernels with its offsets: every sequence in
+    one launch of each pass, sequence i a batch row of the kernels (its queries and keys found
+    by the offsets; causal, its chunks from its first token, never across a boundary; programs
+    past its end return at once or walk nothing), no padding and no copy. Offsets read on the
+    host (no ``max_seqlen``) go to the device once for the kernels; with ``max_seqlen`` they
+    are already there and it sizes the grids. Head maps as :func:`attend` applies them;
+    running statistics are read as they stand (the caller moves them once, from the whole
+    row)."""
     from rfattn import ops
 
-    rf = call.rf
+    rf, causal = call.rf, call.causal
     grad = False
     if torch.is_grad_enabled():
-        for x in (call.q, call.k, call.v, rf.weight, *(call.maps or ())):
+        for x in (call.q, call.k, call.v, rf.weight, *(call.maps or ()),
+                  *(call.initial_state or ())):  # fmt: skip
             grad = grad or x is not None and x.requires_grad
+    oq, ok = call.packed
+    n, T = len(oq) - 1, call.q.shape[2]
+    if isinstance(oq, torch.Tensor):  # on the device: n tokens, none longer than 1: all 1
+        one_each = call.max_seqlen == 1
+    else:
+        one_each = all(oq[i + 1] - oq[i] == 1 for i in range(n))
+    if causal and not grad and T == n and one_each:
+        # one token per sequence (generation: a state per sequence): the row is a batch of N
+        # one-token rows ([1, H, N, .] viewed as [N, H, 1, .]), the decode step's
+        return _one_token_each(call, gpu_tiles)
     if grad and call.maps is not None:
         call = call.with_maps_applied()
     q, k = call.q, call.k
-    form = kernel_form(rf, q, k, call.key_padding_mask, call.scale, False,
+    form = kernel_form(rf, q, k, call.key_padding_mask, call.scale, causal,
                        call.query_padding_mask, maps=call.maps, update=False)  # fmt: skip
-    oq, ok = call.packed
     if isinstance(oq, torch.Tensor):
         cu_q, cu_k, lq, lk = oq, ok, call.max_seqlen, call.max_seqlen
     else:
         cu_q = torch.tensor(oq, device=q.device)
         cu_k = cu_q if ok is oq else torch.tensor(ok, device=q.device)
         lq, lk = (max(o[i + 1] - o[i] for i in range(len(o) - 1)) for o in (oq, ok))
-    return ops.rf_parallel(q, k, call.v, form, call.scale, call.key_padding_mask,
-                           gpu_tiles=gpu_tiles, packed=(cu_q, cu_k, lq, lk))  # fmt: skip
+    if not causal:
+        return ops.rf_parallel(q, k, call.v, form, call.scale, call.key_padding_mask,
+                               gpu_tiles=gpu_tiles, packed=(cu_q, cu_k, lq, lk))  # fmt: skip
+    out, s, z, off = ops.rf_chunk(q, k, call.v, form, call.scale, call.key_padding_mask,
+                                  call.initial_state, gpu_tiles=gpu_tiles,
+                                  return_state=call.return_state,
+                                  packed=(cu_q, cu_k, lq, lk))  # fmt: skip
+    return (out, RFState(s, z, off)) if call.return_state else out
+
+
+def _one_token_each(call: Call, gpu_tiles=None):
+    """A causal packed call of one token per sequence, without gradient (:func:`packed`): the
+    row ``[1, H, N, .]`` viewed as N rows of one token ``[N, H, 1, .]`` (no copy) and run as
+    one call of the decode step, sequence i with row i of the states; the output viewed back."""
+
+    def rows(x):
+        return None if x is None else x.transpose(0, 2) if x.dim() == 4 else x.transpose(0, 1)
+
+    batch = call.replace(q=rows(call.q), k=rows(call.k), v=rows(call.v), packed=None,
+                         max_seqlen=None, key_padding_mask=rows(call.key_padding_mask),
+                         query_padding_mask=rows(call.query_padding_mask),
+                         update_stats=False)  # fmt: skip
+    res = attend(batch, gpu_tiles)
+    if call.return_state:
+        return res[0].transpose(0, 2), res[1]
+    return res.transpose(0, 2)
 
 
 def hybrid_reason(call: Call) -> str | None:

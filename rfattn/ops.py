@@ -549,7 +549,7 @@ class _Chunk(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, s0, z0, form, scale, mask, off0, precision, gpu_tiles,
-                return_state, nex=None, dex=None, eex=None):  # fmt: skip
+                return_state, nex=None, dex=None, eex=None, packed=None):  # fmt: skip
         init = _state(s0, z0, off0)
         wex = None if nex is None else torch.empty_like(dex)
         if on_torch(q):  # (never the hybrid's: rf_chunk_hybrid refuses it)
@@ -559,10 +559,11 @@ class _Chunk(torch.autograd.Function):
             out, state, aux, plan = rf_chunk_kernels.rf_chunk_fwd(
                 q, k, v, form, scale, mask, init, precision, return_aux=True,
                 gpu_tiles=gpu_tiles, return_state=return_state, backward_plan=True,
-                exact=None if nex is None else (nex, dex, eex, wex),
+                exact=None if nex is None else (nex, dex, eex, wex), packed=packed,
             )  # fmt: skip
         ctx.save_for_backward(q, k, v, mask, s0, z0, off0, out, wex, *aux)
         ctx.form, ctx.scale, ctx.opts, ctx.plan = form, scale, (precision, gpu_tiles), plan
+        ctx.packed = packed
         ctx.set_materialize_grads(False)
         if not return_state:
             return out
@@ -582,14 +583,14 @@ class _Chunk(torch.autograd.Function):
             dq, dk, dv, ds0, dz0 = rf_chunk_kernels.rf_chunk_bwd(
                 d_out, None if d_s is None else (d_s, d_z), q, k, v, ctx.form, ctx.scale, out,
                 aux, mask, _state(s0, z0, off0), ctx.opts[0], gpu_tiles=ctx.opts[1],
-                plan=ctx.plan, exact=wex is not None,
+                plan=ctx.plan, exact=wex is not None, packed=ctx.packed,
             )  # fmt: skip
             if init:
                 ds0, dz0 = ds0.to(s0.dtype), dz0.to(z0.dtype)
         grads = (dq, dk, dv, ds0, dz0, None, None, None, None, None, None, None)
-        if wex is None:
-            return grads
-        return (*grads, *_exact_cotangents(d_out, out, wex), None)
+        if wex is None:  # (None for the exact terms and the offsets, where given)
+            return (*grads, None, None, None, None)
+        return (*grads, *_exact_cotangents(d_out, out, wex), None, None)
 
 
 def _exact_cotangents(d_out, out, wex) -> tuple:
@@ -600,13 +601,18 @@ def _exact_cotangents(d_out, out, wex) -> tuple:
 
 
 def rf_chunk(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, initial_state=None,
-             precision=None, gpu_tiles=None, return_state: bool = True):  # fmt: skip
+             precision=None, gpu_tiles=None, return_state: bool = True,
+             packed=None):  # fmt: skip
     """Causal fused attention of the kernel form ``form`` (``rfattn::chunk``); see
-    ``rfattn.kernels.rf_chunk.rf_chunk_fwd``. Returns ``(out, S, z, offset)``; with
-    ``return_state`` False the state may be None (a call without gradient on the kernels then
-    leaves it in its scratch: no allocation for it)."""
+    ``rfattn.kernels.rf_chunk.rf_chunk_fwd`` (``packed``: packed sequences' offsets and
+    longest length, eager calls on the Triton kernels only). Returns ``(out, S, z, offset)``;
+    with ``return_state`` False the state may be None (a call without gradient on the kernels
+    then leaves it in its scratch: no allocation for it)."""
     s0, z0, off0 = (None, None, None) if initial_state is None else initial_state
     traced = torch.compiler.is_compiling()
+    if packed is not None and (traced or on_torch(q)):
+        raise NotImplementedError("packed sequences on the kernels themselves: eager calls on "
+                                  "the Triton kernels only")  # fmt: skip
     if not traced and not (torch.is_grad_enabled() and (
             q.requires_grad or k.requires_grad or v.requires_grad or
             s0 is not None and (s0.requires_grad or z0.requires_grad))):  # fmt: skip
@@ -614,12 +620,12 @@ def rf_chunk(q, k, v, form: KernelForm, scale: float, key_padding_mask=None, ini
             return _torch_chunk(q, k, v, form, scale, key_padding_mask, initial_state)
         out, state = rf_chunk_kernels.rf_chunk_fwd(
             q, k, v, form, scale, key_padding_mask, initial_state, precision,
-            gpu_tiles=gpu_tiles, return_state=return_state,
+            gpu_tiles=gpu_tiles, return_state=return_state, packed=packed,
         )  # fmt: skip
         return (out, None, None, None) if state is None else (out, *state)
     if not traced:
         res = apply(_Chunk, q, k, v, s0, z0, form, scale, key_padding_mask, off0, precision,
-                    gpu_tiles, return_state)  # fmt: skip
+                    gpu_tiles, return_state, None, None, None, packed)  # fmt: skip
         return res if return_state else (res, None, None, None)
     out, s, z, off, *_ = _chunk(q, k, v, *flat_form(form), scale, key_padding_mask, s0, z0,
                                 off0, precision, gpu_tiles)  # fmt: skip

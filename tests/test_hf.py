@@ -693,8 +693,11 @@ def _training_step(model, forward, batch):
     return out, [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
+# Llama plain and with the flash-attention keyword arguments in make test (~8 s each), the
+# rest in make test-slow
 @pytest.mark.parametrize("arch,how", [
-    ("llama", "plain"), ("llama", "padded"), ("llama", "flash_kwargs"), ("mistral", "plain"),
+    ("llama", "plain"), pytest.param("llama", "padded", marks=pytest.mark.slow),
+    ("llama", "flash_kwargs"), pytest.param("mistral", "plain", marks=pytest.mark.slow),
     pytest.param("mistral", "padded", marks=pytest.mark.slow),
     pytest.param("mistral", "flash_kwargs", marks=pytest.mark.slow),
 ])  # fmt: skip
@@ -742,6 +745,7 @@ def test_a_training_forward_compiles_whole(arch, how):
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow  # ~11 s (a compile); make test compiles the packed forwards above
 def test_compiled_packing_that_rfattn_cannot_see_raises_on_the_device():
     """Under torch.compile nothing is read on the host, so what eager mode decides by reading
     is checked on the device instead and raises when the step runs: a batch packed by its

@@ -92,8 +92,8 @@ def test_fused_calls_copy_nothing_from_the_host_and_never_sync(feature, training
 
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
 def test_packed_max_seqlen_reads_nothing_on_the_host(causal, no_launches, monkeypatch):
-    """Packed sequences with ``max_seqlen``, forward and backward on the fused kernels (non-causal:
-    the kernels with the offsets): no copy from the host and no sync (the offsets' values are
+    """Packed sequences with ``max_seqlen``, forward and backward on the fused kernels (those
+    with the offsets): no copy from the host and no sync (the offsets' values are
     checked on the device), where the host-offsets path reads them (the counter sees it: the
     test can fail)."""
     rf = rfattn.RandomFeatures(16, 32, "posrf", seed=0)
@@ -109,7 +109,7 @@ def test_packed_max_seqlen_reads_nothing_on_the_host(causal, no_launches, monkey
 
     from rfattn import fused
 
-    native = []  # non-causal: the kernels with the offsets (rfattn.fused.packed)
+    native = []  # the kernels with the offsets (rfattn.fused.packed)
     monkeypatch.setattr(fused, "packed", lambda c, real=fused.packed: native.append(c) or real(c))
     for kw, expect_syncs in ((dict(), True), (dict(max_seqlen=19), False)):
         call(**kw)  # first call: caches
@@ -119,7 +119,7 @@ def test_packed_max_seqlen_reads_nothing_on_the_host(causal, no_launches, monkey
         assert no_launches[0] > 0
         bad = {op: n for op, n in mode.ops.items() if op in COPIES | SYNCS}
         assert bool(bad) == expect_syncs, (kw, bad)
-    assert len(native) == (0 if causal else 4)
+    assert len(native) == 4
 
 
 def test_the_counter_sees_copies_and_syncs(no_launches):

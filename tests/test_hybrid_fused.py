@@ -66,7 +66,7 @@ def check(feature, window, sinks, T=37, H=4, Hk=2, seed=0, **options):
 
 
 @pytest.mark.parametrize("window,sinks", [
-    (1, 0), pytest.param(0, 2, marks=pytest.mark.slow), (5, 2),
+    pytest.param(1, 0, marks=pytest.mark.slow), pytest.param(0, 2, marks=pytest.mark.slow), (5, 2),
     pytest.param(16, 1, marks=pytest.mark.slow), pytest.param(40, 3, marks=pytest.mark.slow),
 ])  # fmt: skip
 def test_posrf_matches_the_reference(window, sinks):

@@ -714,3 +714,87 @@ def test_kernel_offsets_move_running_statistics_once(kernel_device, monkeypatch)
     torch.testing.assert_close(out.cpu(), expect, rtol=1e-10, atol=1e-12)
     for name, a in ref.feature_map.named_buffers():
         torch.testing.assert_close(dict(rf.feature_map.named_buffers())[name].cpu(), a, msg=name)
+
+
+#: causal: every fused feature form (one in make test), grouped-query heads, states in and out
+CAUSAL_KERNEL_CASES = [
+    pytest.param(f, o, id=f"{f}-{o}", marks=() if (f, o) == ("posrf", "max_seqlen")
+                 else pytest.mark.slow)
+    for f in ("posrf", "trigrf", "rmf", "oprf") for o in ("host", "max_seqlen")
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("feature,offsets_on", CAUSAL_KERNEL_CASES)
+def test_kernel_offsets_causal_equal_separate_calls(feature, offsets_on, kernel_device,
+                                                    monkeypatch):  # fmt: skip
+    """Causal packed calls on the chunk kernels with the offsets (each sequence's chunks from
+    its first token; grouped-query heads, a state per sequence in, with gradients, and out):
+    outputs, returned states and the gradients of q, k, v and the initial states equal
+    separate fused calls (float64, to rounding: the segments fall elsewhere), an empty
+    sequence passing its state through; one call of the kernels takes the whole row."""
+    rf = _kernel_rf(feature, kernel_device)
+    lengths = (0, 1, 5, 9) if offsets_on == "max_seqlen" else (3, 0, 17, 1, 6)
+    q, k, v = (x.detach().to(kernel_device).requires_grad_() for x in leaves(lengths))
+    cu = offsets(lengths).to(kernel_device)
+    st = rfattn.RFState(*(x.detach().to(kernel_device).requires_grad_()
+                          for x in states(len(lengths), rf)))  # fmt: skip
+    kw = dict(max_seqlen=max(lengths)) if offsets_on == "max_seqlen" else {}
+    calls = _spy_packed(monkeypatch)
+    packed = rfattn.rf_attention(q, k, v, rf, causal=True, initial_state=st, return_state=True,
+                                 cu_seqlens=cu, backend="triton", **kw)  # fmt: skip
+    assert len(calls) == 1
+    sep = separate(q, k, v, rf, cu.tolist(), cu.tolist(), True, st, backend="triton")
+    assert_same(packed, sep, (q, k, v, st.s, st.z))
+
+
+@pytest.mark.slow
+def test_kernel_offsets_causal_awkward_lengths(kernel_device, monkeypatch):
+    """The chunk kernels with the offsets at lengths {0, 1, 63, 64, 65, 257} (a sequence's last
+    chunk full, one token long, and several segments), with a key padding mask and grouped
+    heads, no state given: outputs, final states and gradients equal separate fused calls."""
+    rf = rfattn.RandomFeatures(D, M, "posrf", seed=0).double().to(kernel_device).eval()
+    lengths = (64, 0, 1, 257, 63, 65)
+    q, k, v = (x.detach().to(kernel_device).requires_grad_() for x in leaves(lengths))
+    cu = offsets(lengths).to(kernel_device)
+    kpm = (torch.arange(sum(lengths)) % 7 == 3)[None].to(kernel_device)
+    calls = _spy_packed(monkeypatch)
+    packed = rfattn.rf_attention(q, k, v, rf, causal=True, return_state=True, cu_seqlens=cu,
+                                 key_padding_mask=kpm, backend="triton")  # fmt: skip
+    assert len(calls) == 1
+    outs, finals = [], []
+    for i in range(len(lengths)):
+        s = slice(int(cu[i]), int(cu[i + 1]))
+        r = rfattn.rf_attention(q[:, :, s], k[:, :, s], v[:, :, s], rf, causal=True,
+                                return_state=True, key_padding_mask=kpm[:, s],
+                                backend="triton")  # fmt: skip
+        outs.append(r[0])
+        finals.append(r[1])
+    sep = (torch.cat(outs, dim=2),
+           rfattn.RFState(*(torch.cat(x, dim=0) for x in zip(*finals, strict=True))))  # fmt: skip
+    assert_same(packed, sep, (q, k, v))
+
+
+@pytest.mark.parametrize("max_seqlen", [None, 1], ids=["host-offsets", "max_seqlen"])
+def test_one_token_per_sequence_is_one_decode_step(max_seqlen, kernel_device, monkeypatch):
+    """Generation over packed sequences (one token each, a state per sequence, no gradient):
+    the row runs as one decode step of a batch of N one-token rows (a view, no copy), equal to
+    separate fused calls, outputs and states, bit for bit."""
+    from rfattn import ops
+
+    rf = rfattn.RandomFeatures(D, M, "posrf", seed=0).double().to(kernel_device).eval()
+    n = 4
+    q, k, v = (x.detach().to(kernel_device) for x in leaves((1,) * n))
+    st = rfattn.RFState(*(x.detach().to(kernel_device) for x in states(n, rf)))
+    cu = offsets((1,) * n).to(kernel_device)
+    steps, real = [], ops.rf_decode
+    monkeypatch.setattr(ops, "rf_decode", lambda *a, **kw: steps.append(a[0].shape) or
+                        real(*a, **kw))  # fmt: skip
+    with torch.no_grad():
+        out, final = rfattn.rf_attention(q, k, v, rf, causal=True, initial_state=st,
+                                         return_state=True, cu_seqlens=cu, max_seqlen=max_seqlen,
+                                         backend="triton")  # fmt: skip
+        assert steps == [(n, HQ, 1, D)]
+        sep = separate(q, k, v, rf, cu.tolist(), cu.tolist(), True, st, backend="triton")
+    assert torch.equal(out, sep[0])
+    for a, b in zip(final, sep[1], strict=True):
+        assert torch.equal(a, b)
