@@ -134,26 +134,26 @@ def packed(call: Call, gpu_tiles=None):
                   *(call.initial_state or ())):  # fmt: skip
             grad = grad or x is not None and x.requires_grad
     oq, ok = call.packed
-    n, T = len(oq) - 1, call.q.shape[2]
-    if isinstance(oq, torch.Tensor):  # on the device: n tokens, none longer than 1: all 1
-        one_each = call.max_seqlen == 1
+    on_device = isinstance(oq, torch.Tensor)  # (with max_seqlen, a bound on every length)
+    if on_device:
+        lq = lk = call.max_seqlen
     else:
-        one_each = all(oq[i + 1] - oq[i] == 1 for i in range(n))
-    if causal and not grad and T == n and one_each:
-        # one token per sequence (generation: a state per sequence): the row is a batch of N
-        # one-token rows ([1, H, N, .] viewed as [N, H, 1, .]), the decode step's
+        lq, lk = (max(o[i + 1] - o[i] for i in range(len(o) - 1)) for o in (oq, ok))
+    if causal and not grad and lq == 1 and call.q.shape[2] == len(oq) - 1:
+        # one token per sequence (N tokens, none longer than 1; generation, a state per
+        # sequence): the row is a batch of N one-token rows ([1, H, N, .] viewed as
+        # [N, H, 1, .]), the decode step's
         return _one_token_each(call, gpu_tiles)
     if grad and call.maps is not None:
         call = call.with_maps_applied()
     q, k = call.q, call.k
     form = kernel_form(rf, q, k, call.key_padding_mask, call.scale, causal,
                        call.query_padding_mask, maps=call.maps, update=False)  # fmt: skip
-    if isinstance(oq, torch.Tensor):
-        cu_q, cu_k, lq, lk = oq, ok, call.max_seqlen, call.max_seqlen
+    if on_device:
+        cu_q, cu_k = oq, ok
     else:
         cu_q = torch.tensor(oq, device=q.device)
         cu_k = cu_q if ok is oq else torch.tensor(ok, device=q.device)
-        lq, lk = (max(o[i + 1] - o[i] for i in range(len(o) - 1)) for o in (oq, ok))
     if not causal:
         return ops.rf_parallel(q, k, call.v, form, call.scale, call.key_padding_mask,
                                gpu_tiles=gpu_tiles, packed=(cu_q, cu_k, lq, lk))  # fmt: skip
